@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Shared set-up for scripts/test.sh and scripts/run.sh: installs what is missing (Debian 12 packages)
+# and configures + builds kvd into ${KVD_BUILD_DIR:-build}. Sourced, not run.
+set -euo pipefail
+
+KVD_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+KVD_BUILD_DIR="${KVD_BUILD_DIR:-$KVD_ROOT/build}"
+KVD_JOBS="${KVD_JOBS:-2}"
+
+kvd_packages=(
+  g++ make cmake ninja-build pkg-config
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libspdlog-dev prometheus-cpp-dev catch2 libabsl-dev libxxhash-dev
+  libcli11-dev libyaml-cpp-dev libbenchmark-dev
+)
+
+kvd_install_missing() {
+  local missing=()
+  for p in "${kvd_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "kvd: installing missing packages: ${missing[*]}"
+  local sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+kvd_build() {
+  local extra=("$@")
+  local gen=()
+  command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
+  # nvcc lives outside PATH on a stock CUDA install.
+  if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export PATH="/usr/local/cuda/bin:$PATH"
+  fi
+  if [ -f "$KVD_BUILD_DIR/CMakeCache.txt" ] && ! grep -q "CMAKE_GENERATOR:INTERNAL=${gen[1]:-Unix Makefiles}\$" "$KVD_BUILD_DIR/CMakeCache.txt"; then
+    rm -rf "$KVD_BUILD_DIR"
+  fi
+  cmake -S "$KVD_ROOT" -B "$KVD_BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE="${KVD_BUILD_TYPE:-RelWithDebInfo}" "${extra[@]}"
+  cmake --build "$KVD_BUILD_DIR" -j "$KVD_JOBS"
+}

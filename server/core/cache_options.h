@@ -1,0 +1,46 @@
+// CacheOptions configures a KvCache: its pools, the global KV byte budget and the policies around
+// sessions, checkpoints, trimming and pressure. Validated once by KvCache::Create().
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "server/core/pool_geometry.h"
+#include "server/core/pressure_monitor.h"
+
+namespace kvd {
+
+struct CacheOptions {
+  // Pools served; at least one, names unique.
+  std::vector<PoolGeometry> pools;
+  // Global KV byte budget for admitted requests and orphaned checkpoints, across pools.
+  // 0 (default): the sum of every pool's capacity.
+  int64_t budget_bytes = 0;
+
+  // How long a session's latest prefix stays softly protected after its last request. Default 10m.
+  absl::Duration session_ttl = absl::Minutes(10);
+  // At most this many leading blocks of a session's prefix are protected. Default 4096.
+  int64_t session_max_protected_blocks = 4096;
+
+  // KV bytes that checkpoints of interrupted generations may pin, awaiting resume; the oldest are
+  // dropped past it. 0 (default): a quarter of the budget.
+  int64_t checkpoint_budget_bytes = 0;
+  // An interrupted generation's checkpoint is dropped if not resumed within this. Default 30m.
+  absl::Duration checkpoint_ttl = absl::Minutes(30);
+  // Largest opaque engine state one checkpoint may carry. Default 1 MiB.
+  int64_t max_engine_state_bytes = int64_t{1} << 20;
+
+  // Boundary(): when a pool's used fraction is above `high`, trim unreferenced blocks down to `low`.
+  double boundary_high_watermark = 0.90;
+  double boundary_low_watermark = 0.80;
+
+  PressureOptions pressure;
+  // Index events kept for watchers that reconnect. Default 65536.
+  int64_t event_buffer = 65536;
+
+  absl::Status Validate() const;
+};
+
+}  // namespace kvd

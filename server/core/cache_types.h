@@ -1,0 +1,130 @@
+// Values passed to and returned by KvCache: request specs, acquire and publish results, handles
+// and the report. Plain structs; no behaviour.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "server/core/block_key.h"
+#include "server/core/pressure_monitor.h"
+#include "server/core/types.h"
+
+namespace kvd {
+
+// One generation as admitted.
+struct RequestSpec {
+  RequestId id;                 // unique among live requests; 1..256 bytes
+  Namespace ns;                 // ns.pool names the pool
+  std::vector<Token> prompt;    // at least one token
+  int64_t max_new_tokens = 0;   // tokens the request may generate; >= 0
+  SessionId session;            // optional conversation id
+  RequestId resume_from;        // optional: resume this interrupted generation's checkpoint
+  WorkerId owner;               // the attachment holding the request (daemon-assigned)
+};
+
+enum class AdmitDecision { kAdmitted, kWait };
+
+struct AdmitResult {
+  AdmitDecision decision = AdmitDecision::kWait;
+  int64_t projected_bytes = 0;  // what the request reserves (or would reserve)
+  int64_t available_bytes = 0;  // budget not yet reserved, at the time of the answer
+};
+
+// What Acquire hands the caller: the request's block table and how much of it holds valid KV.
+struct AcquireResult {
+  PoolId pool = 0;
+  std::vector<BlockIndex> blocks;  // block table: blocks[i] holds tokens [i*bt, (i+1)*bt)
+  int64_t num_tokens = 0;          // tokens the table covers (prompt, or resumed tokens)
+  // Tokens [0, cached_tokens) already hold valid KV: the engine computes only from here on.
+  // Blocks at positions >= cached_tokens / block_tokens are writable by this request alone.
+  int64_t cached_tokens = 0;
+  bool resumed = false;               // state came from a checkpoint
+  // When resumed: the request's tokens, the checkpoint's or the prompt when that is longer.
+  std::vector<Token> resumed_tokens;
+  std::string engine_state;           // when resumed: the checkpoint's opaque engine bytes
+};
+
+enum class PublishOutcome {
+  kKept,           // now cached and immutable
+  kAlreadyCached,  // the position already held a cached block (e.g. a prefix hit)
+  kDuplicate,      // an identical block was cached first; this one stays private to the request
+  kNoParent,       // an earlier block was not cached by this request, so the chain cannot extend
+};
+std::string PublishOutcomeName(PublishOutcome outcome);
+
+struct PublishResult {
+  std::vector<PublishOutcome> outcomes;  // one per published position
+  int64_t kept = 0;
+};
+
+enum class EvictReason { kCapacity = 0, kBoundary = 1, kGc = 2, kClear = 3 };
+inline constexpr int kNumEvictReasons = 4;
+std::string EvictReasonName(EvictReason reason);
+
+struct GcStats {
+  int64_t blocks_freed = 0;
+  int64_t bytes_freed = 0;
+  int64_t checkpoints_dropped = 0;
+  int64_t sessions_expired = 0;
+};
+
+struct HandleInfo {
+  RequestId id;
+  std::string pool;
+  WorkerId owner;
+  SessionId session;
+  bool acquired = false;
+  int64_t num_tokens = 0;
+  int64_t cached_tokens = 0;
+  int64_t reserved_bytes = 0;
+  std::vector<BlockIndex> blocks;
+  bool has_checkpoint = false;
+  absl::Time admitted_at;
+};
+
+struct SessionInfo {
+  SessionId id;
+  WorkerId worker;           // who served the session's latest request
+  int64_t protected_blocks = 0;
+  absl::Time expires_at;
+};
+
+struct PoolReport {
+  std::string name;
+  int64_t block_bytes = 0;  // all shards
+  int64_t capacity_blocks = 0;
+  int64_t free_blocks = 0;
+  int64_t owned_blocks = 0;        // writable, held by a request or an orphaned checkpoint
+  int64_t cached_blocks = 0;       // immutable, in the index
+  int64_t evictable_blocks = 0;    // cached and unreferenced (reclaimable)
+  int64_t protected_blocks = 0;    // evictable but softly protected by a session
+  int64_t reserved_blocks = 0;     // charged to the budget
+};
+
+struct CacheReport {
+  std::vector<PoolReport> pools;
+  int64_t budget_bytes = 0;
+  int64_t reserved_bytes = 0;
+  int64_t checkpoint_bytes = 0;   // part of reserved_bytes pinned by orphaned checkpoints
+  uint64_t lookups = 0;
+  uint64_t hit_tokens = 0;
+  uint64_t miss_tokens = 0;
+  uint64_t resumed = 0;
+  uint64_t published_blocks = 0;
+  uint64_t duplicate_blocks = 0;
+  uint64_t evictions[kNumEvictReasons] = {};
+  uint64_t admitted = 0;
+  uint64_t waited = 0;
+  uint64_t rejected = 0;
+  int64_t live_requests = 0;
+  int64_t orphaned_checkpoints = 0;
+  int64_t sessions = 0;
+  int64_t indexed_blocks = 0;
+  PressureLevel pressure = PressureLevel::kNormal;
+  double available_fraction = 1.0;
+  uint64_t last_event_sequence = 0;
+};
+
+}  // namespace kvd

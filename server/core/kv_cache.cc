@@ -1,0 +1,441 @@
+#include "server/core/kv_cache.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "server/core/status_macros.h"
+
+namespace kvd {
+namespace {
+
+constexpr size_t kMaxIdBytes = 256;
+
+absl::Status CheckId(absl::string_view what, const std::string& id, bool required) {
+  if (required && id.empty()) return absl::InvalidArgumentError(absl::StrCat(what, " is empty"));
+  if (id.size() > kMaxIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " is longer than ", kMaxIdBytes, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CacheOptions::Validate() const {
+  if (pools.empty()) return absl::InvalidArgumentError("at least one pool is required");
+  absl::flat_hash_set<std::string> names;
+  for (const auto& p : pools) {
+    KVD_RETURN_IF_ERROR(p.Validate());
+    if (!names.insert(p.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("duplicate pool name '", p.name, "'"));
+    }
+  }
+  if (budget_bytes < 0) return absl::InvalidArgumentError("budget_bytes must be >= 0");
+  if (checkpoint_budget_bytes < 0) {
+    return absl::InvalidArgumentError("checkpoint_budget_bytes must be >= 0");
+  }
+  if (session_ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("session_ttl < 0");
+  if (checkpoint_ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("checkpoint_ttl < 0");
+  if (session_max_protected_blocks < 0) {
+    return absl::InvalidArgumentError("session_max_protected_blocks must be >= 0");
+  }
+  if (max_engine_state_bytes < 0) return absl::InvalidArgumentError("max_engine_state_bytes < 0");
+  if (!(0 < boundary_low_watermark && boundary_low_watermark <= boundary_high_watermark &&
+        boundary_high_watermark <= 1)) {
+    return absl::InvalidArgumentError(
+        "boundary watermarks must satisfy 0 < low <= high <= 1");
+  }
+  if (event_buffer <= 0) return absl::InvalidArgumentError("event_buffer must be > 0");
+  return pressure.Validate();
+}
+
+std::string PublishOutcomeName(PublishOutcome outcome) {
+  switch (outcome) {
+    case PublishOutcome::kKept: return "kept";
+    case PublishOutcome::kAlreadyCached: return "already_cached";
+    case PublishOutcome::kDuplicate: return "duplicate";
+    case PublishOutcome::kNoParent: return "no_parent";
+  }
+  return "unknown";
+}
+
+std::string EvictReasonName(EvictReason reason) {
+  switch (reason) {
+    case EvictReason::kCapacity: return "capacity";
+    case EvictReason::kBoundary: return "boundary";
+    case EvictReason::kGc: return "gc";
+    case EvictReason::kClear: return "clear";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(CacheOptions options, const Clock* clock) {
+  KVD_RETURN_IF_ERROR(options.Validate());
+  int64_t capacity_bytes = 0;
+  for (const auto& p : options.pools) capacity_bytes += p.capacity_blocks * p.block_bytes_all_shards();
+  int64_t budget = options.budget_bytes == 0 ? capacity_bytes : options.budget_bytes;
+  if (options.checkpoint_budget_bytes == 0) options.checkpoint_budget_bytes = budget / 4;
+  return std::unique_ptr<KvCache>(new KvCache(std::move(options), clock, budget));
+}
+
+KvCache::KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes)
+    : options_(std::move(options)),
+      clock_(clock),
+      pool_geometries_(options_.pools),
+      events_(static_cast<size_t>(options_.event_buffer)),
+      ledger_(budget_bytes,
+              [this] {
+                std::vector<BudgetLedger::PoolLimit> limits;
+                for (const auto& p : options_.pools) {
+                  limits.push_back({p.capacity_blocks, p.block_bytes_all_shards()});
+                }
+                return limits;
+              }()),
+      pressure_(options_.pressure) {
+  for (const auto& g : options_.pools) pools_.push_back(std::make_unique<Pool>(g));
+}
+
+KvCache::~KvCache() = default;
+
+absl::StatusOr<PoolId> KvCache::FindPool(absl::string_view name) const {
+  for (PoolId i = 0; i < pool_geometries_.size(); ++i) {
+    if (pool_geometries_[i].name == name) return i;
+  }
+  return absl::NotFoundError(absl::StrCat("unknown pool '", name, "'"));
+}
+
+int64_t KvCache::MaxHitBlocks(const Pool& pool, int64_t prompt_tokens) const {
+  // At least one prompt token is left to compute: the engine needs its logits.
+  return prompt_tokens <= 0 ? 0 : (prompt_tokens - 1) / pool.geometry.block_tokens;
+}
+
+absl::StatusOr<KvCache::Request*> KvCache::FindRequestLocked(const RequestId& id) const {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("request '", id.value(), "' is not live (never admitted, or already released)"));
+  }
+  return it->second.get();
+}
+
+absl::StatusOr<PoolId> KvCache::ValidateSpecLocked(const RequestSpec& spec) const {
+  KVD_RETURN_IF_ERROR(CheckId("request id", spec.id.value(), /*required=*/true));
+  KVD_RETURN_IF_ERROR(CheckId("session id", spec.session.value(), false));
+  KVD_RETURN_IF_ERROR(CheckId("resume_from", spec.resume_from.value(), false));
+  KVD_ASSIGN_OR_RETURN(PoolId pool, FindPool(spec.ns.pool));
+  if (spec.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
+  if (spec.max_new_tokens < 0) return absl::InvalidArgumentError("max_new_tokens must be >= 0");
+  const PoolGeometry& g = pool_geometries_[pool];
+  const int64_t total = static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens;
+  if (total > g.max_model_len) {
+    return absl::OutOfRangeError(absl::StrCat("prompt (", spec.prompt.size(), ") + max_new_tokens (",
+                                              spec.max_new_tokens, ") exceeds max_model_len ",
+                                              g.max_model_len, " of pool '", g.name, "'"));
+  }
+  const int64_t blocks = g.BlocksFor(total);
+  if (blocks > g.capacity_blocks || ledger_.BytesOf(pool, blocks) > ledger_.budget_bytes()) {
+    return absl::OutOfRangeError(absl::StrCat("request needs ", blocks, " blocks (",
+                                              ledger_.BytesOf(pool, blocks),
+                                              " bytes): larger than the pool or the whole budget"));
+  }
+  return pool;
+}
+
+absl::StatusOr<AdmitResult> KvCache::DecideLocked(const RequestSpec& spec, PoolId pool) const {
+  if (requests_.contains(spec.id)) {
+    return absl::AlreadyExistsError(absl::StrCat("request '", spec.id.value(), "' is already live"));
+  }
+  auto ckpt = checkpoints_.find(spec.id);
+  if (ckpt != checkpoints_.end() && spec.resume_from != spec.id) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "request id '", spec.id.value(), "' names a checkpoint; pass resume_from to resume it"));
+  }
+  const PoolGeometry& g = pool_geometries_[pool];
+  const int64_t blocks =
+      g.BlocksFor(static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens);
+  AdmitResult out;
+  out.projected_bytes = ledger_.BytesOf(pool, blocks);
+  out.available_bytes = ledger_.budget_bytes() - ledger_.reserved_bytes();
+  out.decision = ledger_.CanReserve(pool, blocks) ? AdmitDecision::kAdmitted : AdmitDecision::kWait;
+  return out;
+}
+
+absl::StatusOr<AdmitResult> KvCache::Admit(const RequestSpec& spec) {
+  absl::StatusOr<AdmitResult> result;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    absl::StatusOr<PoolId> pool = ValidateSpecLocked(spec);
+    if (pool.ok()) result = DecideLocked(spec, *pool);
+    else result = pool.status();
+    if (!result.ok()) {
+      ++counters_.rejected;
+    } else if (result->decision == AdmitDecision::kWait) {
+      ++counters_.waited;
+    } else {
+      auto req = std::make_unique<Request>();
+      req->spec = spec;
+      req->serial = next_serial_++;
+      req->pool = *pool;
+      req->reserved_blocks = pool_geometries_[*pool].BlocksFor(
+          static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens);
+      req->known_tokens = spec.prompt;
+      req->admitted_at = clock_->Now();
+      KVD_CHECK(ledger_.Reserve(*pool, req->reserved_blocks).ok());
+      requests_.emplace(spec.id, std::move(req));
+      ++counters_.admitted;
+      UpdatePressureLocked();
+    }
+  }
+  Deliver();
+  return result;
+}
+
+absl::StatusOr<AdmitResult> KvCache::Fits(const RequestSpec& spec) const {
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(PoolId pool, ValidateSpecLocked(spec));
+  return DecideLocked(spec, pool);
+}
+
+absl::StatusOr<AcquireResult> KvCache::Acquire(const RequestId& id) {
+  absl::StatusOr<AcquireResult> result;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    absl::StatusOr<Request*> req = FindRequestLocked(id);
+    if (!req.ok()) {
+      result = req.status();
+    } else if ((*req)->acquired) {
+      result = absl::FailedPreconditionError(
+          absl::StrCat("request '", id.value(), "' has already acquired its state"));
+    } else {
+      Request& r = **req;
+      CheckpointRecord* ckpt = nullptr;
+      if (!r.spec.resume_from.empty()) {
+        auto it = checkpoints_.find(r.spec.resume_from);
+        if (it != checkpoints_.end() && it->second->orphaned) ckpt = it->second.get();
+      }
+      result = ckpt != nullptr ? ResumeLocked(r, *ckpt) : AcquirePrefixLocked(r);
+      if (result.ok()) {
+        r.acquired = true;
+        UpdatePressureLocked();
+      }
+    }
+  }
+  Deliver();
+  return result;
+}
+
+absl::StatusOr<AcquireResult> KvCache::AcquirePrefixLocked(Request& req) {
+  Pool& pool = *pools_[req.pool];
+  const int32_t bt = pool.geometry.block_tokens;
+  const int64_t prompt_len = static_cast<int64_t>(req.spec.prompt.size());
+  const NamespaceRoot* root = index_.FindRoot(req.spec.ns);
+  std::vector<CachedBlock*> hit =
+      index_.Match(root, req.spec.prompt, bt, MaxHitBlocks(pool, prompt_len));
+  const int64_t total_blocks = pool.geometry.BlocksFor(prompt_len);
+  const int64_t fresh = total_blocks - static_cast<int64_t>(hit.size());
+  // Hit blocks that are evictable now stop being so once referenced: check room for the fresh
+  // blocks first, so that a failure changes nothing.
+  int64_t pinning = 0;
+  for (CachedBlock* b : hit) pinning += pool.blocks[b->address.index].refs == 0 ? 1 : 0;
+  const int64_t reclaimable = pool.allocator.num_free() + pool.num_cached_unreferenced - pinning;
+  if (fresh > reclaimable) {
+    return absl::ResourceExhaustedError(absl::StrCat("pool '", pool.geometry.name, "' has ",
+                                                     reclaimable, " reclaimable blocks, need ", fresh));
+  }
+  for (CachedBlock* b : hit) RefLocked(req.pool, b->address.index);
+  absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, fresh, req.serial);
+  KVD_CHECK(owned.ok());
+  AcquireResult out;
+  out.pool = req.pool;
+  for (CachedBlock* b : hit) req.table.push_back(b->address.index);
+  for (BlockIndex b : *owned) req.table.push_back(b);
+  req.num_tokens = prompt_len;
+  req.cached_tokens = static_cast<int64_t>(hit.size()) * bt;
+  counters_.lookups++;
+  counters_.hit_tokens += req.cached_tokens;
+  counters_.miss_tokens += prompt_len - req.cached_tokens;
+  out.blocks = req.table;
+  out.num_tokens = req.num_tokens;
+  out.cached_tokens = req.cached_tokens;
+  return out;
+}
+
+absl::StatusOr<AcquireResult> KvCache::ResumeLocked(Request& req, CheckpointRecord& ckpt) {
+  if (!(ckpt.ns == req.spec.ns)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint '", ckpt.id.value(), "' belongs to another namespace than the request"));
+  }
+  // The checkpoint and the prompt must agree where both have tokens; the longer one is the
+  // request's sequence (a checkpoint taken mid-prefill is shorter than the prompt).
+  const std::vector<Token>& prompt = req.spec.prompt;
+  const size_t common = std::min(prompt.size(), ckpt.tokens.size());
+  if (!std::equal(prompt.begin(), prompt.begin() + common, ckpt.tokens.begin())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint '", ckpt.id.value(), "' does not continue the request's prompt"));
+  }
+  std::vector<Token> tokens = ckpt.tokens.size() >= prompt.size() ? ckpt.tokens : prompt;
+  Pool& pool = *pools_[req.pool];
+  const int32_t bt = pool.geometry.block_tokens;
+  const int64_t valid = static_cast<int64_t>(ckpt.tokens.size());  // tokens with KV in the blocks
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  // The block holding the next token to compute must be writable. If it was published after the
+  // checkpoint was taken it is immutable now: give the request a fresh block there and let it
+  // recompute the checkpoint's tokens in that block (fewer than block_tokens).
+  const int64_t tail_pos = valid / bt;
+  const bool replace_tail = tail_pos < static_cast<int64_t>(ckpt.blocks.size()) &&
+                            pool.blocks[ckpt.blocks[tail_pos]].kind != BlockState::Kind::kOwned;
+  const int64_t total_blocks = pool.geometry.BlocksFor(n);
+  const int64_t extra = total_blocks - static_cast<int64_t>(ckpt.blocks.size());
+  const int64_t fresh = (replace_tail ? 1 : 0) + extra;
+  if (fresh > pool.allocator.num_free() + pool.num_cached_unreferenced) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "pool '", pool.geometry.name, "' has too few reclaimable blocks for the resumed request"));
+  }
+  const int64_t grow = std::max<int64_t>(0, total_blocks - req.reserved_blocks);
+  ledger_.Unreserve(ckpt.pool, ckpt.charged_blocks);
+  if (!ledger_.CanReserve(req.pool, grow)) {
+    KVD_CHECK(ledger_.Reserve(ckpt.pool, ckpt.charged_blocks).ok());
+    return absl::ResourceExhaustedError("KV budget cannot cover the resumed generation's blocks");
+  }
+  KVD_CHECK(ledger_.Reserve(req.pool, grow).ok());
+  req.reserved_blocks += grow;
+  orphan_blocks_bytes_ -= ledger_.BytesOf(ckpt.pool, ckpt.charged_blocks);
+
+  // The checkpoint's references pass to the request's table; its owned blocks to the request.
+  req.table = ckpt.blocks;
+  for (BlockIndex b : req.table) {
+    BlockState& s = pool.blocks[b];
+    if (s.kind == BlockState::Kind::kOwned) s.owner = req.serial;
+  }
+  absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, fresh, req.serial);
+  KVD_CHECK(owned.ok());
+  auto next_owned = owned->begin();
+  req.cached_tokens = valid;
+  if (replace_tail) {
+    UnrefLocked(req.pool, req.table[tail_pos]);
+    req.table[tail_pos] = *next_owned++;
+    req.cached_tokens = tail_pos * bt;
+  }
+  req.table.insert(req.table.end(), next_owned, owned->end());
+  req.known_tokens = tokens;
+  req.num_tokens = n;
+
+  AcquireResult out;
+  out.pool = req.pool;
+  out.blocks = req.table;
+  out.num_tokens = n;
+  out.cached_tokens = req.cached_tokens;
+  out.resumed = true;
+  out.resumed_tokens = std::move(tokens);
+  out.engine_state = std::move(ckpt.engine_state);
+  orphans_.erase({ckpt.expires_at, ckpt.serial});
+  checkpoints_.erase(ckpt.id);  // destroys `ckpt`
+  counters_.resumed++;
+  return out;
+}
+
+absl::StatusOr<std::vector<BlockIndex>> KvCache::Extend(const RequestId& id,
+                                                       int64_t additional_tokens) {
+  absl::StatusOr<std::vector<BlockIndex>> result;
+  {
+    absl::MutexLock lock(&mu_);
+    result = [&]() -> absl::StatusOr<std::vector<BlockIndex>> {
+      KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
+      if (additional_tokens < 0) return absl::InvalidArgumentError("additional_tokens must be >= 0");
+      if (!req->acquired) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("request '", id.value(), "' must Acquire before Extend"));
+      }
+      Pool& pool = *pools_[req->pool];
+      const int64_t new_tokens = req->num_tokens + additional_tokens;
+      if (new_tokens > pool.geometry.max_model_len) {
+        return absl::OutOfRangeError(absl::StrCat("request would reach ", new_tokens,
+                                                  " tokens, past max_model_len ",
+                                                  pool.geometry.max_model_len));
+      }
+      const int64_t have = static_cast<int64_t>(req->table.size());
+      const int64_t needed = std::max<int64_t>(0, pool.geometry.BlocksFor(new_tokens) - have);
+      const int64_t grow = std::max<int64_t>(0, have + needed - req->reserved_blocks);
+      if (!ledger_.CanReserve(req->pool, grow)) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "request '", id.value(), "' needs ", grow, " blocks past its reservation; the budget is full"));
+      }
+      KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> owned,
+                           AllocateOwnedLocked(req->pool, needed, req->serial));
+      KVD_CHECK(ledger_.Reserve(req->pool, grow).ok());
+      req->reserved_blocks += grow;
+      req->num_tokens = new_tokens;
+      req->table.insert(req->table.end(), owned.begin(), owned.end());
+      UpdatePressureLocked();
+      return owned;
+    }();
+  }
+  Deliver();
+  return result;
+}
+
+void KvCache::ReleaseLocked(Request& req, bool completed) {
+  auto it = checkpoints_.find(req.spec.id);
+  CheckpointRecord* own_ckpt =
+      it != checkpoints_.end() && it->second->serial == req.serial ? it->second.get() : nullptr;
+  if (own_ckpt != nullptr && completed) {
+    DropCheckpointLocked(req.spec.id);
+    own_ckpt = nullptr;
+  }
+  if (!req.spec.session.empty() && req.acquired) UpdateSessionLocked(req);
+  UnrefTableLocked(req.pool, req.table);
+  ledger_.Unreserve(req.pool, req.reserved_blocks);
+  if (own_ckpt != nullptr) OrphanCheckpointLocked(*own_ckpt);
+  UpdatePressureLocked();
+}
+
+absl::Status KvCache::Release(const RequestId& id, bool completed) {
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    absl::StatusOr<Request*> req = FindRequestLocked(id);
+    if (!req.ok()) {
+      status = req.status();
+    } else {
+      ReleaseLocked(**req, completed);
+      requests_.erase(id);
+    }
+  }
+  Deliver();
+  return status;
+}
+
+int64_t KvCache::ReleaseWorker(const WorkerId& worker) {
+  int64_t released = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<RequestId> ids;
+    for (const auto& [id, req] : requests_) {
+      if (req->spec.owner == worker) ids.push_back(id);
+    }
+    for (const RequestId& id : ids) {
+      ReleaseLocked(*requests_[id], /*completed=*/false);
+      requests_.erase(id);
+      ++released;
+    }
+  }
+  Deliver();
+  return released;
+}
+
+absl::StatusOr<int64_t> KvCache::PeekPrefixLen(const Namespace& ns,
+                                               absl::Span<const Token> tokens) const {
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(PoolId id, FindPool(ns.pool));
+  const Pool& pool = *pools_[id];
+  std::vector<CachedBlock*> hit =
+      index_.Match(index_.FindRoot(ns), tokens, pool.geometry.block_tokens,
+                   MaxHitBlocks(pool, static_cast<int64_t>(tokens.size())));
+  return static_cast<int64_t>(hit.size()) * pool.geometry.block_tokens;
+}
+
+}  // namespace kvd

@@ -1,0 +1,281 @@
+// KvCache is kvd's cache engine: admission against the KV byte budget, longest-prefix reuse per
+// namespace, ownership of writable blocks, publish, release, checkpoints for resume, session
+// affinity, eviction, trimming, pressure and index events. It never touches KV bytes: it hands out
+// block indices, and the data plane (gpu/, client/) turns them into memory.
+//
+// Lifecycle of a request: Admit (reserve projected bytes) -> Acquire (block table: resumed
+// checkpoint, else longest cached prefix, else fresh; plus writable blocks) -> Extend / Publish /
+// Checkpoint while generating -> Release (completed: checkpoints removed; interrupted: kept).
+//
+// Ownership: a block is free, *owned* (writable by exactly one request, or pinned by that
+// request's orphaned checkpoint), or *cached* (immutable, in the index, shared by reference).
+// Every operation that fails returns a status and changes nothing.
+//
+// Thread-safe: one mutex guards all state. Listeners (events, pressure) run after the mutex is
+// released, in order, on the thread that caused them; they must not block and must not call back
+// into KvCache.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "server/core/block_allocator.h"
+#include "server/core/budget_ledger.h"
+#include "server/core/cache_options.h"
+#include "server/core/cache_types.h"
+#include "server/core/clock.h"
+#include "server/core/event_log.h"
+#include "server/core/eviction_queue.h"
+#include "server/core/prefix_index.h"
+#include "server/core/pressure_monitor.h"
+
+namespace kvd {
+
+class KvCache {
+ public:
+  using EventListener = std::function<void(const CacheEvent&)>;
+  using PressureListener = std::function<void(PressureLevel, double available_fraction)>;
+
+  // INVALID_ARGUMENT for bad options. `clock` is borrowed and must outlive the cache.
+  static absl::StatusOr<std::unique_ptr<KvCache>> Create(CacheOptions options, const Clock* clock);
+  ~KvCache();
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
+
+  // --- Pools -------------------------------------------------------------------------------
+  const std::vector<PoolGeometry>& pools() const { return pool_geometries_; }
+  // NOT_FOUND for an unknown pool name.
+  absl::StatusOr<PoolId> FindPool(absl::string_view name) const;
+
+  // --- Requests ----------------------------------------------------------------------------
+  // Reserves blocks for prompt + max_new_tokens (no credit for cached prefixes: the reservation
+  // must cover the worst case that the prefix is evicted before Acquire). kWait when the budget
+  // has no room now. INVALID_ARGUMENT (bad spec), NOT_FOUND (pool), ALREADY_EXISTS (live id),
+  // OUT_OF_RANGE (past max_model_len, or larger than the whole budget or pool by itself).
+  absl::StatusOr<AdmitResult> Admit(const RequestSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
+  // What Admit would answer now; holds nothing.
+  absl::StatusOr<AdmitResult> Fits(const RequestSpec& spec) const ABSL_LOCKS_EXCLUDED(mu_);
+  // All or nothing. NOT_FOUND (not admitted), FAILED_PRECONDITION (already acquired; resume of a
+  // checkpoint in another namespace or one that does not continue the prompt).
+  absl::StatusOr<AcquireResult> Acquire(const RequestId& id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Grows the request by `additional_tokens` positions; returns the blocks appended to its table.
+  // OUT_OF_RANGE past max_model_len; RESOURCE_EXHAUSTED when past the reservation and the budget
+  // cannot grow it.
+  absl::StatusOr<std::vector<BlockIndex>> Extend(const RequestId& id, int64_t additional_tokens)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Offers the request's first blocks.size() blocks for reuse. `blocks` must equal the request's
+  // table prefix and `tokens` must cover them fully and agree with the request's known tokens.
+  // Kept blocks become cached and immutable; the request keeps reading them.
+  absl::StatusOr<PublishResult> Publish(const RequestId& id, absl::Span<const Token> tokens,
+                                        absl::Span<const BlockIndex> blocks)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // What Publish would answer for the same arguments; changes nothing.
+  absl::StatusOr<PublishResult> Keeps(const RequestId& id, absl::Span<const Token> tokens,
+                                      absl::Span<const BlockIndex> blocks) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Records a resumable point: the first tokens.size() tokens, the blocks holding them, and
+  // opaque engine bytes. Replaces the request's previous checkpoint.
+  absl::Status Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
+                          std::string engine_state) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the request. completed: its checkpoint is removed; interrupted: the checkpoint is kept for
+  // resume (within the checkpoint budget). NOT_FOUND when the id is not live (e.g. a double release).
+  absl::Status Release(const RequestId& id, bool completed) ABSL_LOCKS_EXCLUDED(mu_);
+  // Releases, as interrupted, every request `worker` holds. Returns how many.
+  int64_t ReleaseWorker(const WorkerId& worker) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Tokens of `tokens` that Acquire would serve from the device tier now (capped to leave one
+  // token to compute). Holds nothing. NOT_FOUND for an unknown pool.
+  absl::StatusOr<int64_t> PeekPrefixLen(const Namespace& ns, absl::Span<const Token> tokens) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Sessions ----------------------------------------------------------------------------
+  // Drops the session's affinity and protection; its cached blocks stay. NOT_FOUND if unknown.
+  absl::Status CloseSession(const SessionId& session) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<SessionInfo> GetSession(const SessionId& session) const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Housekeeping ------------------------------------------------------------------------
+  // Expires sessions and orphaned checkpoints past their TTL, then evicts every unprotected,
+  // unreferenced cached block idle for at least `max_idle`.
+  GcStats Gc(absl::Duration max_idle = absl::ZeroDuration()) ABSL_LOCKS_EXCLUDED(mu_);
+  // Execution boundary: in each pool used above the high watermark, evicts unprotected,
+  // unreferenced blocks down to the low watermark. Returns blocks evicted. Never touches a
+  // referenced block.
+  int64_t Boundary() ABSL_LOCKS_EXCLUDED(mu_);
+  // Evicts every unreferenced cached block, protected or not. Returns blocks evicted.
+  int64_t ClearCache() ABSL_LOCKS_EXCLUDED(mu_);
+
+  std::vector<HandleInfo> ListHandles() const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<HandleInfo> GetHandle(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);
+  CacheReport Report() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- Observers ---------------------------------------------------------------------------
+  const EventLog& events() const { return events_; }
+  int AddEventListener(EventListener fn) ABSL_LOCKS_EXCLUDED(mu_);
+  int AddPressureListener(PressureListener fn) ABSL_LOCKS_EXCLUDED(mu_);
+  void RemoveListener(int handle) ABSL_LOCKS_EXCLUDED(mu_);
+  PressureLevel pressure_level() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Recomputes every derived count from scratch and compares (refs, free counts, queue membership,
+  // budget). INTERNAL naming the first mismatch. O(cache size): tests only.
+  absl::Status CheckInvariantsForTesting() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct BlockState {
+    enum class Kind : uint8_t { kFree, kOwned, kCached };
+    Kind kind = Kind::kFree;
+    int32_t refs = 0;             // request tables + checkpoints referencing the block
+    uint64_t owner = 0;           // kOwned: serial of the owning request / checkpoint
+    CachedBlock* node = nullptr;  // kCached
+  };
+  struct Pool {
+    PoolGeometry geometry;
+    BlockAllocator allocator;
+    std::vector<BlockState> blocks;
+    EvictionQueue queue;
+    int64_t num_owned = 0;
+    int64_t num_cached = 0;
+    int64_t num_cached_unreferenced = 0;
+    explicit Pool(PoolGeometry g)
+        : geometry(std::move(g)), allocator(geometry.capacity_blocks), blocks(geometry.capacity_blocks) {}
+  };
+  struct Request {
+    RequestSpec spec;
+    uint64_t serial = 0;
+    PoolId pool = 0;
+    int64_t reserved_blocks = 0;
+    bool acquired = false;
+    std::vector<BlockIndex> table;
+    int64_t num_tokens = 0;
+    int64_t cached_tokens = 0;
+    std::vector<Token> known_tokens;  // prompt, then generated tokens learned from publish/checkpoint
+    absl::Time admitted_at;
+  };
+  struct CheckpointRecord {
+    uint64_t serial = 0;  // owner serial of its owned blocks
+    RequestId id;
+    PoolId pool = 0;
+    Namespace ns;
+    std::vector<Token> tokens;
+    std::vector<BlockIndex> blocks;
+    std::string engine_state;
+    bool orphaned = false;        // its request ended interrupted
+    int64_t charged_blocks = 0;   // when orphaned: blocks charged to the ledger
+    absl::Time expires_at;        // when orphaned
+  };
+  struct ProtectedRef {
+    PoolId pool;
+    BlockIndex index;
+    uint64_t node_serial;
+  };
+  struct Session {
+    WorkerId worker;
+    std::vector<ProtectedRef> protected_blocks;
+    absl::Time expires_at;
+  };
+  // Notifications produced under mu_ and delivered after it is released.
+  struct Outbox {
+    std::vector<CacheEvent> events;
+    bool pressure_changed = false;
+    PressureLevel level = PressureLevel::kNormal;
+    double available = 1.0;
+    bool empty() const { return events.empty() && !pressure_changed; }
+  };
+
+  KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes);
+
+  // kv_cache.cc: requests.
+  absl::StatusOr<PoolId> ValidateSpecLocked(const RequestSpec& spec) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<AdmitResult> DecideLocked(const RequestSpec& spec, PoolId pool) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<AcquireResult> ResumeLocked(Request& req, CheckpointRecord& ckpt)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<AcquireResult> AcquirePrefixLocked(Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseLocked(Request& req, bool completed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Request*> FindRequestLocked(const RequestId& id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t MaxHitBlocks(const Pool& pool, int64_t prompt_tokens) const;
+
+  // kv_cache_publish.cc: publish and checkpoints.
+  absl::StatusOr<PublishResult> PlanPublishLocked(const Request& req, absl::Span<const Token> tokens,
+                                                  absl::Span<const BlockIndex> blocks) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckKnownTokensLocked(const Request& req, absl::Span<const Token> tokens) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void LearnTokensLocked(Request& req, absl::Span<const Token> tokens)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OrphanCheckpointLocked(CheckpointRecord& ckpt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropCheckpointLocked(const RequestId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // kv_cache_blocks.cc: references, allocation, eviction.
+  void RefLocked(PoolId pool, BlockIndex index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops one reference; a block left unreferenced is freed (owned) or becomes evictable (cached).
+  void UnrefLocked(PoolId pool, BlockIndex index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Unrefs a block table tail first, so the head of a prefix is the most recently used.
+  void UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `count` owned blocks for `owner`, evicting as needed. RESOURCE_EXHAUSTED, changing nothing,
+  // when free + reclaimable blocks are too few.
+  absl::StatusOr<std::vector<BlockIndex>> AllocateOwnedLocked(PoolId pool, int64_t count,
+                                                              uint64_t owner)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  CachedBlock* CacheBlockLocked(PoolId pool, NamespaceRoot* root, CachedBlock* parent,
+                                BlockIndex index, absl::Span<const Token> tokens)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetProtectionLocked(PoolId pool, CachedBlock* node, int delta)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t NextTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // kv_cache_maintenance.cc: sessions, expiry, pressure, reports.
+  void ExpireLocked(GcStats* stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateSessionLocked(const Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropSessionLocked(const SessionId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdatePressureLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EmitLocked(CacheEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  HandleInfo HandleOfLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Delivers queued notifications in order. Call after releasing mu_.
+  void Deliver() ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
+
+  const CacheOptions options_;
+  const Clock* const clock_;
+  const std::vector<PoolGeometry> pool_geometries_;
+  EventLog events_;
+  // Serializes delivery so listeners see notifications in the order they were produced.
+  absl::Mutex deliver_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<Pool>> pools_ ABSL_GUARDED_BY(mu_);
+  PrefixIndex index_ ABSL_GUARDED_BY(mu_);
+  BudgetLedger ledger_ ABSL_GUARDED_BY(mu_);
+  PressureMonitor pressure_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<RequestId, std::unique_ptr<Request>> requests_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<RequestId, std::unique_ptr<CheckpointRecord>> checkpoints_ ABSL_GUARDED_BY(mu_);
+  // Orphaned checkpoints, oldest first: (orphaned at, serial) -> id.
+  absl::btree_map<std::pair<absl::Time, uint64_t>, RequestId> orphans_ ABSL_GUARDED_BY(mu_);
+  int64_t orphan_blocks_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::btree_map<std::pair<absl::Time, SessionId>, bool> session_expiry_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t last_tick_ ABSL_GUARDED_BY(mu_) = 0;
+  CacheReport counters_ ABSL_GUARDED_BY(mu_);  // the monotonic counters of Report()
+  Outbox outbox_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> outbox_pending_{false};  // set under mu_ when outbox_ gains something
+  int next_listener_ ABSL_GUARDED_BY(mu_) = 1;
+  std::vector<std::pair<int, EventListener>> event_listeners_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<int, PressureListener>> pressure_listeners_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvd

@@ -1,0 +1,147 @@
+// KvCache: block references, allocation and eviction.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "server/core/kv_cache.h"
+#include "server/core/status_macros.h"
+
+namespace kvd {
+
+uint64_t KvCache::NextTickLocked() {
+  // Recency ticks are nanoseconds of the injected clock, forced strictly increasing so that ties
+  // keep the order of events (a released prefix is ticked tail first).
+  const uint64_t now = static_cast<uint64_t>(absl::ToUnixNanos(clock_->Now()));
+  last_tick_ = std::max(last_tick_ + 1, now);
+  return last_tick_;
+}
+
+void KvCache::RefLocked(PoolId pool_id, BlockIndex index) {
+  Pool& pool = *pools_[pool_id];
+  BlockState& s = pool.blocks[index];
+  KVD_CHECK(s.kind != BlockState::Kind::kFree);
+  if (s.kind == BlockState::Kind::kCached) {
+    if (s.refs == 0) {
+      pool.queue.Remove(s.node);
+      --pool.num_cached_unreferenced;
+    }
+    s.node->last_use = NextTickLocked();
+  }
+  ++s.refs;
+}
+
+void KvCache::UnrefLocked(PoolId pool_id, BlockIndex index) {
+  Pool& pool = *pools_[pool_id];
+  BlockState& s = pool.blocks[index];
+  KVD_CHECK(s.kind != BlockState::Kind::kFree && s.refs > 0);
+  if (--s.refs > 0) return;
+  if (s.kind == BlockState::Kind::kOwned) {
+    s.kind = BlockState::Kind::kFree;
+    s.owner = 0;
+    --pool.num_owned;
+    pool.allocator.Free(index);
+    return;
+  }
+  ++pool.num_cached_unreferenced;
+  s.node->last_use = NextTickLocked();
+  if (s.node->num_children == 0) pool.queue.Push(s.node);
+}
+
+void KvCache::UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table) {
+  for (auto it = table.rbegin(); it != table.rend(); ++it) UnrefLocked(pool, *it);
+}
+
+absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool_id, int64_t count,
+                                                                    uint64_t owner) {
+  Pool& pool = *pools_[pool_id];
+  if (count > pool.allocator.num_free() + pool.num_cached_unreferenced) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("pool '", pool.geometry.name, "' has ",
+                     pool.allocator.num_free() + pool.num_cached_unreferenced,
+                     " free or reclaimable blocks, need ", count));
+  }
+  while (pool.allocator.num_free() < count) {
+    // Every unreferenced cached block has only unreferenced descendants (a reader of a block
+    // holds its whole prefix), so some unreferenced leaf is always queued here.
+    CachedBlock* victim = pool.queue.Peek();
+    KVD_CHECK(victim != nullptr);
+    EvictOneLocked(pool, victim, EvictReason::kCapacity);
+  }
+  absl::StatusOr<std::vector<BlockIndex>> out = pool.allocator.Allocate(count);
+  KVD_CHECK(out.ok());
+  for (BlockIndex b : *out) {
+    BlockState& s = pool.blocks[b];
+    s.kind = BlockState::Kind::kOwned;
+    s.refs = 1;
+    s.owner = owner;
+  }
+  pool.num_owned += count;
+  return out;
+}
+
+void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason) {
+  KVD_CHECK(victim->num_children == 0);
+  const BlockIndex index = victim->address.index;
+  BlockState& s = pool.blocks[index];
+  KVD_CHECK(s.kind == BlockState::Kind::kCached && s.refs == 0 && s.node == victim);
+  pool.queue.Remove(victim);
+  CachedBlock* parent = victim->parent;
+  if (reason != EvictReason::kClear) {
+    CacheEvent e;
+    e.kind = CacheEventKind::kRemoved;
+    e.pool = pool.geometry.name;
+    e.adapter = victim->root->ns.adapter;
+    e.key = victim->key;
+    e.block = index;
+    e.block_tokens = pool.geometry.block_tokens;
+    EmitLocked(std::move(e));
+  }
+  index_.Erase(victim);
+  s.kind = BlockState::Kind::kFree;
+  s.node = nullptr;
+  --pool.num_cached;
+  --pool.num_cached_unreferenced;
+  pool.allocator.Free(index);
+  ++counters_.evictions[static_cast<int>(reason)];
+  if (parent != nullptr && parent->num_children == 0 &&
+      pool.blocks[parent->address.index].refs == 0) {
+    pool.queue.Push(parent);
+  }
+}
+
+CachedBlock* KvCache::CacheBlockLocked(PoolId pool_id, NamespaceRoot* root, CachedBlock* parent,
+                                       BlockIndex index, absl::Span<const Token> tokens) {
+  Pool& pool = *pools_[pool_id];
+  BlockState& s = pool.blocks[index];
+  KVD_CHECK(s.kind == BlockState::Kind::kOwned && s.refs > 0);
+  CachedBlock* node = index_.Insert(root, parent, tokens, BlockAddress{pool_id, index});
+  if (node == nullptr) return nullptr;
+  s.kind = BlockState::Kind::kCached;
+  s.owner = 0;
+  s.node = node;
+  --pool.num_owned;
+  ++pool.num_cached;
+  node->last_use = NextTickLocked();
+  CacheEvent e;
+  e.kind = CacheEventKind::kStored;
+  e.pool = pool.geometry.name;
+  e.adapter = root->ns.adapter;
+  e.key = node->key;
+  e.has_parent = parent != nullptr;
+  if (parent != nullptr) e.parent_key = parent->key;
+  e.block = index;
+  e.block_tokens = pool.geometry.block_tokens;
+  e.tokens = node->tokens;
+  EmitLocked(std::move(e));
+  return node;
+}
+
+void KvCache::SetProtectionLocked(PoolId pool_id, CachedBlock* node, int delta) {
+  Pool& pool = *pools_[pool_id];
+  const bool was_queued = node->queued;
+  if (was_queued) pool.queue.Remove(node);
+  node->protect_count += delta;
+  KVD_CHECK(node->protect_count >= 0);
+  if (was_queued) pool.queue.Push(node);
+}
+
+}  // namespace kvd

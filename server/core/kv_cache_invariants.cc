@@ -1,0 +1,119 @@
+// KvCache::CheckInvariantsForTesting: recomputes every derived count from first principles.
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "server/core/kv_cache.h"
+
+namespace kvd {
+
+absl::Status KvCache::CheckInvariantsForTesting() const {
+  absl::MutexLock lock(&mu_);
+  auto fail = [](auto&&... parts) { return absl::InternalError(absl::StrCat(parts...)); };
+
+  // Expected references and owners from request tables and checkpoints.
+  std::vector<std::vector<int32_t>> refs(pools_.size());
+  for (PoolId p = 0; p < pools_.size(); ++p) refs[p].assign(pools_[p]->blocks.size(), 0);
+  absl::flat_hash_map<uint64_t, PoolId> live_serials;
+  std::vector<int64_t> reserved(pools_.size(), 0);
+  std::vector<absl::flat_hash_set<BlockIndex>> owned_by_request(pools_.size());
+  for (const auto& [id, req] : requests_) {
+    live_serials[req->serial] = req->pool;
+    reserved[req->pool] += req->reserved_blocks;
+    if (static_cast<int64_t>(req->table.size()) > req->reserved_blocks) {
+      return fail("request ", id.value(), " holds more blocks than it reserved");
+    }
+    for (BlockIndex b : req->table) {
+      ++refs[req->pool][b];
+      const BlockState& s = pools_[req->pool]->blocks[b];
+      if (s.kind == BlockState::Kind::kOwned) {
+        if (s.owner != req->serial) return fail("block ", b, " in ", id.value(), "'s table is owned by another");
+        if (!owned_by_request[req->pool].insert(b).second) return fail("block ", b, " writable twice");
+      }
+    }
+  }
+  int64_t orphan_bytes = 0;
+  for (const auto& [id, ckpt] : checkpoints_) {
+    if (ckpt->orphaned) {
+      live_serials[ckpt->serial] = ckpt->pool;
+      reserved[ckpt->pool] += ckpt->charged_blocks;
+      orphan_bytes += ledger_.BytesOf(ckpt->pool, ckpt->charged_blocks);
+    }
+    for (BlockIndex b : ckpt->blocks) ++refs[ckpt->pool][b];
+  }
+  if (orphan_bytes != orphan_blocks_bytes_) return fail("orphaned checkpoint bytes drifted");
+  if (orphan_bytes > options_.checkpoint_budget_bytes) return fail("checkpoint budget exceeded");
+
+  // Protection counts from sessions.
+  absl::flat_hash_map<const CachedBlock*, int32_t> protects;
+  for (const auto& [id, session] : sessions_) {
+    for (const ProtectedRef& ref : session.protected_blocks) {
+      const BlockState& s = pools_[ref.pool]->blocks[ref.index];
+      if (s.kind == BlockState::Kind::kCached && s.node->serial == ref.node_serial) ++protects[s.node];
+    }
+  }
+
+  absl::flat_hash_map<const CachedBlock*, int32_t> children;
+  index_.ForEach([&](const CachedBlock* b) {
+    if (b->parent != nullptr) ++children[b->parent];
+  });
+
+  int64_t total_cached = 0;
+  for (PoolId p = 0; p < pools_.size(); ++p) {
+    const Pool& pool = *pools_[p];
+    int64_t free = 0, owned = 0, cached = 0, unreferenced = 0, queued = 0;
+    for (BlockIndex b = 0; b < pool.blocks.size(); ++b) {
+      const BlockState& s = pool.blocks[b];
+      if (s.refs != refs[p][b]) {
+        return fail("pool ", pool.geometry.name, " block ", b, ": refs ", s.refs, ", expected ", refs[p][b]);
+      }
+      switch (s.kind) {
+        case BlockState::Kind::kFree:
+          ++free;
+          if (s.refs != 0) return fail("free block ", b, " is referenced");
+          break;
+        case BlockState::Kind::kOwned: {
+          ++owned;
+          auto it = live_serials.find(s.owner);
+          if (s.refs == 0 || it == live_serials.end() || it->second != p) {
+            return fail("owned block ", b, " has no live owner");
+          }
+          break;
+        }
+        case BlockState::Kind::kCached: {
+          ++cached;
+          const CachedBlock* n = s.node;
+          if (n == nullptr || n->address.pool != p || n->address.index != b) {
+            return fail("cached block ", b, " has a wrong node");
+          }
+          if (s.refs == 0) ++unreferenced;
+          const bool leaf = children[n] == 0;
+          if (n->num_children != children[n]) return fail("block ", b, " child count drifted");
+          if (n->queued != (s.refs == 0 && leaf)) return fail("block ", b, " queue membership wrong");
+          if (n->queued) ++queued;
+          if (n->protect_count != protects[n]) return fail("block ", b, " protection count drifted");
+          if (s.refs > 0 && n->parent != nullptr &&
+              pool.blocks[n->parent->address.index].refs == 0) {
+            return fail("block ", b, " is referenced but its parent is not");
+          }
+          break;
+        }
+      }
+    }
+    if (free != pool.allocator.num_free()) return fail("pool ", pool.geometry.name, " free count drifted");
+    if (owned != pool.num_owned) return fail("pool ", pool.geometry.name, " owned count drifted");
+    if (cached != pool.num_cached) return fail("pool ", pool.geometry.name, " cached count drifted");
+    if (unreferenced != pool.num_cached_unreferenced) return fail("unreferenced count drifted");
+    if (queued != pool.queue.size()) return fail("pool ", pool.geometry.name, " queue size drifted");
+    if (reserved[p] != ledger_.reserved_blocks(p)) {
+      return fail("pool ", pool.geometry.name, " reservation ", ledger_.reserved_blocks(p),
+                  ", expected ", reserved[p]);
+    }
+    if (reserved[p] > pool.geometry.capacity_blocks) return fail("pool over-reserved");
+    total_cached += cached;
+  }
+  if (total_cached != index_.num_blocks()) return fail("index size drifted");
+  if (ledger_.reserved_bytes() > ledger_.budget_bytes()) return fail("budget exceeded");
+  return absl::OkStatus();
+}
+
+}  // namespace kvd

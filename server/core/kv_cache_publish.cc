@@ -1,0 +1,213 @@
+// KvCache: publish, keeps and checkpoints.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "server/core/kv_cache.h"
+#include "server/core/status_macros.h"
+
+namespace kvd {
+
+absl::Status KvCache::CheckKnownTokensLocked(const Request& req,
+                                             absl::Span<const Token> tokens) const {
+  const size_t n = std::min(tokens.size(), req.known_tokens.size());
+  auto mismatch = std::mismatch(tokens.begin(), tokens.begin() + n, req.known_tokens.begin());
+  if (mismatch.first != tokens.begin() + n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokens differ from the request's tokens at position ",
+                     mismatch.first - tokens.begin()));
+  }
+  return absl::OkStatus();
+}
+
+void KvCache::LearnTokensLocked(Request& req, absl::Span<const Token> tokens) {
+  if (tokens.size() > req.known_tokens.size()) {
+    req.known_tokens.insert(req.known_tokens.end(), tokens.begin() + req.known_tokens.size(),
+                            tokens.end());
+  }
+}
+
+absl::StatusOr<PublishResult> KvCache::PlanPublishLocked(const Request& req,
+                                                         absl::Span<const Token> tokens,
+                                                         absl::Span<const BlockIndex> blocks) const {
+  if (!req.acquired) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("request '", req.spec.id.value(), "' must Acquire before Publish"));
+  }
+  const Pool& pool = *pools_[req.pool];
+  const int32_t bt = pool.geometry.block_tokens;
+  if (blocks.size() > req.table.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("publish names ", blocks.size(),
+                                                   " blocks; the request holds ", req.table.size()));
+  }
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (blocks[i] != req.table[i]) {
+      return absl::InvalidArgumentError(absl::StrCat("block ", blocks[i], " at position ", i,
+                                                     " is not the request's (expected ",
+                                                     req.table[i], ")"));
+    }
+  }
+  if (static_cast<int64_t>(tokens.size()) > req.num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("tokens (", tokens.size(),
+                                                   ") go past the request's positions (",
+                                                   req.num_tokens, "); Extend first"));
+  }
+  if (tokens.size() < blocks.size() * bt) {
+    return absl::InvalidArgumentError(absl::StrCat("only full blocks are published: ", blocks.size(),
+                                                   " blocks need ", blocks.size() * bt,
+                                                   " tokens, got ", tokens.size()));
+  }
+  KVD_RETURN_IF_ERROR(CheckKnownTokensLocked(req, tokens));
+
+  PublishResult plan;
+  const NamespaceRoot* root = index_.FindRoot(req.spec.ns);
+  const CachedBlock* parent = nullptr;
+  bool chain_ok = true;       // every earlier position is cached and held by this request
+  bool parent_is_new = false;  // the parent is itself about to be kept: no child can exist yet
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const BlockState& s = pool.blocks[blocks[i]];
+    absl::Span<const Token> block_tokens = tokens.subspan(i * bt, bt);
+    if (s.kind == BlockState::Kind::kCached) {
+      if (!std::equal(block_tokens.begin(), block_tokens.end(), s.node->tokens.begin())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tokens of position ", i, " differ from its cached block"));
+      }
+      plan.outcomes.push_back(PublishOutcome::kAlreadyCached);
+      parent = s.node;
+      continue;
+    }
+    KVD_CHECK(s.kind == BlockState::Kind::kOwned && s.owner == req.serial);
+    if (!chain_ok) {
+      plan.outcomes.push_back(PublishOutcome::kNoParent);
+    } else if (!parent_is_new && root != nullptr &&
+               index_.FindChild(*root, parent, block_tokens) != nullptr) {
+      plan.outcomes.push_back(PublishOutcome::kDuplicate);
+      chain_ok = false;
+    } else {
+      plan.outcomes.push_back(PublishOutcome::kKept);
+      parent_is_new = true;
+      ++plan.kept;
+    }
+  }
+  return plan;
+}
+
+absl::StatusOr<PublishResult> KvCache::Keeps(const RequestId& id, absl::Span<const Token> tokens,
+                                             absl::Span<const BlockIndex> blocks) const {
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
+  return PlanPublishLocked(*req, tokens, blocks);
+}
+
+absl::StatusOr<PublishResult> KvCache::Publish(const RequestId& id, absl::Span<const Token> tokens,
+                                               absl::Span<const BlockIndex> blocks) {
+  absl::StatusOr<PublishResult> result;
+  {
+    absl::MutexLock lock(&mu_);
+    result = [&]() -> absl::StatusOr<PublishResult> {
+      KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
+      KVD_ASSIGN_OR_RETURN(PublishResult plan, PlanPublishLocked(*req, tokens, blocks));
+      Pool& pool = *pools_[req->pool];
+      const int32_t bt = pool.geometry.block_tokens;
+      NamespaceRoot* root = plan.kept > 0 ? index_.GetOrCreateRoot(req->spec.ns, req->pool) : nullptr;
+      CachedBlock* parent = nullptr;
+      bool chain_ok = true;
+      for (size_t i = 0; i < plan.outcomes.size(); ++i) {
+        PublishOutcome& outcome = plan.outcomes[i];
+        if (outcome == PublishOutcome::kAlreadyCached) {
+          parent = pool.blocks[blocks[i]].node;
+        } else if (outcome == PublishOutcome::kKept && chain_ok) {
+          parent = CacheBlockLocked(req->pool, root, parent, blocks[i], tokens.subspan(i * bt, bt));
+          if (parent == nullptr) {  // a 128-bit key collision with a different block
+            outcome = PublishOutcome::kDuplicate;
+            --plan.kept;
+            chain_ok = false;
+          }
+        } else if (outcome == PublishOutcome::kKept) {
+          outcome = PublishOutcome::kNoParent;
+          --plan.kept;
+        }
+        if (outcome == PublishOutcome::kDuplicate) ++counters_.duplicate_blocks;
+      }
+      counters_.published_blocks += plan.kept;
+      LearnTokensLocked(*req, tokens);
+      return plan;
+    }();
+  }
+  Deliver();
+  return result;
+}
+
+absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
+                                 std::string engine_state) {
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
+  if (!req->acquired) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("request '", id.value(), "' must Acquire before Checkpoint"));
+  }
+  if (tokens.empty()) return absl::InvalidArgumentError("checkpoint tokens are empty");
+  if (static_cast<int64_t>(tokens.size()) > req->num_tokens) {
+    return absl::OutOfRangeError(absl::StrCat("checkpoint covers ", tokens.size(),
+                                              " tokens; the request has ", req->num_tokens,
+                                              " positions"));
+  }
+  if (static_cast<int64_t>(engine_state.size()) > options_.max_engine_state_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("engine state of ", engine_state.size(),
+                                                   " bytes exceeds the limit of ",
+                                                   options_.max_engine_state_bytes));
+  }
+  KVD_RETURN_IF_ERROR(CheckKnownTokensLocked(*req, tokens));
+  auto existing = checkpoints_.find(id);
+  if (existing != checkpoints_.end() && existing->second->serial != req->serial) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("an interrupted generation's checkpoint already uses id '", id.value(), "'"));
+  }
+  auto rec = std::make_unique<CheckpointRecord>();
+  rec->serial = req->serial;
+  rec->id = id;
+  rec->pool = req->pool;
+  rec->ns = req->spec.ns;
+  rec->tokens.assign(tokens.begin(), tokens.end());
+  const int64_t n = pools_[req->pool]->geometry.BlocksFor(static_cast<int64_t>(tokens.size()));
+  rec->blocks.assign(req->table.begin(), req->table.begin() + n);
+  rec->engine_state = std::move(engine_state);
+  for (BlockIndex b : rec->blocks) RefLocked(req->pool, b);
+  if (existing != checkpoints_.end()) DropCheckpointLocked(id);
+  checkpoints_.emplace(id, std::move(rec));
+  LearnTokensLocked(*req, tokens);
+  return absl::OkStatus();
+}
+
+void KvCache::OrphanCheckpointLocked(CheckpointRecord& ckpt) {
+  const int64_t charge = static_cast<int64_t>(ckpt.blocks.size());
+  const int64_t charge_bytes = ledger_.BytesOf(ckpt.pool, charge);
+  if (charge_bytes > options_.checkpoint_budget_bytes) {
+    DropCheckpointLocked(ckpt.id);
+    return;
+  }
+  while (orphan_blocks_bytes_ + charge_bytes > options_.checkpoint_budget_bytes && !orphans_.empty()) {
+    DropCheckpointLocked(orphans_.begin()->second);  // oldest first
+  }
+  // The request's reservation covered these blocks and was just returned, so this always fits.
+  KVD_CHECK(ledger_.Reserve(ckpt.pool, charge).ok());
+  ckpt.orphaned = true;
+  ckpt.charged_blocks = charge;
+  ckpt.expires_at = clock_->Now() + options_.checkpoint_ttl;
+  orphans_.emplace(std::make_pair(ckpt.expires_at, ckpt.serial), ckpt.id);
+  orphan_blocks_bytes_ += charge_bytes;
+}
+
+void KvCache::DropCheckpointLocked(const RequestId& id) {
+  auto it = checkpoints_.find(id);
+  KVD_CHECK(it != checkpoints_.end());
+  CheckpointRecord& ckpt = *it->second;
+  if (ckpt.orphaned) {
+    ledger_.Unreserve(ckpt.pool, ckpt.charged_blocks);
+    orphan_blocks_bytes_ -= ledger_.BytesOf(ckpt.pool, ckpt.charged_blocks);
+    orphans_.erase({ckpt.expires_at, ckpt.serial});
+  }
+  UnrefTableLocked(ckpt.pool, ckpt.blocks);
+  checkpoints_.erase(it);
+}
+
+}  // namespace kvd

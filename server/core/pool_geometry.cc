@@ -1,0 +1,29 @@
+#include "server/core/pool_geometry.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvd {
+
+absl::Status PoolGeometry::Validate() const {
+  auto bad = [this](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat("pool '", name, "': ", what));
+  };
+  if (name.empty()) return absl::InvalidArgumentError("pool name must not be empty");
+  if (block_tokens <= 0 || block_tokens > 4096) return bad("block_tokens must be in (0, 4096]");
+  if (num_layers <= 0 || num_layers > 4096) return bad("num_layers must be in (0, 4096]");
+  if (bytes_per_token_per_layer <= 0 || bytes_per_token_per_layer > (int64_t{1} << 24)) {
+    return bad("bytes_per_token_per_layer must be in (0, 16 MiB]");
+  }
+  if (capacity_blocks <= 0 || capacity_blocks > (int64_t{1} << 31)) {
+    return bad("capacity_blocks must be in (0, 2^31]");
+  }
+  if (max_model_len < block_tokens) return bad("max_model_len must be >= block_tokens");
+  if (num_shards <= 0 || num_shards > 64) return bad("num_shards must be in (0, 64]");
+  return absl::OkStatus();
+}
+
+std::string PoolLayoutName(PoolLayout layout) {
+  return layout == PoolLayout::kLayerMajor ? "layer_major" : "block_major";
+}
+
+}  // namespace kvd

@@ -1,0 +1,48 @@
+// PoolGeometry describes one KV layout (one model shape): how many tokens a block holds, how many
+// layers, how many bytes one token takes in one layer, and how many blocks the pool has.
+//
+// A block is `block_tokens` tokens of KV for every layer of the pool. Its size on one device is
+//   block_bytes = block_tokens * num_layers * bytes_per_token_per_layer
+// and a pool spread over `num_shards` devices (a tensor-parallel group) holds that many bytes on
+// each device, at the same block index. The core never touches these bytes; it only counts them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace kvd {
+
+// How a pool's bytes are arranged in its slab; see gpu/slab_layout.h for the byte offsets.
+enum class PoolLayout {
+  kLayerMajor,  // each layer's blocks form one contiguous array [num_blocks][layer block bytes]
+  kBlockMajor,  // each block is contiguous across its layers
+};
+
+struct PoolGeometry {
+  std::string name;                    // pool (model) name, unique per daemon; required
+  int32_t block_tokens = 16;           // tokens per block; (0, 4096]
+  int32_t num_layers = 32;             // transformer layers; > 0
+  int64_t bytes_per_token_per_layer = 4096;  // K and V of one token in one layer, one shard; > 0
+  int64_t capacity_blocks = 1024;      // blocks in the pool; > 0
+  int32_t max_model_len = 131072;      // position limit: no request may exceed it; >= block_tokens
+  int32_t num_shards = 1;              // devices holding the pool (tensor parallel); > 0
+  PoolLayout layout = PoolLayout::kLayerMajor;
+
+  // Bytes of one block on one shard (one device).
+  int64_t block_bytes() const { return int64_t{block_tokens} * num_layers * bytes_per_token_per_layer; }
+  // Bytes of one block across all shards: what the KV budget is charged per block.
+  int64_t block_bytes_all_shards() const { return block_bytes() * num_shards; }
+  // Bytes of one layer of one block on one shard.
+  int64_t layer_block_bytes() const { return int64_t{block_tokens} * bytes_per_token_per_layer; }
+  // Blocks needed to hold `tokens` tokens.
+  int64_t BlocksFor(int64_t tokens) const { return (tokens + block_tokens - 1) / block_tokens; }
+
+  // INVALID_ARGUMENT naming the first field out of range.
+  absl::Status Validate() const;
+};
+
+std::string PoolLayoutName(PoolLayout layout);
+
+}  // namespace kvd

@@ -1,0 +1,92 @@
+// PrefixIndex is the radix structure over cached full blocks, one root per namespace.
+//
+// Each cached block is a node that owns a copy of its tokens and points at its parent (the block
+// before it in the same prefix). A namespace root holds a hash map from chained block key to node;
+// a lookup computes the key, then verifies the node's parent and tokens exactly, so a hash
+// collision reads as a miss. Roots are structurally separate: a lookup in one namespace never
+// reaches a node of another. An empty root is deleted.
+//
+// The index stores nodes; it does not count references or decide eviction (KvCache does).
+// Thread-compatible: the caller serializes access.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/types/span.h"
+#include "server/core/block_key.h"
+#include "server/core/types.h"
+
+namespace kvd {
+
+struct NamespaceRoot;
+
+// One cached, immutable full block. Fields below `tokens` are KvCache's bookkeeping.
+struct CachedBlock {
+  BlockKey key;
+  CachedBlock* parent = nullptr;  // nullptr for the first block of a prefix
+  NamespaceRoot* root = nullptr;
+  BlockAddress address;
+  uint64_t serial = 0;            // unique per insertion; never reused
+  int32_t position = 0;           // block position in its prefix (0 for the first block)
+  std::vector<Token> tokens;      // exactly block_tokens tokens
+
+  int32_t num_children = 0;       // cached blocks whose parent is this one
+  int32_t protect_count = 0;      // sessions protecting this block
+  uint64_t last_use = 0;          // recency tick (KvCache's logical clock)
+  bool queued = false;            // in its pool's eviction queue
+};
+
+struct NamespaceRoot {
+  Namespace ns;
+  BlockKey key;   // NamespaceRootKey(ns)
+  PoolId pool = 0;
+  absl::flat_hash_map<BlockKey, std::unique_ptr<CachedBlock>> blocks;
+};
+
+class PrefixIndex {
+ public:
+  PrefixIndex() = default;
+  PrefixIndex(const PrefixIndex&) = delete;
+  PrefixIndex& operator=(const PrefixIndex&) = delete;
+
+  // The root of `ns`, or nullptr when nothing is cached in it.
+  NamespaceRoot* FindRoot(const Namespace& ns) const;
+  NamespaceRoot* GetOrCreateRoot(const Namespace& ns, PoolId pool);
+
+  // The longest chain of cached blocks that equals the leading full blocks of `tokens`, at most
+  // `max_blocks` long. `root` may be nullptr (a miss).
+  std::vector<CachedBlock*> Match(const NamespaceRoot* root, absl::Span<const Token> tokens,
+                                  int32_t block_tokens, int64_t max_blocks) const;
+
+  // The cached child of `parent` (nullptr: first block) holding exactly `tokens`, or nullptr.
+  CachedBlock* FindChild(const NamespaceRoot& root, const CachedBlock* parent,
+                         absl::Span<const Token> tokens) const;
+
+  // Inserts a new node. REQUIRES: FindChild(root, parent, tokens) == nullptr.
+  CachedBlock* Insert(NamespaceRoot* root, CachedBlock* parent, absl::Span<const Token> tokens,
+                      BlockAddress address);
+
+  // Removes `block` and deletes its root if it became empty. REQUIRES: block->num_children == 0.
+  void Erase(CachedBlock* block);
+
+  int64_t num_blocks() const { return num_blocks_; }
+  int64_t num_roots() const { return static_cast<int64_t>(roots_.size()); }
+
+  // Calls fn(CachedBlock*) for every node, in no particular order.
+  template <typename Fn>
+  void ForEach(Fn fn) const {
+    for (const auto& [ns, root] : roots_) {
+      for (const auto& [key, block] : root->blocks) fn(block.get());
+    }
+  }
+
+ private:
+  absl::flat_hash_map<Namespace, std::unique_ptr<NamespaceRoot>> roots_;
+  int64_t num_blocks_ = 0;
+  uint64_t next_serial_ = 1;
+};
+
+}  // namespace kvd
