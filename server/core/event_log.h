@@ -6,7 +6,6 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <string>
 #include <vector>
 
@@ -39,8 +38,9 @@ class EventLog {
  public:
   explicit EventLog(size_t capacity) : capacity_(capacity == 0 ? 1 : capacity) {}
 
-  // Assigns the next sequence number to `event`, stores it, and returns the number.
-  uint64_t Append(CacheEvent event) ABSL_LOCKS_EXCLUDED(mu_);
+  // Assigns the next sequence number to a copy of `event`, stores it, and returns the number.
+  // Copies into a recycled ring slot, so a steady stream of events allocates nothing.
+  uint64_t Append(const CacheEvent& event) ABSL_LOCKS_EXCLUDED(mu_);
 
   struct ReadResult {
     bool resync = false;             // events after `last_seen` were dropped from the ring
@@ -54,7 +54,9 @@ class EventLog {
  private:
   const size_t capacity_;
   mutable absl::Mutex mu_;
-  std::deque<CacheEvent> ring_ ABSL_GUARDED_BY(mu_);
+  // Slot of sequence s is ring_[(s - 1) % capacity_]; it holds the last min(capacity, last_sequence)
+  // events.
+  std::vector<CacheEvent> ring_ ABSL_GUARDED_BY(mu_);
   uint64_t last_sequence_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

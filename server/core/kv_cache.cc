@@ -342,6 +342,7 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::Extend(const RequestId& id,
   absl::StatusOr<std::vector<BlockIndex>> result;
   {
     absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
     result = [&]() -> absl::StatusOr<std::vector<BlockIndex>> {
       KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
       if (additional_tokens < 0) return absl::InvalidArgumentError("additional_tokens must be >= 0");
@@ -413,6 +414,7 @@ int64_t KvCache::ReleaseWorker(const WorkerId& worker) {
   int64_t released = 0;
   {
     absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
     std::vector<RequestId> ids;
     for (const auto& [id, req] : requests_) {
       if (req->spec.owner == worker) ids.push_back(id);

@@ -240,11 +240,14 @@ class KvCache {
   uint64_t NextTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // kv_cache_maintenance.cc: sessions, expiry, pressure, reports.
+  // Reads the clock for this operation (op_now_ns_) and drops sessions and orphaned checkpoints
+  // past their TTL. Every mutating operation calls it first.
   void ExpireLocked(GcStats* stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateSessionLocked(const Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropSessionLocked(const SessionId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdatePressureLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EmitLocked(CacheEvent event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records `scratch_event_` (filled by the caller) in the event log and queues it for listeners.
+  void EmitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   HandleInfo HandleOfLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Delivers queued notifications in order. Call after releasing mu_.
   void Deliver() ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
@@ -270,8 +273,10 @@ class KvCache {
   absl::btree_map<std::pair<absl::Time, SessionId>, bool> session_expiry_ ABSL_GUARDED_BY(mu_);
   uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t last_tick_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t op_now_ns_ ABSL_GUARDED_BY(mu_) = 0;  // clock reading of the current operation
   CacheReport counters_ ABSL_GUARDED_BY(mu_);  // the monotonic counters of Report()
   Outbox outbox_ ABSL_GUARDED_BY(mu_);
+  CacheEvent scratch_event_ ABSL_GUARDED_BY(mu_);  // reused so that emitting allocates nothing
   std::atomic<bool> outbox_pending_{false};  // set under mu_ when outbox_ gains something
   int next_listener_ ABSL_GUARDED_BY(mu_) = 1;
   std::vector<std::pair<int, EventListener>> event_listeners_ ABSL_GUARDED_BY(mu_);

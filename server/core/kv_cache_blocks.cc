@@ -8,10 +8,10 @@
 namespace kvd {
 
 uint64_t KvCache::NextTickLocked() {
-  // Recency ticks are nanoseconds of the injected clock, forced strictly increasing so that ties
-  // keep the order of events (a released prefix is ticked tail first).
-  const uint64_t now = static_cast<uint64_t>(absl::ToUnixNanos(clock_->Now()));
-  last_tick_ = std::max(last_tick_ + 1, now);
+  // Recency ticks are nanoseconds of the injected clock, read once per operation (ExpireLocked),
+  // forced strictly increasing so that ties keep the order of events (a released prefix is ticked
+  // tail first).
+  last_tick_ = std::max(last_tick_ + 1, op_now_ns_);
   return last_tick_;
 }
 
@@ -86,14 +86,17 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
   pool.queue.Remove(victim);
   CachedBlock* parent = victim->parent;
   if (reason != EvictReason::kClear) {
-    CacheEvent e;
+    CacheEvent& e = scratch_event_;
     e.kind = CacheEventKind::kRemoved;
     e.pool = pool.geometry.name;
     e.adapter = victim->root->ns.adapter;
     e.key = victim->key;
+    e.has_parent = false;
+    e.parent_key = BlockKey{};
     e.block = index;
     e.block_tokens = pool.geometry.block_tokens;
-    EmitLocked(std::move(e));
+    e.tokens.clear();
+    EmitLocked();
   }
   index_.Erase(victim);
   s.kind = BlockState::Kind::kFree;
@@ -121,17 +124,17 @@ CachedBlock* KvCache::CacheBlockLocked(PoolId pool_id, NamespaceRoot* root, Cach
   --pool.num_owned;
   ++pool.num_cached;
   node->last_use = NextTickLocked();
-  CacheEvent e;
+  CacheEvent& e = scratch_event_;
   e.kind = CacheEventKind::kStored;
   e.pool = pool.geometry.name;
   e.adapter = root->ns.adapter;
   e.key = node->key;
   e.has_parent = parent != nullptr;
-  if (parent != nullptr) e.parent_key = parent->key;
+  e.parent_key = parent != nullptr ? parent->key : BlockKey{};
   e.block = index;
   e.block_tokens = pool.geometry.block_tokens;
-  e.tokens = node->tokens;
-  EmitLocked(std::move(e));
+  e.tokens.assign(node->tokens.begin(), node->tokens.end());
+  EmitLocked();
   return node;
 }
 

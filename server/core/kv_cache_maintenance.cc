@@ -47,6 +47,7 @@ void KvCache::DropSessionLocked(const SessionId& id) {
 
 void KvCache::ExpireLocked(GcStats* stats) {
   const absl::Time now = clock_->Now();
+  op_now_ns_ = static_cast<uint64_t>(absl::ToUnixNanos(now));
   while (!session_expiry_.empty() && session_expiry_.begin()->first.first <= now) {
     DropSessionLocked(session_expiry_.begin()->first.second);
     if (stats != nullptr) ++stats->sessions_expired;
@@ -59,6 +60,7 @@ void KvCache::ExpireLocked(GcStats* stats) {
 
 absl::Status KvCache::CloseSession(const SessionId& session) {
   absl::MutexLock lock(&mu_);
+  ExpireLocked(nullptr);
   if (!sessions_.contains(session)) {
     return absl::NotFoundError(absl::StrCat("unknown session '", session.value(), "'"));
   }
@@ -130,6 +132,7 @@ int64_t KvCache::ClearCache() {
   int64_t evicted = 0;
   {
     absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
     bool all_unreferenced = true;
     for (const auto& pool : pools_) {
       all_unreferenced &= pool->num_cached == pool->num_cached_unreferenced;
@@ -142,9 +145,9 @@ int64_t KvCache::ClearCache() {
       }
     }
     if (all_unreferenced) {
-      CacheEvent e;
-      e.kind = CacheEventKind::kCleared;
-      EmitLocked(std::move(e));
+      scratch_event_ = CacheEvent{};
+      scratch_event_.kind = CacheEventKind::kCleared;
+      EmitLocked();
     }
     UpdatePressureLocked();
   }
@@ -169,16 +172,13 @@ void KvCache::UpdatePressureLocked() {
   }
 }
 
-void KvCache::EmitLocked(CacheEvent event) {
-  event.time = clock_->Now();
-  if (event_listeners_.empty()) {
-    events_.Append(std::move(event));
-    return;
+void KvCache::EmitLocked() {
+  scratch_event_.time = absl::FromUnixNanos(static_cast<int64_t>(op_now_ns_));
+  scratch_event_.sequence = events_.Append(scratch_event_);
+  if (!event_listeners_.empty()) {
+    outbox_.events.push_back(scratch_event_);
+    outbox_pending_.store(true, std::memory_order_relaxed);
   }
-  CacheEvent copy = event;
-  copy.sequence = events_.Append(std::move(event));
-  outbox_.events.push_back(std::move(copy));
-  outbox_pending_.store(true, std::memory_order_relaxed);
 }
 
 void KvCache::Deliver() {

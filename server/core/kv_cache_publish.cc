@@ -103,6 +103,7 @@ absl::StatusOr<PublishResult> KvCache::Publish(const RequestId& id, absl::Span<c
   absl::StatusOr<PublishResult> result;
   {
     absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
     result = [&]() -> absl::StatusOr<PublishResult> {
       KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
       KVD_ASSIGN_OR_RETURN(PublishResult plan, PlanPublishLocked(*req, tokens, blocks));
@@ -140,6 +141,7 @@ absl::StatusOr<PublishResult> KvCache::Publish(const RequestId& id, absl::Span<c
 absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
                                  std::string engine_state) {
   absl::MutexLock lock(&mu_);
+  ExpireLocked(nullptr);
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
   if (!req->acquired) {
     return absl::FailedPreconditionError(

@@ -61,7 +61,16 @@ CachedBlock* PrefixIndex::Insert(NamespaceRoot* root, CachedBlock* parent,
                                  absl::Span<const Token> tokens, BlockAddress address) {
   const BlockKey parent_key = parent == nullptr ? BlockKey{} : parent->key;
   const BlockKey key = ChainBlockKey(parent_key, root->key, tokens);
-  auto node = std::make_unique<CachedBlock>();
+  std::unique_ptr<CachedBlock> node;
+  if (spare_nodes_.empty()) {
+    node = std::make_unique<CachedBlock>();
+  } else {
+    node = std::move(spare_nodes_.back());
+    spare_nodes_.pop_back();
+    std::vector<Token> storage = std::move(node->tokens);
+    *node = CachedBlock{};
+    node->tokens = std::move(storage);
+  }
   node->key = key;
   node->parent = parent;
   node->root = root;
@@ -70,12 +79,14 @@ CachedBlock* PrefixIndex::Insert(NamespaceRoot* root, CachedBlock* parent,
   node->position = parent == nullptr ? 0 : parent->position + 1;
   node->tokens.assign(tokens.begin(), tokens.end());
   CachedBlock* raw = node.get();
-  auto [it, inserted] = root->blocks.try_emplace(key, std::move(node));
+  auto [it, inserted] = root->blocks.try_emplace(key, nullptr);
   if (!inserted) {
     // A different block with the same 128-bit key (a true collision): the new block is simply not
     // indexed. Callers see nullptr and keep the block private.
+    spare_nodes_.push_back(std::move(node));
     return nullptr;
   }
+  it->second = std::move(node);
   if (parent != nullptr) ++parent->num_children;
   ++num_blocks_;
   return raw;
@@ -85,7 +96,10 @@ void PrefixIndex::Erase(CachedBlock* block) {
   KVD_CHECK(block->num_children == 0);
   NamespaceRoot* root = block->root;
   if (block->parent != nullptr) --block->parent->num_children;
-  root->blocks.erase(block->key);
+  auto it = root->blocks.find(block->key);
+  KVD_CHECK(it != root->blocks.end() && it->second.get() == block);
+  spare_nodes_.push_back(std::move(it->second));
+  root->blocks.erase(it);
   --num_blocks_;
   if (root->blocks.empty()) {
     const Namespace ns = root->ns;  // the key must outlive the erase of its own map entry

@@ -85,6 +85,8 @@ class PrefixIndex {
 
  private:
   absl::flat_hash_map<Namespace, std::unique_ptr<NamespaceRoot>> roots_;
+  // Erased nodes kept for reuse (with their token storage), so a churning cache allocates nothing.
+  std::vector<std::unique_ptr<CachedBlock>> spare_nodes_;
   int64_t num_blocks_ = 0;
   uint64_t next_serial_ = 1;
 };
