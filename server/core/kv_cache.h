@@ -115,6 +115,9 @@ class KvCache {
   // Evicts every unreferenced cached block, protected or not. Returns blocks evicted.
   int64_t ClearCache() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // OK when `id` is live and held by `worker`: NOT_FOUND when not live, PERMISSION_DENIED when
+  // another worker holds it.
+  absl::Status CheckOwner(const RequestId& id, const WorkerId& worker) const ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<HandleInfo> ListHandles() const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<HandleInfo> GetHandle(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);
   CacheReport Report() const ABSL_LOCKS_EXCLUDED(mu_);

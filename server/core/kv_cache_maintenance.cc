@@ -254,6 +254,16 @@ std::vector<HandleInfo> KvCache::ListHandles() const {
   return out;
 }
 
+absl::Status KvCache::CheckOwner(const RequestId& id, const WorkerId& worker) const {
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
+  if (req->spec.owner != worker) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("request '", id.value(), "' belongs to another worker"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<HandleInfo> KvCache::GetHandle(const RequestId& id) const {
   absl::MutexLock lock(&mu_);
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));

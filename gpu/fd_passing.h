@@ -1,0 +1,41 @@
+// Passing file descriptors between processes over a Unix stream socket (SCM_RIGHTS), and
+// reading the peer's credentials (SO_PEERCRED). Blocking calls; use on dedicated threads.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "gpu/unique_fd.h"
+
+namespace kvd {
+
+struct PeerCredentials {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+
+// The credentials of the process at the other end of a connected Unix socket.
+absl::StatusOr<PeerCredentials> GetPeerCredentials(int socket_fd);
+
+// Sends one message: a 4-byte length, `payload`, and `fds` attached to the first byte.
+absl::Status SendMessage(int socket_fd, absl::string_view payload, absl::Span<const int> fds);
+
+struct ReceivedMessage {
+  std::string payload;
+  std::vector<UniqueFd> fds;
+};
+// Receives one message sent by SendMessage. At most `max_payload` bytes and `max_fds` fds;
+// INVALID_ARGUMENT past either, UNAVAILABLE when the peer closed first.
+absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket_fd, size_t max_payload, size_t max_fds);
+
+// Connects a Unix stream socket to `path`.
+absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path);
+// Binds and listens on `path` (an existing socket file there is replaced) with mode `mode`.
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode);
+
+}  // namespace kvd

@@ -1,0 +1,90 @@
+#include "gpu/host_arena.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "gpu/slab_layout.h"
+
+namespace kvd {
+namespace {
+
+absl::Status Errno(absl::string_view what) {
+  const int err = errno;
+  std::string msg = absl::StrCat(what, ": ", std::strerror(err));
+  if (err == ENOMEM || err == ENOSPC) return absl::ResourceExhaustedError(msg);
+  return absl::InternalError(msg);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(const std::vector<PoolGeometry>& pools) {
+  std::unique_ptr<HostArena> arena(new HostArena());
+  for (PoolId p = 0; p < pools.size(); ++p) {
+    const SlabLayout layout(pools[p]);
+    for (int32_t shard = 0; shard < pools[p].num_shards; ++shard) {
+      const std::string name = absl::StrCat("kvd-", pools[p].name, "-", shard);
+      UniqueFd fd(memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+      if (!fd.valid()) return Errno("memfd_create");
+      const int64_t size = layout.slab_bytes();
+      if (ftruncate(fd.get(), size) != 0) return Errno(absl::StrCat("ftruncate(", size, ")"));
+      // MAP_POPULATE pre-faults every page now rather than on a worker's first write.
+      void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
+      if (base == MAP_FAILED) return Errno(absl::StrCat("mmap of ", size, " bytes"));
+      if (fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+        munmap(base, size);
+        return Errno("F_ADD_SEALS");
+      }
+      SlabDescriptor d;
+      d.pool = p;
+      d.shard = static_cast<uint32_t>(shard);
+      d.size_bytes = size;
+      d.fd = fd.get();
+      arena->descriptors_.push_back(d);
+      arena->slabs_.push_back(Slab{std::move(fd), base, size});
+    }
+  }
+  return arena;
+}
+
+HostArena::~HostArena() {
+  for (Slab& s : slabs_) {
+    if (s.base != nullptr) munmap(s.base, s.size);
+  }
+}
+
+void* HostArena::HostAddress(PoolId pool, uint32_t shard) const {
+  for (size_t i = 0; i < descriptors_.size(); ++i) {
+    if (descriptors_[i].pool == pool && descriptors_[i].shard == shard) return slabs_[i].base;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<MappedSlab> MappedSlab::Map(UniqueFd fd, int64_t size) {
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (base == MAP_FAILED) return Errno(absl::StrCat("mmap of slab (", size, " bytes)"));
+  return MappedSlab(std::move(fd), base, size);
+}
+
+MappedSlab::MappedSlab(MappedSlab&& o) noexcept
+    : fd_(std::move(o.fd_)), base_(std::exchange(o.base_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+
+MappedSlab& MappedSlab::operator=(MappedSlab&& o) noexcept {
+  if (this != &o) {
+    if (base_ != nullptr) munmap(base_, size_);
+    fd_ = std::move(o.fd_);
+    base_ = std::exchange(o.base_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+  }
+  return *this;
+}
+
+MappedSlab::~MappedSlab() {
+  if (base_ != nullptr) munmap(base_, size_);
+}
+
+}  // namespace kvd

@@ -1,0 +1,288 @@
+#include "proto/convert.h"
+
+namespace kvd {
+namespace {
+
+std::string KeyBytes(const BlockKey& k) {
+  std::string out(16, '\0');
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<char>(k.hi >> (56 - 8 * i));
+    out[8 + i] = static_cast<char>(k.lo >> (56 - 8 * i));
+  }
+  return out;
+}
+
+BlockKey KeyFromBytes(const std::string& b) {
+  BlockKey k;
+  if (b.size() != 16) return k;
+  for (int i = 0; i < 8; ++i) {
+    k.hi = (k.hi << 8) | static_cast<uint8_t>(b[i]);
+    k.lo = (k.lo << 8) | static_cast<uint8_t>(b[8 + i]);
+  }
+  return k;
+}
+
+template <typename T>
+void CopyTokens(const std::vector<T>& v, google::protobuf::RepeatedField<uint32_t>* p) {
+  p->Reserve(static_cast<int>(v.size()));
+  for (T t : v) p->AddAlreadyReserved(static_cast<uint32_t>(t));
+}
+
+}  // namespace
+
+std::vector<Token> TokensFromProto(const google::protobuf::RepeatedField<uint32_t>& p) {
+  return std::vector<Token>(p.begin(), p.end());
+}
+
+Namespace FromProto(const v1::Namespace& p) {
+  Namespace ns;
+  ns.pool = p.pool();
+  ns.adapter = p.adapter();
+  ns.media_keys.assign(p.media_keys().begin(), p.media_keys().end());
+  ns.method = p.method();
+  ns.cache_salt = p.cache_salt();
+  return ns;
+}
+
+void ToProto(const Namespace& ns, v1::Namespace* p) {
+  p->set_pool(ns.pool);
+  p->set_adapter(ns.adapter);
+  for (const auto& m : ns.media_keys) p->add_media_keys(m);
+  p->set_method(ns.method);
+  p->set_cache_salt(ns.cache_salt);
+}
+
+RequestSpec SpecFromProto(const v1::AdmitRequest& p) {
+  RequestSpec s;
+  s.id = RequestId(p.request_id());
+  s.ns = FromProto(p.namespace_());
+  s.prompt = TokensFromProto(p.prompt());
+  s.max_new_tokens = p.max_new_tokens();
+  s.session = SessionId(p.session_id());
+  s.resume_from = RequestId(p.resume_from());
+  s.owner = WorkerId(p.worker_id());
+  return s;
+}
+
+void ToProto(const RequestSpec& s, v1::AdmitRequest* p) {
+  p->set_request_id(s.id.value());
+  ToProto(s.ns, p->mutable_namespace_());
+  CopyTokens(s.prompt, p->mutable_prompt());
+  p->set_max_new_tokens(s.max_new_tokens);
+  p->set_session_id(s.session.value());
+  p->set_resume_from(s.resume_from.value());
+  p->set_worker_id(s.owner.value());
+}
+
+void ToProto(const AdmitResult& r, v1::AdmitResponse* p) {
+  p->set_admitted(r.decision == AdmitDecision::kAdmitted);
+  p->set_projected_bytes(r.projected_bytes);
+  p->set_available_bytes(r.available_bytes);
+}
+
+AdmitResult FromProto(const v1::AdmitResponse& p) {
+  AdmitResult r;
+  r.decision = p.admitted() ? AdmitDecision::kAdmitted : AdmitDecision::kWait;
+  r.projected_bytes = p.projected_bytes();
+  r.available_bytes = p.available_bytes();
+  return r;
+}
+
+void ToProto(const AcquireResult& r, v1::AcquireResponse* p) {
+  p->set_pool_id(r.pool);
+  CopyTokens(r.blocks, p->mutable_blocks());
+  p->set_num_tokens(r.num_tokens);
+  p->set_cached_tokens(r.cached_tokens);
+  p->set_resumed(r.resumed);
+  CopyTokens(r.resumed_tokens, p->mutable_resumed_tokens());
+  p->set_engine_state(r.engine_state);
+}
+
+AcquireResult FromProto(const v1::AcquireResponse& p) {
+  AcquireResult r;
+  r.pool = p.pool_id();
+  r.blocks.assign(p.blocks().begin(), p.blocks().end());
+  r.num_tokens = p.num_tokens();
+  r.cached_tokens = p.cached_tokens();
+  r.resumed = p.resumed();
+  r.resumed_tokens = TokensFromProto(p.resumed_tokens());
+  r.engine_state = p.engine_state();
+  return r;
+}
+
+void ToProto(const PublishResult& r, v1::PublishResponse* p) {
+  for (PublishOutcome o : r.outcomes) p->add_outcomes(static_cast<v1::PublishOutcome>(o));
+  p->set_kept(r.kept);
+}
+
+PublishResult FromProto(const v1::PublishResponse& p) {
+  PublishResult r;
+  for (int o : p.outcomes()) r.outcomes.push_back(static_cast<PublishOutcome>(o));
+  r.kept = p.kept();
+  return r;
+}
+
+void ToProto(const CacheReport& r, v1::ReportResponse* p) {
+  for (const PoolReport& pool : r.pools) {
+    v1::PoolReport* q = p->add_pools();
+    q->set_name(pool.name);
+    q->set_block_bytes(pool.block_bytes);
+    q->set_capacity_blocks(pool.capacity_blocks);
+    q->set_free_blocks(pool.free_blocks);
+    q->set_owned_blocks(pool.owned_blocks);
+    q->set_cached_blocks(pool.cached_blocks);
+    q->set_evictable_blocks(pool.evictable_blocks);
+    q->set_protected_blocks(pool.protected_blocks);
+    q->set_reserved_blocks(pool.reserved_blocks);
+  }
+  p->set_budget_bytes(r.budget_bytes);
+  p->set_reserved_bytes(r.reserved_bytes);
+  p->set_checkpoint_bytes(r.checkpoint_bytes);
+  p->set_lookups(r.lookups);
+  p->set_hit_tokens(r.hit_tokens);
+  p->set_miss_tokens(r.miss_tokens);
+  p->set_resumed(r.resumed);
+  p->set_published_blocks(r.published_blocks);
+  p->set_duplicate_blocks(r.duplicate_blocks);
+  for (int i = 0; i < kNumEvictReasons; ++i) {
+    (*p->mutable_evictions())[EvictReasonName(static_cast<EvictReason>(i))] = r.evictions[i];
+  }
+  p->set_admitted(r.admitted);
+  p->set_waited(r.waited);
+  p->set_rejected(r.rejected);
+  p->set_live_requests(r.live_requests);
+  p->set_orphaned_checkpoints(r.orphaned_checkpoints);
+  p->set_sessions(r.sessions);
+  p->set_indexed_blocks(r.indexed_blocks);
+  p->set_pressure(PressureLevelName(r.pressure));
+  p->set_available_fraction(r.available_fraction);
+  p->set_last_event_sequence(r.last_event_sequence);
+}
+
+CacheReport FromProto(const v1::ReportResponse& p) {
+  CacheReport r;
+  for (const v1::PoolReport& q : p.pools()) {
+    PoolReport pool;
+    pool.name = q.name();
+    pool.block_bytes = q.block_bytes();
+    pool.capacity_blocks = q.capacity_blocks();
+    pool.free_blocks = q.free_blocks();
+    pool.owned_blocks = q.owned_blocks();
+    pool.cached_blocks = q.cached_blocks();
+    pool.evictable_blocks = q.evictable_blocks();
+    pool.protected_blocks = q.protected_blocks();
+    pool.reserved_blocks = q.reserved_blocks();
+    r.pools.push_back(std::move(pool));
+  }
+  r.budget_bytes = p.budget_bytes();
+  r.reserved_bytes = p.reserved_bytes();
+  r.checkpoint_bytes = p.checkpoint_bytes();
+  r.lookups = p.lookups();
+  r.hit_tokens = p.hit_tokens();
+  r.miss_tokens = p.miss_tokens();
+  r.resumed = p.resumed();
+  r.published_blocks = p.published_blocks();
+  r.duplicate_blocks = p.duplicate_blocks();
+  for (int i = 0; i < kNumEvictReasons; ++i) {
+    auto it = p.evictions().find(EvictReasonName(static_cast<EvictReason>(i)));
+    if (it != p.evictions().end()) r.evictions[i] = it->second;
+  }
+  r.admitted = p.admitted();
+  r.waited = p.waited();
+  r.rejected = p.rejected();
+  r.live_requests = p.live_requests();
+  r.orphaned_checkpoints = p.orphaned_checkpoints();
+  r.sessions = p.sessions();
+  r.indexed_blocks = p.indexed_blocks();
+  r.pressure = p.pressure() == "critical" ? PressureLevel::kCritical
+               : p.pressure() == "high"   ? PressureLevel::kHigh
+                                          : PressureLevel::kNormal;
+  r.available_fraction = p.available_fraction();
+  r.last_event_sequence = p.last_event_sequence();
+  return r;
+}
+
+void ToProto(const HandleInfo& h, v1::Handle* p) {
+  p->set_request_id(h.id.value());
+  p->set_pool(h.pool);
+  p->set_worker_id(h.owner.value());
+  p->set_session_id(h.session.value());
+  p->set_acquired(h.acquired);
+  p->set_num_tokens(h.num_tokens);
+  p->set_cached_tokens(h.cached_tokens);
+  p->set_reserved_bytes(h.reserved_bytes);
+  CopyTokens(h.blocks, p->mutable_blocks());
+  p->set_has_checkpoint(h.has_checkpoint);
+}
+
+HandleInfo FromProto(const v1::Handle& p) {
+  HandleInfo h;
+  h.id = RequestId(p.request_id());
+  h.pool = p.pool();
+  h.owner = WorkerId(p.worker_id());
+  h.session = SessionId(p.session_id());
+  h.acquired = p.acquired();
+  h.num_tokens = p.num_tokens();
+  h.cached_tokens = p.cached_tokens();
+  h.reserved_bytes = p.reserved_bytes();
+  h.blocks.assign(p.blocks().begin(), p.blocks().end());
+  h.has_checkpoint = p.has_checkpoint();
+  return h;
+}
+
+void ToProto(const CacheEvent& e, v1::CacheEvent* p) {
+  p->set_sequence(e.sequence);
+  p->set_kind(static_cast<v1::CacheEvent::Kind>(e.kind));
+  p->set_unix_ms(absl::ToUnixMillis(e.time));
+  p->set_pool(e.pool);
+  p->set_adapter(e.adapter);
+  if (e.kind != CacheEventKind::kCleared) p->set_block_key(KeyBytes(e.key));
+  if (e.has_parent) p->set_parent_key(KeyBytes(e.parent_key));
+  p->set_block(e.block);
+  p->set_block_tokens(e.block_tokens);
+  CopyTokens(e.tokens, p->mutable_tokens());
+}
+
+CacheEvent FromProto(const v1::CacheEvent& p) {
+  CacheEvent e;
+  e.sequence = p.sequence();
+  e.kind = static_cast<CacheEventKind>(p.kind());
+  e.time = absl::FromUnixMillis(p.unix_ms());
+  e.pool = p.pool();
+  e.adapter = p.adapter();
+  e.key = KeyFromBytes(p.block_key());
+  e.has_parent = !p.parent_key().empty();
+  e.parent_key = KeyFromBytes(p.parent_key());
+  e.block = p.block();
+  e.block_tokens = p.block_tokens();
+  e.tokens = TokensFromProto(p.tokens());
+  return e;
+}
+
+void ToProto(PoolId id, const PoolGeometry& g, v1::PoolInfo* p) {
+  p->set_pool_id(id);
+  p->set_name(g.name);
+  p->set_block_tokens(g.block_tokens);
+  p->set_num_layers(g.num_layers);
+  p->set_bytes_per_token_per_layer(g.bytes_per_token_per_layer);
+  p->set_capacity_blocks(g.capacity_blocks);
+  p->set_max_model_len(g.max_model_len);
+  p->set_layout(g.layout == PoolLayout::kLayerMajor ? v1::LAYOUT_LAYER_MAJOR : v1::LAYOUT_BLOCK_MAJOR);
+  p->set_block_bytes(g.block_bytes());
+  p->set_layer_block_bytes(g.layer_block_bytes());
+}
+
+PoolGeometry GeometryFromProto(const v1::PoolInfo& p) {
+  PoolGeometry g;
+  g.name = p.name();
+  g.block_tokens = p.block_tokens();
+  g.num_layers = p.num_layers();
+  g.bytes_per_token_per_layer = p.bytes_per_token_per_layer();
+  g.capacity_blocks = p.capacity_blocks();
+  g.max_model_len = p.max_model_len();
+  g.num_shards = std::max(1, p.slabs_size());
+  g.layout = p.layout() == v1::LAYOUT_BLOCK_MAJOR ? PoolLayout::kBlockMajor : PoolLayout::kLayerMajor;
+  return g;
+}
+
+}  // namespace kvd

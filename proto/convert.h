@@ -1,0 +1,45 @@
+// Conversions between kvd.v1 protobuf messages and the core's C++ types, used by the server's
+// handlers and by the client library alike (conversions live at the edge, in one place).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "kvd/v1/kvd.pb.h"
+#include "server/core/cache_types.h"
+#include "server/core/event_log.h"
+#include "server/core/pool_geometry.h"
+
+namespace kvd {
+
+Namespace FromProto(const v1::Namespace& p);
+void ToProto(const Namespace& ns, v1::Namespace* p);
+
+RequestSpec SpecFromProto(const v1::AdmitRequest& p);
+void ToProto(const RequestSpec& spec, v1::AdmitRequest* p);
+
+void ToProto(const AdmitResult& r, v1::AdmitResponse* p);
+AdmitResult FromProto(const v1::AdmitResponse& p);
+
+void ToProto(const AcquireResult& r, v1::AcquireResponse* p);
+AcquireResult FromProto(const v1::AcquireResponse& p);
+
+void ToProto(const PublishResult& r, v1::PublishResponse* p);
+PublishResult FromProto(const v1::PublishResponse& p);
+
+void ToProto(const CacheReport& r, v1::ReportResponse* p);
+CacheReport FromProto(const v1::ReportResponse& p);
+
+void ToProto(const HandleInfo& h, v1::Handle* p);
+HandleInfo FromProto(const v1::Handle& p);
+
+void ToProto(const CacheEvent& e, v1::CacheEvent* p);
+CacheEvent FromProto(const v1::CacheEvent& p);
+
+// Geometry of a pool as carried in ListPools (slabs are filled by the caller).
+void ToProto(PoolId id, const PoolGeometry& g, v1::PoolInfo* p);
+PoolGeometry GeometryFromProto(const v1::PoolInfo& p);
+
+std::vector<Token> TokensFromProto(const google::protobuf::RepeatedField<uint32_t>& p);
+
+}  // namespace kvd

@@ -1,0 +1,103 @@
+#include "server/daemon.h"
+
+#include <sys/stat.h>
+
+#include <filesystem>
+
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gpu/host_arena.h"
+#include "server/core/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace kvd {
+namespace {
+
+absl::Status EnsureParentDir(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+  if (ec) return absl::PermissionDeniedError(absl::StrCat("cannot create the directory of ", path, ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
+  options.ApplyDefaults();
+  KVD_RETURN_IF_ERROR(options.Validate());
+  std::unique_ptr<Daemon> d(new Daemon(std::move(options)));
+  const ServerOptions& so = d->options_.server;
+
+  KVD_ASSIGN_OR_RETURN(d->cache_, KvCache::Create(d->options_.cache, SystemClock::Get()));
+  KVD_ASSIGN_OR_RETURN(d->arena_, HostArena::Create(d->options_.cache.pools));
+  d->workers_ = std::make_unique<AttachmentRegistry>(SystemClock::Get(), so.lease_ttl);
+  KVD_ASSIGN_OR_RETURN(d->metrics_, Metrics::Start(so.metrics_listen, d->cache_.get(), d->workers_.get()));
+  KVD_RETURN_IF_ERROR(EnsureParentDir(so.side_socket));
+  KVD_ASSIGN_OR_RETURN(d->side_, SlabSideChannel::Start(so.side_socket, d->arena_.get(), d->workers_.get()));
+  d->service_ = std::make_unique<KvdService>(d->cache_.get(), d->workers_.get(), d->arena_.get(),
+                                             d->metrics_.get(), so.side_socket, so.lease_ttl);
+
+  const bool unix_socket = absl::StartsWith(so.listen, "unix://");
+  if (unix_socket) KVD_RETURN_IF_ERROR(EnsureParentDir(so.listen.substr(7)));
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(so.listen, grpc::InsecureServerCredentials(), unix_socket ? nullptr : &port);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(so.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(so.max_message_bytes));
+  builder.RegisterService(d->service_.get());
+  d->server_ = builder.BuildAndStart();
+  if (d->server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", so.listen));
+  }
+  if (unix_socket) {
+    // Only the daemon's user and group may connect; the side socket also checks SO_PEERCRED.
+    ::chmod(so.listen.substr(7).c_str(), 0660);
+  } else if (port > 0 && absl::EndsWith(so.listen, ":0")) {
+    d->options_.server.listen = absl::StrCat(so.listen.substr(0, so.listen.size() - 1), port);
+  }
+  d->reaper_ = std::thread([raw = d.get()] { raw->ReapLapsedLeases(); });
+  spdlog::info("kvd serving on {} (backend {}, {} pools, side socket {}, metrics port {})",
+               d->options_.server.listen, d->arena_->backend(), d->options_.cache.pools.size(),
+               so.side_socket, d->metrics_->port());
+  return d;
+}
+
+void Daemon::ReapLapsedLeases() {
+  const absl::Duration period =
+      std::min(absl::Seconds(1), options_.server.lease_ttl / 4);
+  while (!stop_reaper_.WaitForNotificationWithTimeout(period)) {
+    for (const WorkerId& w : workers_->TakeLapsed()) service_->WorkerGone(w, "lease lapsed");
+  }
+}
+
+int64_t Daemon::Drain(absl::Duration timeout) {
+  service_->StartDraining();
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  const absl::Time deadline = absl::Now() + timeout;
+  int64_t live = cache_->Report().live_requests;
+  while (live > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+    live = cache_->Report().live_requests;
+  }
+  spdlog::info("drained: {} requests still live", live);
+  return live;
+}
+
+Daemon::~Daemon() {
+  stop_reaper_.Notify();
+  if (reaper_.joinable()) reaper_.join();
+  if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  server_.reset();
+  side_.reset();
+  if (absl::StartsWith(options_.server.listen, "unix://")) {
+    std::error_code ec;
+    std::filesystem::remove(options_.server.listen.substr(7), ec);
+  }
+}
+
+}  // namespace kvd

@@ -1,0 +1,57 @@
+// Daemon assembles kvd from its Options: the cache engine, the memory arena, the attachment
+// registry and lease reaper, the slab side socket, the gRPC server and the metrics endpoint.
+// It owns all of them; destruction stops them in reverse order.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <grpcpp/server.h>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "gpu/device_arena.h"
+#include "server/core/kv_cache.h"
+#include "server/obs/metrics.h"
+#include "server/options.h"
+#include "server/rpc/attachments.h"
+#include "server/rpc/kvd_service.h"
+#include "server/rpc/slab_side_channel.h"
+
+namespace kvd {
+
+class Daemon {
+ public:
+  // Validates `options` (after ApplyDefaults), allocates memory, binds every socket and starts
+  // serving. Any failure is returned with what failed named, before anything is left running.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(Options options);
+  ~Daemon();
+
+  // Stops admitting (new Admit/Attach get UNAVAILABLE, health turns NOT_SERVING) and waits up to
+  // `timeout` for live requests to finish. Returns how many were still live.
+  int64_t Drain(absl::Duration timeout);
+
+  const Options& options() const { return options_; }
+  const std::string& grpc_address() const { return options_.server.listen; }
+  const std::string& side_socket() const { return options_.server.side_socket; }
+  int metrics_port() const { return metrics_->port(); }
+  KvCache* cache() const { return cache_.get(); }
+
+ private:
+  explicit Daemon(Options options) : options_(std::move(options)) {}
+  void ReapLapsedLeases();
+
+  Options options_;
+  std::unique_ptr<KvCache> cache_;
+  std::unique_ptr<DeviceArena> arena_;
+  std::unique_ptr<AttachmentRegistry> workers_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<SlabSideChannel> side_;
+  std::unique_ptr<KvdService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  absl::Notification stop_reaper_;
+  std::thread reaper_;
+};
+
+}  // namespace kvd

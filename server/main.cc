@@ -1,0 +1,104 @@
+// kvd: flags, config file and environment -> Options -> Daemon; runs until SIGTERM or SIGINT,
+// then drains (new work gets UNAVAILABLE, running requests may finish) and exits 0.
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "server/daemon.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
+#include "spdlog/spdlog.h"
+
+namespace {
+
+void WriteReadyFile(const std::string& path, const kvd::Daemon& d) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << "{\"grpc\": \"" << d.grpc_address() << "\", \"side_socket\": \"" << d.side_socket()
+        << "\", \"metrics_port\": " << d.metrics_port() << ", \"pid\": " << getpid() << "}\n";
+  }
+  std::rename(tmp.c_str(), path.c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  CLI::App app{"kvd: the node's KV-cache daemon"};
+  std::string config, listen, side_socket, metrics_listen, backend, ready_file, log_level;
+  int64_t max_message_bytes = 0;
+  double lease_ttl_s = 0, drain_timeout_s = -1;
+  app.add_option("--config", config, "YAML config file (pools, budget, policies)")->envname("KVD_CONFIG");
+  app.add_option("--listen", listen, "gRPC address: unix:///path or HOST:PORT")->envname("KVD_LISTEN");
+  app.add_option("--side-socket", side_socket, "Unix socket passing slab fds (default: <listen>.slabs)");
+  app.add_option("--metrics-listen", metrics_listen, "HOST:PORT for /metrics; empty disables")
+      ->envname("KVD_METRICS_LISTEN");
+  app.add_option("--backend", backend, "memory backend: host")->envname("KVD_BACKEND");
+  app.add_option("--ready-file", ready_file, "write a JSON file with the bound addresses once serving");
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->envname("KVD_LOG_LEVEL");
+  app.add_option("--max-message-bytes", max_message_bytes, "largest gRPC message accepted");
+  app.add_option("--lease-ttl", lease_ttl_s, "seconds without heartbeat before a worker is dead");
+  app.add_option("--drain-timeout", drain_timeout_s, "seconds running requests get on SIGTERM");
+  CLI11_PARSE(app, argc, argv);
+
+  kvd::Options options;
+  if (!config.empty()) {
+    absl::Status s = kvd::LoadConfigFile(config, &options);
+    if (!s.ok()) {
+      std::cerr << "kvd: " << s.message() << "\n";
+      return 2;
+    }
+  }
+  // Flags and environment override the file.
+  if (!listen.empty()) options.server.listen = listen;
+  if (!side_socket.empty()) options.server.side_socket = side_socket;
+  if (app.count("--metrics-listen") > 0 || std::getenv("KVD_METRICS_LISTEN") != nullptr) {
+    options.server.metrics_listen = metrics_listen;
+  }
+  if (!backend.empty()) options.server.backend = backend;
+  if (!ready_file.empty()) options.server.ready_file = ready_file;
+  if (!log_level.empty()) options.server.log_level = log_level;
+  if (max_message_bytes > 0) options.server.max_message_bytes = max_message_bytes;
+  if (lease_ttl_s > 0) options.server.lease_ttl = absl::Seconds(lease_ttl_s);
+  if (drain_timeout_s >= 0) options.server.drain_timeout = absl::Seconds(drain_timeout_s);
+
+  spdlog::set_default_logger(spdlog::stderr_color_mt("kvd"));
+  spdlog::set_level(spdlog::level::from_str(options.server.log_level));
+
+  // Block the shutdown signals before any thread starts, so only sigwait below receives them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto daemon = kvd::Daemon::Start(options);
+  if (!daemon.ok()) {
+    std::cerr << "kvd: " << daemon.status().message() << "\n";
+    return 1;
+  }
+  std::cout << "kvd: workers connect to " << (*daemon)->grpc_address() << "\n";
+  if ((*daemon)->metrics_port() > 0) {
+    std::cout << "kvd: metrics at http://" << options.server.metrics_listen.substr(0, options.server.metrics_listen.rfind(':'))
+              << ":" << (*daemon)->metrics_port() << "/metrics\n";
+  }
+  std::cout.flush();
+  if (!options.server.ready_file.empty()) WriteReadyFile(options.server.ready_file, **daemon);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("received signal {}: draining for up to {}", sig,
+               absl::FormatDuration((*daemon)->options().server.drain_timeout));
+  (*daemon)->Drain((*daemon)->options().server.drain_timeout);
+  daemon->reset();
+  spdlog::info("kvd stopped");
+  return 0;
+}

@@ -1,0 +1,52 @@
+// Metrics: kvd's Prometheus endpoint. RPC latency by method and status code is recorded as it
+// happens; cache state (blocks by state, hit and miss tokens, evictions, budget, pressure,
+// attached workers) is read from KvCache::Report() at scrape time, so nothing is double-counted.
+// Thread-safe.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace prometheus {
+class Collectable;
+class Exposer;
+class Registry;
+template <typename T>
+class Family;
+class Histogram;
+}  // namespace prometheus
+
+namespace kvd {
+
+class KvCache;
+class AttachmentRegistry;
+
+class Metrics {
+ public:
+  // Serves /metrics on `listen` (HOST:PORT, port 0 picks a free one); empty serves nothing but
+  // still records. `cache` and `workers` are borrowed and must outlive this. UNAVAILABLE when the
+  // address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<Metrics>> Start(const std::string& listen,
+                                                        const KvCache* cache,
+                                                        const AttachmentRegistry* workers);
+  ~Metrics();
+
+  void ObserveRpc(absl::string_view method, absl::StatusCode code, double seconds);
+  // The bound port, or 0 when not serving.
+  int port() const { return port_; }
+
+ private:
+  Metrics() = default;
+
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<prometheus::Collectable> collector_;  // cache state, read at scrape time
+  prometheus::Family<prometheus::Histogram>* rpc_latency_ = nullptr;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+};
+
+}  // namespace kvd

@@ -1,0 +1,157 @@
+#include "server/options.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+
+#include <yaml-cpp/yaml.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "server/core/status_macros.h"
+
+namespace kvd {
+namespace {
+
+std::string DefaultSocketDir() {
+  if (geteuid() == 0) return "/run/kvd";
+  if (const char* xdg = std::getenv("XDG_RUNTIME_DIR"); xdg != nullptr && *xdg != '\0') {
+    return absl::StrCat(xdg, "/kvd");
+  }
+  return absl::StrCat("/tmp/kvd-", geteuid());
+}
+
+template <typename T>
+absl::Status Read(const YAML::Node& node, const char* key, T* out, const std::string& where) {
+  const YAML::Node v = node[key];
+  if (!v) return absl::OkStatus();
+  try {
+    *out = v.as<T>();
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": key '", key, "': ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadSeconds(const YAML::Node& node, const char* key, absl::Duration* out,
+                         const std::string& where) {
+  double seconds = absl::ToDoubleSeconds(*out);
+  KVD_RETURN_IF_ERROR(Read(node, key, &seconds, where));
+  *out = absl::Seconds(seconds);
+  return absl::OkStatus();
+}
+
+absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeometry* g) {
+  *g = DefaultPool();
+  g->name.clear();
+  KVD_RETURN_IF_ERROR(Read(node, "name", &g->name, where));
+  KVD_RETURN_IF_ERROR(Read(node, "block_tokens", &g->block_tokens, where));
+  KVD_RETURN_IF_ERROR(Read(node, "num_layers", &g->num_layers, where));
+  KVD_RETURN_IF_ERROR(Read(node, "bytes_per_token_per_layer", &g->bytes_per_token_per_layer, where));
+  KVD_RETURN_IF_ERROR(Read(node, "capacity_blocks", &g->capacity_blocks, where));
+  KVD_RETURN_IF_ERROR(Read(node, "max_model_len", &g->max_model_len, where));
+  KVD_RETURN_IF_ERROR(Read(node, "shards", &g->num_shards, where));
+  std::string layout = PoolLayoutName(g->layout);
+  KVD_RETURN_IF_ERROR(Read(node, "layout", &layout, where));
+  if (layout == "layer_major") {
+    g->layout = PoolLayout::kLayerMajor;
+  } else if (layout == "block_major") {
+    g->layout = PoolLayout::kBlockMajor;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": layout must be layer_major or block_major, not '", layout, "'"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+PoolGeometry DefaultPool() {
+  PoolGeometry g;
+  g.name = "default";
+  g.block_tokens = 16;
+  g.num_layers = 32;
+  g.bytes_per_token_per_layer = 4096;
+  g.capacity_blocks = 64;
+  g.max_model_len = 32768;
+  return g;
+}
+
+void Options::ApplyDefaults() {
+  if (server.listen.empty()) server.listen = absl::StrCat("unix://", DefaultSocketDir(), "/kvd.sock");
+  if (server.side_socket.empty()) {
+    server.side_socket = absl::StartsWith(server.listen, "unix://")
+                             ? absl::StrCat(server.listen.substr(7), ".slabs")
+                             : absl::StrCat(DefaultSocketDir(), "/kvd-slabs.sock");
+  }
+  if (cache.pools.empty()) cache.pools.push_back(DefaultPool());
+}
+
+absl::Status Options::Validate() const {
+  if (server.listen.empty()) return absl::InvalidArgumentError("listen address is empty");
+  if (server.backend != "host" && server.backend != "cuda" && server.backend != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("backend must be host, cuda or auto, not '", server.backend, "'"));
+  }
+  if (server.max_message_bytes < 4096) {
+    return absl::InvalidArgumentError("max_message_bytes must be >= 4096");
+  }
+  if (server.lease_ttl <= absl::ZeroDuration()) return absl::InvalidArgumentError("lease_ttl must be > 0");
+  if (server.drain_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("drain_timeout must be >= 0");
+  }
+  return cache.Validate();
+}
+
+absl::Status LoadConfigFile(const std::string& path, Options* options) {
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("config ", path, ": ", e.what()));
+  }
+  if (!root.IsMap()) return absl::InvalidArgumentError(absl::StrCat("config ", path, ": not a map"));
+  const std::string where = absl::StrCat("config ", path);
+  static const char* kKnown[] = {
+      "listen", "side_socket", "metrics_listen", "backend", "max_message_bytes", "lease_ttl_s",
+      "drain_timeout_s", "log_level", "budget_bytes", "session_ttl_s", "session_max_protected_blocks",
+      "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes",
+      "boundary_high_watermark", "boundary_low_watermark", "event_buffer", "pools"};
+  for (const auto& kv : root) {
+    const std::string key = kv.first.as<std::string>();
+    bool known = false;
+    for (const char* k : kKnown) known |= key == k;
+    if (!known) return absl::InvalidArgumentError(absl::StrCat(where, ": unknown key '", key, "'"));
+  }
+  ServerOptions& s = options->server;
+  CacheOptions& c = options->cache;
+  KVD_RETURN_IF_ERROR(Read(root, "listen", &s.listen, where));
+  KVD_RETURN_IF_ERROR(Read(root, "side_socket", &s.side_socket, where));
+  KVD_RETURN_IF_ERROR(Read(root, "metrics_listen", &s.metrics_listen, where));
+  KVD_RETURN_IF_ERROR(Read(root, "backend", &s.backend, where));
+  KVD_RETURN_IF_ERROR(Read(root, "max_message_bytes", &s.max_message_bytes, where));
+  KVD_RETURN_IF_ERROR(ReadSeconds(root, "lease_ttl_s", &s.lease_ttl, where));
+  KVD_RETURN_IF_ERROR(ReadSeconds(root, "drain_timeout_s", &s.drain_timeout, where));
+  KVD_RETURN_IF_ERROR(Read(root, "log_level", &s.log_level, where));
+  KVD_RETURN_IF_ERROR(Read(root, "budget_bytes", &c.budget_bytes, where));
+  KVD_RETURN_IF_ERROR(ReadSeconds(root, "session_ttl_s", &c.session_ttl, where));
+  KVD_RETURN_IF_ERROR(Read(root, "session_max_protected_blocks", &c.session_max_protected_blocks, where));
+  KVD_RETURN_IF_ERROR(Read(root, "checkpoint_budget_bytes", &c.checkpoint_budget_bytes, where));
+  KVD_RETURN_IF_ERROR(ReadSeconds(root, "checkpoint_ttl_s", &c.checkpoint_ttl, where));
+  KVD_RETURN_IF_ERROR(Read(root, "max_engine_state_bytes", &c.max_engine_state_bytes, where));
+  KVD_RETURN_IF_ERROR(Read(root, "boundary_high_watermark", &c.boundary_high_watermark, where));
+  KVD_RETURN_IF_ERROR(Read(root, "boundary_low_watermark", &c.boundary_low_watermark, where));
+  KVD_RETURN_IF_ERROR(Read(root, "event_buffer", &c.event_buffer, where));
+  if (const YAML::Node pools = root["pools"]) {
+    if (!pools.IsSequence()) return absl::InvalidArgumentError(absl::StrCat(where, ": pools must be a list"));
+    c.pools.clear();
+    for (size_t i = 0; i < pools.size(); ++i) {
+      PoolGeometry g;
+      KVD_RETURN_IF_ERROR(ReadPool(pools[i], absl::StrCat(where, ": pools[", i, "]"), &g));
+      c.pools.push_back(std::move(g));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvd

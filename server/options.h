@@ -1,0 +1,55 @@
+// Options is the daemon's whole configuration: one sub-struct per component, each field with its
+// meaning and default. Flags, the YAML config file and environment overrides all land here, and
+// Validate() runs once at start-up, before anything binds.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/core/cache_options.h"
+
+namespace kvd {
+
+struct ServerOptions {
+  // gRPC address: unix:///path (default: /run/kvd/kvd.sock as root, else
+  // $XDG_RUNTIME_DIR/kvd/kvd.sock or /tmp/kvd-<uid>/kvd.sock) or HOST:PORT for TCP.
+  std::string listen;
+  // Side socket that passes slab fds to workers. Default: the gRPC socket path + ".slabs".
+  std::string side_socket;
+  // Prometheus /metrics endpoint, HOST:PORT (port 0 picks one). Empty disables. Default
+  // 127.0.0.1:9464.
+  std::string metrics_listen = "127.0.0.1:9464";
+  // Memory backend: "host", "cuda" or "auto" (cuda when a GPU is usable, else host). Default host.
+  std::string backend = "host";
+  // Largest gRPC message accepted, in bytes. Default 64 MiB.
+  int64_t max_message_bytes = int64_t{64} << 20;
+  // A worker that sends no heartbeat for this long is considered dead. Default 10s.
+  absl::Duration lease_ttl = absl::Seconds(10);
+  // On SIGTERM, how long running requests may take to finish. Default 30s.
+  absl::Duration drain_timeout = absl::Seconds(30);
+  // When set, a JSON file written once kvd serves: {"grpc": ..., "side_socket": ..., "metrics_port": N}.
+  std::string ready_file;
+  // spdlog level: trace, debug, info, warn, error. Default info.
+  std::string log_level = "info";
+};
+
+struct Options {
+  ServerOptions server;
+  CacheOptions cache;
+
+  // Fills defaults that depend on the environment (listen address, side socket, default pool).
+  void ApplyDefaults();
+  // INVALID_ARGUMENT naming the first bad field.
+  absl::Status Validate() const;
+};
+
+// The pool served when the config declares none: Llama-3-8B-shaped (32 layers, 4 KiB per token
+// per layer in bf16, 16-token blocks of 2 MiB), 64 blocks (128 MiB).
+PoolGeometry DefaultPool();
+
+// Reads a YAML config file into `options` (fields it names override, others stay).
+// INVALID_ARGUMENT naming the file, key and problem.
+absl::Status LoadConfigFile(const std::string& path, Options* options);
+
+}  // namespace kvd

@@ -1,0 +1,262 @@
+#include "server/rpc/kvd_service.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "proto/convert.h"
+#include "proto/grpc_status.h"
+#include "server/core/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace kvd {
+namespace {
+
+absl::Status Draining() {
+  return absl::UnavailableError("kvd is draining: no new work is admitted");
+}
+
+absl::Status RequireId(absl::string_view what, const std::string& value) {
+  if (value.empty()) return absl::InvalidArgumentError(absl::StrCat(what, " is required"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+KvdService::KvdService(KvCache* cache, AttachmentRegistry* workers, const DeviceArena* arena,
+                       Metrics* metrics, std::string side_socket, absl::Duration lease_ttl)
+    : cache_(cache),
+      workers_(workers),
+      arena_(arena),
+      metrics_(metrics),
+      side_socket_(std::move(side_socket)),
+      lease_ttl_(lease_ttl) {}
+
+template <typename Fn>
+grpc::ServerUnaryReactor* KvdService::Unary(grpc::CallbackServerContext* ctx, const char* method,
+                                            Fn&& fn) {
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status status = fn();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  metrics_->ObserveRpc(method, status.code(), seconds);
+  if (!status.ok()) spdlog::debug("{} -> {}", method, status.ToString());
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+absl::Status KvdService::CheckWorker(const std::string& worker_id,
+                                     const std::string& request_id) const {
+  KVD_RETURN_IF_ERROR(RequireId("worker_id", worker_id));
+  KVD_RETURN_IF_ERROR(workers_->Check(WorkerId(worker_id)));
+  if (request_id.empty()) return absl::OkStatus();
+  return cache_->CheckOwner(RequestId(request_id), WorkerId(worker_id));
+}
+
+void KvdService::WorkerGone(const WorkerId& worker, absl::string_view why) {
+  workers_->Remove(worker);
+  const int64_t released = cache_->ReleaseWorker(worker);
+  spdlog::info("worker {} gone ({}): released {} requests as interrupted", worker.value(), std::string(why),
+               released);
+}
+
+grpc::ServerUnaryReactor* KvdService::ListPools(grpc::CallbackServerContext* ctx,
+                                                const v1::ListPoolsRequest*,
+                                                v1::ListPoolsResponse* resp) {
+  return Unary(ctx, "ListPools", [&] {
+    const auto& pools = cache_->pools();
+    for (PoolId id = 0; id < pools.size(); ++id) {
+      v1::PoolInfo* info = resp->add_pools();
+      ToProto(id, pools[id], info);
+      for (const SlabDescriptor& s : arena_->slabs()) {
+        if (s.pool != id) continue;
+        v1::SlabInfo* slab = info->add_slabs();
+        slab->set_shard(s.shard);
+        slab->set_device(s.device);
+        slab->set_size_bytes(s.size_bytes);
+        slab->set_cuda_ipc_handle(s.cuda_ipc_handle);
+      }
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Admit(grpc::CallbackServerContext* ctx,
+                                            const v1::AdmitRequest* req, v1::AdmitResponse* resp) {
+  return Unary(ctx, "Admit", [&]() -> absl::Status {
+    if (draining()) return Draining();
+    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), ""));
+    KVD_ASSIGN_OR_RETURN(AdmitResult r, cache_->Admit(SpecFromProto(*req)));
+    ToProto(r, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Fits(grpc::CallbackServerContext* ctx,
+                                           const v1::AdmitRequest* req, v1::AdmitResponse* resp) {
+  return Unary(ctx, "Fits", [&]() -> absl::Status {
+    if (draining()) return Draining();
+    KVD_ASSIGN_OR_RETURN(AdmitResult r, cache_->Fits(SpecFromProto(*req)));
+    ToProto(r, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Acquire(grpc::CallbackServerContext* ctx,
+                                              const v1::AcquireRequest* req,
+                                              v1::AcquireResponse* resp) {
+  return Unary(ctx, "Acquire", [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
+    KVD_ASSIGN_OR_RETURN(AcquireResult r, cache_->Acquire(RequestId(req->request_id())));
+    ToProto(r, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Extend(grpc::CallbackServerContext* ctx,
+                                             const v1::ExtendRequest* req,
+                                             v1::ExtendResponse* resp) {
+  return Unary(ctx, "Extend", [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
+    KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> blocks,
+                         cache_->Extend(RequestId(req->request_id()), req->additional_tokens()));
+    resp->mutable_new_blocks()->Add(blocks.begin(), blocks.end());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Publish(grpc::CallbackServerContext* ctx,
+                                              const v1::PublishRequest* req,
+                                              v1::PublishResponse* resp) {
+  return Unary(ctx, "Publish", [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
+    std::vector<BlockIndex> blocks(req->blocks().begin(), req->blocks().end());
+    KVD_ASSIGN_OR_RETURN(PublishResult r, cache_->Publish(RequestId(req->request_id()),
+                                                          TokensFromProto(req->tokens()), blocks));
+    ToProto(r, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Keeps(grpc::CallbackServerContext* ctx,
+                                            const v1::PublishRequest* req,
+                                            v1::PublishResponse* resp) {
+  return Unary(ctx, "Keeps", [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
+    std::vector<BlockIndex> blocks(req->blocks().begin(), req->blocks().end());
+    KVD_ASSIGN_OR_RETURN(PublishResult r, cache_->Keeps(RequestId(req->request_id()),
+                                                        TokensFromProto(req->tokens()), blocks));
+    ToProto(r, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Release(grpc::CallbackServerContext* ctx,
+                                              const v1::ReleaseRequest* req,
+                                              v1::ReleaseResponse*) {
+  return Unary(ctx, "Release", [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
+    return cache_->Release(RequestId(req->request_id()), req->completed());
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Checkpoint(grpc::CallbackServerContext* ctx,
+                                                 const v1::CheckpointRequest* req,
+                                                 v1::CheckpointResponse*) {
+  return Unary(ctx, "Checkpoint", [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
+    return cache_->Checkpoint(RequestId(req->request_id()), TokensFromProto(req->tokens()),
+                              req->engine_state());
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::PeekPrefixLen(grpc::CallbackServerContext* ctx,
+                                                    const v1::PeekPrefixLenRequest* req,
+                                                    v1::PeekPrefixLenResponse* resp) {
+  return Unary(ctx, "PeekPrefixLen", [&]() -> absl::Status {
+    KVD_ASSIGN_OR_RETURN(int64_t n, cache_->PeekPrefixLen(FromProto(req->namespace_()),
+                                                          TokensFromProto(req->tokens())));
+    resp->set_cached_tokens(n);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::CloseSession(grpc::CallbackServerContext* ctx,
+                                                   const v1::CloseSessionRequest* req,
+                                                   v1::CloseSessionResponse*) {
+  return Unary(ctx, "CloseSession", [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(RequireId("session_id", req->session_id()));
+    return cache_->CloseSession(SessionId(req->session_id()));
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::GetSession(grpc::CallbackServerContext* ctx,
+                                                 const v1::GetSessionRequest* req,
+                                                 v1::SessionInfo* resp) {
+  return Unary(ctx, "GetSession", [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(RequireId("session_id", req->session_id()));
+    KVD_ASSIGN_OR_RETURN(SessionInfo info, cache_->GetSession(SessionId(req->session_id())));
+    resp->set_session_id(info.id.value());
+    resp->set_worker_id(info.worker.value());
+    resp->set_protected_blocks(info.protected_blocks);
+    resp->set_expires_unix_ms(absl::ToUnixMillis(info.expires_at));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Boundary(grpc::CallbackServerContext* ctx,
+                                               const v1::BoundaryRequest*,
+                                               v1::BoundaryResponse* resp) {
+  return Unary(ctx, "Boundary", [&] {
+    resp->set_evicted_blocks(cache_->Boundary());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Gc(grpc::CallbackServerContext* ctx,
+                                         const v1::GcRequest* req, v1::GcResponse* resp) {
+  return Unary(ctx, "Gc", [&]() -> absl::Status {
+    if (req->max_idle_ms() < 0) return absl::InvalidArgumentError("max_idle_ms must be >= 0");
+    GcStats s = cache_->Gc(absl::Milliseconds(req->max_idle_ms()));
+    resp->set_blocks_freed(s.blocks_freed);
+    resp->set_bytes_freed(s.bytes_freed);
+    resp->set_checkpoints_dropped(s.checkpoints_dropped);
+    resp->set_sessions_expired(s.sessions_expired);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Report(grpc::CallbackServerContext* ctx,
+                                             const v1::ReportRequest*, v1::ReportResponse* resp) {
+  return Unary(ctx, "Report", [&] {
+    ToProto(cache_->Report(), resp);
+    resp->set_attached_workers(workers_->size());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::ListHandles(grpc::CallbackServerContext* ctx,
+                                                  const v1::ListHandlesRequest*,
+                                                  v1::ListHandlesResponse* resp) {
+  return Unary(ctx, "ListHandles", [&] {
+    for (const HandleInfo& h : cache_->ListHandles()) ToProto(h, resp->add_handles());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::GetHandle(grpc::CallbackServerContext* ctx,
+                                                const v1::GetHandleRequest* req, v1::Handle* resp) {
+  return Unary(ctx, "GetHandle", [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(RequireId("request_id", req->request_id()));
+    KVD_ASSIGN_OR_RETURN(HandleInfo h, cache_->GetHandle(RequestId(req->request_id())));
+    ToProto(h, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Ping(grpc::CallbackServerContext* ctx,
+                                           const v1::PingRequest*, v1::PingResponse*) {
+  return Unary(ctx, "Ping", [] { return absl::OkStatus(); });
+}
+
+}  // namespace kvd

@@ -1,0 +1,107 @@
+// KvdService implements kvd.v1.Kvd with gRPC's callback API. Handlers are thin: convert the
+// request, call KvCache, convert the answer; Unary() does status conversion, metrics and logging
+// for every RPC in one place. Core calls never block (one short mutex), so handlers run inline on
+// gRPC's threads. The streaming RPCs (Attach, WatchEvents, WatchPressure) are reactors in
+// streams.cc.
+#pragma once
+
+#include <atomic>
+#include <string>
+
+#include "absl/status/status.h"
+#include "gpu/device_arena.h"
+#include "kvd/v1/kvd.grpc.pb.h"
+#include "server/core/kv_cache.h"
+#include "server/obs/metrics.h"
+#include "server/rpc/attachments.h"
+
+namespace kvd {
+
+class KvdService final : public v1::Kvd::CallbackService {
+ public:
+  // Everything is borrowed and must outlive the service (the Daemon owns it all).
+  KvdService(KvCache* cache, AttachmentRegistry* workers, const DeviceArena* arena,
+             Metrics* metrics, std::string side_socket, absl::Duration lease_ttl);
+
+  // After this, Admit, Fits and Attach answer UNAVAILABLE; running requests continue.
+  void StartDraining() { draining_.store(true); }
+  bool draining() const { return draining_.load(); }
+  // A worker's attachment ended (stream closed or lease lapsed): release what it held.
+  void WorkerGone(const WorkerId& worker, absl::string_view why);
+
+  KvCache* cache() const { return cache_; }
+  AttachmentRegistry* workers() const { return workers_; }
+  const DeviceArena* arena() const { return arena_; }
+  const std::string& side_socket() const { return side_socket_; }
+  absl::Duration lease_ttl() const { return lease_ttl_; }
+
+  grpc::ServerBidiReactor<v1::AttachRequest, v1::AttachResponse>* Attach(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* ListPools(grpc::CallbackServerContext* ctx,
+                                      const v1::ListPoolsRequest* req,
+                                      v1::ListPoolsResponse* resp) override;
+  grpc::ServerUnaryReactor* Admit(grpc::CallbackServerContext* ctx, const v1::AdmitRequest* req,
+                                  v1::AdmitResponse* resp) override;
+  grpc::ServerUnaryReactor* Fits(grpc::CallbackServerContext* ctx, const v1::AdmitRequest* req,
+                                 v1::AdmitResponse* resp) override;
+  grpc::ServerUnaryReactor* Acquire(grpc::CallbackServerContext* ctx,
+                                    const v1::AcquireRequest* req,
+                                    v1::AcquireResponse* resp) override;
+  grpc::ServerUnaryReactor* Extend(grpc::CallbackServerContext* ctx, const v1::ExtendRequest* req,
+                                   v1::ExtendResponse* resp) override;
+  grpc::ServerUnaryReactor* Publish(grpc::CallbackServerContext* ctx,
+                                    const v1::PublishRequest* req,
+                                    v1::PublishResponse* resp) override;
+  grpc::ServerUnaryReactor* Keeps(grpc::CallbackServerContext* ctx, const v1::PublishRequest* req,
+                                  v1::PublishResponse* resp) override;
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx,
+                                    const v1::ReleaseRequest* req,
+                                    v1::ReleaseResponse* resp) override;
+  grpc::ServerUnaryReactor* Checkpoint(grpc::CallbackServerContext* ctx,
+                                       const v1::CheckpointRequest* req,
+                                       v1::CheckpointResponse* resp) override;
+  grpc::ServerUnaryReactor* PeekPrefixLen(grpc::CallbackServerContext* ctx,
+                                          const v1::PeekPrefixLenRequest* req,
+                                          v1::PeekPrefixLenResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
+                                         const v1::CloseSessionRequest* req,
+                                         v1::CloseSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* ctx,
+                                       const v1::GetSessionRequest* req,
+                                       v1::SessionInfo* resp) override;
+  grpc::ServerUnaryReactor* Boundary(grpc::CallbackServerContext* ctx,
+                                     const v1::BoundaryRequest* req,
+                                     v1::BoundaryResponse* resp) override;
+  grpc::ServerUnaryReactor* Gc(grpc::CallbackServerContext* ctx, const v1::GcRequest* req,
+                               v1::GcResponse* resp) override;
+  grpc::ServerUnaryReactor* Report(grpc::CallbackServerContext* ctx, const v1::ReportRequest* req,
+                                   v1::ReportResponse* resp) override;
+  grpc::ServerUnaryReactor* ListHandles(grpc::CallbackServerContext* ctx,
+                                        const v1::ListHandlesRequest* req,
+                                        v1::ListHandlesResponse* resp) override;
+  grpc::ServerUnaryReactor* GetHandle(grpc::CallbackServerContext* ctx,
+                                      const v1::GetHandleRequest* req, v1::Handle* resp) override;
+  grpc::ServerWriteReactor<v1::EventBatch>* WatchEvents(grpc::CallbackServerContext* ctx,
+                                                        const v1::WatchEventsRequest* req) override;
+  grpc::ServerWriteReactor<v1::PressureUpdate>* WatchPressure(
+      grpc::CallbackServerContext* ctx, const v1::WatchPressureRequest* req) override;
+  grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext* ctx, const v1::PingRequest* req,
+                                 v1::PingResponse* resp) override;
+
+ private:
+  // Runs `fn` (returning absl::Status), records latency and code, logs failures, finishes the call.
+  template <typename Fn>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn&& fn);
+  // The worker is attached and, when `request_id` is set, holds that request.
+  absl::Status CheckWorker(const std::string& worker_id, const std::string& request_id) const;
+
+  KvCache* const cache_;
+  AttachmentRegistry* const workers_;
+  const DeviceArena* const arena_;
+  Metrics* const metrics_;
+  const std::string side_socket_;
+  const absl::Duration lease_ttl_;
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace kvd

@@ -1,0 +1,87 @@
+#include "server/rpc/slab_side_channel.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+
+namespace kvd {
+
+absl::StatusOr<std::unique_ptr<SlabSideChannel>> SlabSideChannel::Start(
+    const std::string& path, const DeviceArena* arena, AttachmentRegistry* registry) {
+  auto listen_fd = ListenUnix(path, 0660);
+  if (!listen_fd.ok()) return listen_fd.status();
+  int pipe_fds[2];
+  if (pipe2(pipe_fds, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
+  return std::unique_ptr<SlabSideChannel>(new SlabSideChannel(
+      path, std::move(*listen_fd), UniqueFd(pipe_fds[0]), UniqueFd(pipe_fds[1]), arena, registry));
+}
+
+SlabSideChannel::SlabSideChannel(std::string path, UniqueFd listen_fd, UniqueFd wake_read,
+                                 UniqueFd wake_write, const DeviceArena* arena,
+                                 AttachmentRegistry* registry)
+    : path_(std::move(path)),
+      listen_fd_(std::move(listen_fd)),
+      wake_read_(std::move(wake_read)),
+      wake_write_(std::move(wake_write)),
+      arena_(arena),
+      registry_(registry) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+SlabSideChannel::~SlabSideChannel() {
+  const char b = 'x';
+  (void)!::write(wake_write_.get(), &b, 1);
+  if (thread_.joinable()) thread_.join();
+  ::unlink(path_.c_str());
+}
+
+void SlabSideChannel::Loop() {
+  for (;;) {
+    pollfd fds[2] = {{listen_fd_.get(), POLLIN, 0}, {wake_read_.get(), POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      spdlog::error("side socket: poll failed: {}", std::strerror(errno));
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    if (fds[0].revents & POLLIN) {
+      UniqueFd conn(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (!conn.valid()) continue;
+      timeval timeout{2, 0};
+      setsockopt(conn.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+      setsockopt(conn.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+      Serve(conn.get());
+    }
+  }
+}
+
+void SlabSideChannel::Serve(int conn) {
+  auto refuse = [conn](const absl::Status& why) {
+    spdlog::warn("side socket: refused a peer: {}", why.ToString());
+    (void)SendMessage(conn, absl::StrCat("ERR ", why.message()), {});
+  };
+  auto peer = GetPeerCredentials(conn);
+  if (!peer.ok()) return refuse(peer.status());
+  auto token = ReceiveMessage(conn, /*max_payload=*/256, /*max_fds=*/0);
+  if (!token.ok()) return refuse(token.status());
+  absl::Status redeemed = registry_->RedeemToken(token->payload, *peer);
+  if (!redeemed.ok()) return refuse(redeemed);
+  const auto& slabs = arena_->slabs();
+  if (!SendMessage(conn, absl::StrCat("OK ", slabs.size()), {}).ok()) return;
+  for (const SlabDescriptor& s : slabs) {
+    std::vector<int> fds;
+    if (s.fd >= 0) fds.push_back(s.fd);
+    if (!SendMessage(conn, absl::StrCat(s.pool, " ", s.shard, " ", s.size_bytes), fds).ok()) return;
+  }
+  spdlog::info("side socket: sent {} slab fds to pid {}", slabs.size(), peer->pid);
+}
+
+}  // namespace kvd

@@ -1,0 +1,262 @@
+// KvdService's streaming RPCs: Attach (a worker's lifetime), WatchEvents and WatchPressure.
+//
+// Reactors delete themselves in OnDone. Listeners registered with KvCache may still run briefly
+// after RemoveListener returns (delivery happens outside the cache lock), so they reach their
+// reactor only through a shared Link that OnDone severs under its mutex.
+#include <memory>
+#include <optional>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/convert.h"
+#include "proto/grpc_status.h"
+#include "server/rpc/kvd_service.h"
+#include "spdlog/spdlog.h"
+
+namespace kvd {
+namespace {
+
+class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1::AttachResponse> {
+ public:
+  explicit AttachReactor(KvdService* service) : service_(service) { StartRead(&request_); }
+
+  void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    if (!ok) {  // the worker closed the stream or died
+      FinishLocked(grpc::Status::OK);
+      return;
+    }
+    if (worker_.empty()) {
+      if (!request_.has_hello()) {
+        FinishLocked(ToGrpcStatus(absl::InvalidArgumentError("the first Attach message must be hello")));
+        return;
+      }
+      if (service_->draining()) {
+        FinishLocked(ToGrpcStatus(absl::UnavailableError("kvd is draining: no new workers")));
+        return;
+      }
+      const v1::Hello& hello = request_.hello();
+      auto attached = service_->workers()->Register(hello.worker_name(), hello.pid());
+      worker_ = attached.id;
+      v1::Attached* a = response_.mutable_attached();
+      a->set_worker_id(attached.id.value());
+      a->set_side_socket(service_->side_socket());
+      a->set_slab_token(attached.slab_token);
+      a->set_lease_ttl_ms(absl::ToInt64Milliseconds(service_->lease_ttl()));
+      a->set_backend(service_->arena()->backend());
+      spdlog::info("worker {} attached (name '{}', pid {})", worker_.value(), hello.worker_name(),
+                   hello.pid());
+      writing_ = true;
+      StartWrite(&response_);
+    } else if (absl::Status renewed = service_->workers()->Renew(worker_); !renewed.ok()) {
+      FinishLocked(ToGrpcStatus(renewed));
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnWriteDone(bool) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    if (pending_finish_) Finish(*pending_finish_);
+  }
+
+  void OnDone() override {
+    if (!worker_.empty()) service_->WorkerGone(worker_, "attach stream ended");
+    delete this;
+  }
+
+ private:
+  // Finish waits for an outstanding write to complete first.
+  void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    finished_ = true;
+    if (writing_) {
+      pending_finish_ = std::move(status);
+    } else {
+      Finish(std::move(status));
+    }
+  }
+
+  KvdService* const service_;
+  v1::AttachRequest request_;
+  v1::AttachResponse response_;
+  WorkerId worker_;  // set once, on hello
+  absl::Mutex mu_;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<grpc::Status> pending_finish_ ABSL_GUARDED_BY(mu_);
+};
+
+// A reactor that writes one message at a time and is pumped whenever there may be more to
+// write: at start, after each write, and from a KvCache listener.
+template <typename Message>
+class PumpedWriter : public grpc::ServerWriteReactor<Message> {
+ public:
+  // What a listener holds: the writer, until OnDone severs the link.
+  struct Link {
+    absl::Mutex mu;
+    PumpedWriter* writer ABSL_GUARDED_BY(mu) = nullptr;
+  };
+
+  explicit PumpedWriter(KvCache* cache) : cache_(cache), link_(std::make_shared<Link>()) {
+    absl::MutexLock lock(&link_->mu);
+    link_->writer = this;
+  }
+
+  // Writes the next message unless one is in flight. REQUIRES: link()->mu held.
+  void PumpLocked() {
+    if (writing_ || finish_requested_) return;
+    next_.Clear();
+    if (!NextLocked(&next_)) return;
+    writing_ = true;
+    this->StartWrite(&next_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&link_->mu);
+    writing_ = false;
+    if (finish_requested_) {
+      this->Finish(pending_status_);
+      return;
+    }
+    if (!ok) {
+      RequestFinishLocked(grpc::Status::CANCELLED);
+      return;
+    }
+    PumpLocked();
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&link_->mu);
+    RequestFinishLocked(grpc::Status::CANCELLED);
+  }
+
+  void OnDone() override {
+    cache_->RemoveListener(listener_);
+    {
+      absl::MutexLock lock(&link_->mu);
+      link_->writer = nullptr;
+    }
+    delete this;
+  }
+
+ protected:
+  // Fills `next` with the next message; false when there is nothing to send now.
+  virtual bool NextLocked(Message* next) = 0;
+
+  std::weak_ptr<Link> weak_link() const { return link_; }
+  // Records the KvCache listener to remove in OnDone, then sends what there is.
+  void Begin(int listener) {
+    listener_ = listener;
+    absl::MutexLock lock(&link_->mu);
+    PumpLocked();
+  }
+
+ private:
+  void RequestFinishLocked(grpc::Status status) {
+    if (finish_requested_) return;
+    finish_requested_ = true;
+    if (writing_) {
+      pending_status_ = std::move(status);  // finished in OnWriteDone
+    } else {
+      this->Finish(std::move(status));
+    }
+  }
+
+  KvCache* const cache_;
+  std::shared_ptr<Link> link_;
+  int listener_ = 0;
+  // Guarded by link_->mu.
+  Message next_;
+  bool writing_ = false;
+  bool finish_requested_ = false;
+  grpc::Status pending_status_;
+};
+
+class EventsReactor final : public PumpedWriter<v1::EventBatch> {
+ public:
+  EventsReactor(KvCache* cache, uint64_t after_sequence)
+      : PumpedWriter(cache), events_(cache->events()), last_(after_sequence) {
+    std::weak_ptr<Link> weak = weak_link();
+    Begin(cache->AddEventListener([weak](const CacheEvent&) {
+      if (auto link = weak.lock()) {
+        absl::MutexLock lock(&link->mu);
+        if (link->writer != nullptr) link->writer->PumpLocked();
+      }
+    }));
+  }
+
+ private:
+  bool NextLocked(v1::EventBatch* batch) override {
+    constexpr size_t kMaxBatch = 512;
+    EventLog::ReadResult r = events_.ReadAfter(last_, kMaxBatch);
+    if (r.resync) {
+      batch->set_resync(true);
+      last_ = events_.last_sequence();
+      return true;
+    }
+    if (r.events.empty()) return false;
+    for (const CacheEvent& e : r.events) ToProto(e, batch->add_events());
+    last_ = r.events.back().sequence;
+    return true;
+  }
+
+  const EventLog& events_;
+  uint64_t last_;  // guarded by the link's mutex
+};
+
+class PressureReactor final : public PumpedWriter<v1::PressureUpdate> {
+ public:
+  explicit PressureReactor(KvCache* cache) : PumpedWriter(cache) {
+    const CacheReport r = cache->Report();
+    level_ = r.pressure;
+    available_ = r.available_fraction;
+    std::weak_ptr<Link> weak = weak_link();
+    Begin(cache->AddPressureListener([weak](PressureLevel level, double available) {
+      if (auto link = weak.lock()) {
+        absl::MutexLock lock(&link->mu);
+        if (link->writer == nullptr) return;
+        auto* self = static_cast<PressureReactor*>(link->writer);
+        self->level_ = level;
+        self->available_ = available;
+        self->dirty_ = true;
+        self->PumpLocked();
+      }
+    }));
+  }
+
+ private:
+  bool NextLocked(v1::PressureUpdate* update) override {
+    if (!dirty_) return false;
+    dirty_ = false;
+    update->set_level(PressureLevelName(level_));
+    update->set_available_fraction(available_);
+    return true;
+  }
+
+  // Guarded by the link's mutex; only the latest level matters.
+  PressureLevel level_ = PressureLevel::kNormal;
+  double available_ = 1.0;
+  bool dirty_ = true;
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<v1::AttachRequest, v1::AttachResponse>* KvdService::Attach(
+    grpc::CallbackServerContext*) {
+  return new AttachReactor(this);
+}
+
+grpc::ServerWriteReactor<v1::EventBatch>* KvdService::WatchEvents(
+    grpc::CallbackServerContext*, const v1::WatchEventsRequest* req) {
+  return new EventsReactor(cache_, req->after_sequence());
+}
+
+grpc::ServerWriteReactor<v1::PressureUpdate>* KvdService::WatchPressure(
+    grpc::CallbackServerContext*, const v1::WatchPressureRequest*) {
+  return new PressureReactor(cache_);
+}
+
+}  // namespace kvd
