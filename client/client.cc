@@ -1,0 +1,419 @@
+#include "client/client.h"
+
+#include <unistd.h>
+
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/notification.h"
+#include "gpu/fd_passing.h"
+#include "gpu/host_arena.h"
+#include "kvd/v1/kvd.grpc.pb.h"
+#include "proto/convert.h"
+#include "proto/grpc_status.h"
+#include "server/core/status_macros.h"
+
+namespace kvd::client {
+
+struct Client::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Kvd::Stub> stub;
+  WorkerId worker;
+  std::string backend;
+  std::vector<PoolView> pools;
+  std::vector<MappedSlab> mappings;
+
+  grpc::ClientContext attach_ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> attach;
+  absl::Notification stop;
+  std::thread heartbeat;
+
+  template <typename Resp, typename Fn>
+  absl::StatusOr<Resp> Call(Fn&& fn) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    Resp resp;
+    grpc::Status s = fn(&ctx, &resp);
+    if (!s.ok()) return FromGrpcStatus(s);
+    return resp;
+  }
+
+  absl::Status AttachAndMap(const v1::Attached& attached);
+  void Heartbeat() {
+    const absl::Duration period = options.heartbeat_period;
+    while (!stop.WaitForNotificationWithTimeout(period)) {
+      v1::AttachRequest beat;
+      beat.mutable_heartbeat();
+      if (!attach->Write(beat)) return;  // the daemon ended the attachment
+    }
+  }
+};
+
+absl::Status Client::Impl::AttachAndMap(const v1::Attached& attached) {
+  auto listed = Call<v1::ListPoolsResponse>([&](grpc::ClientContext* ctx, v1::ListPoolsResponse* r) {
+    return stub->ListPools(ctx, v1::ListPoolsRequest(), r);
+  });
+  if (!listed.ok()) return listed.status();
+  for (const v1::PoolInfo& p : listed->pools()) {
+    PoolView view;
+    view.id = p.pool_id();
+    view.geometry = GeometryFromProto(p);
+    view.layout = SlabLayout(view.geometry);
+    view.shard_base.assign(p.slabs_size(), nullptr);
+    for (const v1::SlabInfo& s : p.slabs()) view.slab_bytes.push_back(s.size_bytes());
+    pools.push_back(std::move(view));
+  }
+  if (!options.map_slabs || backend != "host") return absl::OkStatus();
+
+  KVD_ASSIGN_OR_RETURN(UniqueFd sock, ConnectUnix(attached.side_socket()));
+  KVD_RETURN_IF_ERROR(SendMessage(sock.get(), attached.slab_token(), {}));
+  KVD_ASSIGN_OR_RETURN(ReceivedMessage hello, ReceiveMessage(sock.get(), 4096, 0));
+  if (absl::StartsWith(hello.payload, "ERR ")) {
+    return absl::PermissionDeniedError(absl::StrCat("side socket refused: ", hello.payload.substr(4)));
+  }
+  int64_t count = 0;
+  absl::string_view greeting = hello.payload;
+  if (!absl::ConsumePrefix(&greeting, "OK ") || !absl::SimpleAtoi(greeting, &count)) {
+    return absl::InternalError("side socket: malformed greeting");
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    KVD_ASSIGN_OR_RETURN(ReceivedMessage m, ReceiveMessage(sock.get(), 256, 1));
+    std::vector<std::string> parts = absl::StrSplit(m.payload, ' ');
+    uint32_t pool = 0, shard = 0;
+    int64_t size = 0;
+    if (parts.size() != 3 || m.fds.size() != 1 || !absl::SimpleAtoi(parts[0], &pool) ||
+        !absl::SimpleAtoi(parts[1], &shard) || !absl::SimpleAtoi(parts[2], &size) ||
+        pool >= pools.size() || shard >= pools[pool].shard_base.size()) {
+      return absl::InternalError(absl::StrCat("side socket: malformed slab message '", m.payload, "'"));
+    }
+    KVD_ASSIGN_OR_RETURN(MappedSlab slab, MappedSlab::Map(std::move(m.fds[0]), size));
+    pools[pool].shard_base[shard] = slab.data();
+    mappings.push_back(std::move(slab));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  impl->channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  if (!impl->channel->WaitForConnected(std::chrono::system_clock::now() +
+                                       absl::ToChronoMilliseconds(options.connect_timeout))) {
+    return absl::UnavailableError(absl::StrCat("cannot reach kvd at ", options.target));
+  }
+  impl->stub = v1::Kvd::NewStub(impl->channel);
+  impl->attach = impl->stub->Attach(&impl->attach_ctx);
+  v1::AttachRequest hello;
+  hello.mutable_hello()->set_worker_name(options.worker_name);
+  hello.mutable_hello()->set_pid(getpid());
+  v1::AttachResponse resp;
+  if (!impl->attach->Write(hello) || !impl->attach->Read(&resp) || !resp.has_attached()) {
+    grpc::Status s = impl->attach->Finish();
+    return s.ok() ? absl::UnavailableError("kvd closed the attach stream") : FromGrpcStatus(s);
+  }
+  impl->worker = WorkerId(resp.attached().worker_id());
+  impl->backend = resp.attached().backend();
+  if (absl::Status s = impl->AttachAndMap(resp.attached()); !s.ok()) {
+    impl->attach_ctx.TryCancel();
+    return s;
+  }
+  Impl* raw = impl.get();
+  impl->heartbeat = std::thread([raw] { raw->Heartbeat(); });
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Client::~Client() {
+  impl_->stop.Notify();
+  if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
+  impl_->attach->WritesDone();
+  impl_->attach->Finish();
+}
+
+const WorkerId& Client::worker_id() const { return impl_->worker; }
+const std::string& Client::backend() const { return impl_->backend; }
+const std::vector<PoolView>& Client::pools() const { return impl_->pools; }
+
+absl::StatusOr<const PoolView*> Client::FindPool(absl::string_view name) const {
+  for (const PoolView& p : impl_->pools) {
+    if (p.geometry.name == name) return &p;
+  }
+  return absl::NotFoundError(absl::StrCat("unknown pool '", name, "'"));
+}
+
+absl::StatusOr<uint8_t*> Client::LayerPointer(PoolId pool, BlockIndex block, int32_t layer,
+                                              uint32_t shard) const {
+  if (pool >= impl_->pools.size()) return absl::NotFoundError(absl::StrCat("unknown pool ", pool));
+  const PoolView& p = impl_->pools[pool];
+  if (shard >= p.shard_base.size() || p.shard_base[shard] == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("shard ", shard, " of pool ", pool, " is not mapped"));
+  }
+  KVD_ASSIGN_OR_RETURN(int64_t offset, p.layout.Offset(block, layer));
+  return p.shard_base[shard] + offset;
+}
+
+absl::StatusOr<AdmitResult> Client::Admit(RequestSpec spec) {
+  spec.owner = impl_->worker;
+  v1::AdmitRequest req;
+  ToProto(spec, &req);
+  KVD_ASSIGN_OR_RETURN(v1::AdmitResponse r, impl_->Call<v1::AdmitResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->Admit(ctx, req, resp);
+  }));
+  return FromProto(r);
+}
+
+absl::StatusOr<AdmitResult> Client::Fits(RequestSpec spec) {
+  spec.owner = impl_->worker;
+  v1::AdmitRequest req;
+  ToProto(spec, &req);
+  KVD_ASSIGN_OR_RETURN(v1::AdmitResponse r, impl_->Call<v1::AdmitResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->Fits(ctx, req, resp);
+  }));
+  return FromProto(r);
+}
+
+absl::StatusOr<AcquireResult> Client::Acquire(const RequestId& id) {
+  v1::AcquireRequest req;
+  req.set_worker_id(impl_->worker.value());
+  req.set_request_id(id.value());
+  KVD_ASSIGN_OR_RETURN(v1::AcquireResponse r, impl_->Call<v1::AcquireResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->Acquire(ctx, req, resp);
+  }));
+  return FromProto(r);
+}
+
+absl::StatusOr<std::vector<BlockIndex>> Client::Extend(const RequestId& id, int64_t additional_tokens) {
+  v1::ExtendRequest req;
+  req.set_worker_id(impl_->worker.value());
+  req.set_request_id(id.value());
+  req.set_additional_tokens(additional_tokens);
+  KVD_ASSIGN_OR_RETURN(v1::ExtendResponse r, impl_->Call<v1::ExtendResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->Extend(ctx, req, resp);
+  }));
+  return std::vector<BlockIndex>(r.new_blocks().begin(), r.new_blocks().end());
+}
+
+namespace {
+v1::PublishRequest MakePublish(const WorkerId& w, const RequestId& id, absl::Span<const Token> tokens,
+                               absl::Span<const BlockIndex> blocks) {
+  v1::PublishRequest req;
+  req.set_worker_id(w.value());
+  req.set_request_id(id.value());
+  req.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  req.mutable_blocks()->Add(blocks.begin(), blocks.end());
+  return req;
+}
+}  // namespace
+
+absl::StatusOr<PublishResult> Client::Publish(const RequestId& id, absl::Span<const Token> tokens,
+                                              absl::Span<const BlockIndex> blocks) {
+  v1::PublishRequest req = MakePublish(impl_->worker, id, tokens, blocks);
+  KVD_ASSIGN_OR_RETURN(v1::PublishResponse r, impl_->Call<v1::PublishResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->Publish(ctx, req, resp);
+  }));
+  return FromProto(r);
+}
+
+absl::StatusOr<PublishResult> Client::Keeps(const RequestId& id, absl::Span<const Token> tokens,
+                                            absl::Span<const BlockIndex> blocks) {
+  v1::PublishRequest req = MakePublish(impl_->worker, id, tokens, blocks);
+  KVD_ASSIGN_OR_RETURN(v1::PublishResponse r, impl_->Call<v1::PublishResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->Keeps(ctx, req, resp);
+  }));
+  return FromProto(r);
+}
+
+absl::Status Client::Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
+                                const std::string& engine_state) {
+  v1::CheckpointRequest req;
+  req.set_worker_id(impl_->worker.value());
+  req.set_request_id(id.value());
+  req.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  req.set_engine_state(engine_state);
+  return impl_->Call<v1::CheckpointResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->Checkpoint(ctx, req, resp);
+  }).status();
+}
+
+absl::Status Client::Release(const RequestId& id, bool completed) {
+  v1::ReleaseRequest req;
+  req.set_worker_id(impl_->worker.value());
+  req.set_request_id(id.value());
+  req.set_completed(completed);
+  return impl_->Call<v1::ReleaseResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->Release(ctx, req, resp);
+  }).status();
+}
+
+absl::StatusOr<int64_t> Client::PeekPrefixLen(const Namespace& ns, absl::Span<const Token> tokens) {
+  v1::PeekPrefixLenRequest req;
+  ToProto(ns, req.mutable_namespace_());
+  req.mutable_tokens()->Add(tokens.begin(), tokens.end());
+  KVD_ASSIGN_OR_RETURN(v1::PeekPrefixLenResponse r, impl_->Call<v1::PeekPrefixLenResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->PeekPrefixLen(ctx, req, resp);
+  }));
+  return r.cached_tokens();
+}
+
+absl::Status Client::CloseSession(const SessionId& session) {
+  v1::CloseSessionRequest req;
+  req.set_session_id(session.value());
+  return impl_->Call<v1::CloseSessionResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->CloseSession(ctx, req, resp);
+  }).status();
+}
+
+absl::StatusOr<SessionInfo> Client::GetSession(const SessionId& session) {
+  v1::GetSessionRequest req;
+  req.set_session_id(session.value());
+  KVD_ASSIGN_OR_RETURN(v1::SessionInfo r, impl_->Call<v1::SessionInfo>([&](auto* ctx, auto* resp) {
+    return impl_->stub->GetSession(ctx, req, resp);
+  }));
+  SessionInfo info;
+  info.id = SessionId(r.session_id());
+  info.worker = WorkerId(r.worker_id());
+  info.protected_blocks = r.protected_blocks();
+  info.expires_at = absl::FromUnixMillis(r.expires_unix_ms());
+  return info;
+}
+
+absl::StatusOr<GcStats> Client::Gc(absl::Duration max_idle) {
+  v1::GcRequest req;
+  req.set_max_idle_ms(absl::ToInt64Milliseconds(max_idle));
+  KVD_ASSIGN_OR_RETURN(v1::GcResponse r, impl_->Call<v1::GcResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->Gc(ctx, req, resp);
+  }));
+  return GcStats{r.blocks_freed(), r.bytes_freed(), r.checkpoints_dropped(), r.sessions_expired()};
+}
+
+absl::StatusOr<int64_t> Client::Boundary() {
+  KVD_ASSIGN_OR_RETURN(v1::BoundaryResponse r, impl_->Call<v1::BoundaryResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->Boundary(ctx, v1::BoundaryRequest(), resp);
+  }));
+  return r.evicted_blocks();
+}
+
+absl::StatusOr<CacheReport> Client::Report() {
+  KVD_ASSIGN_OR_RETURN(v1::ReportResponse r, impl_->Call<v1::ReportResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->Report(ctx, v1::ReportRequest(), resp);
+  }));
+  return FromProto(r);
+}
+
+absl::StatusOr<std::vector<HandleInfo>> Client::ListHandles() {
+  KVD_ASSIGN_OR_RETURN(v1::ListHandlesResponse r, impl_->Call<v1::ListHandlesResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->ListHandles(ctx, v1::ListHandlesRequest(), resp);
+  }));
+  std::vector<HandleInfo> out;
+  for (const v1::Handle& h : r.handles()) out.push_back(FromProto(h));
+  return out;
+}
+
+absl::StatusOr<HandleInfo> Client::GetHandle(const RequestId& id) {
+  v1::GetHandleRequest req;
+  req.set_request_id(id.value());
+  KVD_ASSIGN_OR_RETURN(v1::Handle r, impl_->Call<v1::Handle>([&](auto* ctx, auto* resp) {
+    return impl_->stub->GetHandle(ctx, req, resp);
+  }));
+  return FromProto(r);
+}
+
+absl::Status Client::Ping() {
+  return impl_->Call<v1::PingResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->Ping(ctx, v1::PingRequest(), resp);
+  }).status();
+}
+
+namespace {
+
+class GrpcEventWatcher final : public EventWatcher {
+ public:
+  GrpcEventWatcher(v1::Kvd::Stub* stub, uint64_t after) {
+    v1::WatchEventsRequest req;
+    req.set_after_sequence(after);
+    reader_ = stub->WatchEvents(&ctx_, req);
+  }
+  ~GrpcEventWatcher() override {
+    ctx_.TryCancel();
+    reader_->Finish();
+  }
+  absl::StatusOr<Batch> Next() override {
+    v1::EventBatch b;
+    if (!reader_->Read(&b)) return absl::UnavailableError("event stream ended");
+    Batch out;
+    out.resync = b.resync();
+    for (const v1::CacheEvent& e : b.events()) out.events.push_back(FromProto(e));
+    return out;
+  }
+
+ private:
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReader<v1::EventBatch>> reader_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<EventWatcher>> Client::WatchEvents(uint64_t after_sequence) {
+  return std::make_unique<GrpcEventWatcher>(impl_->stub.get(), after_sequence);
+}
+
+absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl::Duration wait) {
+  KVD_ASSIGN_OR_RETURN(const PoolView* pool, FindPool(spec.ns.pool));
+  const absl::Time deadline = absl::Now() + wait;
+  absl::Duration backoff = absl::Milliseconds(1);
+  for (;;) {
+    KVD_ASSIGN_OR_RETURN(AdmitResult admitted, Admit(spec));
+    if (admitted.decision == AdmitDecision::kAdmitted) break;
+    if (absl::Now() + backoff > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("request '", spec.id.value(),
+                                                      "' was not admitted within ", absl::FormatDuration(wait)));
+    }
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Milliseconds(100));
+  }
+  absl::StatusOr<AcquireResult> acquired = Acquire(spec.id);
+  if (!acquired.ok()) {
+    (void)Release(spec.id, /*completed=*/false);
+    return acquired.status();
+  }
+  return std::unique_ptr<KvRequest>(
+      new KvRequest(this, spec.id, std::move(*acquired), pool->geometry.block_tokens));
+}
+
+KvRequest::~KvRequest() {
+  if (!released_) (void)client_->Release(id_, /*completed=*/false);
+}
+
+absl::Status KvRequest::Extend(int64_t n) {
+  KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> added, client_->Extend(id_, n));
+  state_.blocks.insert(state_.blocks.end(), added.begin(), added.end());
+  state_.num_tokens += n;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PublishResult> KvRequest::Publish(absl::Span<const Token> tokens) {
+  const size_t full = std::min(tokens.size() / block_tokens_, state_.blocks.size());
+  return client_->Publish(id_, tokens, absl::MakeConstSpan(state_.blocks).subspan(0, full));
+}
+
+absl::Status KvRequest::Checkpoint(absl::Span<const Token> tokens, const std::string& engine_state) {
+  return client_->Checkpoint(id_, tokens, engine_state);
+}
+
+absl::Status KvRequest::Release(bool completed) {
+  KVD_RETURN_IF_ERROR(client_->Release(id_, completed));
+  released_ = true;
+  return absl::OkStatus();
+}
+
+}  // namespace kvd::client

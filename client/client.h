@@ -1,0 +1,152 @@
+// kvd::client: the library an inference worker links to use kvd.
+//
+//   auto client = kvd::client::Client::Connect({.target = "unix:///run/kvd/kvd.sock"});
+//   auto req = (*client)->Start(spec);            // Admit (waits for budget) + Acquire
+//   uint8_t* k = (*client)->LayerPointer(pool, (*req)->blocks()[i], layer);  // in place
+//   (*req)->Publish(tokens); (*req)->Release(/*completed=*/true);
+//
+// Connect attaches (a stream held for the client's life, renewed by a heartbeat thread), lists
+// the pools and maps every slab once; the mappings live as long as the Client. Every RPC is
+// wrapped to return absl::Status(Or). No gRPC type appears in this header.
+// Thread-safe: RPC wrappers may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "gpu/slab_layout.h"
+#include "server/core/cache_types.h"
+#include "server/core/event_log.h"
+#include "server/core/pool_geometry.h"
+
+namespace kvd::client {
+
+struct ClientOptions {
+  std::string target;                                  // e.g. unix:///run/kvd/kvd.sock
+  std::string worker_name;                             // for the daemon's logs
+  absl::Duration heartbeat_period = absl::Seconds(1);  // keep well under the daemon's lease
+  bool map_slabs = true;                               // false: control plane only (admin tools)
+  absl::Duration connect_timeout = absl::Seconds(5);
+};
+
+// A pool as this worker sees it: geometry, layout and the base address of each shard's slab in
+// this process (nullptr when slabs are not mapped).
+struct PoolView {
+  PoolId id = 0;
+  PoolGeometry geometry;
+  SlabLayout layout{PoolGeometry{}};
+  std::vector<uint8_t*> shard_base;
+  std::vector<int64_t> slab_bytes;
+};
+
+class KvRequest;
+class EventWatcher;
+
+class Client {
+ public:
+  // Attaches and maps slabs. UNAVAILABLE when the daemon cannot be reached or is draining;
+  // PERMISSION_DENIED when the side socket refuses this process.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  // Ends the attachment: the daemon releases, as interrupted, whatever this worker still holds.
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  const WorkerId& worker_id() const;
+  const std::string& backend() const;
+  const std::vector<PoolView>& pools() const;
+  absl::StatusOr<const PoolView*> FindPool(absl::string_view name) const;
+  // Layer `layer` of block `block` of `pool` on `shard`, in this process's mapping.
+  absl::StatusOr<uint8_t*> LayerPointer(PoolId pool, BlockIndex block, int32_t layer,
+                                        uint32_t shard = 0) const;
+
+  // --- RPC wrappers (spec.owner is filled with this worker's id) ---
+  absl::StatusOr<AdmitResult> Admit(RequestSpec spec);
+  absl::StatusOr<AdmitResult> Fits(RequestSpec spec);
+  absl::StatusOr<AcquireResult> Acquire(const RequestId& id);
+  absl::StatusOr<std::vector<BlockIndex>> Extend(const RequestId& id, int64_t additional_tokens);
+  absl::StatusOr<PublishResult> Publish(const RequestId& id, absl::Span<const Token> tokens,
+                                        absl::Span<const BlockIndex> blocks);
+  absl::StatusOr<PublishResult> Keeps(const RequestId& id, absl::Span<const Token> tokens,
+                                      absl::Span<const BlockIndex> blocks);
+  absl::Status Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
+                          const std::string& engine_state);
+  absl::Status Release(const RequestId& id, bool completed);
+  absl::StatusOr<int64_t> PeekPrefixLen(const Namespace& ns, absl::Span<const Token> tokens);
+  absl::Status CloseSession(const SessionId& session);
+  absl::StatusOr<SessionInfo> GetSession(const SessionId& session);
+  absl::StatusOr<GcStats> Gc(absl::Duration max_idle = absl::ZeroDuration());
+  absl::StatusOr<int64_t> Boundary();
+  absl::StatusOr<CacheReport> Report();
+  absl::StatusOr<std::vector<HandleInfo>> ListHandles();
+  absl::StatusOr<HandleInfo> GetHandle(const RequestId& id);
+  absl::Status Ping();
+  // Streams index events with sequence > after_sequence (see EventWatcher).
+  absl::StatusOr<std::unique_ptr<EventWatcher>> WatchEvents(uint64_t after_sequence);
+
+  // Admit (retrying while the answer is "wait", up to `wait`; DEADLINE_EXCEEDED after) then
+  // Acquire, as a request that releases itself (interrupted) if dropped unreleased.
+  absl::StatusOr<std::unique_ptr<KvRequest>> Start(RequestSpec spec,
+                                                   absl::Duration wait = absl::Seconds(10));
+
+  struct Impl;
+
+ private:
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// One acquired request. Destroying it unreleased releases it as interrupted (checkpoints kept).
+// Not thread-safe: one engine thread drives a request.
+class KvRequest {
+ public:
+  ~KvRequest();
+  KvRequest(const KvRequest&) = delete;
+  KvRequest& operator=(const KvRequest&) = delete;
+
+  const RequestId& id() const { return id_; }
+  PoolId pool() const { return state_.pool; }
+  const std::vector<BlockIndex>& blocks() const { return state_.blocks; }
+  int64_t num_tokens() const { return state_.num_tokens; }
+  int64_t cached_tokens() const { return state_.cached_tokens; }
+  bool resumed() const { return state_.resumed; }
+  const std::vector<Token>& resumed_tokens() const { return state_.resumed_tokens; }
+  const std::string& engine_state() const { return state_.engine_state; }
+
+  // Adds positions for `n` more tokens; new blocks are appended to blocks().
+  absl::Status Extend(int64_t n);
+  // Publishes every full block covered by `tokens` (the request's tokens from position 0).
+  absl::StatusOr<PublishResult> Publish(absl::Span<const Token> tokens);
+  absl::Status Checkpoint(absl::Span<const Token> tokens, const std::string& engine_state);
+  absl::Status Release(bool completed);
+
+ private:
+  friend class Client;
+  KvRequest(Client* client, RequestId id, AcquireResult state, int32_t block_tokens)
+      : client_(client), id_(std::move(id)), state_(std::move(state)), block_tokens_(block_tokens) {}
+
+  Client* client_;
+  RequestId id_;
+  AcquireResult state_;
+  int32_t block_tokens_;
+  bool released_ = false;
+};
+
+// A live WatchEvents stream. Next() blocks until a batch arrives or the stream ends.
+class EventWatcher {
+ public:
+  struct Batch {
+    bool resync = false;
+    std::vector<CacheEvent> events;
+  };
+  virtual ~EventWatcher() = default;
+  // The next batch; UNAVAILABLE/CANCELLED when the stream ended.
+  virtual absl::StatusOr<Batch> Next() = 0;
+};
+
+}  // namespace kvd::client
