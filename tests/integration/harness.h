@@ -1,0 +1,84 @@
+// Test harness for integration tests: a real kvd process on a temporary Unix socket (never a
+// fixed port: metrics bind port 0), and real worker processes.
+#pragma once
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace kvd::testing {
+
+// A temporary directory, removed with its contents on destruction.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// A kvd daemon process. The constructor starts it and waits until it serves.
+class DaemonProcess {
+ public:
+  // `config_yaml` becomes its --config; `extra_flags` are appended to the command line.
+  DaemonProcess(const std::string& config_yaml, std::vector<std::string> extra_flags = {});
+  ~DaemonProcess();  // SIGKILLs the daemon if still running
+
+  std::string target() const { return "unix://" + socket_; }
+  const std::string& side_socket() const { return side_socket_; }
+  int metrics_port() const { return metrics_port_; }
+  pid_t pid() const { return pid_; }
+  const std::string& dir() const { return dir_.path(); }
+  // Sends `signal`; with wait, returns the exit code (-signal when killed by one).
+  void Signal(int signal);
+  absl::StatusOr<int> WaitExit(absl::Duration timeout);
+
+ private:
+  TempDir dir_;
+  std::string socket_;
+  std::string side_socket_;
+  int metrics_port_ = 0;
+  pid_t pid_ = -1;
+};
+
+struct ProcessResult {
+  int exit_code = -1;
+  std::string out;
+};
+
+// Runs the example worker with `args` to completion (at most `timeout`).
+ProcessResult RunWorker(const std::vector<std::string>& args, absl::Duration timeout = absl::Seconds(30));
+
+// A worker left running: started, with its stdout readable line by line.
+class WorkerProcess {
+ public:
+  explicit WorkerProcess(const std::vector<std::string>& args);
+  ~WorkerProcess();
+  // Reads stdout until a line starting with `prefix` arrives (or timeout/EOF).
+  absl::StatusOr<std::string> WaitForLine(const std::string& prefix, absl::Duration timeout);
+  void Kill(int signal);
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+  int out_fd_ = -1;
+  std::string buffer_;
+};
+
+// An integer field of a one-line JSON object, e.g. JsonInt(out, "cached_tokens").
+int64_t JsonInt(const std::string& json, const std::string& key);
+bool JsonBool(const std::string& json, const std::string& key);
+
+// GET http://127.0.0.1:port/path over loopback; the body.
+absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+
+// A small pool config: 4-token blocks, 2 layers, 16 bytes per token per layer.
+std::string SmallPoolConfig(int capacity_blocks = 64, const std::string& extra = "");
+
+}  // namespace kvd::testing
