@@ -1,0 +1,203 @@
+// kvd_daemon_bench: control-plane latency and throughput of a live daemon over its Unix socket.
+//
+// Starts kvd in-process (host backend) on a temporary socket, then measures, in the same run:
+//   - Ping (an empty RPC: the transport floor),
+//   - Acquire of a 4,096-token prompt whose prefix is cached (255 of 256 blocks hit),
+//   - a full request cycle: Admit, Acquire, Publish, Release,
+// as p50/p99 over --iterations calls from one client; then cycles per second with 1, 4 and 16
+// concurrent worker processes (this binary re-executed with --child), each its own attachment.
+//
+//   kvd_daemon_bench [--iterations=2000] [--workers=1,4,16] [--seconds=3]
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
+#include "client/client.h"
+#include "server/daemon.h"
+#include "spdlog/spdlog.h"
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int kPromptTokens = 4096;
+
+std::vector<kvd::Token> Prompt(uint32_t tail) {
+  std::vector<kvd::Token> p(kPromptTokens);
+  for (int i = 0; i < kPromptTokens; ++i) p[i] = static_cast<kvd::Token>(i * 7 + 3);
+  p.back() = 1'000'000 + tail;  // the last block differs, so every cycle publishes one new block
+  return p;
+}
+
+kvd::RequestSpec Spec(const std::string& id, uint32_t tail) {
+  kvd::RequestSpec s;
+  s.id = kvd::RequestId(id);
+  s.ns.pool = "bench";
+  s.prompt = Prompt(tail);
+  s.max_new_tokens = 16;
+  return s;
+}
+
+struct Percentiles {
+  double p50_us, p99_us;
+};
+
+Percentiles Summarize(std::vector<double>& us) {
+  std::sort(us.begin(), us.end());
+  return {us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 99 / 100)]};
+}
+
+double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+
+// One full cycle; returns false on error.
+bool Cycle(kvd::client::Client& c, const std::string& id, uint32_t tail) {
+  kvd::RequestSpec s = Spec(id, tail);
+  auto req = c.Start(s);
+  if (!req.ok()) {
+    std::fprintf(stderr, "cycle: %s\n", req.status().ToString().c_str());
+    return false;
+  }
+  return (*req)->Publish(s.prompt).ok() && (*req)->Release(true).ok();
+}
+
+int Child(const std::string& target, int index, double seconds) {
+  auto c = kvd::client::Client::Connect({.target = target, .worker_name = "bench", .map_slabs = false});
+  if (!c.ok()) return 1;
+  const auto end = Clock::now() + std::chrono::duration<double>(seconds);
+  int64_t n = 0;
+  while (Clock::now() < end) {
+    if (!Cycle(**c, absl::StrCat("c", index, "-", n), static_cast<uint32_t>(index * 1'000'000 + n))) return 1;
+    ++n;
+  }
+  std::printf("%lld\n", static_cast<long long>(n));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  int iterations = 2000;
+  double seconds = 3;
+  std::vector<int> workers = {1, 4, 16};
+  std::string child_target;
+  int child_index = -1;
+  for (int i = 1; i < argc; ++i) {
+    std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
+    const std::string v = kv.size() > 1 ? kv[1] : "";
+    if (kv[0] == "--iterations") (void)absl::SimpleAtoi(v, &iterations);
+    else if (kv[0] == "--seconds") (void)absl::SimpleAtod(v, &seconds);
+    else if (kv[0] == "--child-target") child_target = v;
+    else if (kv[0] == "--child-index") (void)absl::SimpleAtoi(v, &child_index);
+    else if (kv[0] == "--workers") {
+      workers.clear();
+      for (absl::string_view w : absl::StrSplit(v, ',')) {
+        int n = 0;
+        if (absl::SimpleAtoi(w, &n)) workers.push_back(n);
+      }
+    }
+  }
+  if (!child_target.empty()) return Child(child_target, child_index, seconds);
+
+  spdlog::set_level(spdlog::level::warn);
+  char dir_template[] = "/tmp/kvd-bench-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  kvd::Options options;
+  options.server.listen = "unix://" + dir + "/kvd.sock";
+  options.server.metrics_listen = "";
+  kvd::PoolGeometry g;
+  g.name = "bench";
+  g.block_tokens = 16;
+  g.num_layers = 32;
+  g.bytes_per_token_per_layer = 64;  // 32 KiB blocks: the control plane does not touch bytes
+  g.capacity_blocks = 16384;
+  g.max_model_len = 8192;
+  options.cache.pools.push_back(g);
+  auto daemon = kvd::Daemon::Start(options);
+  if (!daemon.ok()) {
+    std::fprintf(stderr, "%s\n", daemon.status().ToString().c_str());
+    return 1;
+  }
+  const std::string target = (*daemon)->grpc_address();
+  auto client = kvd::client::Client::Connect({.target = target, .worker_name = "bench"});
+  if (!client.ok()) return 1;
+  kvd::client::Client& c = **client;
+
+  // Prime: the shared 4,095-token prefix is cached.
+  if (!Cycle(c, "prime", 0)) return 1;
+
+  std::vector<double> ping, acquire, cycle;
+  for (int i = 0; i < iterations; ++i) {
+    auto t0 = Clock::now();
+    if (!c.Ping().ok()) return 1;
+    ping.push_back(Micros(Clock::now() - t0));
+
+    kvd::RequestSpec s = Spec(absl::StrCat("a", i), 1 + i);
+    if (!c.Admit(s).ok()) return 1;
+    t0 = Clock::now();
+    auto got = c.Acquire(s.id);
+    acquire.push_back(Micros(Clock::now() - t0));
+    if (!got.ok() || got->cached_tokens != kPromptTokens - 16) return 1;
+    if (!c.Release(s.id, true).ok()) return 1;
+
+    t0 = Clock::now();
+    if (!Cycle(c, absl::StrCat("f", i), 1'000'000 + i)) return 1;
+    cycle.push_back(Micros(Clock::now() - t0));
+  }
+  Percentiles pp = Summarize(ping), pa = Summarize(acquire), pc = Summarize(cycle);
+  std::printf("| call | p50 (us) | p99 (us) | p50 / Ping p50 |\n|---|---|---|---|\n");
+  std::printf("| Ping (empty RPC) | %.1f | %.1f | 1.0 |\n", pp.p50_us, pp.p99_us);
+  std::printf("| Acquire, 4096-token prompt, 4080 tokens hit | %.1f | %.1f | %.1f |\n", pa.p50_us,
+              pa.p99_us, pa.p50_us / pp.p50_us);
+  std::printf("| cycle: Admit+Acquire+Publish+Release | %.1f | %.1f | %.1f |\n", pc.p50_us, pc.p99_us,
+              pc.p50_us / pp.p50_us);
+
+  std::printf("\n| worker processes | cycles/s | per worker |\n|---|---|---|\n");
+  for (int n : workers) {
+    std::vector<std::pair<pid_t, int>> kids;
+    for (int k = 0; k < n; ++k) {
+      int fds[2];
+      if (pipe(fds) != 0) return 1;
+      posix_spawn_file_actions_t actions;
+      posix_spawn_file_actions_init(&actions);
+      posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+      posix_spawn_file_actions_addclose(&actions, fds[0]);
+      std::string a1 = "--child-target=" + target, a2 = absl::StrCat("--child-index=", k),
+                  a3 = absl::StrCat("--seconds=", seconds);
+      char* args[] = {argv[0], a1.data(), a2.data(), a3.data(), nullptr};
+      pid_t pid;
+      if (posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, args, environ) != 0) return 1;
+      posix_spawn_file_actions_destroy(&actions);
+      close(fds[1]);
+      kids.emplace_back(pid, fds[0]);
+    }
+    int64_t total = 0;
+    for (auto [pid, fd] : kids) {
+      char buf[64] = {};
+      ssize_t r = read(fd, buf, sizeof(buf) - 1);
+      close(fd);
+      int status = 0;
+      waitpid(pid, &status, 0);
+      int64_t count = 0;
+      if (r > 0 && absl::SimpleAtoi(absl::StripAsciiWhitespace(buf), &count)) total += count;
+    }
+    std::printf("| %d | %.0f | %.0f |\n", n, total / seconds, total / seconds / n);
+  }
+  client->reset();
+  daemon->reset();
+  rmdir(dir.c_str());
+  return 0;
+}
