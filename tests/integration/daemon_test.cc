@@ -282,6 +282,30 @@ TEST_CASE("Watchers get index events in order and can catch up or resync", "[int
   REQUIRE(first->resync);
 }
 
+TEST_CASE("Pressure watchers get the current level, then every change", "[integration]") {
+  DaemonProcess d(SmallPoolConfig(20));
+  auto c = ConnectTo(d);
+  auto channel = grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials());
+  auto stub = v1::Kvd::NewStub(channel);
+  grpc::ClientContext ctx;
+  auto reader = stub->WatchPressure(&ctx, v1::WatchPressureRequest());
+  v1::PressureUpdate update;
+  REQUIRE(reader->Read(&update));
+  REQUIRE(update.level() == "normal");
+  RequestSpec s;
+  s.id = RequestId("big");
+  s.ns.pool = "default";
+  s.prompt = Range(0, 80);  // all 20 blocks of the budget
+  REQUIRE(c->Admit(s)->decision == AdmitDecision::kAdmitted);
+  REQUIRE(reader->Read(&update));
+  REQUIRE(update.level() == "critical");
+  REQUIRE(update.available_fraction() == 0.0);
+  REQUIRE(c->Release(s.id, true).ok());
+  REQUIRE(reader->Read(&update));
+  REQUIRE(update.level() == "normal");
+  ctx.TryCancel();
+}
+
 TEST_CASE("Metrics expose RPC latency, blocks by state and attached workers", "[integration]") {
   DaemonProcess d(SmallPoolConfig());
   auto c = ConnectTo(d);
