@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cstring>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
@@ -14,6 +15,10 @@
 #include "absl/synchronization/notification.h"
 #include "gpu/fd_passing.h"
 #include "gpu/host_arena.h"
+#if KVD_HAVE_CUDA
+#include "gpu/cuda_block_copier.h"
+#include "gpu/cuda_slab_import.h"
+#endif
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "proto/convert.h"
 #include "proto/grpc_status.h"
@@ -29,6 +34,9 @@ struct Client::Impl {
   std::string backend;
   std::vector<PoolView> pools;
   std::vector<MappedSlab> mappings;
+#if KVD_HAVE_CUDA
+  std::vector<ImportedCudaSlab> cuda_slabs;  // opened once, kept for the client's life
+#endif
 
   grpc::ClientContext attach_ctx;
   std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> attach;
@@ -46,6 +54,7 @@ struct Client::Impl {
   }
 
   absl::Status AttachAndMap(const v1::Attached& attached);
+  absl::Status OpenCudaSlabs(const v1::ListPoolsResponse& listed);
   void Heartbeat() {
     const absl::Duration period = options.heartbeat_period;
     while (!stop.WaitForNotificationWithTimeout(period)) {
@@ -67,10 +76,18 @@ absl::Status Client::Impl::AttachAndMap(const v1::Attached& attached) {
     view.geometry = GeometryFromProto(p);
     view.layout = SlabLayout(view.geometry);
     view.shard_base.assign(p.slabs_size(), nullptr);
-    for (const v1::SlabInfo& s : p.slabs()) view.slab_bytes.push_back(s.size_bytes());
+    for (const v1::SlabInfo& s : p.slabs()) {
+      view.slab_bytes.push_back(s.size_bytes());
+      view.shard_device.push_back(s.device());
+    }
     pools.push_back(std::move(view));
   }
-  if (!options.map_slabs || backend != "host") return absl::OkStatus();
+  if (!options.map_slabs) return absl::OkStatus();
+  if (backend == "cuda") return OpenCudaSlabs(*listed);
+  if (backend != "host") {
+    return absl::FailedPreconditionError(
+        absl::StrCat("kvd serves backend '", backend, "', unknown to this client"));
+  }
 
   KVD_ASSIGN_OR_RETURN(UniqueFd sock, ConnectUnix(attached.side_socket()));
   KVD_RETURN_IF_ERROR(SendMessage(sock.get(), attached.slab_token(), {}));
@@ -93,11 +110,30 @@ absl::Status Client::Impl::AttachAndMap(const v1::Attached& attached) {
         pool >= pools.size() || shard >= pools[pool].shard_base.size()) {
       return absl::InternalError(absl::StrCat("side socket: malformed slab message '", m.payload, "'"));
     }
+    if (options.shard >= 0 && static_cast<int32_t>(shard) != options.shard) continue;
     KVD_ASSIGN_OR_RETURN(MappedSlab slab, MappedSlab::Map(std::move(m.fds[0]), size));
     pools[pool].shard_base[shard] = slab.data();
     mappings.push_back(std::move(slab));
   }
   return absl::OkStatus();
+}
+
+absl::Status Client::Impl::OpenCudaSlabs(const v1::ListPoolsResponse& listed) {
+#if KVD_HAVE_CUDA
+  for (const v1::PoolInfo& p : listed.pools()) {
+    for (const v1::SlabInfo& s : p.slabs()) {
+      if (options.shard >= 0 && static_cast<int32_t>(s.shard()) != options.shard) continue;
+      KVD_ASSIGN_OR_RETURN(ImportedCudaSlab slab,
+                           ImportedCudaSlab::Open(s.device(), s.cuda_ipc_handle(), s.size_bytes()));
+      pools[p.pool_id()].shard_base[s.shard()] = slab.data();
+      cuda_slabs.push_back(std::move(slab));
+    }
+  }
+  return absl::OkStatus();
+#else
+  return absl::FailedPreconditionError(
+      "kvd serves CUDA memory but this client was built without CUDA; rebuild with the toolkit");
+#endif
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
@@ -160,6 +196,40 @@ absl::StatusOr<uint8_t*> Client::LayerPointer(PoolId pool, BlockIndex block, int
   }
   KVD_ASSIGN_OR_RETURN(int64_t offset, p.layout.Offset(block, layer));
   return p.shard_base[shard] + offset;
+}
+
+namespace {
+
+absl::Status CopyLayerBytes(bool device, void* dst, const void* src, int64_t n) {
+  if (!device) {
+    std::memcpy(dst, src, static_cast<size_t>(n));
+    return absl::OkStatus();
+  }
+#if KVD_HAVE_CUDA
+  return CudaCopy(dst, src, n);
+#else
+  return absl::FailedPreconditionError("device copy without CUDA support");
+#endif
+}
+
+}  // namespace
+
+absl::Status Client::WriteLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset,
+                                const void* src, int64_t n, uint32_t shard) const {
+  KVD_ASSIGN_OR_RETURN(uint8_t* base, LayerPointer(pool, block, layer, shard));
+  if (offset < 0 || n < 0 || offset + n > impl_->pools[pool].layout.layer_block_bytes()) {
+    return absl::OutOfRangeError("write past the layer block");
+  }
+  return CopyLayerBytes(impl_->backend == "cuda", base + offset, src, n);
+}
+
+absl::Status Client::ReadLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset,
+                               void* dst, int64_t n, uint32_t shard) const {
+  KVD_ASSIGN_OR_RETURN(uint8_t* base, LayerPointer(pool, block, layer, shard));
+  if (offset < 0 || n < 0 || offset + n > impl_->pools[pool].layout.layer_block_bytes()) {
+    return absl::OutOfRangeError("read past the layer block");
+  }
+  return CopyLayerBytes(impl_->backend == "cuda", dst, base + offset, n);
 }
 
 absl::StatusOr<AdmitResult> Client::Admit(RequestSpec spec) {

@@ -31,17 +31,22 @@ struct ClientOptions {
   std::string worker_name;                             // for the daemon's logs
   absl::Duration heartbeat_period = absl::Seconds(1);  // keep well under the daemon's lease
   bool map_slabs = true;                               // false: control plane only (admin tools)
+  // Tensor-parallel rank: map only this shard of each pool (-1: every shard). On the CUDA backend
+  // a rank maps only its own device's slab.
+  int32_t shard = -1;
   absl::Duration connect_timeout = absl::Seconds(5);
 };
 
 // A pool as this worker sees it: geometry, layout and the base address of each shard's slab in
-// this process (nullptr when slabs are not mapped).
+// this process (nullptr when not mapped). On the CUDA backend the base is a device pointer on
+// `shard_device[shard]`, opened once from the slab's IPC handle.
 struct PoolView {
   PoolId id = 0;
   PoolGeometry geometry;
   SlabLayout layout{PoolGeometry{}};
   std::vector<uint8_t*> shard_base;
   std::vector<int64_t> slab_bytes;
+  std::vector<int32_t> shard_device;  // CUDA ordinal per shard; -1 on the host backend
 };
 
 class KvRequest;
@@ -64,6 +69,14 @@ class Client {
   // Layer `layer` of block `block` of `pool` on `shard`, in this process's mapping.
   absl::StatusOr<uint8_t*> LayerPointer(PoolId pool, BlockIndex block, int32_t layer,
                                         uint32_t shard = 0) const;
+
+  // Copies `n` bytes into / out of layer `layer` of `block` at byte `offset` within the layer
+  // block: memcpy on the host backend, cudaMemcpy on the CUDA backend. Engines that write with
+  // their own kernels use LayerPointer instead. OUT_OF_RANGE past the layer block.
+  absl::Status WriteLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset,
+                          const void* src, int64_t n, uint32_t shard = 0) const;
+  absl::Status ReadLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset, void* dst,
+                         int64_t n, uint32_t shard = 0) const;
 
   // --- RPC wrappers (spec.owner is filled with this worker's id) ---
   absl::StatusOr<AdmitResult> Admit(RequestSpec spec);

@@ -11,11 +11,39 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gpu/host_arena.h"
+#if KVD_HAVE_CUDA
+#include "gpu/cuda_arena.h"
+#endif
 #include "server/core/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace kvd {
 namespace {
+
+// The arena for `backend`: host, cuda, or auto (cuda when a GPU is usable, else host with one
+// warning). A cuda request without a usable GPU fails with the CUDA error named.
+absl::StatusOr<std::unique_ptr<DeviceArena>> MakeArena(const std::string& backend,
+                                                       const std::vector<PoolGeometry>& pools) {
+  if (backend == "host") return HostArena::Create(pools);
+#if KVD_HAVE_CUDA
+  absl::Status usable = ProbeCuda();
+  if (usable.ok()) return CudaArena::Create(pools);
+  if (backend == "cuda") {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--backend=cuda: ", usable.message(), "; use --backend=host or auto"));
+  }
+  spdlog::warn("no usable GPU ({}); --backend=auto falls back to host memory",
+               std::string(usable.message()));
+#else
+  if (backend == "cuda") {
+    return absl::FailedPreconditionError(
+        "--backend=cuda: this kvd was built without the CUDA backend (no CUDA toolkit at build "
+        "time); rebuild with the toolkit or use --backend=host");
+  }
+  spdlog::warn("--backend=auto: built without CUDA; using host memory");
+#endif
+  return HostArena::Create(pools);
+}
 
 absl::Status EnsureParentDir(const std::string& path) {
   std::error_code ec;
@@ -33,7 +61,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   const ServerOptions& so = d->options_.server;
 
   KVD_ASSIGN_OR_RETURN(d->cache_, KvCache::Create(d->options_.cache, SystemClock::Get()));
-  KVD_ASSIGN_OR_RETURN(d->arena_, HostArena::Create(d->options_.cache.pools));
+  KVD_ASSIGN_OR_RETURN(d->arena_, MakeArena(so.backend, d->options_.cache.pools));
   d->workers_ = std::make_unique<AttachmentRegistry>(SystemClock::Get(), so.lease_ttl);
   KVD_ASSIGN_OR_RETURN(d->metrics_, Metrics::Start(so.metrics_listen, d->cache_.get(), d->workers_.get()));
   KVD_RETURN_IF_ERROR(EnsureParentDir(so.side_socket));

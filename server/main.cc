@@ -38,9 +38,9 @@ int main(int argc, char** argv) {
   app.add_option("--config", config, "YAML config file (pools, budget, policies)")->envname("KVD_CONFIG");
   app.add_option("--listen", listen, "gRPC address: unix:///path or HOST:PORT")->envname("KVD_LISTEN");
   app.add_option("--side-socket", side_socket, "Unix socket passing slab fds (default: <listen>.slabs)");
-  app.add_option("--metrics-listen", metrics_listen, "HOST:PORT for /metrics; empty disables")
+  app.add_option("--metrics-listen", metrics_listen, "HOST:PORT for /metrics (port 0 picks); off disables")
       ->envname("KVD_METRICS_LISTEN");
-  app.add_option("--backend", backend, "memory backend: host")->envname("KVD_BACKEND");
+  app.add_option("--backend", backend, "memory backend: host, cuda or auto")->envname("KVD_BACKEND");
   app.add_option("--ready-file", ready_file, "write a JSON file with the bound addresses once serving");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->envname("KVD_LOG_LEVEL");
   app.add_option("--max-message-bytes", max_message_bytes, "largest gRPC message accepted");
@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
   if (!listen.empty()) options.server.listen = listen;
   if (!side_socket.empty()) options.server.side_socket = side_socket;
   if (app.count("--metrics-listen") > 0 || std::getenv("KVD_METRICS_LISTEN") != nullptr) {
-    options.server.metrics_listen = metrics_listen;
+    options.server.metrics_listen = metrics_listen == "off" ? "" : metrics_listen;
   }
   if (!backend.empty()) options.server.backend = backend;
   if (!ready_file.empty()) options.server.ready_file = ready_file;

@@ -51,6 +51,8 @@ absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeom
   KVD_RETURN_IF_ERROR(Read(node, "capacity_blocks", &g->capacity_blocks, where));
   KVD_RETURN_IF_ERROR(Read(node, "max_model_len", &g->max_model_len, where));
   KVD_RETURN_IF_ERROR(Read(node, "shards", &g->num_shards, where));
+  KVD_RETURN_IF_ERROR(Read(node, "devices", &g->devices, where));
+  if (!g->devices.empty() && !node["shards"]) g->num_shards = static_cast<int32_t>(g->devices.size());
   std::string layout = PoolLayoutName(g->layout);
   KVD_RETURN_IF_ERROR(Read(node, "layout", &layout, where));
   if (layout == "layer_major") {

@@ -44,19 +44,23 @@ absl::Status TouchKv(kvd::client::Client& client, const kvd::client::KvRequest& 
     const kvd::BlockIndex block = req.blocks()[pos / g.block_tokens];
     const int64_t slot = (pos % g.block_tokens) * g.bytes_per_token_per_layer;
     for (uint32_t shard = 0; shard < pool.shard_base.size(); ++shard) {
+      if (pool.shard_base[shard] == nullptr) continue;  // another rank's shard
       for (int32_t layer = 0; layer < g.num_layers; ++layer) {
-        auto base = client.LayerPointer(req.pool(), block, layer, shard);
-        if (!base.ok()) return base.status();
-        uint8_t* p = *base + slot;
+        std::vector<uint8_t> want(g.bytes_per_token_per_layer);
         for (int64_t j = 0; j < g.bytes_per_token_per_layer; ++j) {
-          const uint8_t want = kvd::example::KvByte(tokens[pos], pos, layer + 1000 * shard, j);
-          if (verify) {
-            stats->mismatches += p[j] != want;
-          } else {
-            p[j] = want;
-          }
+          want[j] = kvd::example::KvByte(tokens[pos], pos, layer + 1000 * shard, j);
         }
-        (verify ? stats->verified_bytes : stats->written_bytes) += g.bytes_per_token_per_layer;
+        if (verify) {
+          std::vector<uint8_t> got(want.size());
+          auto s = client.ReadLayer(req.pool(), block, layer, slot, got.data(), got.size(), shard);
+          if (!s.ok()) return s;
+          for (size_t j = 0; j < got.size(); ++j) stats->mismatches += got[j] != want[j];
+          stats->verified_bytes += g.bytes_per_token_per_layer;
+        } else {
+          auto s = client.WriteLayer(req.pool(), block, layer, slot, want.data(), want.size(), shard);
+          if (!s.ok()) return s;
+          stats->written_bytes += g.bytes_per_token_per_layer;
+        }
       }
     }
   }
@@ -102,11 +106,14 @@ int main(int argc, char** argv) {
   app.add_option("--resume-from", resume_from, "resume this interrupted request's checkpoint");
   app.add_option("--session", session, "session id");
   app.add_option("--salt", salt, "tenant cache salt");
+  int32_t shard = -1;
+  app.add_option("--shard", shard, "tensor-parallel rank: map only this shard (-1: all)");
   app.add_flag("--hang-after-checkpoint", hang_after_checkpoint,
                "after the first checkpoint, print CHECKPOINTED and wait to be killed");
   CLI11_PARSE(app, argc, argv);
 
-  auto client = kvd::client::Client::Connect({.target = target, .worker_name = "example-" + id});
+  auto client = kvd::client::Client::Connect(
+      {.target = target, .worker_name = "example-" + id, .shard = shard});
   if (!client.ok()) return Fail(client.status());
   kvd::RequestSpec spec;
   spec.id = kvd::RequestId(id);

@@ -19,6 +19,12 @@ absl::Status PoolGeometry::Validate() const {
   }
   if (max_model_len < block_tokens) return bad("max_model_len must be >= block_tokens");
   if (num_shards <= 0 || num_shards > 64) return bad("num_shards must be in (0, 64]");
+  if (!devices.empty() && static_cast<int32_t>(devices.size()) != num_shards) {
+    return bad("devices must list one device per shard");
+  }
+  for (int32_t d : devices) {
+    if (d < 0) return bad("device ordinals must be >= 0");
+  }
   return absl::OkStatus();
 }
 

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 
@@ -28,6 +29,8 @@ struct PoolGeometry {
   int64_t capacity_blocks = 1024;      // blocks in the pool; > 0
   int32_t max_model_len = 131072;      // position limit: no request may exceed it; >= block_tokens
   int32_t num_shards = 1;              // devices holding the pool (tensor parallel); > 0
+  // CUDA device ordinal of each shard; empty means shard i on device i. Size num_shards if set.
+  std::vector<int32_t> devices;
   PoolLayout layout = PoolLayout::kLayerMajor;
 
   // Bytes of one block on one shard (one device).

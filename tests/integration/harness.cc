@@ -21,7 +21,8 @@
 namespace kvd::testing {
 namespace {
 
-pid_t Spawn(const std::string& binary, const std::vector<std::string>& args, int stdout_fd) {
+pid_t Spawn(const std::string& binary, const std::vector<std::string>& args, int stdout_fd,
+            bool also_stderr = false) {
   std::vector<char*> argv;
   argv.push_back(const_cast<char*>(binary.c_str()));
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -29,6 +30,7 @@ pid_t Spawn(const std::string& binary, const std::vector<std::string>& args, int
   pid_t pid = fork();
   if (pid == 0) {
     if (stdout_fd >= 0) dup2(stdout_fd, STDOUT_FILENO);
+    if (stdout_fd >= 0 && also_stderr) dup2(stdout_fd, STDERR_FILENO);
     execv(binary.c_str(), argv.data());
     _exit(127);
   }
@@ -110,11 +112,19 @@ absl::StatusOr<int> DaemonProcess::WaitExit(absl::Duration timeout) {
   return code;
 }
 
+std::string KvdBinary() { return KVD_BINARY; }
+std::string ExampleWorkerBinary() { return KVD_EXAMPLE_WORKER; }
+
 ProcessResult RunWorker(const std::vector<std::string>& args, absl::Duration timeout) {
+  return RunProcess(KVD_EXAMPLE_WORKER, args, timeout);
+}
+
+ProcessResult RunProcess(const std::string& binary, const std::vector<std::string>& args,
+                         absl::Duration timeout) {
   int fds[2];
   ProcessResult r;
   if (pipe2(fds, O_CLOEXEC) != 0) return r;
-  pid_t pid = Spawn(KVD_EXAMPLE_WORKER, args, fds[1]);
+  pid_t pid = Spawn(binary, args, fds[1], /*also_stderr=*/true);
   close(fds[1]);
   const absl::Time deadline = absl::Now() + timeout;
   char buf[4096];

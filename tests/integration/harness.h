@@ -52,8 +52,14 @@ struct ProcessResult {
   std::string out;
 };
 
+// Runs `binary` with `args` to completion (at most `timeout`), capturing stdout and stderr.
+ProcessResult RunProcess(const std::string& binary, const std::vector<std::string>& args,
+                         absl::Duration timeout = absl::Seconds(30));
 // Runs the example worker with `args` to completion (at most `timeout`).
 ProcessResult RunWorker(const std::vector<std::string>& args, absl::Duration timeout = absl::Seconds(30));
+// Paths of the binaries under test.
+std::string KvdBinary();
+std::string ExampleWorkerBinary();
 
 // A worker left running: started, with its stdout readable line by line.
 class WorkerProcess {

@@ -1,0 +1,47 @@
+// CudaArena: KV slabs in GPU memory, shared with workers through CUDA IPC handles.
+//
+// Each pool gets one cudaMalloc allocation per shard, on that shard's device (PoolGeometry::
+// devices, default shard i on device i), sized to SlabLayout::slab_bytes() — a multiple of 2 MiB,
+// so an IPC handle never exposes a neighbouring allocation. Each slab's cudaIpcGetMemHandle (64
+// bytes) travels in ListPools; workers open it once (gpu/cuda_slab_import.h).
+//
+// Slabs are freed only when the arena is destroyed, after every worker is gone: a freed-and-reused
+// range can yield a byte-identical IPC handle, so a worker holding a stale mapping would silently
+// alias new memory.
+//
+// Compiled only when the CUDA toolkit is found (KVD_HAVE_CUDA); links CUDA::cudart_static.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "gpu/device_arena.h"
+#include "server/core/pool_geometry.h"
+
+namespace kvd {
+
+// OK when the CUDA runtime sees at least one device; UNAVAILABLE naming the CUDA error otherwise.
+absl::Status ProbeCuda();
+
+class CudaArena final : public DeviceArena {
+ public:
+  static absl::StatusOr<std::unique_ptr<CudaArena>> Create(const std::vector<PoolGeometry>& pools);
+  ~CudaArena() override;
+
+  std::string backend() const override { return "cuda"; }
+  const std::vector<SlabDescriptor>& slabs() const override { return descriptors_; }
+  void* HostAddress(PoolId, uint32_t) const override { return nullptr; }
+  // The daemon's device pointer of a slab (for tier copies), or nullptr.
+  void* DeviceAddress(PoolId pool, uint32_t shard) const;
+
+ private:
+  CudaArena() = default;
+  std::vector<void*> device_ptrs_;  // parallel to descriptors_
+  std::vector<SlabDescriptor> descriptors_;
+};
+
+// The device ordinal of `shard` of a pool.
+int DeviceOfShard(const PoolGeometry& g, uint32_t shard);
+
+}  // namespace kvd
