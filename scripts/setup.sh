@@ -11,7 +11,7 @@ kvd_packages=(
   g++ make cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev prometheus-cpp-dev catch2 libabsl-dev libxxhash-dev
-  libcli11-dev libyaml-cpp-dev libbenchmark-dev
+  libcli11-dev libyaml-cpp-dev
 )
 
 kvd_install_missing() {
