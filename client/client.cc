@@ -349,12 +349,7 @@ absl::StatusOr<SessionInfo> Client::GetSession(const SessionId& session) {
   KVD_ASSIGN_OR_RETURN(v1::SessionInfo r, impl_->Call<v1::SessionInfo>([&](auto* ctx, auto* resp) {
     return impl_->stub->GetSession(ctx, req, resp);
   }));
-  SessionInfo info;
-  info.id = SessionId(r.session_id());
-  info.worker = WorkerId(r.worker_id());
-  info.protected_blocks = r.protected_blocks();
-  info.expires_at = absl::FromUnixMillis(r.expires_unix_ms());
-  return info;
+  return FromProto(r);
 }
 
 absl::StatusOr<GcStats> Client::Gc(absl::Duration max_idle) {

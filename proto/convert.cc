@@ -202,6 +202,22 @@ CacheReport FromProto(const v1::ReportResponse& p) {
   return r;
 }
 
+void ToProto(const SessionInfo& s, v1::SessionInfo* p) {
+  p->set_session_id(s.id.value());
+  p->set_worker_id(s.worker.value());
+  p->set_protected_blocks(s.protected_blocks);
+  p->set_expires_unix_ms(absl::ToUnixMillis(s.expires_at));
+}
+
+SessionInfo FromProto(const v1::SessionInfo& p) {
+  SessionInfo s;
+  s.id = SessionId(p.session_id());
+  s.worker = WorkerId(p.worker_id());
+  s.protected_blocks = p.protected_blocks();
+  s.expires_at = absl::FromUnixMillis(p.expires_unix_ms());
+  return s;
+}
+
 void ToProto(const HandleInfo& h, v1::Handle* p) {
   p->set_request_id(h.id.value());
   p->set_pool(h.pool);

@@ -30,6 +30,9 @@ PublishResult FromProto(const v1::PublishResponse& p);
 void ToProto(const CacheReport& r, v1::ReportResponse* p);
 CacheReport FromProto(const v1::ReportResponse& p);
 
+void ToProto(const SessionInfo& s, v1::SessionInfo* p);
+SessionInfo FromProto(const v1::SessionInfo& p);
+
 void ToProto(const HandleInfo& h, v1::Handle* p);
 HandleInfo FromProto(const v1::Handle& p);
 

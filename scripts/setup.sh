@@ -11,12 +11,14 @@ kvd_packages=(
   g++ make cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev prometheus-cpp-dev catch2 libabsl-dev libxxhash-dev
-  libcli11-dev libyaml-cpp-dev
+  libcli11-dev libyaml-cpp-dev libsystemd-dev
 )
+# Only the tests need these: manifest and unit-file checks.
+kvd_test_packages=(python3 python3-yaml systemd)
 
 kvd_install_missing() {
   local missing=()
-  for p in "${kvd_packages[@]}"; do
+  for p in "${kvd_packages[@]}" "$@"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
   [ ${#missing[@]} -eq 0 ] && return 0

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
@@ -68,10 +69,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   KVD_ASSIGN_OR_RETURN(d->side_, SlabSideChannel::Start(so.side_socket, d->arena_.get(), d->workers_.get()));
   d->service_ = std::make_unique<KvdService>(d->cache_.get(), d->workers_.get(), d->arena_.get(),
                                              d->metrics_.get(), so.side_socket, so.lease_ttl);
+  d->service_->set_on_drain([raw = d.get()] {
+    if (raw->server_ != nullptr) raw->server_->GetHealthCheckService()->SetServingStatus(false);
+  });
 
   const bool unix_socket = absl::StartsWith(so.listen, "unix://");
   if (unix_socket) KVD_RETURN_IF_ERROR(EnsureParentDir(so.listen.substr(7)));
   grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(so.listen, grpc::InsecureServerCredentials(), unix_socket ? nullptr : &port);
@@ -103,12 +108,17 @@ void Daemon::ReapLapsedLeases() {
   }
 }
 
-int64_t Daemon::Drain(absl::Duration timeout) {
-  service_->StartDraining();
-  server_->GetHealthCheckService()->SetServingStatus(false);
+void Daemon::StartDrain() { service_->StartDraining(); }
+
+int64_t Daemon::Drain(absl::Duration timeout, const std::function<bool()>& interrupted) {
+  StartDrain();
   const absl::Time deadline = absl::Now() + timeout;
   int64_t live = cache_->Report().live_requests;
   while (live > 0 && absl::Now() < deadline) {
+    if (interrupted && interrupted()) {
+      spdlog::warn("drain interrupted: stopping with {} requests live", live);
+      return live;
+    }
     absl::SleepFor(absl::Milliseconds(20));
     live = cache_->Report().live_requests;
   }

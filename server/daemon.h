@@ -3,6 +3,7 @@
 // It owns all of them; destruction stops them in reverse order.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -28,9 +29,11 @@ class Daemon {
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(Options options);
   ~Daemon();
 
-  // Stops admitting (new Admit/Attach get UNAVAILABLE, health turns NOT_SERVING) and waits up to
-  // `timeout` for live requests to finish. Returns how many were still live.
-  int64_t Drain(absl::Duration timeout);
+  // Stops admitting: new Admit/Fits/Attach get UNAVAILABLE, health turns NOT_SERVING. Idempotent.
+  void StartDrain();
+  // StartDrain, then waits up to `timeout` for live requests to finish, or until `interrupted`
+  // (polled) returns true. Returns how many requests were still live.
+  int64_t Drain(absl::Duration timeout, const std::function<bool()>& interrupted = nullptr);
 
   const Options& options() const { return options_; }
   const std::string& grpc_address() const { return options_.server.listen; }

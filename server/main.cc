@@ -8,6 +8,9 @@
 #include <iostream>
 
 #include <CLI/CLI.hpp>
+#if KVD_HAVE_SYSTEMD
+#include <systemd/sd-daemon.h>
+#endif
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -16,6 +19,15 @@
 #include "spdlog/spdlog.h"
 
 namespace {
+
+// Tells systemd (Type=notify) about readiness and shutdown; a no-op outside systemd.
+void NotifySystemd(const char* state) {
+#if KVD_HAVE_SYSTEMD
+  sd_notify(0, state);
+#else
+  (void)state;
+#endif
+}
 
 void WriteReadyFile(const std::string& path, const kvd::Daemon& d) {
   const std::string tmp = path + ".tmp";
@@ -46,6 +58,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-message-bytes", max_message_bytes, "largest gRPC message accepted");
   app.add_option("--lease-ttl", lease_ttl_s, "seconds without heartbeat before a worker is dead");
   app.add_option("--drain-timeout", drain_timeout_s, "seconds running requests get on SIGTERM");
+  bool print_config = false;
+  app.add_flag("--print-config", print_config, "print the effective configuration as YAML and exit");
   CLI11_PARSE(app, argc, argv);
 
   kvd::Options options;
@@ -68,6 +82,16 @@ int main(int argc, char** argv) {
   if (max_message_bytes > 0) options.server.max_message_bytes = max_message_bytes;
   if (lease_ttl_s > 0) options.server.lease_ttl = absl::Seconds(lease_ttl_s);
   if (drain_timeout_s >= 0) options.server.drain_timeout = absl::Seconds(drain_timeout_s);
+
+  options.ApplyDefaults();
+  if (absl::Status s = options.Validate(); !s.ok()) {
+    std::cerr << "kvd: invalid configuration: " << s.message() << "\n";
+    return 2;
+  }
+  if (print_config) {
+    std::cout << kvd::FormatConfig(options);
+    return 0;
+  }
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("kvd"));
   spdlog::set_level(spdlog::level::from_str(options.server.log_level));
@@ -93,11 +117,17 @@ int main(int argc, char** argv) {
   std::cout.flush();
   if (!options.server.ready_file.empty()) WriteReadyFile(options.server.ready_file, **daemon);
 
+  NotifySystemd("READY=1");
+
   int sig = 0;
   sigwait(&signals, &sig);
-  spdlog::info("received signal {}: draining for up to {}", sig,
+  spdlog::info("received signal {}: draining for up to {} (a second signal stops at once)", sig,
                absl::FormatDuration((*daemon)->options().server.drain_timeout));
-  (*daemon)->Drain((*daemon)->options().server.drain_timeout);
+  NotifySystemd("STOPPING=1");
+  (*daemon)->Drain((*daemon)->options().server.drain_timeout, [&signals] {
+    timespec zero{0, 0};
+    return sigtimedwait(&signals, nullptr, &zero) > 0;
+  });
   daemon->reset();
   spdlog::info("kvd stopped");
   return 0;

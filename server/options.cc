@@ -98,9 +98,14 @@ absl::Status Options::Validate() const {
   if (server.max_message_bytes < 4096) {
     return absl::InvalidArgumentError("max_message_bytes must be >= 4096");
   }
-  if (server.lease_ttl <= absl::ZeroDuration()) return absl::InvalidArgumentError("lease_ttl must be > 0");
+  if (server.lease_ttl <= absl::ZeroDuration()) return absl::InvalidArgumentError("lease_ttl_s must be > 0");
   if (server.drain_timeout < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("drain_timeout must be >= 0");
+    return absl::InvalidArgumentError("drain_timeout_s must be >= 0");
+  }
+  if (server.log_level != "trace" && server.log_level != "debug" && server.log_level != "info" &&
+      server.log_level != "warn" && server.log_level != "error") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("log_level must be trace, debug, info, warn or error, not '", server.log_level, "'"));
   }
   return cache.Validate();
 }
@@ -154,6 +159,51 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace kvd
+
+namespace kvd {
+
+std::string FormatConfig(const Options& o) {
+  YAML::Emitter out;
+  out.SetDoublePrecision(6);
+  const ServerOptions& s = o.server;
+  const CacheOptions& c = o.cache;
+  out << YAML::BeginMap;
+  out << YAML::Key << "listen" << YAML::Value << s.listen;
+  out << YAML::Key << "side_socket" << YAML::Value << s.side_socket;
+  out << YAML::Key << "metrics_listen" << YAML::Value << s.metrics_listen;
+  out << YAML::Key << "backend" << YAML::Value << s.backend;
+  out << YAML::Key << "max_message_bytes" << YAML::Value << s.max_message_bytes;
+  out << YAML::Key << "lease_ttl_s" << YAML::Value << absl::ToDoubleSeconds(s.lease_ttl);
+  out << YAML::Key << "drain_timeout_s" << YAML::Value << absl::ToDoubleSeconds(s.drain_timeout);
+  out << YAML::Key << "log_level" << YAML::Value << s.log_level;
+  out << YAML::Key << "budget_bytes" << YAML::Value << c.budget_bytes;
+  out << YAML::Key << "session_ttl_s" << YAML::Value << absl::ToDoubleSeconds(c.session_ttl);
+  out << YAML::Key << "session_max_protected_blocks" << YAML::Value << c.session_max_protected_blocks;
+  out << YAML::Key << "checkpoint_budget_bytes" << YAML::Value << c.checkpoint_budget_bytes;
+  out << YAML::Key << "checkpoint_ttl_s" << YAML::Value << absl::ToDoubleSeconds(c.checkpoint_ttl);
+  out << YAML::Key << "max_engine_state_bytes" << YAML::Value << c.max_engine_state_bytes;
+  out << YAML::Key << "boundary_high_watermark" << YAML::Value << c.boundary_high_watermark;
+  out << YAML::Key << "boundary_low_watermark" << YAML::Value << c.boundary_low_watermark;
+  out << YAML::Key << "event_buffer" << YAML::Value << c.event_buffer;
+  out << YAML::Key << "pools" << YAML::Value << YAML::BeginSeq;
+  for (const PoolGeometry& g : c.pools) {
+    out << YAML::BeginMap;
+    out << YAML::Key << "name" << YAML::Value << g.name;
+    out << YAML::Key << "block_tokens" << YAML::Value << g.block_tokens;
+    out << YAML::Key << "num_layers" << YAML::Value << g.num_layers;
+    out << YAML::Key << "bytes_per_token_per_layer" << YAML::Value << g.bytes_per_token_per_layer;
+    out << YAML::Key << "capacity_blocks" << YAML::Value << g.capacity_blocks;
+    out << YAML::Key << "max_model_len" << YAML::Value << g.max_model_len;
+    out << YAML::Key << "layout" << YAML::Value << PoolLayoutName(g.layout);
+    out << YAML::Key << "shards" << YAML::Value << g.num_shards;
+    if (!g.devices.empty()) out << YAML::Key << "devices" << YAML::Value << YAML::Flow << g.devices;
+    out << YAML::EndMap;
+  }
+  out << YAML::EndSeq << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
 }
 
 }  // namespace kvd

@@ -51,5 +51,8 @@ PoolGeometry DefaultPool();
 // Reads a YAML config file into `options` (fields it names override, others stay).
 // INVALID_ARGUMENT naming the file, key and problem.
 absl::Status LoadConfigFile(const std::string& path, Options* options);
+// The effective configuration as a YAML config file (kvd --print-config): every key, so that
+// LoadConfigFile of the output reproduces `options` exactly.
+std::string FormatConfig(const Options& options);
 
 }  // namespace kvd

@@ -35,16 +35,16 @@ absl::Status CacheOptions::Validate() const {
   if (checkpoint_budget_bytes < 0) {
     return absl::InvalidArgumentError("checkpoint_budget_bytes must be >= 0");
   }
-  if (session_ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("session_ttl < 0");
-  if (checkpoint_ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("checkpoint_ttl < 0");
+  if (session_ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("session_ttl_s must be >= 0");
+  if (checkpoint_ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("checkpoint_ttl_s must be >= 0");
   if (session_max_protected_blocks < 0) {
     return absl::InvalidArgumentError("session_max_protected_blocks must be >= 0");
   }
-  if (max_engine_state_bytes < 0) return absl::InvalidArgumentError("max_engine_state_bytes < 0");
+  if (max_engine_state_bytes < 0) return absl::InvalidArgumentError("max_engine_state_bytes must be >= 0");
   if (!(0 < boundary_low_watermark && boundary_low_watermark <= boundary_high_watermark &&
         boundary_high_watermark <= 1)) {
     return absl::InvalidArgumentError(
-        "boundary watermarks must satisfy 0 < low <= high <= 1");
+        "boundary_low_watermark and boundary_high_watermark must satisfy 0 < low <= high <= 1");
   }
   if (event_buffer <= 0) return absl::InvalidArgumentError("event_buffer must be > 0");
   return pressure.Validate();

@@ -103,6 +103,8 @@ class KvCache {
   // Drops the session's affinity and protection; its cached blocks stay. NOT_FOUND if unknown.
   absl::Status CloseSession(const SessionId& session) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SessionInfo> GetSession(const SessionId& session) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Every live session, soonest to expire first.
+  std::vector<SessionInfo> ListSessions() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Housekeeping ------------------------------------------------------------------------
   // Expires sessions and orphaned checkpoints past their TTL, then evicts every unprotected,
@@ -252,6 +254,8 @@ class KvCache {
   // Records `scratch_event_` (filled by the caller) in the event log and queues it for listeners.
   void EmitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   HandleInfo HandleOfLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SessionInfo SessionInfoLocked(const SessionId& id, const Session& s) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Delivers queued notifications in order. Call after releasing mu_.
   void Deliver() ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
 

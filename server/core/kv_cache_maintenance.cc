@@ -74,12 +74,27 @@ absl::StatusOr<SessionInfo> KvCache::GetSession(const SessionId& session) const 
   if (it == sessions_.end() || it->second.expires_at <= clock_->Now()) {
     return absl::NotFoundError(absl::StrCat("unknown session '", session.value(), "'"));
   }
+  return SessionInfoLocked(session, it->second);
+}
+
+SessionInfo KvCache::SessionInfoLocked(const SessionId& id, const Session& s) const {
   SessionInfo info;
-  info.id = session;
-  info.worker = it->second.worker;
-  info.protected_blocks = static_cast<int64_t>(it->second.protected_blocks.size());
-  info.expires_at = it->second.expires_at;
+  info.id = id;
+  info.worker = s.worker;
+  info.protected_blocks = static_cast<int64_t>(s.protected_blocks.size());
+  info.expires_at = s.expires_at;
   return info;
+}
+
+std::vector<SessionInfo> KvCache::ListSessions() const {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  std::vector<SessionInfo> out;
+  for (const auto& [key, unused] : session_expiry_) {
+    if (key.first <= now) continue;
+    out.push_back(SessionInfoLocked(key.second, sessions_.at(key.second)));
+  }
+  return out;
 }
 
 GcStats KvCache::Gc(absl::Duration max_idle) {

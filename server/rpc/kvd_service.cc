@@ -53,6 +53,12 @@ absl::Status KvdService::CheckWorker(const std::string& worker_id,
   return cache_->CheckOwner(RequestId(request_id), WorkerId(worker_id));
 }
 
+void KvdService::StartDraining() {
+  if (draining_.exchange(true)) return;
+  spdlog::info("draining: no new work is admitted");
+  if (on_drain_) on_drain_();
+}
+
 void KvdService::WorkerGone(const WorkerId& worker, absl::string_view why) {
   workers_->Remove(worker);
   const int64_t released = cache_->ReleaseWorker(worker);
@@ -196,10 +202,25 @@ grpc::ServerUnaryReactor* KvdService::GetSession(grpc::CallbackServerContext* ct
   return Unary(ctx, "GetSession", [&]() -> absl::Status {
     KVD_RETURN_IF_ERROR(RequireId("session_id", req->session_id()));
     KVD_ASSIGN_OR_RETURN(SessionInfo info, cache_->GetSession(SessionId(req->session_id())));
-    resp->set_session_id(info.id.value());
-    resp->set_worker_id(info.worker.value());
-    resp->set_protected_blocks(info.protected_blocks);
-    resp->set_expires_unix_ms(absl::ToUnixMillis(info.expires_at));
+    ToProto(info, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::ListSessions(grpc::CallbackServerContext* ctx,
+                                                   const v1::ListSessionsRequest*,
+                                                   v1::ListSessionsResponse* resp) {
+  return Unary(ctx, "ListSessions", [&] {
+    for (const SessionInfo& s : cache_->ListSessions()) ToProto(s, resp->add_sessions());
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* KvdService::Drain(grpc::CallbackServerContext* ctx,
+                                            const v1::DrainRequest*, v1::DrainResponse* resp) {
+  return Unary(ctx, "Drain", [&] {
+    StartDraining();
+    resp->set_live_requests(cache_->Report().live_requests);
     return absl::OkStatus();
   });
 }

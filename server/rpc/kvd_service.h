@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -23,8 +24,10 @@ class KvdService final : public v1::Kvd::CallbackService {
   KvdService(KvCache* cache, AttachmentRegistry* workers, const DeviceArena* arena,
              Metrics* metrics, std::string side_socket, absl::Duration lease_ttl);
 
-  // After this, Admit, Fits and Attach answer UNAVAILABLE; running requests continue.
-  void StartDraining() { draining_.store(true); }
+  // After this, Admit, Fits and Attach answer UNAVAILABLE; running requests continue. Calls
+  // `on_drain` (set by the Daemon: health NOT_SERVING) once.
+  void StartDraining();
+  void set_on_drain(std::function<void()> fn) { on_drain_ = std::move(fn); }
   bool draining() const { return draining_.load(); }
   // A worker's attachment ended (stream closed or lease lapsed): release what it held.
   void WorkerGone(const WorkerId& worker, absl::string_view why);
@@ -69,6 +72,11 @@ class KvdService final : public v1::Kvd::CallbackService {
   grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* ctx,
                                        const v1::GetSessionRequest* req,
                                        v1::SessionInfo* resp) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
+                                         const v1::ListSessionsRequest* req,
+                                         v1::ListSessionsResponse* resp) override;
+  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* ctx, const v1::DrainRequest* req,
+                                  v1::DrainResponse* resp) override;
   grpc::ServerUnaryReactor* Boundary(grpc::CallbackServerContext* ctx,
                                      const v1::BoundaryRequest* req,
                                      v1::BoundaryResponse* resp) override;
@@ -102,6 +110,7 @@ class KvdService final : public v1::Kvd::CallbackService {
   const std::string side_socket_;
   const absl::Duration lease_ttl_;
   std::atomic<bool> draining_{false};
+  std::function<void()> on_drain_;
 };
 
 }  // namespace kvd

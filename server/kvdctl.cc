@@ -1,0 +1,277 @@
+// kvdctl: the admin CLI over kvd's gRPC API.
+//
+//   kvdctl [--target=unix:///run/kvd/kvd.sock] [--json] COMMAND
+//     status            budget, reservations, requests, sessions, hit rate, pressure, workers
+//     pools             geometry and block states of every pool
+//     requests          live requests
+//     sessions          sessions with their affinity
+//     gc [--max-idle-ms=N]   expire TTLs and evict idle unreferenced blocks
+//     boundary          trim pools above the high watermark
+//     drain             stop admitting (as SIGTERM does, without exiting)
+//     events [--after=N] [--follow]   index events; --follow keeps streaming
+// Human-readable tables by default; --json prints the API's messages as JSON (one per line for
+// events). Exit status 1 with the gRPC status on failure.
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "kvd/v1/kvd.grpc.pb.h"
+
+namespace {
+
+using kvd::v1::Kvd;
+
+std::string DefaultTarget() {
+  if (const char* t = std::getenv("KVD_TARGET"); t != nullptr && *t != '\0') return t;
+  if (geteuid() == 0) return "unix:///run/kvd/kvd.sock";
+  if (const char* xdg = std::getenv("XDG_RUNTIME_DIR"); xdg != nullptr && *xdg != '\0') {
+    return absl::StrCat("unix://", xdg, "/kvd/kvd.sock");
+  }
+  return absl::StrCat("unix:///tmp/kvd-", geteuid(), "/kvd.sock");
+}
+
+std::string Json(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions o;
+  o.always_print_primitive_fields = true;
+  o.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
+  return out;
+}
+
+// Prints rows as left-aligned columns.
+void Table(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width;
+  for (const auto& r : rows) {
+    for (size_t i = 0; i < r.size(); ++i) {
+      if (i >= width.size()) width.push_back(0);
+      width[i] = std::max(width[i], r[i].size());
+    }
+  }
+  for (const auto& r : rows) {
+    std::string line;
+    for (size_t i = 0; i < r.size(); ++i) {
+      line += r[i];
+      if (i + 1 < r.size()) line += std::string(width[i] - r[i].size() + 2, ' ');
+    }
+    std::cout << line << "\n";
+  }
+}
+
+std::string Bytes(int64_t b) {
+  if (b >= (int64_t{1} << 30)) return absl::StrFormat("%.1f GiB", b / 1073741824.0);
+  if (b >= (int64_t{1} << 20)) return absl::StrFormat("%.1f MiB", b / 1048576.0);
+  if (b >= 1024) return absl::StrFormat("%.1f KiB", b / 1024.0);
+  return absl::StrCat(b, " B");
+}
+
+int Fail(const grpc::Status& s) {
+  std::cerr << "kvdctl: " << s.error_code() << " " << s.error_message() << "\n";
+  return 1;
+}
+
+template <typename Resp, typename Fn>
+int Call(Fn&& fn, Resp* resp) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Status s = fn(&ctx, resp);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int Status(Kvd::Stub& stub, bool json) {
+  kvd::v1::ReportResponse r;
+  if (int rc = Call([&](auto* c, auto* p) { return stub.Report(c, kvd::v1::ReportRequest(), p); }, &r)) return rc;
+  if (json) {
+    std::cout << Json(r) << "\n";
+    return 0;
+  }
+  const double looked = static_cast<double>(r.hit_tokens() + r.miss_tokens());
+  Table({{"budget", Bytes(r.budget_bytes())},
+         {"reserved", absl::StrFormat("%s (%.1f%%)", Bytes(r.reserved_bytes()),
+                                      r.budget_bytes() ? 100.0 * r.reserved_bytes() / r.budget_bytes() : 0)},
+         {"pressure", absl::StrFormat("%s (%.1f%% available)", r.pressure(), 100 * r.available_fraction())},
+         {"live requests", absl::StrCat(r.live_requests())},
+         {"attached workers", absl::StrCat(r.attached_workers())},
+         {"sessions", absl::StrCat(r.sessions())},
+         {"checkpoints awaiting resume", absl::StrCat(r.orphaned_checkpoints(), " (", Bytes(r.checkpoint_bytes()), ")")},
+         {"indexed blocks", absl::StrCat(r.indexed_blocks())},
+         {"hit rate (tokens)", absl::StrFormat("%.1f%% of %d", looked ? 100 * r.hit_tokens() / looked : 0.0,
+                                               static_cast<int64_t>(looked))},
+         {"admissions", absl::StrCat(r.admitted(), " admitted, ", r.waited(), " waited, ", r.rejected(), " rejected")},
+         {"last event", absl::StrCat(r.last_event_sequence())}});
+  return 0;
+}
+
+int Pools(Kvd::Stub& stub, bool json) {
+  kvd::v1::ListPoolsResponse pools;
+  kvd::v1::ReportResponse r;
+  if (int rc = Call([&](auto* c, auto* p) { return stub.ListPools(c, kvd::v1::ListPoolsRequest(), p); }, &pools)) return rc;
+  if (int rc = Call([&](auto* c, auto* p) { return stub.Report(c, kvd::v1::ReportRequest(), p); }, &r)) return rc;
+  if (json) {
+    std::cout << Json(pools) << "\n";
+    return 0;
+  }
+  std::vector<std::vector<std::string>> rows = {
+      {"POOL", "BLOCK", "LAYERS", "BLOCK BYTES", "LAYOUT", "SHARDS", "CAPACITY", "FREE", "OWNED", "CACHED", "EVICTABLE"}};
+  for (int i = 0; i < pools.pools_size(); ++i) {
+    const auto& p = pools.pools(i);
+    const auto& s = r.pools(i);
+    rows.push_back({p.name(), absl::StrCat(p.block_tokens(), " tok"), absl::StrCat(p.num_layers()),
+                    Bytes(p.block_bytes()),
+                    p.layout() == kvd::v1::LAYOUT_LAYER_MAJOR ? "layer_major" : "block_major",
+                    absl::StrCat(p.slabs_size()), absl::StrCat(p.capacity_blocks()),
+                    absl::StrCat(s.free_blocks()), absl::StrCat(s.owned_blocks()),
+                    absl::StrCat(s.cached_blocks()), absl::StrCat(s.evictable_blocks())});
+  }
+  Table(rows);
+  return 0;
+}
+
+int Requests(Kvd::Stub& stub, bool json) {
+  kvd::v1::ListHandlesResponse r;
+  if (int rc = Call([&](auto* c, auto* p) { return stub.ListHandles(c, kvd::v1::ListHandlesRequest(), p); }, &r)) return rc;
+  if (json) {
+    std::cout << Json(r) << "\n";
+    return 0;
+  }
+  std::vector<std::vector<std::string>> rows = {
+      {"REQUEST", "WORKER", "POOL", "SESSION", "TOKENS", "CACHED", "BLOCKS", "RESERVED", "CHECKPOINT"}};
+  for (const auto& h : r.handles()) {
+    rows.push_back({h.request_id(), h.worker_id(), h.pool(), h.session_id(),
+                    h.acquired() ? absl::StrCat(h.num_tokens()) : "(admitted)",
+                    absl::StrCat(h.cached_tokens()), absl::StrCat(h.blocks_size()),
+                    Bytes(h.reserved_bytes()), h.has_checkpoint() ? "yes" : "no"});
+  }
+  Table(rows);
+  return 0;
+}
+
+int Sessions(Kvd::Stub& stub, bool json) {
+  kvd::v1::ListSessionsResponse r;
+  if (int rc = Call([&](auto* c, auto* p) { return stub.ListSessions(c, kvd::v1::ListSessionsRequest(), p); }, &r)) return rc;
+  if (json) {
+    std::cout << Json(r) << "\n";
+    return 0;
+  }
+  std::vector<std::vector<std::string>> rows = {{"SESSION", "WORKER", "PROTECTED BLOCKS", "EXPIRES IN"}};
+  const int64_t now_ms = absl::ToUnixMillis(absl::Now());
+  for (const auto& s : r.sessions()) {
+    rows.push_back({s.session_id(), s.worker_id(), absl::StrCat(s.protected_blocks()),
+                    absl::StrFormat("%.0fs", (s.expires_unix_ms() - now_ms) / 1000.0)});
+  }
+  Table(rows);
+  return 0;
+}
+
+std::string EventLine(const kvd::v1::CacheEvent& e) {
+  const char* kind = e.kind() == kvd::v1::CacheEvent::STORED    ? "stored"
+                     : e.kind() == kvd::v1::CacheEvent::REMOVED ? "removed"
+                                                                : "cleared";
+  if (e.kind() == kvd::v1::CacheEvent::CLEARED) return absl::StrCat(e.sequence(), " cleared");
+  return absl::StrCat(e.sequence(), " ", kind, " pool=", e.pool(), " block=", e.block(),
+                      " key=", absl::BytesToHexString(e.block_key()),
+                      e.parent_key().empty() ? "" : absl::StrCat(" parent=", absl::BytesToHexString(e.parent_key())),
+                      e.tokens_size() ? absl::StrCat(" tokens=", e.tokens_size()) : "");
+}
+
+int Events(Kvd::Stub& stub, bool json, uint64_t after, bool follow) {
+  kvd::v1::ReportResponse r;
+  if (int rc = Call([&](auto* c, auto* p) { return stub.Report(c, kvd::v1::ReportRequest(), p); }, &r)) return rc;
+  const uint64_t until = r.last_event_sequence();
+  if (!follow && after >= until) return 0;
+  grpc::ClientContext ctx;
+  kvd::v1::WatchEventsRequest req;
+  req.set_after_sequence(after);
+  auto reader = stub.WatchEvents(&ctx, req);
+  kvd::v1::EventBatch batch;
+  while (reader->Read(&batch)) {
+    if (batch.resync()) {
+      std::cout << (json ? "{\"resync\": true}" : "resync: events before this point are no longer buffered") << "\n";
+      if (!follow) break;
+    }
+    uint64_t last = 0;
+    for (const auto& e : batch.events()) {
+      std::cout << (json ? Json(e) : EventLine(e)) << "\n";
+      last = e.sequence();
+    }
+    std::cout.flush();
+    if (!follow && last >= until) break;
+  }
+  ctx.TryCancel();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvdctl: administer a kvd daemon"};
+  std::string target = DefaultTarget();
+  bool json = false;
+  app.add_option("--target", target, "kvd address (env KVD_TARGET)");
+  app.add_flag("--json", json, "print JSON instead of tables");
+  app.require_subcommand(1);
+  auto* status = app.add_subcommand("status", "budget, requests, sessions, hit rate, pressure");
+  auto* pools = app.add_subcommand("pools", "pools and their block states");
+  auto* requests = app.add_subcommand("requests", "live requests");
+  auto* sessions = app.add_subcommand("sessions", "sessions and their affinity");
+  auto* gc = app.add_subcommand("gc", "expire TTLs and evict idle unreferenced blocks");
+  int64_t max_idle_ms = 0;
+  gc->add_option("--max-idle-ms", max_idle_ms, "evict blocks idle at least this long (0: all)");
+  auto* boundary = app.add_subcommand("boundary", "trim pools above the high watermark");
+  auto* drain = app.add_subcommand("drain", "stop admitting new work");
+  auto* events = app.add_subcommand("events", "index events");
+  uint64_t after = 0;
+  bool follow = false;
+  events->add_option("--after", after, "start after this sequence number");
+  events->add_flag("--follow", follow, "keep streaming");
+  CLI11_PARSE(app, argc, argv);
+
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(5))) {
+    std::cerr << "kvdctl: cannot reach kvd at " << target << "\n";
+    return 1;
+  }
+  auto stub = Kvd::NewStub(channel);
+  if (*status) return Status(*stub, json);
+  if (*pools) return Pools(*stub, json);
+  if (*requests) return Requests(*stub, json);
+  if (*sessions) return Sessions(*stub, json);
+  if (*events) return Events(*stub, json, after, follow);
+  if (*gc) {
+    kvd::v1::GcRequest req;
+    req.set_max_idle_ms(max_idle_ms);
+    kvd::v1::GcResponse r;
+    if (int rc = Call([&](auto* c, auto* p) { return stub->Gc(c, req, p); }, &r)) return rc;
+    if (json) std::cout << Json(r) << "\n";
+    else std::cout << "freed " << r.blocks_freed() << " blocks (" << Bytes(r.bytes_freed()) << "), dropped "
+                   << r.checkpoints_dropped() << " checkpoints, expired " << r.sessions_expired() << " sessions\n";
+    return 0;
+  }
+  if (*boundary) {
+    kvd::v1::BoundaryResponse r;
+    if (int rc = Call([&](auto* c, auto* p) { return stub->Boundary(c, kvd::v1::BoundaryRequest(), p); }, &r)) return rc;
+    if (json) std::cout << Json(r) << "\n";
+    else std::cout << "evicted " << r.evicted_blocks() << " blocks\n";
+    return 0;
+  }
+  if (*drain) {
+    kvd::v1::DrainResponse r;
+    if (int rc = Call([&](auto* c, auto* p) { return stub->Drain(c, kvd::v1::DrainRequest(), p); }, &r)) return rc;
+    if (json) std::cout << Json(r) << "\n";
+    else std::cout << "draining: new work is refused; " << r.live_requests() << " requests still live\n";
+    return 0;
+  }
+  return 0;
+}
