@@ -21,8 +21,8 @@ using prometheus::MetricType;
 // Builds metric families from KvCache::Report() at scrape time.
 class CacheCollector final : public prometheus::Collectable {
  public:
-  CacheCollector(const KvCache* cache, const AttachmentRegistry* workers)
-      : cache_(cache), workers_(workers) {}
+  CacheCollector(const KvCache* cache, const AttachmentRegistry* workers, std::string backend)
+      : cache_(cache), workers_(workers), backend_(std::move(backend)) {}
 
   std::vector<MetricFamily> Collect() const override {
     const CacheReport r = cache_->Report();
@@ -45,6 +45,17 @@ class CacheCollector final : public prometheus::Collectable {
       add(blocks, p.cached_blocks - p.evictable_blocks, {{"pool", p.name}, {"state", "cached_referenced"}});
       add(blocks, p.evictable_blocks, {{"pool", p.name}, {"state", "cached_evictable"}});
     }
+    MetricFamily& bytes = family("kvd_bytes", "KV bytes by pool, tier and state.", MetricType::Gauge);
+    for (const PoolReport& p : r.pools) {
+      auto add_bytes = [&](const char* state, int64_t blocks) {
+        add(bytes, static_cast<double>(blocks * p.block_bytes),
+            {{"pool", p.name}, {"tier", "device"}, {"state", state}});
+      };
+      add_bytes("total", p.capacity_blocks);
+      add_bytes("free", p.free_blocks);
+      add_bytes("held", p.owned_blocks + p.cached_blocks - p.evictable_blocks);
+      add_bytes("cached", p.cached_blocks);
+    }
     MetricFamily& capacity = family("kvd_pool_capacity_blocks", "Blocks per pool.", MetricType::Gauge);
     for (const PoolReport& p : r.pools) add(capacity, p.capacity_blocks, {{"pool", p.name}});
     add(family("kvd_hit_tokens_total", "Prompt tokens served from cache.", MetricType::Counter), r.hit_tokens);
@@ -65,26 +76,37 @@ class CacheCollector final : public prometheus::Collectable {
     add(family("kvd_orphaned_checkpoints", "Checkpoints awaiting resume.", MetricType::Gauge), r.orphaned_checkpoints);
     add(family("kvd_pressure_level", "0 normal, 1 high, 2 critical.", MetricType::Gauge), static_cast<int>(r.pressure));
     add(family("kvd_attached_workers", "Workers attached.", MetricType::Gauge), workers_->size());
+    add(family("kvd_checkpoint_bytes", "KV bytes pinned by checkpoints awaiting resume.", MetricType::Gauge),
+        r.checkpoint_bytes);
+    add(family("kvd_published_blocks_total", "Blocks kept by Publish.", MetricType::Counter), r.published_blocks);
+    add(family("kvd_duplicate_blocks_total", "Published blocks dropped as duplicates.", MetricType::Counter),
+        r.duplicate_blocks);
+    add(family("kvd_events_total", "Index events emitted (last sequence number).", MetricType::Counter),
+        r.last_event_sequence);
+    add(family("kvd_build_info", "Build information (value 1).", MetricType::Gauge), 1,
+        {{"backend", backend_}, {"version", KVD_VERSION}});
     return out;
   }
 
  private:
   const KvCache* cache_;
   const AttachmentRegistry* workers_;
+  const std::string backend_;
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& listen,
                                                         const KvCache* cache,
-                                                        const AttachmentRegistry* workers) {
+                                                        const AttachmentRegistry* workers,
+                                                        const std::string& backend) {
   std::unique_ptr<Metrics> m(new Metrics());
   m->registry_ = std::make_shared<prometheus::Registry>();
   m->rpc_latency_ = &prometheus::BuildHistogram()
                          .Name("kvd_rpc_latency_seconds")
                          .Help("Latency of control-plane RPCs, by method and status code.")
                          .Register(*m->registry_);
-  auto collector = std::make_shared<CacheCollector>(cache, workers);
+  auto collector = std::make_shared<CacheCollector>(cache, workers, backend);
   if (!listen.empty()) {
     try {
       m->exposer_ = std::make_unique<prometheus::Exposer>(listen);

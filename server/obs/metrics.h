@@ -30,9 +30,11 @@ class Metrics {
   // Serves /metrics on `listen` (HOST:PORT, port 0 picks a free one); empty serves nothing but
   // still records. `cache` and `workers` are borrowed and must outlive this. UNAVAILABLE when the
   // address cannot be bound.
+  // `backend` labels kvd_build_info.
   static absl::StatusOr<std::unique_ptr<Metrics>> Start(const std::string& listen,
                                                         const KvCache* cache,
-                                                        const AttachmentRegistry* workers);
+                                                        const AttachmentRegistry* workers,
+                                                        const std::string& backend);
   ~Metrics();
 
   void ObserveRpc(absl::string_view method, absl::StatusCode code, double seconds);

@@ -1,0 +1,235 @@
+// Operations: health, reflection, configuration errors, --print-config, kvdctl, exact metrics.
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <catch2/catch.hpp>
+
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/client.h"
+#include "health.grpc.pb.h"
+#include "kvd/v1/kvd.pb.h"
+#include "reflection.grpc.pb.h"
+#include "tests/integration/harness.h"
+
+namespace kvd {
+namespace {
+
+using namespace kvd::testing;
+
+grpc::health::v1::HealthCheckResponse::ServingStatus Health(const DaemonProcess& d) {
+  auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = stub->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &resp);
+  return s.ok() ? resp.status() : grpc::health::v1::HealthCheckResponse::UNKNOWN;
+}
+
+TEST_CASE("Health is SERVING, then NOT_SERVING while draining; a second SIGTERM stops at once", "[integration][ops]") {
+  DaemonProcess d(SmallPoolConfig(), {"--drain-timeout=60"});
+  REQUIRE(Health(d) == grpc::health::v1::HealthCheckResponse::SERVING);
+  auto c = client::Client::Connect({.target = d.target()});
+  REQUIRE(c.ok());
+  RequestSpec s;
+  s.id = RequestId("held");
+  s.ns.pool = "default";
+  s.prompt = {1, 2, 3};
+  auto req = (*c)->Start(s);
+  REQUIRE(req.ok());
+  d.Signal(SIGTERM);
+  auto status = Health(d);
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (status != grpc::health::v1::HealthCheckResponse::NOT_SERVING && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+    status = Health(d);
+  }
+  REQUIRE(status == grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  // The request is still live and the drain deadline is a minute away: a second signal ends it now.
+  d.Signal(SIGTERM);
+  auto code = d.WaitExit(absl::Seconds(10));
+  REQUIRE(code.ok());
+  REQUIRE(*code == 0);
+  // The daemon is gone: leak the request and the client rather than talk to a dead socket.
+  (void)(*req).release();
+  (void)c->release();
+}
+
+TEST_CASE("Server reflection lists the kvd service", "[integration][ops]") {
+  DaemonProcess d(SmallPoolConfig());
+  auto stub = grpc::reflection::v1alpha::ServerReflection::NewStub(
+      grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  auto stream = stub->ServerReflectionInfo(&ctx);
+  grpc::reflection::v1alpha::ServerReflectionRequest req;
+  req.set_list_services("");
+  REQUIRE(stream->Write(req));
+  grpc::reflection::v1alpha::ServerReflectionResponse resp;
+  REQUIRE(stream->Read(&resp));
+  std::vector<std::string> names;
+  for (const auto& s : resp.list_services_response().service()) names.push_back(s.name());
+  INFO(absl::StrJoin(names, ","));
+  REQUIRE(std::find(names.begin(), names.end(), "kvd.v1.Kvd") != names.end());
+  stream->WritesDone();
+  stream->Finish();
+}
+
+TEST_CASE("Every configuration error exits non-zero naming the field", "[integration][ops]") {
+  TempDir dir;
+  struct Case {
+    std::string yaml;
+    std::string named;
+  } cases[] = {
+      {"pools:\n  - name: p\n    block_tokens: 0\n", "block_tokens"},
+      {"pools:\n  - name: p\n    num_layers: -1\n", "num_layers"},
+      {"pools:\n  - name: p\n    capacity_blocks: 0\n", "capacity_blocks"},
+      {"pools:\n  - name: p\n    max_model_len: 2\n", "max_model_len"},
+      {"pools:\n  - name: p\n    layout: diagonal\n", "layout"},
+      {"pools:\n  - name: p\n  - name: p\n", "duplicate pool name"},
+      {"pools:\n  - name: p\n    shards: 2\n    devices: [0]\n", "devices"},
+      {"backend: tpu\n", "backend"},
+      {"lease_ttl_s: 0\n", "lease_ttl_s"},
+      {"log_level: loud\n", "log_level"},
+      {"max_message_bytes: 10\n", "max_message_bytes"},
+      {"boundary_low_watermark: 0.99\n", "boundary_low_watermark"},
+      {"budget_bytes: -5\n", "budget_bytes"},
+      {"session_ttl_s: -1\n", "session_ttl_s"},
+      {"event_buffer: 0\n", "event_buffer"},
+      {"colour: blue\n", "unknown key 'colour'"},
+      {"pools: [\n", "config"},
+      {"lease_ttl_s: soon\n", "lease_ttl_s"},
+  };
+  for (const Case& c : cases) {
+    const std::string path = dir.path() + "/bad.yaml";
+    std::ofstream(path) << c.yaml;
+    ProcessResult r = RunProcess(KvdBinary(), {"--config=" + path, "--listen=unix://" + dir.path() + "/k.sock"},
+                                 absl::Seconds(10));
+    INFO(c.yaml << " -> " << r.out);
+    REQUIRE(r.exit_code != 0);
+    REQUIRE(r.out.find(c.named) != std::string::npos);
+  }
+  REQUIRE_FALSE(std::filesystem::exists(dir.path() + "/k.sock"));  // nothing was bound
+}
+
+TEST_CASE("--print-config round-trips", "[integration][ops]") {
+  TempDir dir;
+  const std::string first = dir.path() + "/first.yaml";
+  std::ofstream(first) << SmallPoolConfig(32, "session_ttl_s: 42\nbudget_bytes: 2048\n");
+  ProcessResult a = RunProcess(KvdBinary(), {"--config=" + first, "--print-config", "--listen=unix:///tmp/x.sock"});
+  REQUIRE(a.exit_code == 0);
+  REQUIRE(a.out.find("session_ttl_s: 42") != std::string::npos);
+  REQUIRE(a.out.find("capacity_blocks: 32") != std::string::npos);
+  const std::string second = dir.path() + "/second.yaml";
+  std::ofstream(second) << a.out;
+  ProcessResult b = RunProcess(KvdBinary(), {"--config=" + second, "--print-config"});
+  REQUIRE(b.exit_code == 0);
+  REQUIRE(b.out == a.out);
+}
+
+TEST_CASE("kvdctl reports what the daemon holds, as tables and as JSON", "[integration][ops]") {
+  DaemonProcess d(SmallPoolConfig());
+  REQUIRE(RunWorker({"--target=" + d.target(), "--id=a", "--prompt-range=0:10", "--session=chat"}).exit_code == 0);
+  auto c = client::Client::Connect({.target = d.target()});
+  REQUIRE(c.ok());
+  RequestSpec s;
+  s.id = RequestId("live-one");
+  s.ns.pool = "default";
+  s.prompt = {1, 2, 3, 4, 5};
+  auto req = (*c)->Start(s);
+  REQUIRE(req.ok());
+  auto ctl = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), "--target=" + d.target());
+    ProcessResult r = RunProcess(KVDCTL_BINARY, args);
+    INFO(r.out);
+    REQUIRE(r.exit_code == 0);
+    return r.out;
+  };
+  REQUIRE(ctl({"status"}).find("live requests") != std::string::npos);
+  REQUIRE(ctl({"pools"}).find("default") != std::string::npos);
+  REQUIRE(ctl({"requests"}).find("live-one") != std::string::npos);
+  REQUIRE(ctl({"sessions"}).find("chat") != std::string::npos);
+  const std::string events = ctl({"events"});
+  REQUIRE(events.find("1 stored pool=default") != std::string::npos);
+  REQUIRE(events.find("2 stored pool=default") != std::string::npos);
+
+  using google::protobuf::util::JsonStringToMessage;
+  v1::ReportResponse report;
+  REQUIRE(JsonStringToMessage(ctl({"--json", "status"}), &report).ok());
+  REQUIRE(report.live_requests() == 1);
+  REQUIRE(report.sessions() == 1);
+  v1::ListHandlesResponse handles;
+  REQUIRE(JsonStringToMessage(ctl({"--json", "requests"}), &handles).ok());
+  REQUIRE(handles.handles(0).request_id() == "live-one");
+  v1::ListSessionsResponse sessions;
+  REQUIRE(JsonStringToMessage(ctl({"--json", "sessions"}), &sessions).ok());
+  REQUIRE(sessions.sessions(0).session_id() == "chat");
+  v1::ListPoolsResponse pools;
+  REQUIRE(JsonStringToMessage(ctl({"--json", "pools"}), &pools).ok());
+  REQUIRE(pools.pools(0).block_tokens() == 4);
+  std::vector<std::string> lines = absl::StrSplit(ctl({"--json", "events", "--after=1"}), '\n', absl::SkipEmpty());
+  REQUIRE(lines.size() == 1);
+  v1::CacheEvent e;
+  REQUIRE(JsonStringToMessage(lines[0], &e).ok());
+  REQUIRE(e.sequence() == 2);
+  v1::GcResponse gc;
+  REQUIRE(JsonStringToMessage(ctl({"--json", "gc"}), &gc).ok());
+  REQUIRE(gc.blocks_freed() == 0);  // the session protects a's prefix
+  REQUIRE(ctl({"boundary"}).find("evicted 0 blocks") != std::string::npos);
+  v1::DrainResponse drain;
+  REQUIRE(JsonStringToMessage(ctl({"--json", "drain"}), &drain).ok());
+  REQUIRE(drain.live_requests() == 1);
+  RequestSpec late = s;
+  late.id = RequestId("late");
+  REQUIRE((*c)->Admit(late).status().code() == absl::StatusCode::kUnavailable);
+  ProcessResult unreachable = RunProcess(KVDCTL_BINARY, {"--target=unix:///nonexistent/kvd.sock", "status"});
+  REQUIRE(unreachable.exit_code == 1);
+}
+
+int64_t Metric(const std::string& body, const std::string& line_prefix) {
+  for (absl::string_view line : absl::StrSplit(body, '\n')) {
+    if (absl::StartsWith(line, line_prefix + " ")) {
+      double v = -1;
+      (void)absl::SimpleAtod(line.substr(line_prefix.size() + 1), &v);
+      return static_cast<int64_t>(v);
+    }
+  }
+  return -1;
+}
+
+TEST_CASE("Metric counters match a scripted workload exactly", "[integration][ops]") {
+  DaemonProcess d(SmallPoolConfig(64));
+  const std::string t = "--target=" + d.target();
+  // a: 10 prompt tokens miss; it generates 2 tokens of its own, so it publishes blocks [0..3],
+  //    [4..7] and [8, 9, g1, g2].
+  REQUIRE(RunWorker({t, "--id=a", "--prompt-range=0:10", "--gen=2"}).exit_code == 0);
+  // b: 13 tokens; its first 8 hit, then [8..11] differs from a's third block: 5 miss, 1 new block.
+  REQUIRE(RunWorker({t, "--id=b", "--prompt-range=0:13"}).exit_code == 0);
+  // c: 5 unrelated tokens miss; 1 new block.
+  REQUIRE(RunWorker({t, "--id=c", "--prompt-range=500:5"}).exit_code == 0);
+  auto body = HttpGet(d.metrics_port(), "/metrics");
+  REQUIRE(body.ok());
+  INFO(*body);
+  REQUIRE(Metric(*body, "kvd_lookups_total") == 3);
+  REQUIRE(Metric(*body, "kvd_hit_tokens_total") == 8);
+  REQUIRE(Metric(*body, "kvd_miss_tokens_total") == 10 + 5 + 5);
+  REQUIRE(Metric(*body, "kvd_published_blocks_total") == 5);
+  REQUIRE(Metric(*body, "kvd_admissions_total{result=\"admitted\"}") == 3);
+  REQUIRE(Metric(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Acquire\"}") == 3);
+  REQUIRE(Metric(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Extend\"}") == 2);
+  REQUIRE(Metric(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Release\"}") == 3);
+  REQUIRE(Metric(*body, "kvd_blocks{pool=\"default\",state=\"cached_evictable\"}") == 5);
+  REQUIRE(Metric(*body, "kvd_blocks{pool=\"default\",state=\"free\"}") == 59);
+  REQUIRE(Metric(*body, "kvd_bytes{pool=\"default\",tier=\"device\",state=\"cached\"}") == 5 * 128);
+  REQUIRE(Metric(*body, "kvd_live_requests") == 0);
+  REQUIRE(Metric(*body, "kvd_build_info{backend=\"host\",version=\"" KVD_VERSION "\"}") == 1);
+}
+
+}  // namespace
+}  // namespace kvd
