@@ -9,6 +9,7 @@
 //     boundary          trim pools above the high watermark
 //     drain             stop admitting (as SIGTERM does, without exiting)
 //     events [--after=N] [--follow]   index events; --follow keeps streaming
+//     health            exit 0 when kvd is SERVING, 1 otherwise (draining, unreachable): probes
 // Human-readable tables by default; --json prints the API's messages as JSON (one per line for
 // events). Exit status 1 with the gRPC status on failure.
 #include <unistd.h>
@@ -27,6 +28,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 
 namespace {
@@ -236,12 +238,26 @@ int main(int argc, char** argv) {
   bool follow = false;
   events->add_option("--after", after, "start after this sequence number");
   events->add_flag("--follow", follow, "keep streaming");
+  auto* health = app.add_subcommand("health", "exit 0 when SERVING (for probes)");
   CLI11_PARSE(app, argc, argv);
 
   auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(5))) {
     std::cerr << "kvdctl: cannot reach kvd at " << target << "\n";
     return 1;
+  }
+  if (*health) {
+    auto hstub = grpc::health::v1::Health::NewStub(channel);
+    grpc::health::v1::HealthCheckResponse r;
+    if (int rc = Call([&](auto* c, auto* p) {
+          return hstub->Check(c, grpc::health::v1::HealthCheckRequest(), p);
+        }, &r)) {
+      return rc;
+    }
+    const bool serving = r.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+    if (json) std::cout << Json(r) << "\n";
+    else std::cout << (serving ? "SERVING" : "NOT_SERVING") << "\n";
+    return serving ? 0 : 1;
   }
   auto stub = Kvd::NewStub(channel);
   if (*status) return Status(*stub, json);

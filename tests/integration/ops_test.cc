@@ -14,7 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
-#include "health.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "kvd/v1/kvd.pb.h"
 #include "reflection.grpc.pb.h"
 #include "tests/integration/harness.h"
@@ -152,6 +152,7 @@ TEST_CASE("kvdctl reports what the daemon holds, as tables and as JSON", "[integ
     return r.out;
   };
   REQUIRE(ctl({"status"}).find("live requests") != std::string::npos);
+  REQUIRE(ctl({"health"}).find("SERVING") != std::string::npos);
   REQUIRE(ctl({"pools"}).find("default") != std::string::npos);
   REQUIRE(ctl({"requests"}).find("live-one") != std::string::npos);
   REQUIRE(ctl({"sessions"}).find("chat") != std::string::npos);
@@ -188,6 +189,9 @@ TEST_CASE("kvdctl reports what the daemon holds, as tables and as JSON", "[integ
   RequestSpec late = s;
   late.id = RequestId("late");
   REQUIRE((*c)->Admit(late).status().code() == absl::StatusCode::kUnavailable);
+  ProcessResult draining = RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "health"});
+  REQUIRE(draining.exit_code == 1);
+  REQUIRE(draining.out.find("NOT_SERVING") != std::string::npos);
   ProcessResult unreachable = RunProcess(KVDCTL_BINARY, {"--target=unix:///nonexistent/kvd.sock", "status"});
   REQUIRE(unreachable.exit_code == 1);
 }
