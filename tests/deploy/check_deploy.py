@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Checks the files in deploy/ against what they must say, and against a running kvd.
+
+Usage: check_deploy.py REPO_ROOT KVD_BINARY KVDCTL_BINARY
+
+- every Kubernetes manifest parses, and the DaemonSet, worker pod, ConfigMap and PodMonitor
+  carry the settings that matter (shared PID/IPC namespaces, the socket hostPath, probes,
+  resources, the metrics port the PodMonitor scrapes);
+- the ConfigMap's kvd.yaml and deploy/kvd.example.yaml are accepted by `kvd --print-config`;
+- the systemd unit passes `systemd-analyze verify` (when systemd-analyze exists);
+- the alert rules pass `promtool check rules` (when promtool exists);
+- every kvd_* metric named by the alert rules and the Grafana dashboard is one a running kvd
+  actually exports (scraped from a real daemon on a temporary socket and port 0);
+- the Containerfile is multi-stage and runs as a non-root user.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import yaml
+
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what)
+
+
+def load_all(path):
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+def main():
+    root, kvd, kvdctl = sys.argv[1], os.path.abspath(sys.argv[2]), os.path.abspath(sys.argv[3])
+    deploy = os.path.join(root, "deploy")
+    docs = {}
+    for name in sorted(os.listdir(os.path.join(deploy, "kubernetes"))):
+        for d in load_all(os.path.join(deploy, "kubernetes", name)):
+            docs[(d["kind"], d["metadata"]["name"])] = d
+    ds = docs.get(("DaemonSet", "kvd"))
+    check(ds is not None, "a DaemonSet named kvd exists")
+    pod = ds["spec"]["template"]["spec"]
+    check(pod.get("hostPID") is True, "DaemonSet shares the host PID namespace (CUDA IPC, SO_PEERCRED)")
+    check(pod.get("hostIPC") is True, "DaemonSet shares the host IPC namespace (CUDA IPC)")
+    vols = {v["name"]: v for v in pod["volumes"]}
+    check(vols.get("socket-dir", {}).get("hostPath", {}).get("path") == "/run/kvd", "socket dir is hostPath /run/kvd")
+    c = pod["containers"][0]
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    check("/run/kvd" in mounts, "kvd mounts /run/kvd")
+    check("--listen=unix:///run/kvd/kvd.sock" in c["args"], "kvd listens on the shared socket")
+    check("readinessProbe" in c and "health" in c["readinessProbe"]["exec"]["command"], "readiness uses gRPC health")
+    check("livenessProbe" in c, "liveness probe set")
+    check("requests" in c.get("resources", {}) and "limits" in c.get("resources", {}), "resources set")
+    check(c.get("securityContext", {}).get("runAsNonRoot") is True, "kvd runs as non-root")
+    check("nvidia.com/gpu" not in str(c.get("resources", {})), "kvd does not reserve GPUs from the scheduler")
+    check(pod.get("terminationGracePeriodSeconds", 30) >= 35, "grace period covers the 30 s drain")
+    port_names = {p["name"] for p in c["ports"]}
+    pm = docs.get(("PodMonitor", "kvd"))
+    check(pm is not None and pm["spec"]["podMetricsEndpoints"][0]["port"] in port_names, "PodMonitor scrapes a declared port")
+    worker = docs.get(("Pod", "kvd-example-worker"))
+    check(worker is not None and worker["spec"].get("hostPID") is True, "worker shares the PID namespace")
+    wmounts = {m["mountPath"] for m in worker["spec"]["containers"][0]["volumeMounts"]}
+    check("/run/kvd" in wmounts, "worker mounts the socket dir")
+    check(10001 in worker["spec"]["securityContext"].get("supplementalGroups", []), "worker joins kvd's group")
+
+    tmp = tempfile.mkdtemp(prefix="kvd-deploy-")
+    try:
+        cm = docs[("ConfigMap", "kvd-config")]["data"]["kvd.yaml"]
+        for label, text in (("ConfigMap kvd.yaml", cm), ("kvd.example.yaml", open(os.path.join(deploy, "kvd.example.yaml")).read())):
+            path = os.path.join(tmp, "cfg.yaml")
+            open(path, "w").write(text)
+            r = subprocess.run([kvd, "--config=" + path, "--print-config"], capture_output=True, text=True)
+            check(r.returncode == 0, f"{label} is accepted by kvd ({r.stderr.strip()})")
+
+        if shutil.which("systemd-analyze"):
+            unit = open(os.path.join(deploy, "systemd", "kvd.service")).read().replace("/usr/local/bin/kvd", kvd)
+            upath = os.path.join(tmp, "kvd.service")
+            open(upath, "w").write(unit)
+            r = subprocess.run(["systemd-analyze", "verify", upath], capture_output=True, text=True, cwd=tmp)
+            check(r.returncode == 0 and "kvd.service" not in r.stderr, f"systemd-analyze verify ({r.stderr.strip()})")
+            check("Type=notify" in unit and "RuntimeDirectory=kvd" in unit and "User=kvd" in unit, "unit is notify, runtime dir, own user")
+        else:
+            print("skip: systemd-analyze not installed")
+
+        rules = os.path.join(deploy, "prometheus", "kvd-rules.yaml")
+        if shutil.which("promtool"):
+            r = subprocess.run(["promtool", "check", "rules", rules], capture_output=True, text=True)
+            check(r.returncode == 0, f"promtool check rules ({r.stdout.strip()} {r.stderr.strip()})")
+        else:
+            print("skip: promtool not installed")
+
+        exported = scrape_metric_names(kvd, kvdctl, tmp)
+        check("kvd_hit_tokens_total" in exported, "a live kvd exports kvd_hit_tokens_total")
+        referenced = set()
+        for group in yaml.safe_load(open(rules))["groups"]:
+            for rule in group["rules"]:
+                referenced |= set(re.findall(r"\bkvd_[a-z_]+", rule["expr"]))
+        dash = json.load(open(os.path.join(deploy, "grafana", "kvd-dashboard.json")))
+        for p in dash["panels"]:
+            for t in p["targets"]:
+                referenced |= set(re.findall(r"\bkvd_[a-z_]+", t["expr"]))
+        for name in sorted(referenced):
+            base = re.sub(r"_(bucket|count|sum)$", "", name)
+            check(name in exported or base in exported, f"metric {name} used by rules/dashboard is exported")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    cf = open(os.path.join(deploy, "Containerfile")).read()
+    check(len(re.findall(r"^FROM ", cf, re.M)) >= 2, "Containerfile is multi-stage")
+    user = re.findall(r"^USER (\S+)", cf, re.M)
+    check(bool(user) and not user[-1].startswith(("0", "root")), "Containerfile runs as non-root")
+
+    print(f"{len(failures)} failed")
+    return 1 if failures else 0
+
+
+def scrape_metric_names(kvd, kvdctl, tmp):
+    ready = os.path.join(tmp, "ready.json")
+    proc = subprocess.Popen([kvd, "--listen=unix://" + os.path.join(tmp, "k.sock"), "--metrics-listen=127.0.0.1:0",
+                             "--ready-file=" + ready, "--log-level=warn"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(500):
+            if os.path.exists(ready):
+                break
+            time.sleep(0.02)
+        port = json.load(open(ready))["metrics_port"]
+        # One RPC, so that the per-RPC latency histogram has a series to show.
+        subprocess.run([kvdctl, "--target=unix://" + os.path.join(tmp, "k.sock"), "status"],
+                       stdout=subprocess.DEVNULL, check=True)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return {m.group(1) for m in re.finditer(r"^# TYPE (\S+)", body, re.M)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
