@@ -3,11 +3,14 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -17,6 +20,7 @@
 #include "gpu/host_arena.h"
 #if KVD_HAVE_CUDA
 #include "gpu/cuda_block_copier.h"
+#include "gpu/cuda_ipc_event.h"
 #include "gpu/cuda_slab_import.h"
 #endif
 #include "kvd/v1/kvd.grpc.pb.h"
@@ -36,6 +40,10 @@ struct Client::Impl {
   std::vector<MappedSlab> mappings;
 #if KVD_HAVE_CUDA
   std::vector<ImportedCudaSlab> cuda_slabs;  // opened once, kept for the client's life
+  std::optional<InterprocessEvent> own_event;
+  absl::Mutex events_mu;
+  absl::flat_hash_map<std::string, std::unique_ptr<InterprocessEvent>> peer_events
+      ABSL_GUARDED_BY(events_mu);  // opened once per handle
 #endif
 
   grpc::ClientContext attach_ctx;
@@ -151,6 +159,15 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   v1::AttachRequest hello;
   hello.mutable_hello()->set_worker_name(options.worker_name);
   hello.mutable_hello()->set_pid(getpid());
+  if (options.ipc_event_device >= 0) {
+#if KVD_HAVE_CUDA
+    KVD_ASSIGN_OR_RETURN(InterprocessEvent event, InterprocessEvent::Create(options.ipc_event_device));
+    hello.mutable_hello()->set_cuda_event_handle(event.handle());
+    impl->own_event.emplace(std::move(event));
+#else
+    return absl::FailedPreconditionError("ipc_event_device needs a client built with CUDA");
+#endif
+  }
   v1::AttachResponse resp;
   if (!impl->attach->Write(hello) || !impl->attach->Read(&resp) || !resp.has_attached()) {
     grpc::Status s = impl->attach->Finish();
@@ -230,6 +247,40 @@ absl::Status Client::ReadLayer(PoolId pool, BlockIndex block, int32_t layer, int
     return absl::OutOfRangeError("read past the layer block");
   }
   return CopyLayerBytes(impl_->backend == "cuda", dst, base + offset, n);
+}
+
+absl::Status Client::RecordWrites(void* stream) {
+#if KVD_HAVE_CUDA
+  if (!impl_->own_event.has_value()) {
+    return absl::FailedPreconditionError("no interprocess event: set ClientOptions::ipc_event_device");
+  }
+  return impl_->own_event->Record(stream);
+#else
+  return absl::FailedPreconditionError("interprocess events need a client built with CUDA");
+#endif
+}
+
+absl::Status Client::WaitForPublishers(const KvRequest& request, void* stream) {
+#if KVD_HAVE_CUDA
+  const int device = impl_->options.ipc_event_device >= 0 ? impl_->options.ipc_event_device : 0;
+  for (const std::string& handle : request.publisher_events()) {
+    InterprocessEvent* event = nullptr;
+    {
+      absl::MutexLock lock(&impl_->events_mu);
+      auto& slot = impl_->peer_events[handle];
+      if (slot == nullptr) {
+        KVD_ASSIGN_OR_RETURN(InterprocessEvent opened, InterprocessEvent::Open(device, handle));
+        slot = std::make_unique<InterprocessEvent>(std::move(opened));
+      }
+      event = slot.get();
+    }
+    KVD_RETURN_IF_ERROR(event->StreamWait(stream));
+  }
+  return absl::OkStatus();
+#else
+  if (request.publisher_events().empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError("interprocess events need a client built with CUDA");
+#endif
 }
 
 absl::StatusOr<AdmitResult> Client::Admit(RequestSpec spec) {

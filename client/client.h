@@ -34,6 +34,10 @@ struct ClientOptions {
   // Tensor-parallel rank: map only this shard of each pool (-1: every shard). On the CUDA backend
   // a rank maps only its own device's slab.
   int32_t shard = -1;
+  // CUDA backend: create an interprocess event on this device and register it at Attach, so
+  // readers of blocks this worker publishes can order after its writes without a host sync
+  // (RecordWrites / WaitForPublishers). -1: none.
+  int32_t ipc_event_device = -1;
   absl::Duration connect_timeout = absl::Seconds(5);
 };
 
@@ -77,6 +81,13 @@ class Client {
                           const void* src, int64_t n, uint32_t shard = 0) const;
   absl::Status ReadLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset, void* dst,
                          int64_t n, uint32_t shard = 0) const;
+
+  // Ordering without a host sync (CUDA backend; docs/architecture.md): the writer records its
+  // interprocess event on the stream that wrote the blocks, before publishing them; a reader
+  // makes its stream wait on the events of the publishers of the blocks it reuses. Streams are
+  // cudaStream_t passed as void*. FAILED_PRECONDITION without CUDA or without an event.
+  absl::Status RecordWrites(void* stream);
+  absl::Status WaitForPublishers(const KvRequest& request, void* stream);
 
   // --- RPC wrappers (spec.owner is filled with this worker's id) ---
   absl::StatusOr<AdmitResult> Admit(RequestSpec spec);
@@ -130,6 +141,8 @@ class KvRequest {
   bool resumed() const { return state_.resumed; }
   const std::vector<Token>& resumed_tokens() const { return state_.resumed_tokens; }
   const std::string& engine_state() const { return state_.engine_state; }
+  // Interprocess event handles of the workers that published the reused blocks.
+  const std::vector<std::string>& publisher_events() const { return state_.publisher_events; }
 
   // Adds positions for `n` more tokens; new blocks are appended to blocks().
   absl::Status Extend(int64_t n);

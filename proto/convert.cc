@@ -96,6 +96,7 @@ void ToProto(const AcquireResult& r, v1::AcquireResponse* p) {
   p->set_resumed(r.resumed);
   CopyTokens(r.resumed_tokens, p->mutable_resumed_tokens());
   p->set_engine_state(r.engine_state);
+  for (const std::string& e : r.publisher_events) p->add_publisher_events(e);
 }
 
 AcquireResult FromProto(const v1::AcquireResponse& p) {
@@ -107,6 +108,7 @@ AcquireResult FromProto(const v1::AcquireResponse& p) {
   r.resumed = p.resumed();
   r.resumed_tokens = TokensFromProto(p.resumed_tokens());
   r.engine_state = p.engine_state();
+  r.publisher_events.assign(p.publisher_events().begin(), p.publisher_events().end());
   return r;
 }
 

@@ -41,6 +41,11 @@ struct AcquireResult {
   // Blocks at positions >= cached_tokens / block_tokens are writable by this request alone.
   int64_t cached_tokens = 0;
   bool resumed = false;               // state came from a checkpoint
+  // Live workers that published the reused blocks: a reader orders its reads after their writes
+  // (e.g. by waiting on their interprocess CUDA events) before it reads.
+  std::vector<WorkerId> publishers;
+  // Filled at the RPC edge, not by the core: the publishers' interprocess event handles.
+  std::vector<std::string> publisher_events;
   // When resumed: the request's tokens, the checkpoint's or the prompt when that is longer.
   std::vector<Token> resumed_tokens;
   std::string engine_state;           // when resumed: the checkpoint's opaque engine bytes

@@ -251,6 +251,7 @@ absl::StatusOr<AcquireResult> KvCache::AcquirePrefixLocked(Request& req) {
   AcquireResult out;
   out.pool = req.pool;
   for (CachedBlock* b : hit) req.table.push_back(b->address.index);
+  out.publishers = PublishersLocked(hit);
   for (BlockIndex b : *owned) req.table.push_back(b);
   req.num_tokens = prompt_len;
   req.cached_tokens = static_cast<int64_t>(hit.size()) * bt;
@@ -410,11 +411,41 @@ absl::Status KvCache::Release(const RequestId& id, bool completed) {
   return status;
 }
 
+uint32_t KvCache::WorkerIndexLocked(const WorkerId& worker) {
+  if (worker.empty()) return 0;
+  auto [it, inserted] = worker_index_.try_emplace(worker, 0);
+  if (!inserted) return it->second;
+  if (!free_worker_slots_.empty()) {
+    it->second = free_worker_slots_.back();
+    free_worker_slots_.pop_back();
+    worker_names_[it->second] = worker;
+  } else {
+    it->second = static_cast<uint32_t>(worker_names_.size());
+    worker_names_.push_back(worker);
+  }
+  return it->second;
+}
+
+std::vector<WorkerId> KvCache::PublishersLocked(const std::vector<CachedBlock*>& blocks) const {
+  std::vector<WorkerId> out;
+  for (const CachedBlock* b : blocks) {
+    if (b->publisher == 0 || worker_names_[b->publisher].empty()) continue;
+    const WorkerId& w = worker_names_[b->publisher];
+    if (std::find(out.begin(), out.end(), w) == out.end()) out.push_back(w);
+  }
+  return out;
+}
+
 int64_t KvCache::ReleaseWorker(const WorkerId& worker) {
   int64_t released = 0;
   {
     absl::MutexLock lock(&mu_);
     ExpireLocked(nullptr);
+    if (auto it = worker_index_.find(worker); it != worker_index_.end()) {
+      worker_names_[it->second] = WorkerId();
+      free_worker_slots_.push_back(it->second);
+      worker_index_.erase(it);
+    }
     std::vector<RequestId> ids;
     for (const auto& [id, req] : requests_) {
       if (req->spec.owner == worker) ids.push_back(id);

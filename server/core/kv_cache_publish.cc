@@ -112,12 +112,14 @@ absl::StatusOr<PublishResult> KvCache::Publish(const RequestId& id, absl::Span<c
       NamespaceRoot* root = plan.kept > 0 ? index_.GetOrCreateRoot(req->spec.ns, req->pool) : nullptr;
       CachedBlock* parent = nullptr;
       bool chain_ok = true;
+      const uint32_t publisher = plan.kept > 0 ? WorkerIndexLocked(req->spec.owner) : 0;
       for (size_t i = 0; i < plan.outcomes.size(); ++i) {
         PublishOutcome& outcome = plan.outcomes[i];
         if (outcome == PublishOutcome::kAlreadyCached) {
           parent = pool.blocks[blocks[i]].node;
         } else if (outcome == PublishOutcome::kKept && chain_ok) {
           parent = CacheBlockLocked(req->pool, root, parent, blocks[i], tokens.subspan(i * bt, bt));
+          if (parent != nullptr) parent->publisher = publisher;
           if (parent == nullptr) {  // a 128-bit key collision with a different block
             outcome = PublishOutcome::kDuplicate;
             --plan.kept;

@@ -25,15 +25,23 @@ std::string RandomToken() {
 AttachmentRegistry::AttachmentRegistry(const Clock* clock, absl::Duration lease_ttl)
     : clock_(clock), lease_ttl_(lease_ttl) {}
 
-AttachmentRegistry::Attached AttachmentRegistry::Register(const std::string& name, pid_t pid) {
+AttachmentRegistry::Attached AttachmentRegistry::Register(const std::string& name, pid_t pid,
+                                                          std::string event_handle) {
   absl::MutexLock lock(&mu_);
   WorkerId id(absl::StrCat("w", next_id_++, "-", pid));
   Entry& e = workers_[id];
   e.name = name;
   e.pid = pid;
+  e.event_handle = std::move(event_handle);
   e.slab_token = RandomToken();
   e.lease_expires = clock_->Now() + lease_ttl_;
   return Attached{id, e.slab_token};
+}
+
+std::string AttachmentRegistry::EventHandle(const WorkerId& id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(id);
+  return it == workers_.end() ? std::string() : it->second.event_handle;
 }
 
 absl::Status AttachmentRegistry::Renew(const WorkerId& id) {

@@ -28,8 +28,12 @@ class AttachmentRegistry {
   // `clock` is borrowed and must outlive the registry.
   AttachmentRegistry(const Clock* clock, absl::Duration lease_ttl);
 
-  // Registers a worker and issues its id and one-time slab token.
-  Attached Register(const std::string& name, pid_t pid) ABSL_LOCKS_EXCLUDED(mu_);
+  // Registers a worker (with its optional interprocess event handle) and issues its id and
+  // one-time slab token.
+  Attached Register(const std::string& name, pid_t pid, std::string event_handle = "")
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The worker's interprocess event handle; empty when it registered none or is gone.
+  std::string EventHandle(const WorkerId& id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Extends the lease. FAILED_PRECONDITION when the attachment is gone (e.g. its lease lapsed).
   absl::Status Renew(const WorkerId& id) ABSL_LOCKS_EXCLUDED(mu_);
   // OK when `id` is a live attachment; FAILED_PRECONDITION otherwise.
@@ -50,6 +54,7 @@ class AttachmentRegistry {
     std::string name;
     pid_t pid = 0;
     std::string slab_token;
+    std::string event_handle;
     bool token_used = false;
     absl::Time lease_expires;
   };

@@ -114,6 +114,9 @@ grpc::ServerUnaryReactor* KvdService::Acquire(grpc::CallbackServerContext* ctx,
   return Unary(ctx, "Acquire", [&]() -> absl::Status {
     KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
     KVD_ASSIGN_OR_RETURN(AcquireResult r, cache_->Acquire(RequestId(req->request_id())));
+    for (const WorkerId& w : r.publishers) {
+      if (std::string e = workers_->EventHandle(w); !e.empty()) r.publisher_events.push_back(std::move(e));
+    }
     ToProto(r, resp);
     return absl::OkStatus();
   });

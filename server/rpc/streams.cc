@@ -37,7 +37,12 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
         return;
       }
       const v1::Hello& hello = request_.hello();
-      auto attached = service_->workers()->Register(hello.worker_name(), hello.pid());
+      if (hello.cuda_event_handle().size() > 64) {
+        FinishLocked(ToGrpcStatus(absl::InvalidArgumentError("cuda_event_handle is longer than 64 bytes")));
+        return;
+      }
+      auto attached = service_->workers()->Register(hello.worker_name(), hello.pid(),
+                                                    hello.cuda_event_handle());
       worker_ = attached.id;
       v1::Attached* a = response_.mutable_attached();
       a->set_worker_id(attached.id.value());

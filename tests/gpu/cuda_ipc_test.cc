@@ -73,6 +73,38 @@ TEST_CASE("GPU: a client opens each slab once and gets device pointers", "[.gpu]
   REQUIRE(w.exit_code == 0);
 }
 
+TEST_CASE("GPU: readers wait on the publisher's interprocess event, not on the host", "[.gpu]") {
+  if (!HaveGpu()) return;
+  DaemonProcess d(CudaPoolConfig(), {"--backend=cuda"});
+  auto writer = client::Client::Connect({.target = d.target(), .ipc_event_device = 0});
+  INFO(writer.status().ToString());
+  REQUIRE(writer.ok());
+  RequestSpec s;
+  s.id = RequestId("w");
+  s.ns.pool = "default";
+  for (Token t = 0; t < 40; ++t) s.prompt.push_back(t);
+  auto w = (*writer)->Start(s);
+  REQUIRE(w.ok());
+  std::vector<uint8_t> bytes(256, 0xAB);
+  for (int64_t pos = 0; pos < 32; ++pos) {
+    REQUIRE((*writer)->WriteLayer((*w)->pool(), (*w)->blocks()[pos / 16], 0, (pos % 16) * 256,
+                                  bytes.data(), bytes.size()).ok());
+  }
+  REQUIRE((*writer)->RecordWrites(nullptr).ok());  // on the default stream, after the writes
+  REQUIRE((*w)->Publish(s.prompt).ok());
+  auto reader = client::Client::Connect({.target = d.target()});
+  REQUIRE(reader.ok());
+  s.id = RequestId("r");
+  auto r = (*reader)->Start(s);
+  REQUIRE(r.ok());
+  REQUIRE((*r)->cached_tokens() == 32);
+  REQUIRE((*r)->publisher_events().size() == 1);
+  REQUIRE((*reader)->WaitForPublishers(**r, nullptr).ok());
+  std::vector<uint8_t> got(256);
+  REQUIRE((*reader)->ReadLayer((*r)->pool(), (*r)->blocks()[1], 0, 0, got.data(), got.size()).ok());
+  REQUIRE(got == bytes);
+}
+
 TEST_CASE("GPU: a killed worker's blocks are reclaimed", "[.gpu]") {
   if (!HaveGpu()) return;
   DaemonProcess d(CudaPoolConfig(), {"--backend=cuda"});

@@ -320,6 +320,70 @@ TEST_CASE("Metrics expose RPC latency, blocks by state and attached workers", "[
   REQUIRE(body->find("kvd_miss_tokens_total 9") != std::string::npos);
 }
 
+TEST_CASE("Readers receive the interprocess event handles of the blocks' publishers", "[integration]") {
+  DaemonProcess d(SmallPoolConfig());
+  auto stub = v1::Kvd::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  const std::string handle(64, 'E');  // opaque to the daemon; a cudaIpcEventHandle_t on GPUs
+  grpc::ClientContext attach_ctx;
+  auto stream = stub->Attach(&attach_ctx);
+  v1::AttachRequest hello;
+  hello.mutable_hello()->set_pid(getpid());
+  hello.mutable_hello()->set_cuda_event_handle(handle);
+  v1::AttachResponse attached;
+  REQUIRE(stream->Write(hello));
+  REQUIRE(stream->Read(&attached));
+  const std::string writer = attached.attached().worker_id();
+  auto call = [&](auto method, const auto& req, auto* resp) {
+    grpc::ClientContext ctx;
+    return ((*stub).*method)(&ctx, req, resp);
+  };
+  v1::AdmitRequest admit;
+  admit.set_worker_id(writer);
+  admit.set_request_id("w");
+  admit.mutable_namespace_()->set_pool("default");
+  for (uint32_t t = 0; t < 9; ++t) admit.add_prompt(t);
+  v1::AdmitResponse admitted;
+  REQUIRE(call(&v1::Kvd::Stub::Admit, admit, &admitted).ok());
+  v1::AcquireRequest acquire;
+  acquire.set_worker_id(writer);
+  acquire.set_request_id("w");
+  v1::AcquireResponse acquired;
+  REQUIRE(call(&v1::Kvd::Stub::Acquire, acquire, &acquired).ok());
+  v1::PublishRequest publish;
+  publish.set_worker_id(writer);
+  publish.set_request_id("w");
+  *publish.mutable_tokens() = admit.prompt();
+  publish.add_blocks(acquired.blocks(0));
+  publish.add_blocks(acquired.blocks(1));
+  v1::PublishResponse published;
+  REQUIRE(call(&v1::Kvd::Stub::Publish, publish, &published).ok());
+  REQUIRE(published.kept() == 2);
+
+  auto reader = ConnectTo(d);
+  RequestSpec s;
+  s.id = RequestId("r");
+  s.ns.pool = "default";
+  s.prompt = Range(0, 9);
+  auto req = reader->Start(s);
+  REQUIRE(req.ok());
+  REQUIRE((*req)->cached_tokens() == 8);
+  REQUIRE((*req)->publisher_events() == std::vector<std::string>{handle});
+#if !KVD_TEST_HAVE_CUDA
+  REQUIRE(reader->WaitForPublishers(**req, nullptr).code() == absl::StatusCode::kFailedPrecondition);
+#endif
+  // An oversized handle is refused at Attach.
+  grpc::ClientContext bad_ctx;
+  auto bad = stub->Attach(&bad_ctx);
+  hello.mutable_hello()->set_cuda_event_handle(std::string(65, 'x'));
+  bad->Write(hello);
+  bad->WritesDone();
+  v1::AttachResponse ignored;
+  while (bad->Read(&ignored)) {}
+  REQUIRE(bad->Finish().error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  stream->WritesDone();
+  stream->Finish();
+}
+
 TEST_CASE("A worker whose lease lapses is treated as dead", "[integration]") {
   DaemonProcess d(SmallPoolConfig(), {"--lease-ttl=1"});
   auto observer = ConnectTo(d, false);  // only reads: needs no live lease

@@ -502,3 +502,32 @@ TEST_CASE("Multiple pools share one budget but allocate separately", "[core][cac
 
 }  // namespace
 }  // namespace kvd
+
+namespace kvd {
+namespace {
+
+using namespace kvd::testing;
+
+TEST_CASE("Acquire names the live workers that published the reused blocks", "[core][cache]") {
+  FakeClock clock;
+  auto cache = MakeCache(SmallOptions(), &clock);
+  RequestSpec a = Spec("a", Seq(0, 9));
+  a.owner = WorkerId("writer-1");
+  PublishAll(*cache, a, a.prompt, Start(*cache, a));
+  RequestSpec b = Spec("b", Concat(Seq(0, 8), Seq(70, 5)));
+  b.owner = WorkerId("writer-2");
+  AcquireResult rb = Start(*cache, b);
+  REQUIRE(rb.publishers == std::vector<WorkerId>{WorkerId("writer-1")});
+  PublishAll(*cache, b, b.prompt, rb);  // adds block [70..73] published by writer-2
+  RequestSpec c = Spec("c", Concat(Concat(Seq(0, 8), Seq(70, 4)), {1}));
+  AcquireResult rc = Start(*cache, c);
+  REQUIRE(rc.publishers == std::vector<WorkerId>{WorkerId("writer-1"), WorkerId("writer-2")});
+  // A gone worker is no longer named (its event died with it).
+  cache->ReleaseWorker(WorkerId("writer-1"));
+  RequestSpec d = Spec("d", Seq(0, 9));
+  REQUIRE(Start(*cache, d).publishers.empty());
+  RequireInvariants(*cache);
+}
+
+}  // namespace
+}  // namespace kvd
