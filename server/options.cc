@@ -123,7 +123,8 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
       "listen", "side_socket", "metrics_listen", "backend", "max_message_bytes", "lease_ttl_s",
       "drain_timeout_s", "log_level", "budget_bytes", "session_ttl_s", "session_max_protected_blocks",
       "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes",
-      "boundary_high_watermark", "boundary_low_watermark", "event_buffer", "pools"};
+      "boundary_high_watermark", "boundary_low_watermark", "event_buffer", "eviction_policy",
+      "slru_main_fraction", "slru_ghost_fraction", "pools"};
   for (const auto& kv : root) {
     const std::string key = kv.first.as<std::string>();
     bool known = false;
@@ -149,6 +150,14 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(Read(root, "boundary_high_watermark", &c.boundary_high_watermark, where));
   KVD_RETURN_IF_ERROR(Read(root, "boundary_low_watermark", &c.boundary_low_watermark, where));
   KVD_RETURN_IF_ERROR(Read(root, "event_buffer", &c.event_buffer, where));
+  std::string policy = c.eviction_policy == EvictionPolicy::kSlru ? "slru" : "lru";
+  KVD_RETURN_IF_ERROR(Read(root, "eviction_policy", &policy, where));
+  if (policy != "lru" && policy != "slru") {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": eviction_policy must be lru or slru, not '", policy, "'"));
+  }
+  c.eviction_policy = policy == "slru" ? EvictionPolicy::kSlru : EvictionPolicy::kLru;
+  KVD_RETURN_IF_ERROR(Read(root, "slru_main_fraction", &c.slru_main_fraction, where));
+  KVD_RETURN_IF_ERROR(Read(root, "slru_ghost_fraction", &c.slru_ghost_fraction, where));
   if (const YAML::Node pools = root["pools"]) {
     if (!pools.IsSequence()) return absl::InvalidArgumentError(absl::StrCat(where, ": pools must be a list"));
     c.pools.clear();
@@ -188,6 +197,10 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "boundary_high_watermark" << YAML::Value << c.boundary_high_watermark;
   out << YAML::Key << "boundary_low_watermark" << YAML::Value << c.boundary_low_watermark;
   out << YAML::Key << "event_buffer" << YAML::Value << c.event_buffer;
+  out << YAML::Key << "eviction_policy" << YAML::Value
+      << (c.eviction_policy == EvictionPolicy::kSlru ? "slru" : "lru");
+  out << YAML::Key << "slru_main_fraction" << YAML::Value << c.slru_main_fraction;
+  out << YAML::Key << "slru_ghost_fraction" << YAML::Value << c.slru_ghost_fraction;
   out << YAML::Key << "pools" << YAML::Value << YAML::BeginSeq;
   for (const PoolGeometry& g : c.pools) {
     out << YAML::BeginMap;

@@ -12,6 +12,13 @@
 
 namespace kvd {
 
+// Which cached blocks are evicted first (see docs/architecture.md, "Eviction").
+enum class EvictionPolicy {
+  kLru,   // least recently used leaf first (SGLang's radix cache, vLLM's free queue)
+  kSlru,  // segmented: blocks never reused go first; reuse, or a re-store soon after eviction
+          // (a ghost list of evicted keys), promotes a block to the main segment
+};
+
 struct CacheOptions {
   // Pools served; at least one, names unique.
   std::vector<PoolGeometry> pools;
@@ -35,6 +42,13 @@ struct CacheOptions {
   // Boundary(): when a pool's used fraction is above `high`, trim unreferenced blocks down to `low`.
   double boundary_high_watermark = 0.90;
   double boundary_low_watermark = 0.80;
+
+  // Eviction order. Default kLru.
+  EvictionPolicy eviction_policy = EvictionPolicy::kLru;
+  // kSlru: the main segment holds at most this fraction of a pool's blocks. Default 0.8.
+  double slru_main_fraction = 0.8;
+  // kSlru: keys of evicted never-reused blocks remembered, as a fraction of a pool's blocks.
+  double slru_ghost_fraction = 1.0;
 
   PressureOptions pressure;
   // Index events kept for watchers that reconnect. Default 65536.

@@ -6,27 +6,38 @@ namespace kvd {
 
 void EvictionQueue::Push(CachedBlock* block) {
   KVD_CHECK(!block->queued);
-  auto& tier = block->protect_count > 0 ? protected_ : unprotected_;
-  tier.emplace(Order{block->last_use, block->serial}, block);
+  const Tier tier = block->protect_count > 0 ? kProtected : block->reused ? kMain : kProbation;
+  tiers_[tier].emplace(Order{block->last_use, block->serial}, block);
   block->queued = true;
+  block->queue_tier = tier;
 }
 
 void EvictionQueue::Remove(CachedBlock* block) {
   if (!block->queued) return;
-  auto& tier = block->protect_count > 0 ? protected_ : unprotected_;
-  size_t n = tier.erase(Order{block->last_use, block->serial});
+  size_t n = tiers_[block->queue_tier].erase(Order{block->last_use, block->serial});
   KVD_CHECK(n == 1);
   block->queued = false;
 }
 
-CachedBlock* EvictionQueue::Peek() const {
-  if (!unprotected_.empty()) return unprotected_.begin()->second;
-  if (!protected_.empty()) return protected_.begin()->second;
-  return nullptr;
+CachedBlock* EvictionQueue::Oldest(Tier tier) const {
+  return tiers_[tier].empty() ? nullptr : tiers_[tier].begin()->second;
 }
 
-CachedBlock* EvictionQueue::PeekUnprotected() const {
-  return unprotected_.empty() ? nullptr : unprotected_.begin()->second;
+CachedBlock* EvictionQueue::UnprotectedVictim() const {
+  const double main = static_cast<double>(size(kMain));
+  const double all = main + static_cast<double>(size(kProbation));
+  if (main > main_share_ * all) {
+    if (CachedBlock* b = Oldest(kMain)) return b;
+  }
+  if (CachedBlock* b = Oldest(kProbation)) return b;
+  return Oldest(kMain);
 }
+
+CachedBlock* EvictionQueue::Peek() const {
+  if (CachedBlock* b = UnprotectedVictim()) return b;
+  return Oldest(kProtected);
+}
+
+CachedBlock* EvictionQueue::PeekUnprotected() const { return UnprotectedVictim(); }
 
 }  // namespace kvd

@@ -2,9 +2,13 @@
 // checkpoint references and that have no cached children (leaves). Evicting a leaf may turn its
 // parent into a leaf, which KvCache then pushes here, so a prefix is always evicted tail first.
 //
-// Order is least recently used first, by each block's `last_use` tick. Blocks that a session
-// protects sit in a second, softly protected tier: they go only when no unprotected block is left.
-// Push, Remove and Pop are O(log n) in the number of queued blocks; nothing scans the cache.
+// Blocks sit in one of three tiers, each ordered least recently used first by `last_use`:
+//   kProbation  - cached blocks not reused since they were stored (all blocks under plain LRU),
+//   kMain       - blocks that were reused, or re-stored soon after being evicted (SLRU policy),
+//   kProtected  - blocks a session protects (soft: they go only when nothing else is left).
+// Victims come from the lowest non-empty tier. Push, Remove and Peek are O(log n) in the number
+// of queued blocks; nothing scans the cache. Between probation and main, the victim is the oldest
+// probation block unless main holds more than its share of the unprotected queue.
 // Thread-compatible: the caller serializes access.
 #pragma once
 
@@ -18,22 +22,32 @@ namespace kvd {
 
 class EvictionQueue {
  public:
-  // REQUIRES: !block->queued. Files the block by its protect_count and last_use.
+  enum Tier : uint8_t { kProbation = 0, kMain = 1, kProtected = 2 };
+
+  // REQUIRES: !block->queued. Files the block by protect_count (kProtected), reused (kMain) and
+  // last_use.
   void Push(CachedBlock* block);
   // No-op when the block is not queued.
   void Remove(CachedBlock* block);
-  // The next victim (oldest unprotected, else oldest protected), still queued; nullptr if empty.
+  // The next victim (oldest of the lowest non-empty tier), still queued; nullptr if empty.
   CachedBlock* Peek() const;
-  // The oldest unprotected block, or nullptr.
+  // The oldest block that no session protects, or nullptr.
   CachedBlock* PeekUnprotected() const;
+  // The oldest block of one tier, or nullptr.
+  CachedBlock* Oldest(Tier tier) const;
 
-  int64_t size() const { return static_cast<int64_t>(unprotected_.size() + protected_.size()); }
-  int64_t num_protected() const { return static_cast<int64_t>(protected_.size()); }
+  int64_t size() const { return size(kProbation) + size(kMain) + size(kProtected); }
+  int64_t size(Tier tier) const { return static_cast<int64_t>(tiers_[tier].size()); }
+  int64_t num_protected() const { return size(kProtected); }
+  // The share of the unprotected queue the main tier may keep before its own oldest block is the
+  // victim; below it, probation goes first. 1.0 (default): probation always goes first.
+  void set_main_share(double share) { main_share_ = share; }
 
  private:
+  CachedBlock* UnprotectedVictim() const;
+  double main_share_ = 1.0;
   using Order = std::pair<uint64_t, uint64_t>;  // (last_use, serial)
-  absl::btree_map<Order, CachedBlock*> unprotected_;
-  absl::btree_map<Order, CachedBlock*> protected_;
+  absl::btree_map<Order, CachedBlock*> tiers_[3];
 };
 
 }  // namespace kvd

@@ -47,6 +47,12 @@ absl::Status CacheOptions::Validate() const {
         "boundary_low_watermark and boundary_high_watermark must satisfy 0 < low <= high <= 1");
   }
   if (event_buffer <= 0) return absl::InvalidArgumentError("event_buffer must be > 0");
+  if (!(0 < slru_main_fraction && slru_main_fraction < 1)) {
+    return absl::InvalidArgumentError("slru_main_fraction must be in (0, 1)");
+  }
+  if (!(0 <= slru_ghost_fraction && slru_ghost_fraction <= 16)) {
+    return absl::InvalidArgumentError("slru_ghost_fraction must be in [0, 16]");
+  }
   return pressure.Validate();
 }
 
@@ -93,7 +99,15 @@ KvCache::KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes)
                 return limits;
               }()),
       pressure_(options_.pressure) {
-  for (const auto& g : options_.pools) pools_.push_back(std::make_unique<Pool>(g));
+  for (const auto& g : options_.pools) {
+    auto pool = std::make_unique<Pool>(g);
+    pool->main_capacity = static_cast<int64_t>(options_.slru_main_fraction * g.capacity_blocks);
+    pool->ghost_capacity = static_cast<int64_t>(options_.slru_ghost_fraction * g.capacity_blocks);
+    if (options_.eviction_policy == EvictionPolicy::kSlru) {
+      pool->queue.set_main_share(options_.slru_main_fraction);
+    }
+    pools_.push_back(std::move(pool));
+  }
 }
 
 KvCache::~KvCache() = default;
@@ -245,7 +259,10 @@ absl::StatusOr<AcquireResult> KvCache::AcquirePrefixLocked(Request& req) {
     return absl::ResourceExhaustedError(absl::StrCat("pool '", pool.geometry.name, "' has ",
                                                      reclaimable, " reclaimable blocks, need ", fresh));
   }
-  for (CachedBlock* b : hit) RefLocked(req.pool, b->address.index);
+  for (CachedBlock* b : hit) {
+    RefLocked(req.pool, b->address.index);
+    if (options_.eviction_policy == EvictionPolicy::kSlru) b->reused = true;  // referenced: not queued
+  }
   absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, fresh, req.serial);
   KVD_CHECK(owned.ok());
   AcquireResult out;

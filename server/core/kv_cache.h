@@ -17,6 +17,7 @@
 #pragma once
 
 #include <atomic>
+#include <deque>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -26,6 +27,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -151,6 +153,11 @@ class KvCache {
     int64_t num_owned = 0;
     int64_t num_cached = 0;
     int64_t num_cached_unreferenced = 0;
+    // SLRU policy: keys of evicted never-reused blocks (FIFO-bounded), and the main segment's cap.
+    absl::flat_hash_set<BlockKey> ghost;
+    std::deque<BlockKey> ghost_order;
+    int64_t ghost_capacity = 0;
+    int64_t main_capacity = 0;
     explicit Pool(PoolGeometry g)
         : geometry(std::move(g)), allocator(geometry.capacity_blocks), blocks(geometry.capacity_blocks) {}
   };
@@ -247,6 +254,9 @@ class KvCache {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetProtectionLocked(PoolId pool, CachedBlock* node, int delta)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues an evictable block; under SLRU keeps the main segment within its cap by demoting its
+  // oldest blocks to probation.
+  void QueueLocked(Pool& pool, CachedBlock* node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t NextTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // kv_cache_maintenance.cc: sessions, expiry, pressure, reports.

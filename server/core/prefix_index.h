@@ -38,6 +38,8 @@ struct CachedBlock {
   int32_t protect_count = 0;      // sessions protecting this block
   uint64_t last_use = 0;          // recency tick (KvCache's logical clock)
   bool queued = false;            // in its pool's eviction queue
+  uint8_t queue_tier = 0;         // EvictionQueue::Tier it is filed under, while queued
+  bool reused = false;            // SLRU policy: reused or re-stored after eviction (main tier)
 };
 
 struct NamespaceRoot {

@@ -47,6 +47,9 @@ absl::StatusOr<ReplayStats> ReplayThroughCache(const std::vector<TraceRequest>& 
   g.capacity_blocks = options.capacity_tokens / options.block_tokens;
   g.max_model_len = 1 << 22;
   o.pools.push_back(g);
+  o.eviction_policy = options.policy;
+  o.slru_main_fraction = options.slru_main_fraction;
+  o.slru_ghost_fraction = options.slru_ghost_fraction;
   const int64_t rss_before = ResidentBytes();
   KVD_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(o, SystemClock::Get()));
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/core/cache_options.h"
 #include "tests/bench/trace.h"
 
 namespace kvd::bench {
@@ -14,6 +15,9 @@ struct ReplayOptions {
   int64_t capacity_tokens = 3'000'000;  // pool capacity, in tokens
   int32_t block_tokens = 16;
   int64_t limit_requests = 0;            // 0: the whole trace
+  EvictionPolicy policy = EvictionPolicy::kLru;
+  double slru_main_fraction = 0.8;
+  double slru_ghost_fraction = 1.0;
 };
 
 struct ReplayStats {

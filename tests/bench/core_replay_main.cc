@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "server/core/block_key.h"
 #include "tests/bench/core_replay.h"
+#include "tests/bench/trace_bounds.h"
 
 namespace {
 
@@ -67,6 +68,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> capacities = {3'000'000, 50'000'000};
   ReplayOptions base;
   size_t hash_sample = 2000;
+  bool bounds = true;
   for (int i = 1; i < argc; ++i) {
     std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
     const std::string& key = kv[0];
@@ -85,6 +87,15 @@ int main(int argc, char** argv) {
       ok = absl::SimpleAtoi(value, &base.block_tokens) && base.block_tokens > 0;
     } else if (key == "--limit") {
       ok = absl::SimpleAtoi(value, &base.limit_requests);
+    } else if (key == "--policy") {
+      ok = value == "lru" || value == "slru";
+      base.policy = value == "slru" ? kvd::EvictionPolicy::kSlru : kvd::EvictionPolicy::kLru;
+    } else if (key == "--slru-main") {
+      ok = absl::SimpleAtod(value, &base.slru_main_fraction);
+    } else if (key == "--slru-ghost") {
+      ok = absl::SimpleAtod(value, &base.slru_ghost_fraction);
+    } else if (key == "--bounds") {
+      bounds = value != "off";
     } else if (key == "--hash-sample") {
       ok = absl::SimpleAtoi(value, &hash_sample);
     } else {
@@ -107,8 +118,11 @@ int main(int argc, char** argv) {
   }
   std::printf("trace %s: %zu requests; infinite-cache hit rate at 512-token blocks: %.1f%%\n",
               trace_path.c_str(), trace->size(), 100 * kvd::bench::InfiniteCacheHitRate(*trace));
-  std::printf("| capacity (tokens) | requests | hit rate | lookups/s | tokens/s | ns/block | "
-              "indexed blocks | evicted | RSS growth/indexed block |\n|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("unlimited cache at %d-token blocks: %.1f%%\n", base.block_tokens,
+              100 * kvd::bench::UnlimitedHitRate(*trace, base.block_tokens));
+  std::printf("| capacity (tokens) | requests | hit rate | farthest-next-use bound | lookups/s | tokens/s | "
+              "ns/block | indexed blocks | evicted | RSS growth/indexed block |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
   for (int64_t cap : capacities) {
     ReplayOptions o = base;
     o.capacity_tokens = cap;
@@ -117,9 +131,12 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", s.status().ToString().c_str());
       return 1;
     }
-    std::printf("| %lld | %lld | %.1f%% | %.0f | %.3g | %.0f | %lld | %lld | %.0f B |\n",
+    const double bound = bounds ? kvd::bench::FarthestNextUseHitRate(*trace, base.block_tokens,
+                                                                     cap / base.block_tokens)
+                                : -0.01;
+    std::printf("| %lld | %lld | %.1f%% | %.1f%% | %.0f | %.3g | %.0f | %lld | %lld | %.0f B |\n",
                 static_cast<long long>(cap), static_cast<long long>(s->requests),
-                100 * s->hit_rate(), s->requests / s->cache_seconds,
+                100 * s->hit_rate(), 100 * bound, s->requests / s->cache_seconds,
                 s->prompt_tokens / s->cache_seconds, 1e9 * s->cache_seconds / s->prompt_blocks,
                 static_cast<long long>(s->indexed_blocks), static_cast<long long>(s->evicted_blocks),
                 s->indexed_blocks ? double(s->rss_growth_bytes) / s->indexed_blocks : 0.0);

@@ -531,3 +531,65 @@ TEST_CASE("Acquire names the live workers that published the reused blocks", "[c
 
 }  // namespace
 }  // namespace kvd
+
+namespace kvd {
+namespace {
+
+using namespace kvd::testing;
+
+CacheOptions SlruOptions(int64_t capacity) {
+  CacheOptions o = SmallOptions(capacity);
+  o.eviction_policy = EvictionPolicy::kSlru;
+  o.slru_main_fraction = 0.5;
+  o.slru_ghost_fraction = 4;
+  return o;
+}
+
+TEST_CASE("SLRU keeps a reused block over a newer block that was never reused", "[core][cache][policy]") {
+  FakeClock clock;
+  auto cache = MakeCache(SlruOptions(4), &clock);
+  const Namespace ns{.pool = "m"};
+  RequestSpec a = Spec("a", Seq(0, 5));  // block A
+  PublishAll(*cache, a, a.prompt, Start(*cache, a));
+  REQUIRE(cache->Release(a.id, true).ok());
+  RequestSpec a2 = Spec("a2", Seq(0, 5));  // reuses A: A moves to the main segment
+  REQUIRE(Start(*cache, a2).cached_tokens == 4);
+  REQUIRE(cache->Release(a2.id, true).ok());
+  clock.Advance(absl::Seconds(1));
+  RequestSpec b = Spec("b", Seq(100, 5));  // block B, newer, never reused
+  PublishAll(*cache, b, b.prompt, Start(*cache, b));
+  REQUIRE(cache->Release(b.id, true).ok());
+  RequestSpec c = Spec("c", Seq(500, 12));  // needs 3 blocks: one eviction
+  Start(*cache, c);
+  // LRU would evict A (older); SLRU evicts B (probation) while main is within its share.
+  REQUIRE(*cache->PeekPrefixLen(ns, a.prompt) == 4);
+  REQUIRE(*cache->PeekPrefixLen(ns, b.prompt) == 0);
+  RequireInvariants(*cache);
+}
+
+TEST_CASE("SLRU re-admits a block stored again soon after its eviction into the main segment", "[core][cache][policy]") {
+  FakeClock clock;
+  auto cache = MakeCache(SlruOptions(4), &clock);
+  const Namespace ns{.pool = "m"};
+  RequestSpec b = Spec("b", Seq(100, 5));
+  PublishAll(*cache, b, b.prompt, Start(*cache, b));
+  REQUIRE(cache->Release(b.id, true).ok());
+  RequestSpec big = Spec("big", Seq(1000, 16));  // evicts B (remembered in the ghost list)
+  Start(*cache, big);
+  REQUIRE(cache->Release(big.id, true).ok());
+  REQUIRE(*cache->PeekPrefixLen(ns, b.prompt) == 0);
+  RequestSpec b2 = Spec("b2", Seq(100, 5));  // B computed and stored again: ghost hit -> main
+  PublishAll(*cache, b2, b2.prompt, Start(*cache, b2));
+  REQUIRE(cache->Release(b2.id, true).ok());
+  clock.Advance(absl::Seconds(1));
+  RequestSpec d = Spec("d", Seq(300, 5));  // newer, probation
+  PublishAll(*cache, d, d.prompt, Start(*cache, d));
+  REQUIRE(cache->Release(d.id, true).ok());
+  RequestSpec c = Spec("c", Seq(500, 12));  // 3 blocks over 4 - (B, D + big's cached) ...
+  Start(*cache, c);
+  REQUIRE(*cache->PeekPrefixLen(ns, b.prompt) == 4);  // the re-admitted block survived
+  RequireInvariants(*cache);
+}
+
+}  // namespace
+}  // namespace kvd
