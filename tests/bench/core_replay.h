@@ -15,9 +15,9 @@ struct ReplayOptions {
   int64_t capacity_tokens = 3'000'000;  // pool capacity, in tokens
   int32_t block_tokens = 16;
   int64_t limit_requests = 0;            // 0: the whole trace
-  EvictionPolicy policy = EvictionPolicy::kLru;
-  double slru_main_fraction = 0.8;
-  double slru_ghost_fraction = 1.0;
+  EvictionPolicy policy = EvictionPolicy::kSlru;
+  double slru_main_fraction = 0.5;
+  double slru_ghost_fraction = 4.0;
 };
 
 struct ReplayStats {

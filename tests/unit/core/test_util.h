@@ -13,9 +13,11 @@
 
 namespace kvd::testing {
 
-// One pool "m": 4-token blocks, 2 layers, 8 bytes per token per layer => 64-byte blocks.
+// One pool "m": 4-token blocks, 2 layers, 8 bytes per token per layer => 64-byte blocks. Plain
+// LRU eviction, so that tests state eviction order simply; SLRU has tests of its own.
 inline CacheOptions SmallOptions(int64_t capacity_blocks = 32) {
   CacheOptions o;
+  o.eviction_policy = EvictionPolicy::kLru;
   PoolGeometry g;
   g.name = "m";
   g.block_tokens = 4;
