@@ -7,7 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/core/cache_options.h"
-#include "tests/bench/trace.h"
+#include "client/tools/trace.h"
 
 namespace kvd::bench {
 

@@ -14,7 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "server/core/block_key.h"
 #include "tests/bench/core_replay.h"
-#include "tests/bench/trace_bounds.h"
+#include "client/tools/trace_bounds.h"
 
 namespace {
 

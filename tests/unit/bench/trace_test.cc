@@ -1,4 +1,4 @@
-#include "tests/bench/trace.h"
+#include "client/tools/trace.h"
 
 #include <cstdio>
 #include <fstream>

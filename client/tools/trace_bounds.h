@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "tests/bench/trace.h"
+#include "client/tools/trace.h"
 
 namespace kvd::bench {
 

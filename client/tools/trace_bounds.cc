@@ -1,4 +1,4 @@
-#include "tests/bench/trace_bounds.h"
+#include "client/tools/trace_bounds.h"
 
 #include <algorithm>
 #include <limits>
