@@ -4,7 +4,7 @@
 //   kvd-bench --trace=PATH [--target=unix:///run/kvd/kvd.sock] [--workers=4]
 //             [--speedup=F | (default) as fast as possible] [--decode-tps=0]
 //             [--max-decode-tokens=32] [--checkpoint-every=16] [--limit=N] [--pool=NAME]
-//             [--json=FILE] [--no-bounds]
+//             [--json=FILE] [--no-bounds] [--seed=N] [--as-fast-as-possible]
 //
 // Tokens come from the trace's hash ids (client/tools/trace.h), so shared hash-id prefixes are
 // shared token prefixes. Each request: Admit (waits counted) -> Acquire -> Publish of the
@@ -55,6 +55,7 @@ struct Flags {
   int64_t checkpoint_every = 16;
   int64_t limit = 0;
   bool bounds = true;
+  uint64_t seed = 0;
   int child = -1;
 };
 
@@ -89,7 +90,7 @@ int Child(const Flags& f, const std::vector<kvd::bench::TraceRequest>& trace) {
     kvd::RequestSpec spec;
     spec.id = kvd::RequestId(absl::StrCat("bench-", i));
     spec.ns.pool = f.pool;
-    spec.prompt = kvd::bench::TraceTokens(r);
+    spec.prompt = kvd::bench::TraceTokens(r, f.seed);
     const int64_t decode = std::min(r.output_length, f.max_decode_tokens);
     spec.max_new_tokens = decode;
     if (spec.prompt.empty()) continue;
@@ -164,6 +165,9 @@ int main(int argc, char** argv) {
   app.add_option("--target", f.target, "kvd address (env KVD_TARGET)");
   app.add_option("--workers", f.workers, "worker processes")->check(CLI::Range(1, 256));
   app.add_option("--speedup", f.speedup, "replay arrival times sped up by this factor (0: as fast as possible)");
+  bool asap = false;
+  app.add_flag("--as-fast-as-possible", asap, "ignore arrival times (the default; same as --speedup=0)");
+  app.add_option("--seed", f.seed, "token mapping seed (same sharing, different tokens)");
   app.add_option("--decode-tps", f.decode_tps, "simulated generation speed per request, tokens/s (0: no pacing)");
   app.add_option("--max-decode-tokens", f.max_decode_tokens, "generated tokens simulated per request at most");
   app.add_option("--checkpoint-every", f.checkpoint_every, "checkpoint every N generated tokens (0: never)");
@@ -175,6 +179,7 @@ int main(int argc, char** argv) {
   app.add_option("--child", f.child)->group("");  // internal: run as worker k
   CLI11_PARSE(app, argc, argv);
   f.bounds = !no_bounds;
+  if (asap) f.speedup = 0;
 
   auto trace = kvd::bench::LoadTrace(f.trace);
   if (!trace.ok()) {
@@ -213,6 +218,7 @@ int main(int argc, char** argv) {
                                      absl::StrCat("--max-decode-tokens=", f.max_decode_tokens),
                                      absl::StrCat("--checkpoint-every=", f.checkpoint_every),
                                      absl::StrCat("--limit=", trace->size()), "--pool=" + f.pool,
+                                     absl::StrCat("--seed=", f.seed),
                                      absl::StrCat("--child=", k)};
     std::vector<char*> argp;
     for (auto& a : args) argp.push_back(a.data());

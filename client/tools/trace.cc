@@ -91,13 +91,14 @@ absl::StatusOr<std::vector<TraceRequest>> LoadTrace(const std::string& path) {
   return out;
 }
 
-std::vector<Token> TraceTokens(const TraceRequest& request) {
+std::vector<Token> TraceTokens(const TraceRequest& request, uint64_t seed) {
   std::vector<Token> tokens(request.input_length);
   for (int64_t i = 0; i < request.input_length; ++i) {
     const uint64_t h = request.hash_ids[i / kTraceBlockTokens];
     // 17 bits: a realistic vocabulary size (~128k); collisions between blocks stay negligible
     // because a block is 512 such tokens.
-    tokens[i] = static_cast<Token>(SplitMix64(h * kTraceBlockTokens + i % kTraceBlockTokens) & 0x1FFFF);
+    tokens[i] = static_cast<Token>(
+        SplitMix64((h * kTraceBlockTokens + i % kTraceBlockTokens) ^ (seed * 0x9E3779B97F4A7C15ULL)) & 0x1FFFF);
   }
   return tokens;
 }

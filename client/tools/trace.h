@@ -30,7 +30,8 @@ absl::StatusOr<TraceRequest> ParseTraceLine(const std::string& line);
 // Reads a whole trace file; blank lines are skipped. NOT_FOUND if the file cannot be opened.
 absl::StatusOr<std::vector<TraceRequest>> LoadTrace(const std::string& path);
 
-// The request's prompt: input_length tokens, 512 per hash id.
-std::vector<Token> TraceTokens(const TraceRequest& request);
+// The request's prompt: input_length tokens, 512 per hash id. `seed` selects another, equally
+// deterministic token mapping (same sharing structure, different tokens).
+std::vector<Token> TraceTokens(const TraceRequest& request, uint64_t seed = 0);
 
 }  // namespace kvd::bench

@@ -84,7 +84,7 @@ TEST_CASE("kvd-bench replays deterministically and agrees with the daemon's coun
     DaemonProcess d(config);  // a fresh daemon: same starting state
     const std::string json = dir.path() + absl::StrCat("/report", run, ".json");
     ProcessResult r = RunProcess(KVD_BENCH_BINARY, {"--trace=" + trace, "--target=" + d.target(), "--workers=1",
-                                                    "--json=" + json});
+                                                    "--as-fast-as-possible", "--seed=7", "--json=" + json});
     INFO(r.out);
     REQUIRE(r.exit_code == 0);
     std::ifstream in(json);
