@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
 # The whole test run on a clean checkout: install what is missing, build, run every test.
+# With KVD_SANITIZE=1 (as CI runs it), also builds the tests with AddressSanitizer and
+# UndefinedBehaviorSanitizer in build-asan/ and runs them there.
 # Usage: scripts/test.sh [extra cmake -D options]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 kvd_install_missing "${kvd_test_packages[@]}"
 kvd_build -DKVD_BUILD_TESTS=ON "$@"
-cd "$KVD_BUILD_DIR"
-ctest --output-on-failure -j "$KVD_JOBS" --timeout 600
+(cd "$KVD_BUILD_DIR" && ctest --output-on-failure -j "$KVD_JOBS" --timeout 600)
+
+if [ "${KVD_SANITIZE:-0}" = 1 ]; then
+  echo "kvd: sanitizer run (ASan + UBSan)"
+  KVD_BUILD_DIR="$KVD_ROOT/build-asan" KVD_BUILD_TYPE=Debug kvd_build -DKVD_BUILD_TESTS=ON -DKVD_WITH_CUDA=OFF \
+    "-DCMAKE_CXX_FLAGS=-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" \
+    "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined" "$@"
+  (cd "$KVD_ROOT/build-asan" &&
+     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+     ctest --output-on-failure -j "$KVD_JOBS" --timeout 900)
+fi

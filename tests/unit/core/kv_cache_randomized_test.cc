@@ -227,10 +227,11 @@ class Harness {
     if (live_.empty()) return;
     auto it = Pick(live_);
     const bool completed = Uniform(0, 2) != 0;
-    REQUIRE(cache_->Release(it->second.spec.id, completed).ok());
+    const RequestId id = it->second.spec.id;
+    REQUIRE(cache_->Release(id, completed).ok());
     Finish(it->second, completed);
     live_.erase(it);
-    REQUIRE(cache_->Release(RequestId(it->first), true).code() == absl::StatusCode::kNotFound);
+    REQUIRE(cache_->Release(id, true).code() == absl::StatusCode::kNotFound);
   }
 
   void KillWorker() {
