@@ -69,38 +69,35 @@ absl::Status CudaBlockCopier::Submit(std::vector<void*>& dsts, std::vector<const
   return absl::OkStatus();
 }
 
-absl::Status CudaBlockCopier::Gather(const SlabLayout& layout, int32_t num_layers,
-                                     const uint8_t* slab, absl::Span<const BlockIndex> blocks,
-                                     uint8_t* host) {
+absl::Status CudaBlockCopier::Copy(const SlabLayout& layout, int32_t num_layers, uint8_t* slab,
+                                   absl::Span<const BlockIndex> blocks, uint8_t* host,
+                                   bool to_host) {
   const int64_t chunk = layout.layer_block_bytes();
   std::vector<void*> dsts;
   std::vector<const void*> srcs;
   std::vector<size_t> sizes;
   for (size_t i = 0; i < blocks.size(); ++i) {
     for (int32_t l = 0; l < num_layers; ++l) {
-      dsts.push_back(host + (static_cast<int64_t>(i) * num_layers + l) * chunk);
-      srcs.push_back(slab + layout.OffsetUnchecked(blocks[i], l));
+      uint8_t* device_chunk = slab + layout.OffsetUnchecked(blocks[i], l);
+      uint8_t* host_chunk = host + (static_cast<int64_t>(i) * num_layers + l) * chunk;
+      dsts.push_back(to_host ? host_chunk : device_chunk);
+      srcs.push_back(to_host ? device_chunk : host_chunk);
       sizes.push_back(static_cast<size_t>(chunk));
     }
   }
   return Submit(dsts, srcs, sizes);
 }
 
+absl::Status CudaBlockCopier::Gather(const SlabLayout& layout, int32_t num_layers,
+                                     const uint8_t* slab, absl::Span<const BlockIndex> blocks,
+                                     uint8_t* host) {
+  return Copy(layout, num_layers, const_cast<uint8_t*>(slab), blocks, host, /*to_host=*/true);
+}
+
 absl::Status CudaBlockCopier::Scatter(const SlabLayout& layout, int32_t num_layers,
                                       const uint8_t* host, absl::Span<const BlockIndex> blocks,
                                       uint8_t* slab) {
-  const int64_t chunk = layout.layer_block_bytes();
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    for (int32_t l = 0; l < num_layers; ++l) {
-      dsts.push_back(slab + layout.OffsetUnchecked(blocks[i], l));
-      srcs.push_back(host + (static_cast<int64_t>(i) * num_layers + l) * chunk);
-      sizes.push_back(static_cast<size_t>(chunk));
-    }
-  }
-  return Submit(dsts, srcs, sizes);
+  return Copy(layout, num_layers, slab, blocks, const_cast<uint8_t*>(host), /*to_host=*/false);
 }
 
 absl::Status CudaBlockCopier::Wait() {

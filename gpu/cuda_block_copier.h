@@ -59,6 +59,10 @@ class CudaBlockCopier {
   CudaBlockCopier(int device, void* stream) : device_(device), stream_(stream) {}
   absl::Status Submit(std::vector<void*>& dsts, std::vector<const void*>& srcs,
                       std::vector<size_t>& sizes);
+  // One chunk per (block, layer), in the direction given; the pointers are only read from on
+  // the source side.
+  absl::Status Copy(const SlabLayout& layout, int32_t num_layers, uint8_t* slab,
+                    absl::Span<const BlockIndex> blocks, uint8_t* host, bool to_host);
   int device_;
   void* stream_;  // cudaStream_t
 };

@@ -4,12 +4,22 @@
 
 namespace kvd {
 
-void EvictionQueue::Push(CachedBlock* block) {
-  KVD_CHECK(!block->queued);
+void EvictionQueue::Insert(CachedBlock* block) {
   const Tier tier = block->protect_count > 0 ? kProtected : block->reused ? kMain : kProbation;
   tiers_[tier].emplace(Order{block->last_use, block->serial}, block);
   block->queued = true;
   block->queue_tier = tier;
+}
+
+void EvictionQueue::Push(CachedBlock* block) {
+  KVD_CHECK(!block->queued);
+  Insert(block);
+  while (size(kMain) > main_max_) {
+    CachedBlock* oldest = Oldest(kMain);
+    Remove(oldest);
+    oldest->reused = false;
+    Insert(oldest);
+  }
 }
 
 void EvictionQueue::Remove(CachedBlock* block) {

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <utility>
 
 #include "absl/container/btree_map.h"
@@ -39,13 +40,19 @@ class EvictionQueue {
   int64_t size() const { return size(kProbation) + size(kMain) + size(kProtected); }
   int64_t size(Tier tier) const { return static_cast<int64_t>(tiers_[tier].size()); }
   int64_t num_protected() const { return size(kProtected); }
-  // The share of the unprotected queue the main tier may keep before its own oldest block is the
-  // victim; below it, probation goes first. 1.0 (default): probation always goes first.
-  void set_main_share(double share) { main_share_ = share; }
+  // SLRU: the share of the unprotected queue the main tier may keep before its own oldest block
+  // is the victim (below it, probation goes first), and the most blocks main may hold at all
+  // (Push demotes its oldest to probation past that). Default: 1.0 and unbounded.
+  void set_main_limits(double share, int64_t max_blocks) {
+    main_share_ = share;
+    main_max_ = max_blocks;
+  }
 
  private:
   CachedBlock* UnprotectedVictim() const;
+  void Insert(CachedBlock* block);
   double main_share_ = 1.0;
+  int64_t main_max_ = std::numeric_limits<int64_t>::max();
   using Order = std::pair<uint64_t, uint64_t>;  // (last_use, serial)
   absl::btree_map<Order, CachedBlock*> tiers_[3];
 };

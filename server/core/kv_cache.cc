@@ -99,12 +99,13 @@ KvCache::KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes)
                 return limits;
               }()),
       pressure_(options_.pressure) {
+  const bool slru = options_.eviction_policy == EvictionPolicy::kSlru;
   for (const auto& g : options_.pools) {
-    auto pool = std::make_unique<Pool>(g);
-    pool->main_capacity = static_cast<int64_t>(options_.slru_main_fraction * g.capacity_blocks);
-    pool->ghost_capacity = static_cast<int64_t>(options_.slru_ghost_fraction * g.capacity_blocks);
-    if (options_.eviction_policy == EvictionPolicy::kSlru) {
-      pool->queue.set_main_share(options_.slru_main_fraction);
+    auto pool = std::make_unique<Pool>(
+        g, slru ? static_cast<int64_t>(options_.slru_ghost_fraction * g.capacity_blocks) : 0);
+    if (slru) {
+      pool->queue.set_main_limits(options_.slru_main_fraction,
+                                  static_cast<int64_t>(options_.slru_main_fraction * g.capacity_blocks));
     }
     pools_.push_back(std::move(pool));
   }

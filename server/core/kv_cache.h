@@ -17,7 +17,6 @@
 #pragma once
 
 #include <atomic>
-#include <deque>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -27,7 +26,6 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -39,6 +37,7 @@
 #include "server/core/clock.h"
 #include "server/core/event_log.h"
 #include "server/core/eviction_queue.h"
+#include "server/core/ghost_list.h"
 #include "server/core/prefix_index.h"
 #include "server/core/pressure_monitor.h"
 
@@ -153,13 +152,10 @@ class KvCache {
     int64_t num_owned = 0;
     int64_t num_cached = 0;
     int64_t num_cached_unreferenced = 0;
-    // SLRU policy: keys of evicted never-reused blocks (FIFO-bounded), and the main segment's cap.
-    absl::flat_hash_set<BlockKey> ghost;
-    std::deque<BlockKey> ghost_order;
-    int64_t ghost_capacity = 0;
-    int64_t main_capacity = 0;
-    explicit Pool(PoolGeometry g)
-        : geometry(std::move(g)), allocator(geometry.capacity_blocks), blocks(geometry.capacity_blocks) {}
+    GhostList ghost;  // SLRU: keys of recently evicted probation blocks
+    Pool(PoolGeometry g, int64_t ghost_capacity)
+        : geometry(std::move(g)), allocator(geometry.capacity_blocks),
+          blocks(geometry.capacity_blocks), ghost(ghost_capacity) {}
   };
   struct Request {
     RequestSpec spec;
@@ -185,27 +181,21 @@ class KvCache {
     int64_t charged_blocks = 0;   // when orphaned: blocks charged to the ledger
     absl::Time expires_at;        // when orphaned
   };
-  struct ProtectedRef {
-    PoolId pool;
-    BlockIndex index;
-    uint64_t node_serial;
-  };
+  struct ProtectedRef { PoolId pool; BlockIndex index; uint64_t node_serial; };
   struct Session {
     WorkerId worker;
-    std::vector<ProtectedRef> protected_blocks;
+    std::vector<ProtectedRef> protected_blocks;  // leading cached blocks of its latest request
     absl::Time expires_at;
   };
   // Notifications produced under mu_ and delivered after it is released.
   struct Outbox {
     std::vector<CacheEvent> events;
-    bool pressure_changed = false;
+    bool pressure_changed = false;  // then `level` and `available` are the latest reading
     PressureLevel level = PressureLevel::kNormal;
     double available = 1.0;
     bool empty() const { return events.empty() && !pressure_changed; }
   };
-
   KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes);
-
   // kv_cache.cc: requests.
   absl::StatusOr<PoolId> ValidateSpecLocked(const RequestSpec& spec) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -254,9 +244,6 @@ class KvCache {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetProtectionLocked(PoolId pool, CachedBlock* node, int delta)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Queues an evictable block; under SLRU keeps the main segment within its cap by demoting its
-  // oldest blocks to probation.
-  void QueueLocked(Pool& pool, CachedBlock* node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t NextTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // kv_cache_maintenance.cc: sessions, expiry, pressure, reports.

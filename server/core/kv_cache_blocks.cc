@@ -43,18 +43,7 @@ void KvCache::UnrefLocked(PoolId pool_id, BlockIndex index) {
   }
   ++pool.num_cached_unreferenced;
   s.node->last_use = NextTickLocked();
-  if (s.node->num_children == 0) QueueLocked(pool, s.node);
-}
-
-void KvCache::QueueLocked(Pool& pool, CachedBlock* node) {
-  pool.queue.Push(node);
-  if (options_.eviction_policy != EvictionPolicy::kSlru) return;
-  while (pool.queue.size(EvictionQueue::kMain) > pool.main_capacity) {
-    CachedBlock* oldest = pool.queue.Oldest(EvictionQueue::kMain);
-    pool.queue.Remove(oldest);
-    oldest->reused = false;
-    pool.queue.Push(oldest);
-  }
+  if (s.node->num_children == 0) pool.queue.Push(s.node);
 }
 
 void KvCache::UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table) {
@@ -94,14 +83,8 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
   const BlockIndex index = victim->address.index;
   BlockState& s = pool.blocks[index];
   KVD_CHECK(s.kind == BlockState::Kind::kCached && s.refs == 0 && s.node == victim);
-  if (options_.eviction_policy == EvictionPolicy::kSlru && reason == EvictReason::kCapacity &&
-      victim->queue_tier == EvictionQueue::kProbation && pool.ghost_capacity > 0) {
-    // Remember the key: a block stored again soon after was worth keeping.
-    if (pool.ghost.insert(victim->key).second) pool.ghost_order.push_back(victim->key);
-    while (static_cast<int64_t>(pool.ghost_order.size()) > pool.ghost_capacity) {
-      pool.ghost.erase(pool.ghost_order.front());
-      pool.ghost_order.pop_front();
-    }
+  if (reason == EvictReason::kCapacity && victim->queue_tier == EvictionQueue::kProbation) {
+    pool.ghost.Add(victim->key);  // a block stored again soon after was worth keeping
   }
   pool.queue.Remove(victim);
   CachedBlock* parent = victim->parent;
@@ -127,7 +110,7 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
   ++counters_.evictions[static_cast<int>(reason)];
   if (parent != nullptr && parent->num_children == 0 &&
       pool.blocks[parent->address.index].refs == 0) {
-    QueueLocked(pool, parent);
+    pool.queue.Push(parent);
   }
 }
 
@@ -144,9 +127,7 @@ CachedBlock* KvCache::CacheBlockLocked(PoolId pool_id, NamespaceRoot* root, Cach
   --pool.num_owned;
   ++pool.num_cached;
   node->last_use = NextTickLocked();
-  if (options_.eviction_policy == EvictionPolicy::kSlru && pool.ghost.erase(node->key) > 0) {
-    node->reused = true;
-  }
+  if (pool.ghost.Take(node->key)) node->reused = true;
   CacheEvent& e = scratch_event_;
   e.kind = CacheEventKind::kStored;
   e.pool = pool.geometry.name;
@@ -167,7 +148,7 @@ void KvCache::SetProtectionLocked(PoolId pool_id, CachedBlock* node, int delta) 
   if (was_queued) pool.queue.Remove(node);
   node->protect_count += delta;
   KVD_CHECK(node->protect_count >= 0);
-  if (was_queued) QueueLocked(pool, node);
+  if (was_queued) pool.queue.Push(node);
 }
 
 }  // namespace kvd
