@@ -15,8 +15,7 @@
 // the workers saw them and as the daemon's Report counted them), admissions that waited,
 // client-side latency p50/p99/p999 per RPC, requests per second, and the reference bounds of an
 // unlimited cache and of offline farthest-next-use at the pool's capacity.
-#include <spawn.h>
-#include <sys/wait.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -37,10 +36,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
+#include "client/tools/self_spawn.h"
 #include "client/tools/trace.h"
 #include "client/tools/trace_bounds.h"
-
-extern char** environ;
 
 namespace {
 
@@ -203,31 +201,18 @@ int main(int argc, char** argv) {
   const kvd::PoolGeometry& g = (*pool)->geometry;
   const auto before = (*control)->Report();
   if (!before.ok()) return 1;
-  std::vector<std::pair<pid_t, int>> kids;
+  std::vector<kvd::tools::SpawnedChild> kids;
   const auto start = Clock::now();
   for (int k = 0; k < f.workers; ++k) {
-    int fds[2];
-    if (pipe(fds) != 0) return 1;
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    posix_spawn_file_actions_addclose(&actions, fds[0]);
-    std::vector<std::string> args = {argv[0], "--trace=" + f.trace, "--target=" + f.target,
-                                     absl::StrCat("--workers=", f.workers), absl::StrCat("--speedup=", f.speedup),
-                                     absl::StrCat("--decode-tps=", f.decode_tps),
-                                     absl::StrCat("--max-decode-tokens=", f.max_decode_tokens),
-                                     absl::StrCat("--checkpoint-every=", f.checkpoint_every),
-                                     absl::StrCat("--limit=", trace->size()), "--pool=" + f.pool,
-                                     absl::StrCat("--seed=", f.seed),
-                                     absl::StrCat("--child=", k)};
-    std::vector<char*> argp;
-    for (auto& a : args) argp.push_back(a.data());
-    argp.push_back(nullptr);
-    pid_t pid;
-    if (posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, argp.data(), environ) != 0) return 1;
-    posix_spawn_file_actions_destroy(&actions);
-    close(fds[1]);
-    kids.emplace_back(pid, fds[0]);
+    auto kid = kvd::tools::SpawnSelf(
+        argv[0], {"--trace=" + f.trace, "--target=" + f.target, absl::StrCat("--workers=", f.workers),
+                  absl::StrCat("--speedup=", f.speedup), absl::StrCat("--decode-tps=", f.decode_tps),
+                  absl::StrCat("--max-decode-tokens=", f.max_decode_tokens),
+                  absl::StrCat("--checkpoint-every=", f.checkpoint_every),
+                  absl::StrCat("--limit=", trace->size()), "--pool=" + f.pool,
+                  absl::StrCat("--seed=", f.seed), absl::StrCat("--child=", k)});
+    if (!kid.ok()) return 1;
+    kids.push_back(*kid);
   }
   // Progress from the daemon's own counter while the workers run.
   std::thread progress([&] {
@@ -239,21 +224,16 @@ int main(int argc, char** argv) {
       std::cerr << "\rkvd-bench: " << done << "/" << trace->size() << " requests" << std::flush;
       if (done >= static_cast<int64_t>(trace->size())) return;
       bool any_alive = false;
-      for (auto& [pid, fd] : kids) any_alive |= kill(pid, 0) == 0;
+      for (const auto& kid : kids) any_alive |= kill(kid.pid, 0) == 0;
       if (!any_alive) return;
     }
   });
   Totals all;
   bool ok = true;
-  for (auto& [pid, fd] : kids) {
-    std::string out;
-    char buf[65536];
-    ssize_t n;
-    while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
-    close(fd);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    ok &= WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  for (auto& kid : kids) {
+    kvd::tools::ChildResult child = kvd::tools::Collect(kid);
+    ok &= child.ok;
+    const std::string& out = child.out;
     for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
       std::vector<std::string> w = absl::StrSplit(line, ' ', absl::SkipEmpty());
       if (w[0] == "STATS" && w.size() == 6) {

@@ -5,9 +5,7 @@
 //      blocks, 32 layer chunks each, layer-major) beside one plain cudaMemcpy of the same bytes.
 //
 //   kvd_cuda_bench [--max-gib=16] [--blocks=256]
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
+#include <algorithm>
 
 #include <chrono>
 #include <cstdio>
@@ -19,11 +17,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "client/tools/self_spawn.h"
 #include "gpu/cuda_arena.h"
 #include "gpu/cuda_block_copier.h"
 #include "gpu/cuda_slab_import.h"
-
-extern char** environ;
 
 namespace {
 
@@ -74,23 +72,13 @@ int main(int argc, char** argv) {
       std::printf("| %lld MiB | %s | - |\n", static_cast<long long>(size >> 20), arena.status().ToString().c_str());
       break;
     }
-    int fds[2];
-    if (pipe(fds) != 0) return 1;
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    std::string a1 = "--child-handle=" + absl::BytesToHexString((*arena)->slabs()[0].cuda_ipc_handle);
-    std::string a2 = absl::StrCat("--child-size=", (*arena)->slabs()[0].size_bytes);
-    char* args[] = {argv[0], a1.data(), a2.data(), nullptr};
-    pid_t pid;
-    if (posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, args, environ) != 0) return 1;
-    close(fds[1]);
-    char buf[64] = {};
-    ssize_t n = read(fds[0], buf, sizeof(buf) - 1);
-    close(fds[0]);
-    waitpid(pid, nullptr, 0);
+    auto kid = kvd::tools::SpawnSelf(
+        argv[0], {"--child-handle=" + absl::BytesToHexString((*arena)->slabs()[0].cuda_ipc_handle),
+                  absl::StrCat("--child-size=", (*arena)->slabs()[0].size_bytes)});
+    if (!kid.ok()) return 1;
+    kvd::tools::ChildResult r = kvd::tools::Collect(*kid);
     double open_us = 0;
-    (void)absl::SimpleAtod(n > 0 ? absl::string_view(buf, n) : "0", &open_us);
+    if (!r.ok || !absl::SimpleAtod(absl::StripAsciiWhitespace(r.out), &open_us)) open_us = -1;
     std::printf("| %lld MiB | %.2f | %.3f |\n", static_cast<long long>(size >> 20), malloc_ms, open_us / 1e3);
   }
 

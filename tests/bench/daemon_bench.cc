@@ -8,9 +8,6 @@
 // concurrent worker processes (this binary re-executed with --child), each its own attachment.
 //
 //   kvd_daemon_bench [--iterations=2000] [--workers=1,4,16] [--seconds=3]
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,10 +22,9 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
+#include "client/tools/self_spawn.h"
 #include "server/daemon.h"
 #include "spdlog/spdlog.h"
-
-extern char** environ;
 
 namespace {
 
@@ -167,32 +163,18 @@ int main(int argc, char** argv) {
 
   std::printf("\n| worker processes | cycles/s | per worker |\n|---|---|---|\n");
   for (int n : workers) {
-    std::vector<std::pair<pid_t, int>> kids;
+    std::vector<kvd::tools::SpawnedChild> kids;
     for (int k = 0; k < n; ++k) {
-      int fds[2];
-      if (pipe(fds) != 0) return 1;
-      posix_spawn_file_actions_t actions;
-      posix_spawn_file_actions_init(&actions);
-      posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-      posix_spawn_file_actions_addclose(&actions, fds[0]);
-      std::string a1 = "--child-target=" + target, a2 = absl::StrCat("--child-index=", k),
-                  a3 = absl::StrCat("--seconds=", seconds);
-      char* args[] = {argv[0], a1.data(), a2.data(), a3.data(), nullptr};
-      pid_t pid;
-      if (posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, args, environ) != 0) return 1;
-      posix_spawn_file_actions_destroy(&actions);
-      close(fds[1]);
-      kids.emplace_back(pid, fds[0]);
+      auto kid = kvd::tools::SpawnSelf(argv[0], {"--child-target=" + target, absl::StrCat("--child-index=", k),
+                                                 absl::StrCat("--seconds=", seconds)});
+      if (!kid.ok()) return 1;
+      kids.push_back(*kid);
     }
     int64_t total = 0;
-    for (auto [pid, fd] : kids) {
-      char buf[64] = {};
-      ssize_t r = read(fd, buf, sizeof(buf) - 1);
-      close(fd);
-      int status = 0;
-      waitpid(pid, &status, 0);
+    for (auto& kid : kids) {
+      kvd::tools::ChildResult r = kvd::tools::Collect(kid);
       int64_t count = 0;
-      if (r > 0 && absl::SimpleAtoi(absl::StripAsciiWhitespace(buf), &count)) total += count;
+      if (r.ok && absl::SimpleAtoi(absl::StripAsciiWhitespace(r.out), &count)) total += count;
     }
     std::printf("| %d | %.0f | %.0f |\n", n, total / seconds, total / seconds / n);
   }
