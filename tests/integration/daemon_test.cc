@@ -30,6 +30,27 @@ std::vector<std::string> WorkerArgs(const DaemonProcess& d, std::vector<std::str
   return args;
 }
 
+// An attachment made by hand over a raw stub (the client library hides these details).
+struct RawAttachment {
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> stream;
+  v1::Attached attached;
+  ~RawAttachment() { ctx.TryCancel(); }
+};
+
+std::unique_ptr<RawAttachment> AttachByHand(v1::Kvd::Stub& stub, const std::string& event_handle = "") {
+  auto a = std::make_unique<RawAttachment>();
+  a->stream = stub.Attach(&a->ctx);
+  v1::AttachRequest hello;
+  hello.mutable_hello()->set_pid(getpid());
+  hello.mutable_hello()->set_cuda_event_handle(event_handle);
+  v1::AttachResponse resp;
+  REQUIRE(a->stream->Write(hello));
+  REQUIRE(a->stream->Read(&resp));
+  a->attached = resp.attached();
+  return a;
+}
+
 std::vector<Token> Range(Token start, int n) {
   std::vector<Token> t;
   for (int i = 0; i < n; ++i) t.push_back(start + i);
@@ -167,14 +188,8 @@ TEST_CASE("Bad input gets a clear status, changes nothing, and the daemon keeps 
   {
     auto channel = grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials());
     auto stub = v1::Kvd::NewStub(channel);
-    grpc::ClientContext ctx;
-    auto stream = stub->Attach(&ctx);
-    v1::AttachRequest hello;
-    hello.mutable_hello()->set_pid(getpid());
-    v1::AttachResponse attached;
-    REQUIRE(stream->Write(hello));
-    REQUIRE(stream->Read(&attached));
-    const std::string token = attached.attached().slab_token();
+    auto attachment = AttachByHand(*stub);
+    const std::string token = attachment->attached.slab_token();
     for (int attempt = 0; attempt < 2; ++attempt) {
       auto sock = ConnectUnix(d.side_socket());
       REQUIRE(sock.ok());
@@ -193,8 +208,6 @@ TEST_CASE("Bad input gets a clear status, changes nothing, and the daemon keeps 
     v1::AttachResponse ignored;
     while (bad_stream->Read(&ignored)) {}
     REQUIRE(bad_stream->Finish().error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-    stream->WritesDone();
-    stream->Finish();
   }
   // Requests from a worker id that never attached are refused.
   {
@@ -324,15 +337,8 @@ TEST_CASE("Readers receive the interprocess event handles of the blocks' publish
   DaemonProcess d(SmallPoolConfig());
   auto stub = v1::Kvd::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
   const std::string handle(64, 'E');  // opaque to the daemon; a cudaIpcEventHandle_t on GPUs
-  grpc::ClientContext attach_ctx;
-  auto stream = stub->Attach(&attach_ctx);
-  v1::AttachRequest hello;
-  hello.mutable_hello()->set_pid(getpid());
-  hello.mutable_hello()->set_cuda_event_handle(handle);
-  v1::AttachResponse attached;
-  REQUIRE(stream->Write(hello));
-  REQUIRE(stream->Read(&attached));
-  const std::string writer = attached.attached().worker_id();
+  auto attachment = AttachByHand(*stub, handle);
+  const std::string writer = attachment->attached.worker_id();
   auto call = [&](auto method, const auto& req, auto* resp) {
     grpc::ClientContext ctx;
     return ((*stub).*method)(&ctx, req, resp);
@@ -374,14 +380,14 @@ TEST_CASE("Readers receive the interprocess event handles of the blocks' publish
   // An oversized handle is refused at Attach.
   grpc::ClientContext bad_ctx;
   auto bad = stub->Attach(&bad_ctx);
+  v1::AttachRequest hello;
+  hello.mutable_hello()->set_pid(getpid());
   hello.mutable_hello()->set_cuda_event_handle(std::string(65, 'x'));
   bad->Write(hello);
   bad->WritesDone();
   v1::AttachResponse ignored;
   while (bad->Read(&ignored)) {}
   REQUIRE(bad->Finish().error_code() == grpc::StatusCode::INVALID_ARGUMENT);
-  stream->WritesDone();
-  stream->Finish();
 }
 
 TEST_CASE("A worker whose lease lapses is treated as dead", "[integration]") {
@@ -389,16 +395,10 @@ TEST_CASE("A worker whose lease lapses is treated as dead", "[integration]") {
   auto observer = ConnectTo(d, false);  // only reads: needs no live lease
   auto channel = grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials());
   auto stub = v1::Kvd::NewStub(channel);
-  grpc::ClientContext ctx;
-  auto stream = stub->Attach(&ctx);
-  v1::AttachRequest hello;
-  hello.mutable_hello()->set_pid(getpid());
-  v1::AttachResponse attached;
-  REQUIRE(stream->Write(hello));
-  REQUIRE(stream->Read(&attached));
+  auto attachment = AttachByHand(*stub);
   grpc::ClientContext admit_ctx;
   v1::AdmitRequest admit;
-  admit.set_worker_id(attached.attached().worker_id());
+  admit.set_worker_id(attachment->attached.worker_id());
   admit.set_request_id("silent");
   admit.mutable_namespace_()->set_pool("default");
   admit.add_prompt(1);
@@ -411,7 +411,6 @@ TEST_CASE("A worker whose lease lapses is treated as dead", "[integration]") {
     absl::SleepFor(absl::Milliseconds(50));
   }
   REQUIRE(observer->GetHandle(RequestId("silent")).status().code() == absl::StatusCode::kNotFound);
-  ctx.TryCancel();
 }
 
 }  // namespace
