@@ -362,39 +362,42 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::Extend(const RequestId& id,
   {
     absl::MutexLock lock(&mu_);
     ExpireLocked(nullptr);
-    result = [&]() -> absl::StatusOr<std::vector<BlockIndex>> {
-      KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
-      if (additional_tokens < 0) return absl::InvalidArgumentError("additional_tokens must be >= 0");
-      if (!req->acquired) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("request '", id.value(), "' must Acquire before Extend"));
-      }
-      Pool& pool = *pools_[req->pool];
-      const int64_t new_tokens = req->num_tokens + additional_tokens;
-      if (new_tokens > pool.geometry.max_model_len) {
-        return absl::OutOfRangeError(absl::StrCat("request would reach ", new_tokens,
-                                                  " tokens, past max_model_len ",
-                                                  pool.geometry.max_model_len));
-      }
-      const int64_t have = static_cast<int64_t>(req->table.size());
-      const int64_t needed = std::max<int64_t>(0, pool.geometry.BlocksFor(new_tokens) - have);
-      const int64_t grow = std::max<int64_t>(0, have + needed - req->reserved_blocks);
-      if (!ledger_.CanReserve(req->pool, grow)) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "request '", id.value(), "' needs ", grow, " blocks past its reservation; the budget is full"));
-      }
-      KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> owned,
-                           AllocateOwnedLocked(req->pool, needed, req->serial));
-      KVD_CHECK(ledger_.Reserve(req->pool, grow).ok());
-      req->reserved_blocks += grow;
-      req->num_tokens = new_tokens;
-      req->table.insert(req->table.end(), owned.begin(), owned.end());
-      UpdatePressureLocked();
-      return owned;
-    }();
+    result = ExtendLocked(id, additional_tokens);
   }
   Deliver();
   return result;
+}
+
+absl::StatusOr<std::vector<BlockIndex>> KvCache::ExtendLocked(const RequestId& id,
+                                                             int64_t additional_tokens) {
+  KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
+  if (additional_tokens < 0) return absl::InvalidArgumentError("additional_tokens must be >= 0");
+  if (!req->acquired) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("request '", id.value(), "' must Acquire before Extend"));
+  }
+  Pool& pool = *pools_[req->pool];
+  const int64_t new_tokens = req->num_tokens + additional_tokens;
+  if (new_tokens > pool.geometry.max_model_len) {
+    return absl::OutOfRangeError(absl::StrCat("request would reach ", new_tokens,
+                                              " tokens, past max_model_len ",
+                                              pool.geometry.max_model_len));
+  }
+  const int64_t have = static_cast<int64_t>(req->table.size());
+  const int64_t needed = std::max<int64_t>(0, pool.geometry.BlocksFor(new_tokens) - have);
+  const int64_t grow = std::max<int64_t>(0, have + needed - req->reserved_blocks);
+  if (!ledger_.CanReserve(req->pool, grow)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request '", id.value(), "' needs ", grow, " blocks past its reservation; the budget is full"));
+  }
+  KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> owned,
+                       AllocateOwnedLocked(req->pool, needed, req->serial));
+  KVD_CHECK(ledger_.Reserve(req->pool, grow).ok());
+  req->reserved_blocks += grow;
+  req->num_tokens = new_tokens;
+  req->table.insert(req->table.end(), owned.begin(), owned.end());
+  UpdatePressureLocked();
+  return owned;
 }
 
 void KvCache::ReleaseLocked(Request& req, bool completed) {

@@ -54,12 +54,10 @@ class KvCache {
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
 
-  // --- Pools -------------------------------------------------------------------------------
   const std::vector<PoolGeometry>& pools() const { return pool_geometries_; }
   // NOT_FOUND for an unknown pool name.
   absl::StatusOr<PoolId> FindPool(absl::string_view name) const;
 
-  // --- Requests ----------------------------------------------------------------------------
   // Reserves blocks for prompt + max_new_tokens (no credit for cached prefixes: the reservation
   // must cover the worst case that the prefix is evicted before Acquire). kWait when the budget
   // has no room now. INVALID_ARGUMENT (bad spec), NOT_FOUND (pool), ALREADY_EXISTS (live id),
@@ -100,14 +98,12 @@ class KvCache {
   absl::StatusOr<int64_t> PeekPrefixLen(const Namespace& ns, absl::Span<const Token> tokens) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // --- Sessions ----------------------------------------------------------------------------
   // Drops the session's affinity and protection; its cached blocks stay. NOT_FOUND if unknown.
   absl::Status CloseSession(const SessionId& session) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SessionInfo> GetSession(const SessionId& session) const ABSL_LOCKS_EXCLUDED(mu_);
   // Every live session, soonest to expire first.
   std::vector<SessionInfo> ListSessions() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // --- Housekeeping ------------------------------------------------------------------------
   // Expires sessions and orphaned checkpoints past their TTL, then evicts every unprotected,
   // unreferenced cached block idle for at least `max_idle`.
   GcStats Gc(absl::Duration max_idle = absl::ZeroDuration()) ABSL_LOCKS_EXCLUDED(mu_);
@@ -125,7 +121,6 @@ class KvCache {
   absl::StatusOr<HandleInfo> GetHandle(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);
   CacheReport Report() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  // --- Observers ---------------------------------------------------------------------------
   const EventLog& events() const { return events_; }
   int AddEventListener(EventListener fn) ABSL_LOCKS_EXCLUDED(mu_);
   int AddPressureListener(PressureListener fn) ABSL_LOCKS_EXCLUDED(mu_);
@@ -204,6 +199,8 @@ class KvCache {
   absl::StatusOr<AcquireResult> ResumeLocked(Request& req, CheckpointRecord& ckpt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<AcquireResult> AcquirePrefixLocked(Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::vector<BlockIndex>> ExtendLocked(const RequestId& id, int64_t additional)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseLocked(Request& req, bool completed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A small index for `worker`, recorded in the blocks it publishes (0 for none).
   uint32_t WorkerIndexLocked(const WorkerId& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -217,6 +214,9 @@ class KvCache {
   // kv_cache_publish.cc: publish and checkpoints.
   absl::StatusOr<PublishResult> PlanPublishLocked(const Request& req, absl::Span<const Token> tokens,
                                                   absl::Span<const BlockIndex> blocks) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<PublishResult> PublishLocked(const RequestId& id, absl::Span<const Token> tokens,
+                                              absl::Span<const BlockIndex> blocks)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckKnownTokensLocked(const Request& req, absl::Span<const Token> tokens) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

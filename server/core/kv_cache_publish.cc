@@ -104,40 +104,44 @@ absl::StatusOr<PublishResult> KvCache::Publish(const RequestId& id, absl::Span<c
   {
     absl::MutexLock lock(&mu_);
     ExpireLocked(nullptr);
-    result = [&]() -> absl::StatusOr<PublishResult> {
-      KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
-      KVD_ASSIGN_OR_RETURN(PublishResult plan, PlanPublishLocked(*req, tokens, blocks));
-      Pool& pool = *pools_[req->pool];
-      const int32_t bt = pool.geometry.block_tokens;
-      NamespaceRoot* root = plan.kept > 0 ? index_.GetOrCreateRoot(req->spec.ns, req->pool) : nullptr;
-      CachedBlock* parent = nullptr;
-      bool chain_ok = true;
-      const uint32_t publisher = plan.kept > 0 ? WorkerIndexLocked(req->spec.owner) : 0;
-      for (size_t i = 0; i < plan.outcomes.size(); ++i) {
-        PublishOutcome& outcome = plan.outcomes[i];
-        if (outcome == PublishOutcome::kAlreadyCached) {
-          parent = pool.blocks[blocks[i]].node;
-        } else if (outcome == PublishOutcome::kKept && chain_ok) {
-          parent = CacheBlockLocked(req->pool, root, parent, blocks[i], tokens.subspan(i * bt, bt));
-          if (parent != nullptr) parent->publisher = publisher;
-          if (parent == nullptr) {  // a 128-bit key collision with a different block
-            outcome = PublishOutcome::kDuplicate;
-            --plan.kept;
-            chain_ok = false;
-          }
-        } else if (outcome == PublishOutcome::kKept) {
-          outcome = PublishOutcome::kNoParent;
-          --plan.kept;
-        }
-        if (outcome == PublishOutcome::kDuplicate) ++counters_.duplicate_blocks;
-      }
-      counters_.published_blocks += plan.kept;
-      LearnTokensLocked(*req, tokens);
-      return plan;
-    }();
+    result = PublishLocked(id, tokens, blocks);
   }
   Deliver();
   return result;
+}
+
+absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
+                                                     absl::Span<const Token> tokens,
+                                                     absl::Span<const BlockIndex> blocks) {
+  KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
+  KVD_ASSIGN_OR_RETURN(PublishResult plan, PlanPublishLocked(*req, tokens, blocks));
+  Pool& pool = *pools_[req->pool];
+  const int32_t bt = pool.geometry.block_tokens;
+  NamespaceRoot* root = plan.kept > 0 ? index_.GetOrCreateRoot(req->spec.ns, req->pool) : nullptr;
+  CachedBlock* parent = nullptr;
+  bool chain_ok = true;
+  const uint32_t publisher = plan.kept > 0 ? WorkerIndexLocked(req->spec.owner) : 0;
+  for (size_t i = 0; i < plan.outcomes.size(); ++i) {
+    PublishOutcome& outcome = plan.outcomes[i];
+    if (outcome == PublishOutcome::kAlreadyCached) {
+      parent = pool.blocks[blocks[i]].node;
+    } else if (outcome == PublishOutcome::kKept && chain_ok) {
+      parent = CacheBlockLocked(req->pool, root, parent, blocks[i], tokens.subspan(i * bt, bt));
+      if (parent != nullptr) parent->publisher = publisher;
+      if (parent == nullptr) {  // a 128-bit key collision with a different block
+        outcome = PublishOutcome::kDuplicate;
+        --plan.kept;
+        chain_ok = false;
+      }
+    } else if (outcome == PublishOutcome::kKept) {
+      outcome = PublishOutcome::kNoParent;
+      --plan.kept;
+    }
+    if (outcome == PublishOutcome::kDuplicate) ++counters_.duplicate_blocks;
+  }
+  counters_.published_blocks += plan.kept;
+  LearnTokensLocked(*req, tokens);
+  return plan;
 }
 
 absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
