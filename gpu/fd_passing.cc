@@ -149,9 +149,11 @@ absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode) {
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return Errno("socket");
   ::unlink(path.c_str());
-  if (::bind(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
-    return Errno(absl::StrCat("bind ", path));
-  }
+  // The socket file gets `mode` from the start: no window with wider permissions before chmod.
+  const mode_t old_umask = ::umask(~mode & 0777);
+  const int bound = ::bind(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr));
+  ::umask(old_umask);
+  if (bound != 0) return Errno(absl::StrCat("bind ", path));
   if (::chmod(path.c_str(), mode) != 0) return Errno(absl::StrCat("chmod ", path));
   if (::listen(fd.get(), 64) != 0) return Errno("listen");
   return fd;

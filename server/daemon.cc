@@ -84,7 +84,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(so.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(so.max_message_bytes));
   builder.RegisterService(d->service_.get());
+  // Create the socket file without world access from the start (no window before
+  // the chmod below); umask is process-wide, and nothing else creates files during start-up.
+  const mode_t old_umask = ::umask(0117);
   d->server_ = builder.BuildAndStart();
+  ::umask(old_umask);
   if (d->server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", so.listen));
   }

@@ -1,6 +1,7 @@
 // Integration tests: a real kvd process, real example-worker processes and an in-test client,
 // all on a temporary Unix socket.
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <catch2/catch.hpp>
 
@@ -59,6 +60,12 @@ std::vector<Token> Range(Token start, int n) {
 
 TEST_CASE("Two workers share a prefix through their own mappings", "[integration]") {
   DaemonProcess d(SmallPoolConfig());
+  // Both sockets admit only the daemon's user and group.
+  for (const std::string& path : {d.target().substr(7), d.side_socket()}) {
+    struct stat st {};
+    REQUIRE(stat(path.c_str(), &st) == 0);
+    REQUIRE((st.st_mode & 0777) == 0660);
+  }
   ProcessResult a = RunWorker(WorkerArgs(d, {"--id=a", "--prompt-range=0:22", "--gen=6"}));
   INFO(a.out);
   REQUIRE(a.exit_code == 0);
