@@ -124,7 +124,8 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
       "drain_timeout_s", "log_level", "budget_bytes", "session_ttl_s", "session_max_protected_blocks",
       "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes",
       "boundary_high_watermark", "boundary_low_watermark", "event_buffer", "eviction_policy",
-      "slru_main_fraction", "slru_ghost_fraction", "pools"};
+      "slru_main_fraction", "slru_ghost_fraction", "max_requests_per_worker", "max_bytes_per_worker",
+      "pools"};
   for (const auto& kv : root) {
     const std::string key = kv.first.as<std::string>();
     bool known = false;
@@ -158,6 +159,8 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   c.eviction_policy = policy == "slru" ? EvictionPolicy::kSlru : EvictionPolicy::kLru;
   KVD_RETURN_IF_ERROR(Read(root, "slru_main_fraction", &c.slru_main_fraction, where));
   KVD_RETURN_IF_ERROR(Read(root, "slru_ghost_fraction", &c.slru_ghost_fraction, where));
+  KVD_RETURN_IF_ERROR(Read(root, "max_requests_per_worker", &c.max_requests_per_worker, where));
+  KVD_RETURN_IF_ERROR(Read(root, "max_bytes_per_worker", &c.max_bytes_per_worker, where));
   if (const YAML::Node pools = root["pools"]) {
     if (!pools.IsSequence()) return absl::InvalidArgumentError(absl::StrCat(where, ": pools must be a list"));
     c.pools.clear();
@@ -201,6 +204,8 @@ std::string FormatConfig(const Options& o) {
       << (c.eviction_policy == EvictionPolicy::kSlru ? "slru" : "lru");
   out << YAML::Key << "slru_main_fraction" << YAML::Value << c.slru_main_fraction;
   out << YAML::Key << "slru_ghost_fraction" << YAML::Value << c.slru_ghost_fraction;
+  out << YAML::Key << "max_requests_per_worker" << YAML::Value << c.max_requests_per_worker;
+  out << YAML::Key << "max_bytes_per_worker" << YAML::Value << c.max_bytes_per_worker;
   out << YAML::Key << "pools" << YAML::Value << YAML::BeginSeq;
   for (const PoolGeometry& g : c.pools) {
     out << YAML::BeginMap;

@@ -53,6 +53,12 @@ struct CacheOptions {
   // Default 4.
   double slru_ghost_fraction = 4.0;
 
+  // Per worker (attachment) limits, so that one worker cannot take the node; 0 disables.
+  // Live requests one worker may hold. Default 65536.
+  int64_t max_requests_per_worker = 65536;
+  // KV bytes one worker's requests may reserve. Default 0 (unlimited).
+  int64_t max_bytes_per_worker = 0;
+
   PressureOptions pressure;
   // Index events kept for watchers that reconnect. Default 65536.
   int64_t event_buffer = 65536;

@@ -47,6 +47,8 @@ absl::Status CacheOptions::Validate() const {
         "boundary_low_watermark and boundary_high_watermark must satisfy 0 < low <= high <= 1");
   }
   if (event_buffer <= 0) return absl::InvalidArgumentError("event_buffer must be > 0");
+  if (max_requests_per_worker < 0) return absl::InvalidArgumentError("max_requests_per_worker must be >= 0");
+  if (max_bytes_per_worker < 0) return absl::InvalidArgumentError("max_bytes_per_worker must be >= 0");
   if (!(0 < slru_main_fraction && slru_main_fraction < 1)) {
     return absl::InvalidArgumentError("slru_main_fraction must be in (0, 1)");
   }
@@ -125,6 +127,23 @@ int64_t KvCache::MaxHitBlocks(const Pool& pool, int64_t prompt_tokens) const {
   return prompt_tokens <= 0 ? 0 : (prompt_tokens - 1) / pool.geometry.block_tokens;
 }
 
+absl::Status KvCache::CheckWorkerLimitsLocked(const WorkerId& worker, int64_t requests,
+                                              int64_t bytes) const {
+  const WorkerTable::Usage usage = workers_.usage(worker);
+  if (options_.max_requests_per_worker > 0 &&
+      usage.requests + requests > options_.max_requests_per_worker) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("worker '", worker.value(), "' holds ", usage.requests,
+                     " live requests; max_requests_per_worker is ", options_.max_requests_per_worker));
+  }
+  if (options_.max_bytes_per_worker > 0 && usage.reserved_bytes + bytes > options_.max_bytes_per_worker) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "worker '", worker.value(), "' would reserve ", usage.reserved_bytes + bytes,
+        " KV bytes; max_bytes_per_worker is ", options_.max_bytes_per_worker));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<KvCache::Request*> KvCache::FindRequestLocked(const RequestId& id) const {
   auto it = requests_.find(id);
   if (it == requests_.end()) {
@@ -169,6 +188,7 @@ absl::StatusOr<AdmitResult> KvCache::DecideLocked(const RequestSpec& spec, PoolI
   const PoolGeometry& g = pool_geometries_[pool];
   const int64_t blocks =
       g.BlocksFor(static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens);
+  KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(spec.owner, 1, ledger_.BytesOf(pool, blocks)));
   AdmitResult out;
   out.projected_bytes = ledger_.BytesOf(pool, blocks);
   out.available_bytes = ledger_.budget_bytes() - ledger_.reserved_bytes();
@@ -198,6 +218,7 @@ absl::StatusOr<AdmitResult> KvCache::Admit(const RequestSpec& spec) {
       req->known_tokens = spec.prompt;
       req->admitted_at = clock_->Now();
       KVD_CHECK(ledger_.Reserve(*pool, req->reserved_blocks).ok());
+      workers_.AddUsage(spec.owner, 1, ledger_.BytesOf(*pool, req->reserved_blocks));
       requests_.emplace(spec.id, std::move(req));
       ++counters_.admitted;
       UpdatePressureLocked();
@@ -321,6 +342,7 @@ absl::StatusOr<AcquireResult> KvCache::ResumeLocked(Request& req, CheckpointReco
   }
   KVD_CHECK(ledger_.Reserve(req.pool, grow).ok());
   req.reserved_blocks += grow;
+  workers_.AddUsage(req.spec.owner, 0, ledger_.BytesOf(req.pool, grow));
   orphan_blocks_bytes_ -= ledger_.BytesOf(ckpt.pool, ckpt.charged_blocks);
 
   // The checkpoint's references pass to the request's table; its owned blocks to the request.
@@ -390,10 +412,12 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::ExtendLocked(const RequestId& i
     return absl::ResourceExhaustedError(absl::StrCat(
         "request '", id.value(), "' needs ", grow, " blocks past its reservation; the budget is full"));
   }
+  KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(req->spec.owner, 0, ledger_.BytesOf(req->pool, grow)));
   KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> owned,
                        AllocateOwnedLocked(req->pool, needed, req->serial));
   KVD_CHECK(ledger_.Reserve(req->pool, grow).ok());
   req->reserved_blocks += grow;
+  workers_.AddUsage(req->spec.owner, 0, ledger_.BytesOf(req->pool, grow));
   req->num_tokens = new_tokens;
   req->table.insert(req->table.end(), owned.begin(), owned.end());
   UpdatePressureLocked();
@@ -411,6 +435,7 @@ void KvCache::ReleaseLocked(Request& req, bool completed) {
   if (!req.spec.session.empty() && req.acquired) UpdateSessionLocked(req);
   UnrefTableLocked(req.pool, req.table);
   ledger_.Unreserve(req.pool, req.reserved_blocks);
+  workers_.AddUsage(req.spec.owner, -1, -ledger_.BytesOf(req.pool, req.reserved_blocks));
   if (own_ckpt != nullptr) OrphanCheckpointLocked(*own_ckpt);
   UpdatePressureLocked();
 }
@@ -432,26 +457,11 @@ absl::Status KvCache::Release(const RequestId& id, bool completed) {
   return status;
 }
 
-uint32_t KvCache::WorkerIndexLocked(const WorkerId& worker) {
-  if (worker.empty()) return 0;
-  auto [it, inserted] = worker_index_.try_emplace(worker, 0);
-  if (!inserted) return it->second;
-  if (!free_worker_slots_.empty()) {
-    it->second = free_worker_slots_.back();
-    free_worker_slots_.pop_back();
-    worker_names_[it->second] = worker;
-  } else {
-    it->second = static_cast<uint32_t>(worker_names_.size());
-    worker_names_.push_back(worker);
-  }
-  return it->second;
-}
-
 std::vector<WorkerId> KvCache::PublishersLocked(const std::vector<CachedBlock*>& blocks) const {
   std::vector<WorkerId> out;
   for (const CachedBlock* b : blocks) {
-    if (b->publisher == 0 || worker_names_[b->publisher].empty()) continue;
-    const WorkerId& w = worker_names_[b->publisher];
+    const WorkerId& w = workers_.Name(b->publisher);
+    if (w.empty()) continue;
     if (std::find(out.begin(), out.end(), w) == out.end()) out.push_back(w);
   }
   return out;
@@ -462,11 +472,7 @@ int64_t KvCache::ReleaseWorker(const WorkerId& worker) {
   {
     absl::MutexLock lock(&mu_);
     ExpireLocked(nullptr);
-    if (auto it = worker_index_.find(worker); it != worker_index_.end()) {
-      worker_names_[it->second] = WorkerId();
-      free_worker_slots_.push_back(it->second);
-      worker_index_.erase(it);
-    }
+    workers_.Forget(worker);
     std::vector<RequestId> ids;
     for (const auto& [id, req] : requests_) {
       if (req->spec.owner == worker) ids.push_back(id);

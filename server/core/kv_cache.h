@@ -40,6 +40,7 @@
 #include "server/core/ghost_list.h"
 #include "server/core/prefix_index.h"
 #include "server/core/pressure_monitor.h"
+#include "server/core/worker_table.h"
 
 namespace kvd {
 
@@ -202,14 +203,16 @@ class KvCache {
   absl::StatusOr<std::vector<BlockIndex>> ExtendLocked(const RequestId& id, int64_t additional)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseLocked(Request& req, bool completed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A small index for `worker`, recorded in the blocks it publishes (0 for none).
-  uint32_t WorkerIndexLocked(const WorkerId& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The distinct live publishers of `blocks`.
   std::vector<WorkerId> PublishersLocked(const std::vector<CachedBlock*>& blocks) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<Request*> FindRequestLocked(const RequestId& id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t MaxHitBlocks(const Pool& pool, int64_t prompt_tokens) const;
+  // RESOURCE_EXHAUSTED naming the limit when `worker` may not take `requests` more requests and
+  // `bytes` more reserved bytes.
+  absl::Status CheckWorkerLimitsLocked(const WorkerId& worker, int64_t requests, int64_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // kv_cache_publish.cc: publish and checkpoints.
   absl::StatusOr<PublishResult> PlanPublishLocked(const Request& req, absl::Span<const Token> tokens,
@@ -281,11 +284,7 @@ class KvCache {
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::btree_map<std::pair<absl::Time, SessionId>, bool> session_expiry_ ABSL_GUARDED_BY(mu_);
   uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 1;
-  // Publishing workers by index (slot 0 unused). A gone worker's slot is recycled: blocks it
-  // published may then name the new holder, which only makes a reader wait longer than needed.
-  absl::flat_hash_map<WorkerId, uint32_t> worker_index_ ABSL_GUARDED_BY(mu_);
-  std::vector<WorkerId> worker_names_ ABSL_GUARDED_BY(mu_) = {WorkerId()};
-  std::vector<uint32_t> free_worker_slots_ ABSL_GUARDED_BY(mu_);
+  WorkerTable workers_ ABSL_GUARDED_BY(mu_);
   uint64_t last_tick_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t op_now_ns_ ABSL_GUARDED_BY(mu_) = 0;  // clock reading of the current operation
   CacheReport counters_ ABSL_GUARDED_BY(mu_);  // the monotonic counters of Report()

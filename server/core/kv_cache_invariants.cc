@@ -31,6 +31,19 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
       }
     }
   }
+  absl::flat_hash_map<WorkerId, WorkerTable::Usage> usage;
+  for (const auto& [id, req] : requests_) {
+    ++usage[req->spec.owner].requests;
+    usage[req->spec.owner].reserved_bytes += ledger_.BytesOf(req->pool, req->reserved_blocks);
+  }
+  if (usage.size() != workers_.all_usage().size()) return fail("per-worker usage has stale entries");
+  for (const auto& [w, u] : usage) {
+    auto it = workers_.all_usage().find(w);
+    if (it == workers_.all_usage().end() || it->second.requests != u.requests ||
+        it->second.reserved_bytes != u.reserved_bytes) {
+      return fail("per-worker usage of ", w.value(), " drifted");
+    }
+  }
   int64_t orphan_bytes = 0;
   for (const auto& [id, ckpt] : checkpoints_) {
     if (ckpt->orphaned) {

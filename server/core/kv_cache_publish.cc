@@ -120,7 +120,7 @@ absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
   NamespaceRoot* root = plan.kept > 0 ? index_.GetOrCreateRoot(req->spec.ns, req->pool) : nullptr;
   CachedBlock* parent = nullptr;
   bool chain_ok = true;
-  const uint32_t publisher = plan.kept > 0 ? WorkerIndexLocked(req->spec.owner) : 0;
+  const uint32_t publisher = plan.kept > 0 ? workers_.Index(req->spec.owner) : 0;
   for (size_t i = 0; i < plan.outcomes.size(); ++i) {
     PublishOutcome& outcome = plan.outcomes[i];
     if (outcome == PublishOutcome::kAlreadyCached) {

@@ -593,3 +593,40 @@ TEST_CASE("SLRU re-admits a block stored again soon after its eviction into the 
 
 }  // namespace
 }  // namespace kvd
+
+namespace kvd {
+namespace {
+
+using namespace kvd::testing;
+
+TEST_CASE("Per-worker limits refuse what would let one worker take the node", "[core][cache][limits]") {
+  FakeClock clock;
+  auto o = SmallOptions(32);
+  o.max_requests_per_worker = 2;
+  o.max_bytes_per_worker = 6 * 64;  // six blocks
+  auto cache = MakeCache(o, &clock);
+  RequestSpec a = Spec("a", Seq(0, 8));   // 2 blocks
+  RequestSpec b = Spec("b", Seq(50, 8));  // 2 blocks
+  REQUIRE(cache->Admit(a)->decision == AdmitDecision::kAdmitted);
+  REQUIRE(cache->Admit(b)->decision == AdmitDecision::kAdmitted);
+  auto third = cache->Admit(Spec("c", Seq(90, 4)));
+  REQUIRE(third.status().code() == absl::StatusCode::kResourceExhausted);
+  REQUIRE(third.status().message().find("max_requests_per_worker") != absl::string_view::npos);
+  RequestSpec other = Spec("d", Seq(90, 4));
+  other.owner = WorkerId("w1");
+  REQUIRE(cache->Admit(other)->decision == AdmitDecision::kAdmitted);  // another worker is fine
+  // Growing past the byte limit is refused and changes nothing.
+  REQUIRE(cache->Acquire(a.id).ok());
+  auto before = cache->GetHandle(a.id)->blocks;
+  auto grown = cache->Extend(a.id, 12);  // 20 tokens = 5 blocks: 5 + 2 > 6
+  REQUIRE(grown.status().code() == absl::StatusCode::kResourceExhausted);
+  REQUIRE(grown.status().message().find("max_bytes_per_worker") != absl::string_view::npos);
+  REQUIRE(cache->GetHandle(a.id)->blocks == before);
+  REQUIRE(cache->Extend(a.id, 8).ok());  // 4 blocks: 4 + 2 = 6, at the limit
+  REQUIRE(cache->Release(b.id, true).ok());
+  REQUIRE(cache->Admit(Spec("c", Seq(90, 4)))->decision == AdmitDecision::kAdmitted);
+  RequireInvariants(*cache);
+}
+
+}  // namespace
+}  // namespace kvd
