@@ -1,0 +1,209 @@
+"""A small pythonic layer over the generated kvd.v1 stubs (see __init__.py)."""
+import mmap
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+
+import grpc
+
+from .v1 import kvd_pb2, kvd_pb2_grpc
+
+
+class KvdError(Exception):
+    """A failed kvd call: `code` is the grpc.StatusCode, the message names what was wrong."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+def _call(fn, req):
+    try:
+        return fn(req, timeout=30)
+    except grpc.RpcError as e:  # pylint: disable=no-member
+        raise KvdError(e.code(), e.details()) from None
+
+
+def _send_frame(sock, payload: bytes):
+    sock.sendall(struct.pack("=I", len(payload)) + payload)
+
+
+def _recv_exact(sock, n):
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise KvdError(grpc.StatusCode.UNAVAILABLE, "side socket closed")
+        out += chunk
+    return out
+
+
+def _recv_frame(sock, max_fds):
+    head, fds, _, _ = socket.recv_fds(sock, 4, max(max_fds, 1))
+    head += _recv_exact(sock, 4 - len(head))
+    (length,) = struct.unpack("=I", head)
+    return _recv_exact(sock, length), fds
+
+
+class Pool:
+    """A pool's geometry and, per shard, a writable mapping of its slab (host backend)."""
+
+    def __init__(self, info):
+        self.id = info.pool_id
+        self.name = info.name
+        self.block_tokens = info.block_tokens
+        self.num_layers = info.num_layers
+        self.bytes_per_token_per_layer = info.bytes_per_token_per_layer
+        self.capacity_blocks = info.capacity_blocks
+        self.layer_major = info.layout == kvd_pb2.LAYOUT_LAYER_MAJOR
+        self.layer_block_bytes = info.layer_block_bytes
+        self.slab_sizes = [s.size_bytes for s in info.slabs]
+        self.maps = [None] * len(info.slabs)
+
+    def offset(self, block, layer):
+        """Byte offset of `layer` of `block` in a slab (gpu/slab_layout.h)."""
+        if not (0 <= block < self.capacity_blocks and 0 <= layer < self.num_layers):
+            raise IndexError(f"block {block} / layer {layer} out of range")
+        if self.layer_major:
+            return (layer * self.capacity_blocks + block) * self.layer_block_bytes
+        return (block * self.num_layers + layer) * self.layer_block_bytes
+
+
+class Request:
+    """An acquired request; as a context manager it releases itself (interrupted on exception)."""
+
+    def __init__(self, client, request_id, resp):
+        self._client = client
+        self.id = request_id
+        self.pool = resp.pool_id
+        self.blocks = list(resp.blocks)
+        self.num_tokens = resp.num_tokens
+        self.cached_tokens = resp.cached_tokens
+        self.resumed = resp.resumed
+        self.resumed_tokens = list(resp.resumed_tokens)
+        self.engine_state = resp.engine_state
+        self._released = False
+
+    def extend(self, n):
+        resp = self._client._rpc("Extend", kvd_pb2.ExtendRequest(
+            worker_id=self._client.worker_id, request_id=self.id, additional_tokens=n))
+        self.blocks += list(resp.new_blocks)
+        self.num_tokens += n
+
+    def publish(self, tokens):
+        bt = self._client.pools[self.pool].block_tokens
+        full = min(len(tokens) // bt, len(self.blocks))
+        return self._client._rpc("Publish", kvd_pb2.PublishRequest(
+            worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, blocks=self.blocks[:full]))
+
+    def checkpoint(self, tokens, engine_state=b""):
+        self._client._rpc("Checkpoint", kvd_pb2.CheckpointRequest(
+            worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, engine_state=engine_state))
+
+    def release(self, completed=True):
+        if not self._released:
+            self._client._rpc("Release", kvd_pb2.ReleaseRequest(
+                worker_id=self._client.worker_id, request_id=self.id, completed=completed))
+            self._released = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.release(completed=exc_type is None)
+
+
+class Client:
+    """Attaches to kvd (with a background heartbeat), lists pools and maps host slabs once."""
+
+    def __init__(self, target, worker_name="python", map_slabs=True, heartbeat_s=1.0):
+        self._channel = grpc.insecure_channel(target)
+        grpc.channel_ready_future(self._channel).result(timeout=5)
+        self._stub = kvd_pb2_grpc.KvdStub(self._channel)
+        self._outbox = queue.Queue()
+        self._outbox.put(kvd_pb2.AttachRequest(hello=kvd_pb2.Hello(worker_name=worker_name, pid=os.getpid())))
+        self._closed = threading.Event()
+        self._stream = self._stub.Attach(self._requests())
+        attached = next(self._stream).attached
+        self.worker_id = attached.worker_id
+        self.backend = attached.backend
+        self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True)
+        self._beat.start()
+        self.pools = [Pool(p) for p in self._rpc("ListPools", kvd_pb2.ListPoolsRequest()).pools]
+        if map_slabs and self.backend == "host":
+            self._map_slabs(attached.side_socket, attached.slab_token)
+
+    def _requests(self):
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            yield msg
+
+    def _heartbeat(self, period):
+        while not self._closed.wait(period):
+            self._outbox.put(kvd_pb2.AttachRequest(heartbeat=kvd_pb2.Heartbeat()))
+
+    def _map_slabs(self, path, token):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(path)
+            _send_frame(sock, token.encode())
+            greeting, _ = _recv_frame(sock, 0)
+            if not greeting.startswith(b"OK "):
+                raise KvdError(grpc.StatusCode.PERMISSION_DENIED, greeting.decode(errors="replace"))
+            for _ in range(int(greeting[3:])):
+                payload, fds = _recv_frame(sock, 1)
+                pool, shard, size = (int(x) for x in payload.split())
+                self.pools[pool].maps[shard] = mmap.mmap(fds[0], size, mmap.MAP_SHARED,
+                                                         mmap.PROT_READ | mmap.PROT_WRITE)
+                os.close(fds[0])
+
+    def _rpc(self, method, req):
+        return _call(getattr(self._stub, method), req)
+
+    def layer_view(self, pool, block, layer, shard=0):
+        """A writable memoryview of `layer` of `block`: block_tokens * bytes_per_token_per_layer bytes."""
+        p = self.pools[pool]
+        if p.maps[shard] is None:
+            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of pool {pool} is not mapped")
+        start = p.offset(block, layer)
+        return memoryview(p.maps[shard])[start:start + p.layer_block_bytes]
+
+    def request(self, request_id, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="",
+                wait_s=10.0):
+        """Admit (waiting while the budget is full) and acquire: a Request context manager."""
+        admit = kvd_pb2.AdmitRequest(
+            worker_id=self.worker_id, request_id=request_id, namespace=kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt),
+            prompt=prompt, max_new_tokens=max_new_tokens, session_id=session, resume_from=resume_from)
+        deadline = time.monotonic() + wait_s
+        while not self._rpc("Admit", admit).admitted:
+            if time.monotonic() > deadline:
+                raise KvdError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{request_id} was not admitted in {wait_s}s")
+            time.sleep(0.01)
+        resp = self._rpc("Acquire", kvd_pb2.AcquireRequest(worker_id=self.worker_id, request_id=request_id))
+        return Request(self, request_id, resp)
+
+    def report(self):
+        return self._rpc("Report", kvd_pb2.ReportRequest())
+
+    def close(self):
+        if not self._closed.is_set():
+            self._closed.set()
+            self._outbox.put(None)
+            for p in self.pools:
+                for m in p.maps:
+                    if m is not None:
+                        try:
+                            m.close()
+                        except BufferError:  # a caller still holds a view; the OS unmaps at exit
+                            pass
+            self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
