@@ -12,7 +12,6 @@
 //     health            exit 0 when kvd is SERVING, 1 otherwise (draining, unreachable): probes
 // Human-readable tables by default; --json prints the API's messages as JSON (one per line for
 // events). Exit status 1 with the gRPC status on failure.
-#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -30,19 +29,11 @@
 #include "absl/strings/str_join.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvd/v1/kvd.grpc.pb.h"
+#include "server/default_paths.h"
 
 namespace {
 
 using kvd::v1::Kvd;
-
-std::string DefaultTarget() {
-  if (const char* t = std::getenv("KVD_TARGET"); t != nullptr && *t != '\0') return t;
-  if (geteuid() == 0) return "unix:///run/kvd/kvd.sock";
-  if (const char* xdg = std::getenv("XDG_RUNTIME_DIR"); xdg != nullptr && *xdg != '\0') {
-    return absl::StrCat("unix://", xdg, "/kvd/kvd.sock");
-  }
-  return absl::StrCat("unix:///tmp/kvd-", geteuid(), "/kvd.sock");
-}
 
 std::string Json(const google::protobuf::Message& m) {
   std::string out;
@@ -219,7 +210,7 @@ int Events(Kvd::Stub& stub, bool json, uint64_t after, bool follow) {
 
 int main(int argc, char** argv) {
   CLI::App app{"kvdctl: administer a kvd daemon"};
-  std::string target = DefaultTarget();
+  std::string target = kvd::DefaultTarget();
   bool json = false;
   app.add_option("--target", target, "kvd address (env KVD_TARGET)");
   app.add_flag("--json", json, "print JSON instead of tables");

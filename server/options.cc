@@ -1,25 +1,14 @@
 #include "server/options.h"
 
-#include <unistd.h>
-
-#include <cstdlib>
-
 #include <yaml-cpp/yaml.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/status_macros.h"
+#include "server/default_paths.h"
 
 namespace kvd {
 namespace {
-
-std::string DefaultSocketDir() {
-  if (geteuid() == 0) return "/run/kvd";
-  if (const char* xdg = std::getenv("XDG_RUNTIME_DIR"); xdg != nullptr && *xdg != '\0') {
-    return absl::StrCat(xdg, "/kvd");
-  }
-  return absl::StrCat("/tmp/kvd-", geteuid());
-}
 
 template <typename T>
 absl::Status Read(const YAML::Node& node, const char* key, T* out, const std::string& where) {

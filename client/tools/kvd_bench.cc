@@ -1,7 +1,7 @@
 // kvd-bench: replays a Mooncake-format trace against a running kvd with N worker processes,
 // through the real client, and reports what the cache saved and what it cost.
 //
-//   kvd-bench --trace=PATH [--target=unix:///run/kvd/kvd.sock] [--workers=4]
+//   kvd-bench --trace=PATH [--target=ADDR (default: $KVD_TARGET, else kvd's default socket)] [--workers=4]
 //             [--speedup=F | (default) as fast as possible] [--decode-tps=0]
 //             [--max-decode-tokens=32] [--checkpoint-every=16] [--limit=N] [--pool=NAME]
 //             [--json=FILE] [--no-bounds] [--seed=N] [--as-fast-as-possible]
@@ -39,6 +39,7 @@
 #include "client/tools/self_spawn.h"
 #include "client/tools/trace.h"
 #include "client/tools/trace_bounds.h"
+#include "server/default_paths.h"
 
 namespace {
 
@@ -157,7 +158,7 @@ double Quantile(std::vector<double>& v, double q) {
 
 int main(int argc, char** argv) {
   Flags f;
-  f.target = std::getenv("KVD_TARGET") != nullptr ? std::getenv("KVD_TARGET") : "unix:///run/kvd/kvd.sock";
+  f.target = kvd::DefaultTarget();
   CLI::App app{"kvd-bench: replay a Mooncake trace against a running kvd"};
   app.add_option("--trace", f.trace, "Mooncake JSONL trace")->required();
   app.add_option("--target", f.target, "kvd address (env KVD_TARGET)");

@@ -134,30 +134,32 @@ grpc::ServerUnaryReactor* KvdService::Extend(grpc::CallbackServerContext* ctx,
   });
 }
 
-grpc::ServerUnaryReactor* KvdService::Publish(grpc::CallbackServerContext* ctx,
-                                              const v1::PublishRequest* req,
-                                              v1::PublishResponse* resp) {
-  return Unary(ctx, "Publish", [&]() -> absl::Status {
+grpc::ServerUnaryReactor* KvdService::PublishOrKeeps(grpc::CallbackServerContext* ctx,
+                                                     const char* method,
+                                                     const v1::PublishRequest* req,
+                                                     v1::PublishResponse* resp, bool dry_run) {
+  return Unary(ctx, method, [&]() -> absl::Status {
     KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
-    std::vector<BlockIndex> blocks(req->blocks().begin(), req->blocks().end());
-    KVD_ASSIGN_OR_RETURN(PublishResult r, cache_->Publish(RequestId(req->request_id()),
-                                                          TokensFromProto(req->tokens()), blocks));
+    const RequestId id(req->request_id());
+    const std::vector<Token> tokens = TokensFromProto(req->tokens());
+    const std::vector<BlockIndex> blocks(req->blocks().begin(), req->blocks().end());
+    KVD_ASSIGN_OR_RETURN(PublishResult r, dry_run ? cache_->Keeps(id, tokens, blocks)
+                                                  : cache_->Publish(id, tokens, blocks));
     ToProto(r, resp);
     return absl::OkStatus();
   });
 }
 
+grpc::ServerUnaryReactor* KvdService::Publish(grpc::CallbackServerContext* ctx,
+                                              const v1::PublishRequest* req,
+                                              v1::PublishResponse* resp) {
+  return PublishOrKeeps(ctx, "Publish", req, resp, /*dry_run=*/false);
+}
+
 grpc::ServerUnaryReactor* KvdService::Keeps(grpc::CallbackServerContext* ctx,
                                             const v1::PublishRequest* req,
                                             v1::PublishResponse* resp) {
-  return Unary(ctx, "Keeps", [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
-    std::vector<BlockIndex> blocks(req->blocks().begin(), req->blocks().end());
-    KVD_ASSIGN_OR_RETURN(PublishResult r, cache_->Keeps(RequestId(req->request_id()),
-                                                        TokensFromProto(req->tokens()), blocks));
-    ToProto(r, resp);
-    return absl::OkStatus();
-  });
+  return PublishOrKeeps(ctx, "Keeps", req, resp, /*dry_run=*/true);
 }
 
 grpc::ServerUnaryReactor* KvdService::Release(grpc::CallbackServerContext* ctx,

@@ -100,6 +100,10 @@ class KvdService final : public v1::Kvd::CallbackService {
   // Runs `fn` (returning absl::Status), records latency and code, logs failures, finishes the call.
   template <typename Fn>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn&& fn);
+  // Publish, or with dry_run its prediction Keeps: the same checks and conversions.
+  grpc::ServerUnaryReactor* PublishOrKeeps(grpc::CallbackServerContext* ctx, const char* method,
+                                           const v1::PublishRequest* req,
+                                           v1::PublishResponse* resp, bool dry_run);
   // The worker is attached and, when `request_id` is set, holds that request.
   absl::Status CheckWorker(const std::string& worker_id, const std::string& request_id) const;
 

@@ -79,10 +79,7 @@ TEST_CASE("GPU: readers wait on the publisher's interprocess event, not on the h
   auto writer = client::Client::Connect({.target = d.target(), .ipc_event_device = 0});
   INFO(writer.status().ToString());
   REQUIRE(writer.ok());
-  RequestSpec s;
-  s.id = RequestId("w");
-  s.ns.pool = "default";
-  for (Token t = 0; t < 40; ++t) s.prompt.push_back(t);
+  RequestSpec s = PoolRequest("w", Range(0, 40));
   auto w = (*writer)->Start(s);
   REQUIRE(w.ok());
   std::vector<uint8_t> bytes(256, 0xAB);

@@ -52,12 +52,6 @@ std::unique_ptr<RawAttachment> AttachByHand(v1::Kvd::Stub& stub, const std::stri
   return a;
 }
 
-std::vector<Token> Range(Token start, int n) {
-  std::vector<Token> t;
-  for (int i = 0; i < n; ++i) t.push_back(start + i);
-  return t;
-}
-
 TEST_CASE("Two workers share a prefix through their own mappings", "[integration]") {
   DaemonProcess d(SmallPoolConfig());
   // Both sockets admit only the daemon's user and group.
@@ -136,11 +130,7 @@ TEST_CASE("Bad input gets a clear status, changes nothing, and the daemon keeps 
   DaemonProcess d(SmallPoolConfig(), {"--max-message-bytes=65536"});
   auto c = ConnectTo(d);
   auto other = ConnectTo(d);
-  RequestSpec ok;
-  ok.id = RequestId("ok");
-  ok.ns.pool = "default";
-  ok.prompt = Range(0, 9);
-  ok.max_new_tokens = 4;
+  RequestSpec ok = PoolRequest("ok", Range(0, 9), 4);
   auto req = c->Start(ok);
   REQUIRE(req.ok());
   const CacheReport before = *c->Report();
@@ -237,11 +227,7 @@ TEST_CASE("Bad input gets a clear status, changes nothing, and the daemon keeps 
 TEST_CASE("SIGTERM stops admissions, lets running requests finish, and exits 0", "[integration]") {
   DaemonProcess d(SmallPoolConfig(), {"--drain-timeout=10"});
   auto c = ConnectTo(d);
-  RequestSpec s;
-  s.id = RequestId("running");
-  s.ns.pool = "default";
-  s.prompt = Range(0, 9);
-  s.max_new_tokens = 8;
+  RequestSpec s = PoolRequest("running", Range(0, 9), 8);
   auto req = c->Start(s);
   REQUIRE(req.ok());
   d.Signal(SIGTERM);
@@ -312,10 +298,7 @@ TEST_CASE("Pressure watchers get the current level, then every change", "[integr
   v1::PressureUpdate update;
   REQUIRE(reader->Read(&update));
   REQUIRE(update.level() == "normal");
-  RequestSpec s;
-  s.id = RequestId("big");
-  s.ns.pool = "default";
-  s.prompt = Range(0, 80);  // all 20 blocks of the budget
+  RequestSpec s = PoolRequest("big", Range(0, 80));  // all 20 blocks of the budget
   REQUIRE(c->Admit(s)->decision == AdmitDecision::kAdmitted);
   REQUIRE(reader->Read(&update));
   REQUIRE(update.level() == "critical");
@@ -373,10 +356,7 @@ TEST_CASE("Readers receive the interprocess event handles of the blocks' publish
   REQUIRE(published.kept() == 2);
 
   auto reader = ConnectTo(d);
-  RequestSpec s;
-  s.id = RequestId("r");
-  s.ns.pool = "default";
-  s.prompt = Range(0, 9);
+  RequestSpec s = PoolRequest("r", Range(0, 9));
   auto req = reader->Start(s);
   REQUIRE(req.ok());
   REQUIRE((*req)->cached_tokens() == 8);

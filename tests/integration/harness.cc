@@ -226,6 +226,22 @@ absl::StatusOr<std::string> HttpGet(int port, const std::string& path) {
   return resp.substr(body + 4);
 }
 
+std::vector<Token> Range(Token start, int n) {
+  std::vector<Token> t;
+  for (int i = 0; i < n; ++i) t.push_back(start + i);
+  return t;
+}
+
+RequestSpec PoolRequest(const std::string& id, std::vector<Token> prompt, int64_t max_new,
+                        const std::string& pool) {
+  RequestSpec s;
+  s.id = RequestId(id);
+  s.ns.pool = pool;
+  s.prompt = std::move(prompt);
+  s.max_new_tokens = max_new;
+  return s;
+}
+
 std::string SmallPoolConfig(int capacity_blocks, const std::string& extra) {
   return absl::StrCat(
       "pools:\n"

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/core/cache_types.h"
 
 namespace kvd::testing {
 
@@ -83,6 +84,12 @@ bool JsonBool(const std::string& json, const std::string& key);
 
 // GET http://127.0.0.1:port/path over loopback; the body.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+
+// Tokens [start, start + n).
+std::vector<Token> Range(Token start, int n);
+// A request for `pool` (default "default") with `prompt` and `max_new` tokens to generate.
+RequestSpec PoolRequest(const std::string& id, std::vector<Token> prompt, int64_t max_new = 0,
+                        const std::string& pool = "default");
 
 // A small pool config: 4-token blocks, 2 layers, 16 bytes per token per layer.
 std::string SmallPoolConfig(int capacity_blocks = 64, const std::string& extra = "");

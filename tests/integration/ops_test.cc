@@ -38,10 +38,7 @@ TEST_CASE("Health is SERVING, then NOT_SERVING while draining; a second SIGTERM 
   REQUIRE(Health(d) == grpc::health::v1::HealthCheckResponse::SERVING);
   auto c = client::Client::Connect({.target = d.target()});
   REQUIRE(c.ok());
-  RequestSpec s;
-  s.id = RequestId("held");
-  s.ns.pool = "default";
-  s.prompt = {1, 2, 3};
+  RequestSpec s = PoolRequest("held", {1, 2, 3});
   auto req = (*c)->Start(s);
   REQUIRE(req.ok());
   d.Signal(SIGTERM);
@@ -138,10 +135,7 @@ TEST_CASE("kvdctl reports what the daemon holds, as tables and as JSON", "[integ
   REQUIRE(RunWorker({"--target=" + d.target(), "--id=a", "--prompt-range=0:10", "--session=chat"}).exit_code == 0);
   auto c = client::Client::Connect({.target = d.target()});
   REQUIRE(c.ok());
-  RequestSpec s;
-  s.id = RequestId("live-one");
-  s.ns.pool = "default";
-  s.prompt = {1, 2, 3, 4, 5};
+  RequestSpec s = PoolRequest("live-one", {1, 2, 3, 4, 5});
   auto req = (*c)->Start(s);
   REQUIRE(req.ok());
   auto ctl = [&](std::vector<std::string> args) {
