@@ -76,7 +76,6 @@ CachedBlock* PrefixIndex::Insert(NamespaceRoot* root, CachedBlock* parent,
   node->root = root;
   node->address = address;
   node->serial = next_serial_++;
-  node->position = parent == nullptr ? 0 : parent->position + 1;
   node->tokens.assign(tokens.begin(), tokens.end());
   CachedBlock* raw = node.get();
   auto [it, inserted] = root->blocks.try_emplace(key, nullptr);

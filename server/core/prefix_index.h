@@ -30,7 +30,6 @@ struct CachedBlock {
   NamespaceRoot* root = nullptr;
   BlockAddress address;
   uint64_t serial = 0;            // unique per insertion; never reused
-  int32_t position = 0;           // block position in its prefix (0 for the first block)
   uint32_t publisher = 0;         // KvCache's index of the publishing worker; 0 = none
   std::vector<Token> tokens;      // exactly block_tokens tokens
 
