@@ -21,6 +21,7 @@ absl::Status ProbeCuda() {
 
 absl::StatusOr<std::unique_ptr<CudaArena>> CudaArena::Create(const std::vector<PoolGeometry>& pools) {
   std::unique_ptr<CudaArena> arena(new CudaArena());
+  arena->geometries_ = pools;
   int count = 0;
   KVD_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   for (PoolId p = 0; p < pools.size(); ++p) {
@@ -65,6 +66,18 @@ void* CudaArena::DeviceAddress(PoolId pool, uint32_t shard) const {
     if (descriptors_[i].pool == pool && descriptors_[i].shard == shard) return device_ptrs_[i];
   }
   return nullptr;
+}
+
+absl::Status CudaArena::RegisterHostMemory(void* p, int64_t bytes) const {
+  return CudaStatus(cudaHostRegister(p, static_cast<size_t>(bytes), cudaHostRegisterPortable),
+                    absl::StrCat("cudaHostRegister(", bytes, " bytes)"));
+}
+
+void CudaArena::UnregisterHostMemory(void* p) const { cudaHostUnregister(p); }
+
+absl::Status CudaArena::CopyChunk(void* dst, const void* src, int64_t bytes, bool) const {
+  // cudaMemcpyDefault: unified addressing tells the direction; tier copies are synchronous here.
+  return CudaStatus(cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault), "cudaMemcpy");
 }
 
 }  // namespace kvd

@@ -34,6 +34,14 @@ class CudaArena final : public DeviceArena {
   void* HostAddress(PoolId, uint32_t) const override { return nullptr; }
   // The daemon's device pointer of a slab (for tier copies), or nullptr.
   void* DeviceAddress(PoolId pool, uint32_t shard) const;
+  absl::Status RegisterHostMemory(void* p, int64_t bytes) const override;
+  void UnregisterHostMemory(void* p) const override;
+
+ protected:
+  uint8_t* SlabBase(PoolId pool, uint32_t shard) const override {
+    return static_cast<uint8_t*>(DeviceAddress(pool, shard));
+  }
+  absl::Status CopyChunk(void* dst, const void* src, int64_t bytes, bool to_slab) const override;
 
  private:
   CudaArena() = default;

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "server/core/pool_geometry.h"
 #include "server/core/types.h"
 
 namespace kvd {
@@ -33,6 +35,25 @@ class DeviceArena {
   virtual const std::vector<SlabDescriptor>& slabs() const = 0;
   // The daemon's own view of a slab's bytes; nullptr where the daemon cannot address them (CUDA).
   virtual void* HostAddress(PoolId pool, uint32_t shard) const = 0;
+
+  // Tier copies (device_arena.cc). A block's contiguous form is [shard][layer][layer block bytes],
+  // geometry.block_bytes_all_shards() bytes, whatever the slab layout. OUT_OF_RANGE for a bad
+  // pool or index; the backend's copy error otherwise. The caller guarantees nobody writes the
+  // block meanwhile (it is cached and immutable, or owned by the request being filled).
+  absl::Status ReadBlock(PoolId pool, BlockIndex index, uint8_t* dst) const;
+  absl::Status WriteBlock(PoolId pool, BlockIndex index, const uint8_t* src) const;
+  // Makes host memory that tier copies use page-locked for fast DMA (cudaHostRegister on the CUDA
+  // backend; nothing on the host backend). Unregister before freeing it.
+  virtual absl::Status RegisterHostMemory(void* p, int64_t bytes) const { return absl::OkStatus(); }
+  virtual void UnregisterHostMemory(void* p) const {}
+  const std::vector<PoolGeometry>& geometries() const { return geometries_; }
+
+ protected:
+  // The base address of a slab as the backend's copy understands it (host or device pointer).
+  virtual uint8_t* SlabBase(PoolId pool, uint32_t shard) const = 0;
+  // Copies `bytes` between the daemon's host memory and a slab; `to_slab` tells the direction.
+  virtual absl::Status CopyChunk(void* dst, const void* src, int64_t bytes, bool to_slab) const = 0;
+  std::vector<PoolGeometry> geometries_;  // set by the backend's Create
 };
 
 }  // namespace kvd

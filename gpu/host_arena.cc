@@ -24,6 +24,7 @@ absl::Status Errno(absl::string_view what) {
 
 absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(const std::vector<PoolGeometry>& pools) {
   std::unique_ptr<HostArena> arena(new HostArena());
+  arena->geometries_ = pools;
   for (PoolId p = 0; p < pools.size(); ++p) {
     const SlabLayout layout(pools[p]);
     for (int32_t shard = 0; shard < pools[p].num_shards; ++shard) {
@@ -62,6 +63,11 @@ void* HostArena::HostAddress(PoolId pool, uint32_t shard) const {
     if (descriptors_[i].pool == pool && descriptors_[i].shard == shard) return slabs_[i].base;
   }
   return nullptr;
+}
+
+absl::Status HostArena::CopyChunk(void* dst, const void* src, int64_t bytes, bool) const {
+  std::memcpy(dst, src, static_cast<size_t>(bytes));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<MappedSlab> MappedSlab::Map(UniqueFd fd, int64_t size) {

@@ -26,6 +26,12 @@ class HostArena final : public DeviceArena {
   const std::vector<SlabDescriptor>& slabs() const override { return descriptors_; }
   void* HostAddress(PoolId pool, uint32_t shard) const override;
 
+ protected:
+  uint8_t* SlabBase(PoolId pool, uint32_t shard) const override {
+    return static_cast<uint8_t*>(HostAddress(pool, shard));
+  }
+  absl::Status CopyChunk(void* dst, const void* src, int64_t bytes, bool) const override;
+
  private:
   struct Slab {
     UniqueFd fd;

@@ -259,6 +259,7 @@ void ToProto(const CacheEvent& e, v1::CacheEvent* p) {
   p->set_block(e.block);
   p->set_block_tokens(e.block_tokens);
   CopyTokens(e.tokens, p->mutable_tokens());
+  p->set_medium(e.medium);
 }
 
 CacheEvent FromProto(const v1::CacheEvent& p) {
@@ -273,6 +274,7 @@ CacheEvent FromProto(const v1::CacheEvent& p) {
   e.parent_key = KeyFromBytes(p.parent_key());
   e.block = p.block();
   e.block_tokens = p.block_tokens();
+  e.medium = p.medium();
   e.tokens = TokensFromProto(p.tokens());
   return e;
 }

@@ -11,7 +11,7 @@ kvd_packages=(
   g++ make cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev prometheus-cpp-dev catch2 libabsl-dev libxxhash-dev
-  libcli11-dev libyaml-cpp-dev libsystemd-dev
+  libcli11-dev libyaml-cpp-dev libsystemd-dev liblz4-dev libzstd-dev
 )
 # Only the tests need these: manifest and unit-file checks.
 kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd prometheus)

@@ -28,6 +28,7 @@ uint64_t EventLog::Append(const CacheEvent& event) {
   dst.block = event.block;
   dst.block_tokens = event.block_tokens;
   dst.tokens.assign(event.tokens.begin(), event.tokens.end());
+  dst.medium = event.medium;
   return seq;
 }
 

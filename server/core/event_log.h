@@ -32,6 +32,9 @@ struct CacheEvent {
   BlockIndex block = 0;    // kStored, kRemoved
   int32_t block_tokens = 0;
   std::vector<Token> tokens;  // kStored
+  // Where the block is: empty for the device pool (G1), "disk" for blocks a warm restart reloaded
+  // onto G3 (their `block` index means nothing then).
+  std::string medium;
 };
 
 class EventLog {

@@ -36,6 +36,7 @@
 #include "server/core/cache_types.h"
 #include "server/core/clock.h"
 #include "server/core/event_log.h"
+#include "server/core/eviction_sink.h"
 #include "server/core/eviction_queue.h"
 #include "server/core/ghost_list.h"
 #include "server/core/prefix_index.h"
@@ -122,6 +123,29 @@ class KvCache {
   absl::StatusOr<HandleInfo> GetHandle(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);
   CacheReport Report() const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // --- lower tiers (kv_cache_tiers.cc) ---
+  // Blocks evicted from now on (except by ClearCache) are offered to `sink` first. Borrowed; call
+  // before serving, or with nullptr to stop.
+  void SetEvictionSink(EvictionSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
+  // A lower tier has written the KV of the request's prompt tokens [cached_tokens, new_cached)
+  // into its writable blocks: publish them and count them as hit. NOT_FOUND (request gone),
+  // FAILED_PRECONDITION (not acquired, resumed, or new_cached not a block boundary in the prompt).
+  absl::Status AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) ABSL_LOCKS_EXCLUDED(mu_);
+  // Holds a reference on each of `blocks` of the request's table (owned or cached) so that they
+  // stay put while a lower tier writes into them, even if the request is released meanwhile.
+  // NOT_FOUND (request), INVALID_ARGUMENT (a block not in its table). Undo with UnpinBlocks.
+  absl::Status PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void UnpinBlocks(PoolId pool, absl::Span<const BlockIndex> blocks) ABSL_LOCKS_EXCLUDED(mu_);
+  // Every cached block now, and fn(view) under the cache mutex for those of `refs` still cached
+  // (same key): fn must only copy. Returns how many were visited.
+  std::vector<CachedBlockRef> SnapshotCached() const ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t VisitCached(absl::Span<const CachedBlockRef> refs,
+                      const std::function<void(const CachedBlockView&)>& fn) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Records events that happened outside the device index (a warm restart's reload), in order.
+  void EmitExternal(const std::vector<CacheEvent>& events) ABSL_LOCKS_EXCLUDED(mu_);
+
   const EventLog& events() const { return events_; }
   int AddEventListener(EventListener fn) ABSL_LOCKS_EXCLUDED(mu_);
   int AddPressureListener(PressureListener fn) ABSL_LOCKS_EXCLUDED(mu_);
@@ -149,6 +173,7 @@ class KvCache {
     int64_t num_cached = 0;
     int64_t num_cached_unreferenced = 0;
     GhostList ghost;  // SLRU: keys of recently evicted probation blocks
+    absl::flat_hash_map<BlockIndex, int32_t> pins;  // PinBlocks references, by block
     Pool(PoolGeometry g, int64_t ghost_capacity)
         : geometry(std::move(g)), allocator(geometry.capacity_blocks),
           blocks(geometry.capacity_blocks), ghost(ghost_capacity) {}
@@ -294,6 +319,7 @@ class KvCache {
   int next_listener_ ABSL_GUARDED_BY(mu_) = 1;
   std::vector<std::pair<int, EventListener>> event_listeners_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<int, PressureListener>> pressure_listeners_ ABSL_GUARDED_BY(mu_);
+  EvictionSink* sink_ ABSL_GUARDED_BY(mu_) = nullptr;
 };
 
 }  // namespace kvd

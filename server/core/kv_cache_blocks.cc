@@ -99,7 +99,12 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
     e.block = index;
     e.block_tokens = pool.geometry.block_tokens;
     e.tokens.clear();
+    e.medium.clear();
     EmitLocked();
+  }
+  if (sink_ != nullptr && reason != EvictReason::kClear) {
+    const CachedBlockView view = ViewOf(*victim);
+    sink_->OnEvict(view, reason);
   }
   index_.Erase(victim);
   s.kind = BlockState::Kind::kFree;
@@ -138,6 +143,7 @@ CachedBlock* KvCache::CacheBlockLocked(PoolId pool_id, NamespaceRoot* root, Cach
   e.block = index;
   e.block_tokens = pool.geometry.block_tokens;
   e.tokens.assign(node->tokens.begin(), node->tokens.end());
+  e.medium.clear();
   EmitLocked();
   return node;
 }

@@ -70,6 +70,10 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
     if (b->parent != nullptr) ++children[b->parent];
   });
 
+  for (PoolId p = 0; p < pools_.size(); ++p) {
+    for (const auto& [b, n] : pools_[p]->pins) refs[p][b] += n;
+  }
+
   int64_t total_cached = 0;
   for (PoolId p = 0; p < pools_.size(); ++p) {
     const Pool& pool = *pools_[p];
@@ -87,7 +91,8 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
         case BlockState::Kind::kOwned: {
           ++owned;
           auto it = live_serials.find(s.owner);
-          if (s.refs == 0 || it == live_serials.end() || it->second != p) {
+          const bool pinned = pool.pins.contains(b);  // a pin outlives its request
+          if (s.refs == 0 || (!pinned && (it == live_serials.end() || it->second != p))) {
             return fail("owned block ", b, " has no live owner");
           }
           break;

@@ -1,0 +1,138 @@
+// KvCache: the hooks that lower tiers (server/store) use — demotion on eviction, adoption of
+// promoted blocks, snapshots for flush, and events from a warm restart.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "server/core/kv_cache.h"
+#include "server/core/status_macros.h"
+
+namespace kvd {
+
+CachedBlockView ViewOf(const CachedBlock& block) {
+  CachedBlockView v;
+  v.pool = block.address.pool;
+  v.index = block.address.index;
+  v.ns = &block.root->ns;
+  v.root_key = block.root->key;
+  v.key = block.key;
+  v.has_parent = block.parent != nullptr;
+  if (block.parent != nullptr) v.parent_key = block.parent->key;
+  v.tokens = block.tokens;
+  return v;
+}
+
+void KvCache::SetEvictionSink(EvictionSink* sink) {
+  absl::MutexLock lock(&mu_);
+  sink_ = sink;
+}
+
+absl::Status KvCache::AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) {
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    status = [&]() -> absl::Status {
+      KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
+      const int32_t bt = pools_[req->pool]->geometry.block_tokens;
+      const int64_t prompt_len = static_cast<int64_t>(req->spec.prompt.size());
+      if (!req->acquired || !req->spec.resume_from.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "request '", id.value(), "' is not a freshly acquired prefix lookup"));
+      }
+      if (new_cached_tokens <= req->cached_tokens || new_cached_tokens % bt != 0 ||
+          new_cached_tokens >= prompt_len) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "promoted prefix of ", new_cached_tokens, " tokens does not extend the request's ",
+            req->cached_tokens, " cached tokens within its ", prompt_len, "-token prompt"));
+      }
+      const int64_t nblocks = new_cached_tokens / bt;
+      const std::vector<BlockIndex> blocks(req->table.begin(), req->table.begin() + nblocks);
+      const uint64_t published_before = counters_.published_blocks;
+      KVD_ASSIGN_OR_RETURN(
+          PublishResult r,
+          PublishLocked(id, absl::MakeConstSpan(req->spec.prompt).first(new_cached_tokens), blocks));
+      (void)r;  // kDuplicate/kNoParent positions stay private to the request; their bytes are valid
+      counters_.published_blocks = published_before;  // promotion is not a new publish
+      const int64_t delta = new_cached_tokens - req->cached_tokens;
+      req->cached_tokens = new_cached_tokens;
+      counters_.hit_tokens += delta;
+      counters_.miss_tokens -= delta;
+      return absl::OkStatus();
+    }();
+  }
+  Deliver();
+  return status;
+}
+
+absl::Status KvCache::PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks) {
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
+  for (BlockIndex b : blocks) {
+    if (std::find(req->table.begin(), req->table.end(), b) == req->table.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("block ", b, " is not in request '", id.value(), "''s table"));
+    }
+  }
+  Pool& pool = *pools_[req->pool];
+  for (BlockIndex b : blocks) {
+    RefLocked(req->pool, b);
+    ++pool.pins[b];
+  }
+  return absl::OkStatus();
+}
+
+void KvCache::UnpinBlocks(PoolId pool_id, absl::Span<const BlockIndex> blocks) {
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    Pool& pool = *pools_[pool_id];
+    for (BlockIndex b : blocks) {
+      auto it = pool.pins.find(b);
+      KVD_CHECK(it != pool.pins.end());
+      if (--it->second == 0) pool.pins.erase(it);
+      UnrefLocked(pool_id, b);
+    }
+    UpdatePressureLocked();
+  }
+  Deliver();
+}
+
+std::vector<CachedBlockRef> KvCache::SnapshotCached() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<CachedBlockRef> out;
+  out.reserve(index_.num_blocks());
+  index_.ForEach([&](const CachedBlock* b) {
+    out.push_back(CachedBlockRef{b->address.pool, b->address.index, b->key});
+  });
+  return out;
+}
+
+int64_t KvCache::VisitCached(absl::Span<const CachedBlockRef> refs,
+                             const std::function<void(const CachedBlockView&)>& fn) const {
+  absl::MutexLock lock(&mu_);
+  int64_t visited = 0;
+  for (const CachedBlockRef& ref : refs) {
+    if (ref.pool >= pools_.size()) continue;
+    const Pool& pool = *pools_[ref.pool];
+    if (ref.index >= pool.blocks.size()) continue;
+    const BlockState& s = pool.blocks[ref.index];
+    if (s.kind != BlockState::Kind::kCached || s.node == nullptr || s.node->key != ref.key) continue;
+    fn(ViewOf(*s.node));
+    ++visited;
+  }
+  return visited;
+}
+
+void KvCache::EmitExternal(const std::vector<CacheEvent>& events) {
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    for (const CacheEvent& e : events) {
+      scratch_event_ = e;
+      EmitLocked();
+    }
+  }
+  Deliver();
+}
+
+}  // namespace kvd

@@ -1,0 +1,56 @@
+// RecordHeader describes one stored record (a prefix block or an object) on the disk tier: what it
+// is (namespace, key, parent key, tokens or object key), how its bytes are stored (codec, lengths,
+// checksum) and where (offset in its segment file). The same header travels with a record in every
+// stored form, so a reader can verify and decode bytes without any other state.
+//
+// Encoding: little-endian fixed-width integers and u32-length-prefixed strings. DecodeRecordHeader
+// checks every length against the bytes left and sane limits, so garbage is an error, never a
+// crash or a huge allocation.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "server/core/block_key.h"
+#include "server/core/pool_geometry.h"
+#include "server/core/types.h"
+#include "server/store/codec.h"
+
+namespace kvd {
+
+enum class RecordKind : uint8_t { kBlock = 0, kObject = 1 };
+
+struct RecordHeader {
+  RecordKind kind = RecordKind::kBlock;
+  Namespace ns;
+  BlockKey key;                // kBlock: the chained block key; kObject: ObjectKey(ns, object_key)
+  BlockKey parent_key;         // kBlock with has_parent
+  bool has_parent = false;
+  std::vector<Token> tokens;   // kBlock: the block's tokens
+  std::string object_key;      // kObject: the caller's content key
+  Codec codec = Codec::kNone;
+  int64_t raw_length = 0;      // bytes once decoded
+  int64_t stored_length = 0;   // bytes as stored
+  uint64_t checksum = 0;       // Checksum() of the stored bytes
+  uint64_t offset = 0;         // of the stored bytes in the segment file
+  // kBlock: LayoutTag() of the pool geometry that wrote it; a block is served only to a pool
+  // with the same tag (a pool redefined under the same name never gets old bytes).
+  uint64_t layout_tag = 0;
+};
+
+// Appends the encoding of `h` to `out`.
+void EncodeRecordHeader(const RecordHeader& h, std::string* out);
+// Decodes one header from the front of `*in` and advances it. DATA_LOSS naming what was wrong.
+absl::StatusOr<RecordHeader> DecodeRecordHeader(absl::string_view* in);
+
+// A fingerprint of everything that fixes a block's byte layout.
+uint64_t LayoutTag(const PoolGeometry& g);
+
+// The key of an object: XXH3-128 over the namespace root key and the content key, so objects of
+// different namespaces never meet.
+BlockKey ObjectKey(const Namespace& ns, absl::string_view object_key);
+
+}  // namespace kvd

@@ -1,0 +1,563 @@
+// TierStore: index, G2 memory, demotion, promotion, prefetch and objects. Disk: tier_store_disk.cc.
+#include "server/store/tier_store.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "server/core/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace kvd {
+
+std::string TierName(int tier) {
+  switch (tier) {
+    case 0: return "device";
+    case 1: return "host";
+    case 2: return "disk";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<std::unique_ptr<TierStore>> TierStore::Open(TierOptions options,
+                                                          const DeviceArena* arena, KvCache* cache) {
+  if (options.segment_bytes <= 0) return absl::InvalidArgumentError("tiers.segment_bytes must be > 0");
+  if (options.disk_bytes <= 0) return absl::InvalidArgumentError("tiers.disk_bytes must be > 0");
+  if (options.read_threads <= 0) return absl::InvalidArgumentError("tiers.read_threads must be > 0");
+  std::unique_ptr<TierStore> store(new TierStore(std::move(options), arena, cache));
+  if (store->options_.host_bytes > 0) {
+    int64_t slot = 0;
+    for (const PoolGeometry& g : store->pools_) slot = std::max(slot, g.block_bytes_all_shards());
+    KVD_ASSIGN_OR_RETURN(std::unique_ptr<HostTier> host,
+                         HostTier::Create(store->options_.host_bytes, slot, arena));
+    absl::MutexLock lock(&store->mu_);
+    store->host_ = std::move(host);
+  }
+  return store;
+}
+
+TierStore::TierStore(TierOptions options, const DeviceArena* arena, KvCache* cache)
+    : options_(std::move(options)), arena_(arena), cache_(cache), pools_(cache->pools()),
+      readers_(std::make_unique<Executor>(options_.read_threads)),
+      writer_(std::make_unique<Executor>(1)) {
+  for (const PoolGeometry& g : pools_) layout_tags_.push_back(LayoutTag(g));
+}
+
+TierStore::~TierStore() {
+  readers_.reset();
+  writer_.reset();
+  absl::MutexLock lock(&mu_);
+  if (host_ != nullptr) {
+    for (auto& [key, e] : entries_) {
+      if (!e.slots.empty()) host_->Free(e.slots);
+    }
+  }
+}
+
+absl::StatusOr<PoolId> TierStore::PoolOf(const std::string& name) const {
+  for (PoolId p = 0; p < pools_.size(); ++p) {
+    if (pools_[p].name == name) return p;
+  }
+  return absl::NotFoundError(absl::StrCat("no pool named '", name, "'"));
+}
+
+std::vector<BlockKey> TierStore::ChainKeys(const Namespace& ns, absl::Span<const Token> tokens,
+                                           int32_t block_tokens, int64_t max_blocks) {
+  const BlockKey root = NamespaceRootKey(ns);
+  std::vector<BlockKey> keys;
+  BlockKey parent;
+  const int64_t n = std::min<int64_t>(max_blocks, static_cast<int64_t>(tokens.size()) / block_tokens);
+  for (int64_t i = 0; i < n; ++i) {
+    parent = ChainBlockKey(parent, root, tokens.subspan(i * block_tokens, block_tokens));
+    keys.push_back(parent);
+  }
+  return keys;
+}
+
+TierStore::Entry* TierStore::FindBlockLocked(const BlockKey& key, const BlockKey& parent,
+                                             bool has_parent, absl::Span<const Token> tokens) {
+  auto it = entries_.find(key);
+  if (it == entries_.end()) return nullptr;
+  const RecordHeader& h = it->second.header;
+  if (h.kind != RecordKind::kBlock || h.has_parent != has_parent ||
+      (has_parent && h.parent_key != parent) || !std::equal(h.tokens.begin(), h.tokens.end(),
+                                                            tokens.begin(), tokens.end())) {
+    return nullptr;  // a key collision: never serve it
+  }
+  return &it->second;
+}
+
+void TierStore::TouchLocked(const BlockKey& key, Entry& e) {
+  e.last_use = absl::Now();
+  ++tick_;
+  if (!e.slots.empty()) {
+    g2_lru_.erase(e.lru_tick);
+    e.lru_tick = tick_;
+    g2_lru_[tick_] = key;
+  }
+  if (e.segment != 0) {
+    auto seg = segments_.find(e.segment);
+    if (seg != segments_.end()) seg->second.last_use = tick_;
+  }
+}
+
+void TierStore::DropSlotsLocked(Entry& e) {
+  if (e.slots.empty()) return;
+  g2_lru_.erase(e.lru_tick);
+  host_->Free(e.slots);
+  e.slots.clear();
+}
+
+void TierStore::EraseIfEmptyLocked(const BlockKey& key) {
+  auto it = entries_.find(key);
+  if (it == entries_.end()) return;
+  const Entry& e = it->second;
+  if (e.slots.empty() && e.spill == nullptr && e.segment == 0 && e.pins == 0) entries_.erase(it);
+}
+
+bool TierStore::SpillLocked(const BlockKey& key, Entry& e, std::shared_ptr<const std::string> raw) {
+  // Cap what waits for the writer, so a slow disk costs cache hits, not unbounded memory.
+  const int64_t cap = 4 * options_.segment_bytes;
+  if (options_.disk_dir.empty() || spill_bytes_ + static_cast<int64_t>(raw->size()) > cap) {
+    ++stats_.dropped;
+    return false;
+  }
+  spill_bytes_ += static_cast<int64_t>(raw->size());
+  e.spill = std::move(raw);
+  spill_queue_.push_back(key);
+  ScheduleSpillWriteLocked();
+  return true;
+}
+
+std::optional<std::vector<uint32_t>> TierStore::AllocateSlotsLocked(int64_t n) {
+  if (host_ == nullptr || n > host_->num_slots()) return std::nullopt;
+  auto it = g2_lru_.begin();
+  while (host_->free_slots() < n && it != g2_lru_.end()) {
+    const BlockKey key = it->second;
+    ++it;
+    Entry& victim = entries_.at(key);
+    if (victim.pins > 0) continue;
+    if (victim.segment == 0 && victim.spill == nullptr) {
+      auto raw = std::make_shared<std::string>(static_cast<size_t>(victim.header.raw_length), '\0');
+      host_->Gather(victim.slots, victim.header.raw_length, reinterpret_cast<uint8_t*>(raw->data()));
+      if (SpillLocked(key, victim, std::move(raw))) ++stats_.demotions[kNumEvictReasons][2];
+    }
+    DropSlotsLocked(victim);  // erases victim's LRU node: continue after its tick
+    it = g2_lru_.upper_bound(victim.lru_tick);
+    EraseIfEmptyLocked(key);
+  }
+  return host_->Allocate(n);
+}
+
+void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
+  absl::MutexLock lock(&mu_);
+  const int64_t raw_bytes = pools_[block.pool].block_bytes_all_shards();
+  auto [it, inserted] = entries_.try_emplace(block.key);
+  Entry* e = &it->second;
+  if (!inserted) {
+    e = FindBlockLocked(block.key, block.parent_key, block.has_parent, block.tokens);
+    if (e == nullptr) return;  // a collision with another record: keep that one
+    TouchLocked(block.key, *e);
+    if (!e->slots.empty() || e->spill != nullptr) return;  // already in memory below G1
+  } else {
+    RecordHeader& h = e->header;
+    h.kind = RecordKind::kBlock;
+    h.ns = *block.ns;
+    h.key = block.key;
+    h.parent_key = block.parent_key;
+    h.has_parent = block.has_parent;
+    h.tokens.assign(block.tokens.begin(), block.tokens.end());
+    h.raw_length = raw_bytes;
+    h.layout_tag = layout_tags_[block.pool];
+    e->last_use = absl::Now();
+  }
+  const int r = static_cast<int>(reason);
+  if (std::optional<std::vector<uint32_t>> slots = AllocateSlotsLocked(1)) {
+    e = &entries_.at(block.key);  // slot allocation may have erased other entries (not this one)
+    absl::Status s = arena_->ReadBlock(block.pool, block.index, host_->slot((*slots)[0]));
+    if (s.ok()) {
+      e->slots = *std::move(slots);
+      TouchLocked(block.key, *e);
+      ++stats_.demotions[r][1];
+      return;
+    }
+    host_->Free(*slots);
+    spdlog::warn("demotion of block {} to host memory failed: {}", block.key.ToHex(), s.ToString());
+  } else if (e->segment == 0 && !options_.disk_dir.empty()) {
+    auto raw = std::make_shared<std::string>(static_cast<size_t>(raw_bytes), '\0');
+    if (arena_->ReadBlock(block.pool, block.index, reinterpret_cast<uint8_t*>(raw->data())).ok() &&
+        SpillLocked(block.key, entries_.at(block.key), std::move(raw))) {
+      ++stats_.demotions[r][2];
+      return;
+    }
+  } else if (e->segment == 0) {
+    ++stats_.dropped;
+  }
+  EraseIfEmptyLocked(block.key);
+}
+
+TierStore::ReadSource TierStore::PinForReadLocked(const BlockKey& key, Entry& e) {
+  ++e.pins;
+  TouchLocked(key, e);
+  ReadSource src;
+  src.key = key;
+  src.header = e.header;
+  if (!e.slots.empty() && e.slots.size() == 1) {
+    src.slot_bytes = host_->slot(e.slots[0]);
+  } else if (!e.slots.empty()) {
+    auto raw = std::make_shared<std::string>(static_cast<size_t>(e.header.raw_length), '\0');
+    host_->Gather(e.slots, e.header.raw_length, reinterpret_cast<uint8_t*>(raw->data()));
+    src.spill = std::move(raw);
+  } else if (e.spill != nullptr) {
+    src.spill = e.spill;
+  } else if (e.segment != 0) {
+    src.segment_path = absl::StrCat(options_.disk_dir, "/", SegmentName(e.segment));
+  }
+  return src;
+}
+
+void TierStore::UnpinLocked(const BlockKey& key) {
+  auto it = entries_.find(key);
+  if (it == entries_.end()) return;
+  --it->second.pins;
+  EraseIfEmptyLocked(key);
+}
+
+absl::Status TierStore::ReadRaw(const ReadSource& src, uint8_t* out) {
+  if (src.slot_bytes != nullptr) {
+    std::memcpy(out, src.slot_bytes, static_cast<size_t>(src.header.raw_length));
+    return absl::OkStatus();
+  }
+  if (src.spill != nullptr) {
+    std::memcpy(out, src.spill->data(), src.spill->size());
+    return absl::OkStatus();
+  }
+  if (src.segment_path.empty()) return absl::NotFoundError("the record has no bytes anywhere");
+  std::string stored;
+  KVD_RETURN_IF_ERROR(ReadRecordBytes(src.segment_path, src.header, &stored));
+  return Decompress(src.header.codec,
+                    absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(stored.data()), stored.size()),
+                    out, src.header.raw_length);
+}
+
+void TierStore::DropCorrupt(const BlockKey& key, uint64_t segment) {
+  absl::MutexLock lock(&mu_);
+  ++stats_.checksum_failures;
+  auto it = entries_.find(key);
+  if (it == entries_.end() || it->second.segment != segment) return;
+  it->second.segment = 0;
+  auto seg = segments_.find(segment);
+  if (seg != segments_.end()) --seg->second.records;
+  manifest_.deleted.push_back(Tombstone{key, segment});
+  manifest_dirty_ = true;
+  ScheduleSpillWriteLocked();
+  EraseIfEmptyLocked(key);
+}
+
+bool TierStore::Promote(const RequestId& id, const RequestSpec& spec, const AcquireResult& acquired,
+                        PromoteDone done) {
+  if (acquired.resumed) return false;
+  const PoolGeometry& g = pools_[acquired.pool];
+  const int32_t bt = g.block_tokens;
+  const int64_t prompt_len = static_cast<int64_t>(spec.prompt.size());
+  const int64_t max_blocks = (prompt_len - 1) / bt;  // leave one token to compute
+  const int64_t first = acquired.cached_tokens / bt;
+  if (first >= max_blocks) return false;
+  const std::vector<BlockKey> keys = ChainKeys(spec.ns, spec.prompt, bt, max_blocks);
+  std::vector<ReadSource> sources;
+  {
+    absl::MutexLock lock(&mu_);
+    for (int64_t i = first; i < max_blocks; ++i) {
+      const absl::Span<const Token> tokens = absl::MakeConstSpan(spec.prompt).subspan(i * bt, bt);
+      Entry* e = FindBlockLocked(keys[i], i > 0 ? keys[i - 1] : BlockKey{}, i > 0, tokens);
+      if (e == nullptr || e->header.layout_tag != layout_tags_[acquired.pool] ||
+          e->header.raw_length != g.block_bytes_all_shards()) {
+        break;
+      }
+      sources.push_back(PinForReadLocked(keys[i], *e));
+    }
+  }
+  if (sources.empty()) return false;
+  std::vector<BlockIndex> targets(acquired.blocks.begin() + first,
+                                  acquired.blocks.begin() + first + static_cast<int64_t>(sources.size()));
+  if (!cache_->PinBlocks(id, targets).ok()) {  // the request is already gone
+    absl::MutexLock lock(&mu_);
+    for (const ReadSource& s : sources) UnpinLocked(s.key);
+    return false;
+  }
+  readers_->Submit([this, id, pool = acquired.pool, first, bt, sources = std::move(sources),
+                    targets = std::move(targets), done = std::move(done)]() {
+    std::vector<uint8_t> buf(static_cast<size_t>(pools_[pool].block_bytes_all_shards()));
+    int64_t copied = 0;
+    int from_tier[kNumTiers] = {};
+    for (size_t i = 0; i < sources.size(); ++i) {
+      const ReadSource& src = sources[i];
+      absl::Status s = src.slot_bytes != nullptr
+                           ? arena_->WriteBlock(pool, targets[i], src.slot_bytes)
+                           : ReadRaw(src, buf.data());
+      if (s.ok() && src.slot_bytes == nullptr) s = arena_->WriteBlock(pool, targets[i], buf.data());
+      if (absl::IsDataLoss(s)) {
+        spdlog::error("promotion: {}; the block is dropped", std::string(s.message()));
+        uint64_t segment = 0;
+        if (!src.segment_path.empty()) {
+          absl::MutexLock lock(&mu_);
+          auto it = entries_.find(src.key);
+          if (it != entries_.end()) segment = it->second.segment;
+        }
+        DropCorrupt(src.key, segment);
+      }
+      if (!s.ok()) break;
+      ++from_tier[src.segment_path.empty() ? 1 : 2];
+      ++copied;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      for (const ReadSource& s : sources) UnpinLocked(s.key);
+    }
+    absl::StatusOr<int64_t> result = (first + copied) * bt;
+    if (copied > 0) {
+      absl::Status adopted = cache_->AdoptPromoted(id, *result);
+      if (adopted.ok()) {
+        absl::MutexLock lock(&mu_);
+        stats_.promotions[1] += from_tier[1];
+        stats_.promotions[2] += from_tier[2];
+        stats_.promoted_tokens += copied * bt;
+      } else {
+        result = adopted;
+      }
+    } else {
+      result = first * bt;
+    }
+    cache_->UnpinBlocks(pool, targets);
+    done(result);
+  });
+  return true;
+}
+
+absl::StatusOr<PrefetchInfo> TierStore::Prefetch(const Namespace& ns, absl::Span<const Token> tokens,
+                                                 const WorkerId& owner) {
+  KVD_ASSIGN_OR_RETURN(PoolId pool, PoolOf(ns.pool));
+  const int32_t bt = pools_[pool].block_tokens;
+  const std::vector<BlockKey> keys =
+      ChainKeys(ns, tokens, bt, (static_cast<int64_t>(tokens.size()) - 1) / bt);
+  PrefetchInfo info;
+  std::vector<ReadSource> to_load;
+  absl::MutexLock lock(&mu_);
+  Prefetched p;
+  p.owner = owner;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    Entry* e = FindBlockLocked(keys[i], i > 0 ? keys[i - 1] : BlockKey{}, i > 0,
+                               tokens.subspan(i * bt, bt));
+    if (e == nullptr) continue;
+    ++info.found_blocks;
+    ++e->pins;
+    TouchLocked(keys[i], *e);
+    p.keys.push_back(keys[i]);
+    if (e->slots.empty() && e->spill == nullptr && e->segment != 0 && host_ != nullptr) {
+      to_load.push_back(PinForReadLocked(keys[i], *e));
+    }
+  }
+  info.loading_blocks = static_cast<int64_t>(to_load.size());
+  info.handle = next_prefetch_++;
+  prefetches_[info.handle] = std::move(p);
+  for (ReadSource& src : to_load) {
+    readers_->Submit([this, src = std::move(src)]() {
+      std::vector<uint8_t> raw(static_cast<size_t>(src.header.raw_length));
+      absl::Status s = ReadRaw(src, raw.data());
+      if (absl::IsDataLoss(s)) DropCorrupt(src.key, 0);
+      absl::MutexLock lock(&mu_);
+      auto it = entries_.find(src.key);
+      if (s.ok() && it != entries_.end() && it->second.slots.empty()) {
+        if (auto slots = AllocateSlotsLocked(host_->SlotsFor(src.header.raw_length))) {
+          Entry& e = entries_.at(src.key);
+          host_->Scatter(*slots, raw.data(), src.header.raw_length);
+          e.slots = *std::move(slots);
+          TouchLocked(src.key, e);
+        }
+      }
+      UnpinLocked(src.key);
+    });
+  }
+  return info;
+}
+
+absl::Status TierStore::ReleasePrefetch(uint64_t handle, const WorkerId& owner) {
+  absl::MutexLock lock(&mu_);
+  auto it = prefetches_.find(handle);
+  if (it == prefetches_.end()) return absl::NotFoundError(absl::StrCat("no prefetch handle ", handle));
+  if (it->second.owner != owner) {
+    return absl::PermissionDeniedError(absl::StrCat("prefetch handle ", handle, " is another worker's"));
+  }
+  for (const BlockKey& k : it->second.keys) UnpinLocked(k);
+  prefetches_.erase(it);
+  return absl::OkStatus();
+}
+
+void TierStore::ReleasePrefetchesOf(const WorkerId& owner) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = prefetches_.begin(); it != prefetches_.end();) {
+    if (it->second.owner == owner) {
+      for (const BlockKey& k : it->second.keys) UnpinLocked(k);
+      prefetches_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+absl::Status TierStore::PutObject(const Namespace& ns, const std::string& key, absl::string_view bytes) {
+  if (key.empty()) return absl::InvalidArgumentError("object key is required");
+  KVD_RETURN_IF_ERROR(PoolOf(ns.pool).status());
+  const BlockKey k = ObjectKey(ns, key);
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(k);
+  if (it != entries_.end()) {
+    if (it->second.pins > 0) {
+      return absl::FailedPreconditionError(absl::StrCat("object '", key, "' is being read"));
+    }
+    Entry& old = it->second;
+    DropSlotsLocked(old);
+    if (old.spill != nullptr) spill_bytes_ -= static_cast<int64_t>(old.spill->size());
+    if (old.segment != 0) {
+      manifest_.deleted.push_back(Tombstone{k, old.segment});
+      manifest_dirty_ = true;
+      auto seg = segments_.find(old.segment);
+      if (seg != segments_.end()) --seg->second.records;
+    }
+    entries_.erase(it);
+  }
+  Entry fresh;
+  fresh.header.kind = RecordKind::kObject;
+  fresh.header.ns = ns;
+  fresh.header.key = k;
+  fresh.header.object_key = key;
+  fresh.header.raw_length = static_cast<int64_t>(bytes.size());
+  fresh.last_use = absl::Now();
+  Entry& e = entries_.emplace(k, std::move(fresh)).first->second;
+  if (host_ != nullptr) {
+    if (auto slots = AllocateSlotsLocked(host_->SlotsFor(static_cast<int64_t>(bytes.size())))) {
+      Entry& placed = entries_.at(k);
+      host_->Scatter(*slots, reinterpret_cast<const uint8_t*>(bytes.data()),
+                     static_cast<int64_t>(bytes.size()));
+      placed.slots = *std::move(slots);
+      TouchLocked(k, placed);
+      return absl::OkStatus();
+    }
+  }
+  if (SpillLocked(k, e, std::make_shared<const std::string>(bytes))) return absl::OkStatus();
+  --stats_.dropped;  // refused, not dropped
+  entries_.erase(k);
+  return absl::ResourceExhaustedError(absl::StrCat("no tier has room for an object of ",
+                                                   bytes.size(), " bytes"));
+}
+
+void TierStore::GetObject(const Namespace& ns, const std::string& key,
+                          std::function<void(absl::StatusOr<std::string>)> done) {
+  const BlockKey k = ObjectKey(ns, key);
+  ReadSource src;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(k);
+    if (it == entries_.end() || it->second.header.kind != RecordKind::kObject ||
+        it->second.header.object_key != key || !(it->second.header.ns == ns)) {
+      done(absl::NotFoundError(absl::StrCat("no object '", key, "' in ", ns.DebugString())));
+      return;
+    }
+    Entry& e = it->second;
+    if (!e.slots.empty() || e.spill != nullptr) {
+      std::string out(static_cast<size_t>(e.header.raw_length), '\0');
+      if (!e.slots.empty()) {
+        host_->Gather(e.slots, e.header.raw_length, reinterpret_cast<uint8_t*>(out.data()));
+      } else {
+        out = *e.spill;
+      }
+      TouchLocked(k, e);
+      done(std::move(out));
+      return;
+    }
+    src = PinForReadLocked(k, e);
+  }
+  readers_->Submit([this, src = std::move(src), done = std::move(done)]() {
+    std::string out(static_cast<size_t>(src.header.raw_length), '\0');
+    absl::Status s = ReadRaw(src, reinterpret_cast<uint8_t*>(out.data()));
+    uint64_t segment = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = entries_.find(src.key);
+      if (it != entries_.end()) segment = it->second.segment;
+      UnpinLocked(src.key);
+    }
+    if (absl::IsDataLoss(s)) DropCorrupt(src.key, segment);
+    if (!s.ok()) {
+      done(s);
+      return;
+    }
+    done(std::move(out));
+  });
+}
+
+absl::Status TierStore::DeleteObject(const Namespace& ns, const std::string& key) {
+  const BlockKey k = ObjectKey(ns, key);
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(k);
+  if (it == entries_.end() || it->second.header.kind != RecordKind::kObject ||
+      it->second.header.object_key != key) {
+    return absl::NotFoundError(absl::StrCat("no object '", key, "' in ", ns.DebugString()));
+  }
+  Entry& e = it->second;
+  if (e.pins > 0) return absl::FailedPreconditionError(absl::StrCat("object '", key, "' is being read"));
+  DropSlotsLocked(e);
+  if (e.spill != nullptr) spill_bytes_ -= static_cast<int64_t>(e.spill->size());
+  if (e.segment != 0) {
+    manifest_.deleted.push_back(Tombstone{k, e.segment});
+    auto seg = segments_.find(e.segment);
+    if (seg != segments_.end()) --seg->second.records;
+    manifest_dirty_ = true;
+    ScheduleSpillWriteLocked();  // persists the tombstone with the next manifest
+  }
+  entries_.erase(it);
+  return absl::OkStatus();
+}
+
+void TierStore::DemoteIdle() {
+  if (!idle_demotion()) return;
+  const absl::Time cutoff = absl::Now() - options_.idle_demote_after;
+  absl::MutexLock lock(&mu_);
+  if (options_.disk_dir.empty()) return;
+  std::vector<BlockKey> idle;
+  for (const auto& [tick, key] : g2_lru_) {
+    const Entry& e = entries_.at(key);
+    if (e.last_use > cutoff) break;  // LRU order: the rest are newer
+    if (e.pins == 0 && e.segment == 0 && e.spill == nullptr) idle.push_back(key);
+  }
+  for (const BlockKey& key : idle) {
+    Entry& e = entries_.at(key);
+    auto raw = std::make_shared<std::string>(static_cast<size_t>(e.header.raw_length), '\0');
+    host_->Gather(e.slots, e.header.raw_length, reinterpret_cast<uint8_t*>(raw->data()));
+    if (!SpillLocked(key, e, std::move(raw))) break;
+    ++stats_.demotions[kNumEvictReasons][2];
+    DropSlotsLocked(e);
+  }
+}
+
+void TierStore::DropMemory() {
+  absl::MutexLock lock(&mu_);
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    Entry& e = it->second;
+    if (e.pins > 0) {
+      ++it;
+      continue;
+    }
+    DropSlotsLocked(e);
+    if (e.spill != nullptr) spill_bytes_ -= static_cast<int64_t>(e.spill->size());
+    e.spill = nullptr;
+    if (e.segment == 0) {
+      entries_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  spill_queue_.clear();
+}
+
+}  // namespace kvd

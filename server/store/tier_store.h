@@ -1,0 +1,202 @@
+// TierStore holds the lower tiers under the device pool (G1): G2, host RAM in fixed slots
+// (page-locked on the CUDA backend), and G3, segment files in a local directory. Together with
+// KvCache (which keeps G1) it forms one cache: blocks evicted from G1 are demoted here instead of
+// dropped, a lookup that runs past G1's match promotes them back, Flush makes everything durable
+// on G3, and a restarted daemon reloads G3's headers and serves from them at once.
+//
+// Index: one entry per stored record (prefix block or object), keyed like the prefix index (the
+// chained block key) and verified the same way (tokens and parent key compared), so a collision
+// is a miss. An entry's bytes live in any of: G2 slots; a spill buffer (demoted while G2 was full,
+// on its way to G3); a G3 segment. Tiers are not exclusive: a block written to G3 keeps its G2
+// copy until G2 needs the room, and a promoted block keeps its copies below.
+//
+// Threads: OnEvict runs on the caller's thread under KvCache's mutex (lock order: KvCache, then
+// this). Disk writes (spills, flushes, manifest) run on one writer thread, disk reads (promotion,
+// prefetch, object gets) on reader threads; no gRPC thread ever waits on the disk.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
+#include "absl/container/btree_set.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "gpu/device_arena.h"
+#include "server/core/kv_cache.h"
+#include "server/store/executor.h"
+#include "server/store/host_tier.h"
+#include "server/store/record_header.h"
+#include "server/store/segment_file.h"
+#include "server/store/tier_types.h"
+
+namespace kvd {
+
+class TierStore final : public EvictionSink {
+ public:
+  // Creates G2 and the G3 directory (nothing is read yet: call Load). INVALID_ARGUMENT for bad
+  // options; the failing call named otherwise. `arena` and `cache` are borrowed.
+  static absl::StatusOr<std::unique_ptr<TierStore>> Open(TierOptions options,
+                                                        const DeviceArena* arena, KvCache* cache);
+  ~TierStore() override;
+
+  // Reads G3's manifest and every live segment's headers (not the bytes), deletes files the
+  // manifest does not list (left by a crash), and indexes what it found. Records the events a
+  // restart owes routers in the cache's event log: "all cleared", then one "stored" (medium disk)
+  // per reloaded block. A damaged segment is skipped and counted, never served.
+  absl::Status Load();
+
+  // EvictionSink: demotes a block leaving G1 to G2 (or, without room there, towards G3).
+  void OnEvict(const CachedBlockView& block, EvictReason reason) override;
+
+  // Promotion for a request that Acquire just served with `acquired.cached_tokens` tokens from
+  // G1: when lower tiers hold the following blocks of its prompt, copies them into the request's
+  // writable blocks on a reader thread, publishes them (KvCache::AdoptPromoted) and calls
+  // done(new cached_tokens) there. Returns false, without calling `done`, when there is nothing
+  // to promote.
+  using PromoteDone = std::function<void(absl::StatusOr<int64_t> cached_tokens)>;
+  bool Promote(const RequestId& id, const RequestSpec& spec, const AcquireResult& acquired,
+               PromoteDone done) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Starts bringing the saved blocks of `tokens` up to G2 and keeps them there until the handle
+  // is released (or its owner detaches). NOT_FOUND for an unknown pool.
+  absl::StatusOr<PrefetchInfo> Prefetch(const Namespace& ns, absl::Span<const Token> tokens,
+                                        const WorkerId& owner) ABSL_LOCKS_EXCLUDED(mu_);
+  // NOT_FOUND for an unknown handle; PERMISSION_DENIED for another worker's.
+  absl::Status ReleasePrefetch(uint64_t handle, const WorkerId& owner) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleasePrefetchesOf(const WorkerId& owner) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Makes every cached prefix (G1 and G2) durable on G3. Runs on the writer thread; `done` is
+  // called there. FAILED_PRECONDITION without a disk tier.
+  absl::Status FlushAsync(std::function<void(FlushResult)> done) ABSL_LOCKS_EXCLUDED(mu_);
+  // FlushAsync and wait (drain and Close use it).
+  absl::StatusOr<FlushResult> Flush() ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops everything held in memory (G2 and pending spills); G3 stays. Close's last step.
+  void DropMemory() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Objects: exact (namespace, key) -> bytes, in G2 and G3 like blocks. Put: INVALID_ARGUMENT
+  // (empty key), RESOURCE_EXHAUSTED when no tier can hold it. Get: NOT_FOUND, DATA_LOSS (the
+  // stored copy failed its checksum and was dropped); runs `done` inline or on a reader thread.
+  absl::Status PutObject(const Namespace& ns, const std::string& key, absl::string_view bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void GetObject(const Namespace& ns, const std::string& key,
+                 std::function<void(absl::StatusOr<std::string>)> done) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status DeleteObject(const Namespace& ns, const std::string& key) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Every complete token prefix G3 holds (chains from a namespace root to a leaf), from headers.
+  std::vector<SavedPrefix> SavedPrefixes() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Idle demotion: G2 entries unused for idle_demote_after go to G3. The daemon calls it
+  // periodically (with KvCache::Gc for G1) unless stopped.
+  void DemoteIdle() ABSL_LOCKS_EXCLUDED(mu_);
+  void StopIdleDemotion() { idle_demotion_.store(false); }
+  bool idle_demotion() const { return idle_demotion_.load() && options_.idle_demote_after > absl::ZeroDuration(); }
+
+  TierStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  const TierOptions& options() const { return options_; }
+  // Waits until no spill write is pending (tests).
+  void WaitIdleForTesting() ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Entry {
+    RecordHeader header;                       // identity; codec/lengths/offset once on G3
+    std::vector<uint32_t> slots;               // G2 copy (raw bytes), if any
+    std::shared_ptr<const std::string> spill;  // raw bytes on their way to G3, if any
+    uint64_t segment = 0;                      // G3 segment number; 0: not on G3
+    uint64_t lru_tick = 0;                     // key of g2_lru_ while in G2
+    absl::Time last_use;
+    int32_t pins = 0;                          // readers copying from it, prefetch handles
+  };
+  struct Segment {
+    int64_t file_bytes = 0;
+    int64_t records = 0;      // live records
+    uint64_t last_use = 0;    // most recent use of any of its records (tick)
+  };
+  struct Prefetched {
+    WorkerId owner;
+    std::vector<BlockKey> keys;
+  };
+  // What a promotion or prefetch reads: a pinned entry's bytes, wherever they are.
+  struct ReadSource {
+    BlockKey key;
+    RecordHeader header;
+    const uint8_t* slot_bytes = nullptr;  // contiguous G2 copy (blocks take one slot)
+    std::shared_ptr<const std::string> spill;
+    std::string segment_path;
+  };
+
+  TierStore(TierOptions options, const DeviceArena* arena, KvCache* cache);
+
+  // tier_store.cc: index and memory.
+  Entry* FindBlockLocked(const BlockKey& key, const BlockKey& parent, bool has_parent,
+                         absl::Span<const Token> tokens) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keys of the leading full blocks of `tokens` in `ns`.
+  static std::vector<BlockKey> ChainKeys(const Namespace& ns, absl::Span<const Token> tokens,
+                                         int32_t block_tokens, int64_t max_blocks);
+  // Room for `n` G2 slots, demoting unpinned least-recently-used entries (to a spill when they
+  // are not on G3). nullopt when not even that frees enough.
+  std::optional<std::vector<uint32_t>> AllocateSlotsLocked(int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropSlotsLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TouchLocked(const BlockKey& key, Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues raw bytes for G3. False (and the bytes are dropped) without a disk or past the cap.
+  bool SpillLocked(const BlockKey& key, Entry& e, std::shared_ptr<const std::string> raw)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EraseIfEmptyLocked(const BlockKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  ReadSource PinForReadLocked(const BlockKey& key, Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnpinLocked(const BlockKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The raw bytes of a pinned source into `out` (raw_length bytes). DATA_LOSS: the G3 copy failed
+  // its checksum (the caller drops it).
+  absl::Status ReadRaw(const ReadSource& src, uint8_t* out) ABSL_LOCKS_EXCLUDED(mu_);
+  void DropCorrupt(const BlockKey& key, uint64_t segment) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<PoolId> PoolOf(const std::string& name) const;
+
+  // tier_store_disk.cc: G3.
+  void ScheduleSpillWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WriteSpills() ABSL_LOCKS_EXCLUDED(mu_);  // writer thread
+  // Encodes and writes one segment of `records` (header + raw bytes each); on success marks each
+  // entry as on G3 in that segment and rewrites the manifest. Writer thread only.
+  absl::Status WriteSegmentOf(std::vector<RecordHeader> headers,
+                              std::vector<std::shared_ptr<const std::string>> raws,
+                              int64_t* stored_bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  FlushResult FlushNow() ABSL_LOCKS_EXCLUDED(mu_);  // writer thread
+  // Makes room on G3 for `bytes` by dropping least-recently-used segments (in memory; files are
+  // unlinked after the next manifest write). Returns the numbers dropped.
+  std::vector<uint64_t> EvictSegmentsLocked(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status WriteManifestNow(const std::vector<uint64_t>& unlink_after) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const TierOptions options_;
+  const DeviceArena* const arena_;
+  KvCache* const cache_;
+  const std::vector<PoolGeometry> pools_;
+  std::vector<uint64_t> layout_tags_;   // per pool
+  std::atomic<bool> idle_demotion_{true};
+
+  mutable absl::Mutex mu_;
+  std::unique_ptr<HostTier> host_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<BlockKey, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  absl::btree_map<uint64_t, BlockKey> g2_lru_ ABSL_GUARDED_BY(mu_);  // tick -> entry in G2
+  uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<BlockKey> spill_queue_ ABSL_GUARDED_BY(mu_);
+  int64_t spill_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  bool spill_write_scheduled_ ABSL_GUARDED_BY(mu_) = false;
+  absl::btree_map<uint64_t, Segment> segments_ ABSL_GUARDED_BY(mu_);
+  int64_t disk_used_ ABSL_GUARDED_BY(mu_) = 0;
+  Manifest manifest_ ABSL_GUARDED_BY(mu_);  // next_segment and tombstones; segments from segments_
+  bool manifest_dirty_ ABSL_GUARDED_BY(mu_) = false;  // tombstones not yet in the file
+  absl::flat_hash_map<uint64_t, Prefetched> prefetches_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_prefetch_ ABSL_GUARDED_BY(mu_) = 1;
+  TierStats stats_ ABSL_GUARDED_BY(mu_);  // counters; gauges are filled by Stats()
+
+  // Declared last: destroyed first, finishing queued work while everything above still lives.
+  std::unique_ptr<Executor> readers_;
+  std::unique_ptr<Executor> writer_;
+};
+
+}  // namespace kvd

@@ -1,0 +1,509 @@
+// TierStore: the disk tier (G3) — warm-restart load, spill writes, flush, segment eviction, the
+// manifest, saved prefixes and statistics.
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "server/core/status_macros.h"
+#include "server/store/tier_store.h"
+#include "spdlog/spdlog.h"
+
+namespace kvd {
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+absl::Status MakeDirs(const std::string& dir) {
+  std::string path;
+  for (size_t pos = 0; pos != std::string::npos;) {
+    pos = dir.find('/', pos + 1);
+    path = dir.substr(0, pos);
+    if (path.empty()) continue;
+    if (mkdir(path.c_str(), 0750) != 0 && errno != EEXIST) {
+      return absl::InternalError(absl::StrCat("mkdir ", path, ": ", std::strerror(errno)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status TierStore::Load() {
+  if (options_.disk_dir.empty()) return absl::OkStatus();
+  const auto start = std::chrono::steady_clock::now();
+  const std::string& dir = options_.disk_dir;
+  KVD_RETURN_IF_ERROR(MakeDirs(dir));
+  Manifest manifest;
+  if (absl::StatusOr<Manifest> m = ReadManifest(dir); m.ok()) {
+    manifest = *std::move(m);
+  } else if (!absl::IsNotFound(m.status())) {
+    // A damaged manifest cannot say which segments are whole: start empty, keep the evidence.
+    spdlog::error("tiers: {}; starting with an empty disk tier", m.status().ToString());
+    rename(absl::StrCat(dir, "/", kManifestName).c_str(),
+           absl::StrCat(dir, "/", kManifestName, ".damaged").c_str());
+    manifest = Manifest{};
+  }
+  const absl::flat_hash_set<uint64_t> listed(manifest.segments.begin(), manifest.segments.end());
+  // Files the manifest does not list are what a crash left behind mid-write: never read them.
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* ent = readdir(d)) {
+      const std::string name = ent->d_name;
+      unsigned long long num = 0;
+      const bool segment = std::sscanf(name.c_str(), "seg-%llu.kvd", &num) == 1 &&
+                           absl::EndsWith(name, ".kvd") && SegmentName(num) == name;
+      if (absl::EndsWith(name, ".tmp") || (segment && !listed.contains(num))) {
+        unlink(absl::StrCat(dir, "/", name).c_str());
+      }
+    }
+    closedir(d);
+  }
+  absl::flat_hash_set<std::pair<uint64_t, uint64_t>> dead;
+  std::vector<Tombstone> tombstones;
+  for (const Tombstone& t : manifest.deleted) {
+    if (listed.contains(t.segment)) {
+      dead.insert({t.key.hi ^ t.segment, t.key.lo});
+      tombstones.push_back(t);
+    }
+  }
+  std::vector<CacheEvent> events;
+  CacheEvent cleared;
+  cleared.kind = CacheEventKind::kCleared;
+  events.push_back(cleared);
+  bool rewrite = tombstones.size() != manifest.deleted.size();
+  int64_t reloaded = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    manifest_.next_segment = std::max<uint64_t>(manifest.next_segment, 1);
+    manifest_.generation = manifest.generation;
+    manifest_.deleted = std::move(tombstones);
+    for (uint64_t num : manifest.segments) {
+      const std::string path = absl::StrCat(dir, "/", SegmentName(num));
+      int64_t size = 0;
+      absl::StatusOr<std::vector<RecordHeader>> headers = ReadSegmentHeaders(path, &size);
+      if (!headers.ok()) {
+        spdlog::error("tiers: segment {} is not served: {}", path, headers.status().ToString());
+        ++stats_.checksum_failures;
+        rewrite = true;
+        continue;
+      }
+      manifest_.next_segment = std::max(manifest_.next_segment, num + 1);
+      Segment& seg = segments_[num];
+      seg.file_bytes = size;
+      disk_used_ += size;
+      for (RecordHeader& h : *headers) {
+        if (dead.contains({h.key.hi ^ num, h.key.lo}) || entries_.contains(h.key)) continue;
+        if (h.kind == RecordKind::kBlock) {
+          absl::StatusOr<PoolId> pool = PoolOf(h.ns.pool);
+          if (!pool.ok() || h.layout_tag != layout_tags_[*pool] ||
+              h.raw_length != pools_[*pool].block_bytes_all_shards()) {
+            ++stats_.incompatible;
+            continue;
+          }
+          CacheEvent e;
+          e.kind = CacheEventKind::kStored;
+          e.pool = h.ns.pool;
+          e.adapter = h.ns.adapter;
+          e.key = h.key;
+          e.has_parent = h.has_parent;
+          e.parent_key = h.parent_key;
+          e.block_tokens = pools_[*pool].block_tokens;
+          e.tokens = h.tokens;
+          e.medium = "disk";
+          events.push_back(std::move(e));
+        }
+        Entry& entry = entries_[h.key];
+        entry.header = std::move(h);
+        entry.segment = num;
+        ++seg.records;
+        ++reloaded;
+      }
+    }
+    stats_.reloaded_records = reloaded;
+    std::vector<uint64_t> evicted = EvictSegmentsLocked(0);
+    if (!evicted.empty()) rewrite = true;
+  }
+  if (rewrite) KVD_RETURN_IF_ERROR(WriteManifestNow({}));
+  cache_->EmitExternal(events);
+  absl::MutexLock lock(&mu_);
+  stats_.load_seconds = SecondsSince(start);
+  spdlog::info("tiers: reloaded {} records from {} segments in {:.3f}s", reloaded, segments_.size(),
+               stats_.load_seconds);
+  return absl::OkStatus();
+}
+
+void TierStore::ScheduleSpillWriteLocked() {
+  if (spill_write_scheduled_) return;
+  spill_write_scheduled_ = true;
+  writer_->Submit([this] { WriteSpills(); });
+}
+
+void TierStore::WriteSpills() {
+  for (;;) {
+    std::vector<RecordHeader> headers;
+    std::vector<std::shared_ptr<const std::string>> raws;
+    bool manifest_only = false;
+    {
+      absl::MutexLock lock(&mu_);
+      int64_t bytes = 0;
+      size_t taken = 0;
+      for (; taken < spill_queue_.size() && bytes < options_.segment_bytes; ++taken) {
+        auto it = entries_.find(spill_queue_[taken]);
+        if (it == entries_.end() || it->second.spill == nullptr || it->second.segment != 0) continue;
+        headers.push_back(it->second.header);
+        raws.push_back(it->second.spill);
+        bytes += static_cast<int64_t>(it->second.spill->size());
+      }
+      spill_queue_.erase(spill_queue_.begin(), spill_queue_.begin() + static_cast<int64_t>(taken));
+      if (headers.empty()) {
+        spill_write_scheduled_ = false;
+        manifest_only = manifest_dirty_;
+      }
+    }
+    if (headers.empty()) {
+      if (manifest_only) {
+        if (absl::Status s = WriteManifestNow({}); !s.ok()) spdlog::error("tiers: {}", std::string(s.message()));
+      }
+      return;
+    }
+    int64_t stored = 0;
+    if (absl::Status s = WriteSegmentOf(headers, raws, &stored); !s.ok()) {
+      spdlog::error("tiers: writing {} demoted blocks to disk failed: {}; they are dropped",
+                    headers.size(), std::string(s.message()));
+      absl::MutexLock lock(&mu_);
+      for (const RecordHeader& h : headers) {
+        auto it = entries_.find(h.key);
+        if (it == entries_.end() || it->second.spill == nullptr) continue;
+        spill_bytes_ -= static_cast<int64_t>(it->second.spill->size());
+        it->second.spill = nullptr;
+        ++stats_.dropped;
+        EraseIfEmptyLocked(h.key);
+      }
+    }
+  }
+}
+
+absl::Status TierStore::WriteSegmentOf(std::vector<RecordHeader> headers,
+                                       std::vector<std::shared_ptr<const std::string>> raws,
+                                       int64_t* stored_bytes) {
+  std::vector<std::string> payloads(headers.size());
+  int64_t raw_total = 0, total = 0;
+  for (size_t i = 0; i < headers.size(); ++i) {
+    const std::string& raw = *raws[i];
+    headers[i].codec = Compress(
+        options_.codec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(raw.data()), raw.size()),
+        &payloads[i]);
+    headers[i].stored_length = static_cast<int64_t>(payloads[i].size());
+    headers[i].checksum = Checksum(payloads[i].data(), payloads[i].size());
+    raw_total += static_cast<int64_t>(raw.size());
+    total += headers[i].stored_length;
+  }
+  std::string encoded;  // only to size the file before making room for it
+  for (const RecordHeader& h : headers) EncodeRecordHeader(h, &encoded);
+  const int64_t file_bytes = kSegmentPreambleBytes + static_cast<int64_t>(encoded.size()) + total;
+  uint64_t number = 0;
+  std::vector<uint64_t> evicted;
+  {
+    absl::MutexLock lock(&mu_);
+    number = manifest_.next_segment++;
+    evicted = EvictSegmentsLocked(file_bytes);
+  }
+  const absl::StatusOr<int64_t> size =
+      WriteSegment(options_.disk_dir, SegmentName(number), headers, payloads);
+  if (!size.ok()) {
+    absl::MutexLock lock(&mu_);
+    ++stats_.write_failures;
+    return size.status();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    Segment& seg = segments_[number];
+    seg.file_bytes = *size;
+    seg.last_use = ++tick_;
+    disk_used_ += *size;
+    for (const RecordHeader& h : headers) {
+      auto [it, inserted] = entries_.try_emplace(h.key);
+      Entry& e = it->second;
+      if (inserted) {
+        e.last_use = absl::Now();
+      } else if (e.segment != 0 || e.header.tokens != h.tokens || e.header.kind != h.kind ||
+                 e.header.object_key != h.object_key) {
+        continue;  // already on G3, or another record under a colliding key
+      }
+      e.header = h;
+      e.segment = number;
+      ++seg.records;
+      if (e.spill != nullptr) {
+        spill_bytes_ -= static_cast<int64_t>(e.spill->size());
+        e.spill = nullptr;
+      }
+    }
+    stats_.raw_bytes_written += static_cast<uint64_t>(raw_total);
+    stats_.stored_bytes_written += static_cast<uint64_t>(total);
+  }
+  *stored_bytes = total;
+  return WriteManifestNow(evicted);
+}
+
+std::vector<uint64_t> TierStore::EvictSegmentsLocked(int64_t bytes) {
+  std::vector<uint64_t> evicted;
+  while (!segments_.empty() && disk_used_ + bytes > options_.disk_bytes) {
+    auto victim = std::min_element(segments_.begin(), segments_.end(), [](const auto& a, const auto& b) {
+      return a.second.last_use < b.second.last_use;
+    });
+    const uint64_t number = victim->first;
+    disk_used_ -= victim->second.file_bytes;
+    segments_.erase(victim);
+    std::vector<BlockKey> keys;
+    for (auto& [key, e] : entries_) {
+      if (e.segment == number) keys.push_back(key);
+    }
+    for (const BlockKey& key : keys) {
+      entries_.at(key).segment = 0;
+      EraseIfEmptyLocked(key);
+    }
+    std::erase_if(manifest_.deleted, [&](const Tombstone& t) { return t.segment == number; });
+    evicted.push_back(number);
+  }
+  return evicted;
+}
+
+absl::Status TierStore::WriteManifestNow(const std::vector<uint64_t>& unlink_after) {
+  Manifest m;
+  {
+    absl::MutexLock lock(&mu_);
+    m.generation = ++manifest_.generation;
+    m.next_segment = manifest_.next_segment;
+    for (const auto& [number, seg] : segments_) m.segments.push_back(number);
+    m.deleted = manifest_.deleted;
+    manifest_dirty_ = false;
+  }
+  absl::Status s = WriteManifest(options_.disk_dir, m);
+  if (!s.ok()) {
+    absl::MutexLock lock(&mu_);
+    manifest_dirty_ = true;
+    ++stats_.write_failures;
+    return s;
+  }
+  for (uint64_t number : unlink_after) {
+    unlink(absl::StrCat(options_.disk_dir, "/", SegmentName(number)).c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TierStore::FlushAsync(std::function<void(FlushResult)> done) {
+  if (options_.disk_dir.empty()) {
+    return absl::FailedPreconditionError("no disk tier is configured (tiers.disk_dir): nothing can be durable");
+  }
+  writer_->Submit([this, done = std::move(done)] { done(FlushNow()); });
+  return absl::OkStatus();
+}
+
+absl::StatusOr<FlushResult> TierStore::Flush() {
+  absl::Notification finished;
+  FlushResult result;
+  KVD_RETURN_IF_ERROR(FlushAsync([&](FlushResult r) {
+    result = std::move(r);
+    finished.Notify();
+  }));
+  finished.WaitForNotification();
+  return result;
+}
+
+FlushResult TierStore::FlushNow() {
+  const auto start = std::chrono::steady_clock::now();
+  FlushResult result;
+  const auto fail = [&](const absl::Status& s, int64_t n) {
+    result.failed_blocks += n;
+    if (result.error.empty()) result.error = std::string(std::string(s.message()));
+  };
+  const auto write = [&](std::vector<RecordHeader>& headers,
+                         std::vector<std::shared_ptr<const std::string>>& raws) {
+    if (headers.empty()) return;
+    const int64_t n = static_cast<int64_t>(headers.size());
+    int64_t stored = 0;
+    if (!result.error.empty()) {
+      fail(absl::OkStatus(), n);  // storage already failed: do not hammer it
+    } else if (absl::Status s = WriteSegmentOf(headers, raws, &stored); !s.ok()) {
+      fail(s, n);
+    } else {
+      result.written_blocks += n;
+      result.written_bytes += stored;
+    }
+    headers.clear();
+    raws.clear();
+  };
+  // 1. Demoted blocks waiting for the writer.
+  WriteSpills();
+  std::vector<RecordHeader> headers;
+  std::vector<std::shared_ptr<const std::string>> raws;
+  int64_t batch_bytes = 0;
+  // 2. G2 copies not on G3 (blocks and objects).
+  std::vector<ReadSource> g2;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [key, e] : entries_) {
+      if (e.segment != 0) {
+        ++result.already_durable;
+      } else if (!e.slots.empty() || e.spill != nullptr) {
+        g2.push_back(PinForReadLocked(key, e));
+      }
+    }
+  }
+  for (const ReadSource& src : g2) {
+    auto raw = std::make_shared<std::string>(static_cast<size_t>(src.header.raw_length), '\0');
+    if (absl::Status s = ReadRaw(src, reinterpret_cast<uint8_t*>(raw->data())); !s.ok()) {
+      fail(s, 1);
+      continue;
+    }
+    headers.push_back(src.header);
+    raws.push_back(std::move(raw));
+    batch_bytes += src.header.raw_length;
+    if (batch_bytes >= options_.segment_bytes) {
+      write(headers, raws);
+      batch_bytes = 0;
+    }
+  }
+  write(headers, raws);
+  batch_bytes = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const ReadSource& src : g2) UnpinLocked(src.key);
+  }
+  // 3. G1: every cached prefix block not on G3, copied out under the cache lock in batches.
+  std::vector<CachedBlockRef> refs = cache_->SnapshotCached();
+  {
+    absl::MutexLock lock(&mu_);
+    std::erase_if(refs, [&](const CachedBlockRef& r) {
+      auto it = entries_.find(r.key);
+      const bool durable = it != entries_.end() && it->second.segment != 0;
+      if (durable) ++result.already_durable;
+      return durable;
+    });
+  }
+  for (size_t i = 0; i < refs.size();) {
+    const int64_t per_block = pools_[refs[i].pool].block_bytes_all_shards();
+    const size_t n = std::max<size_t>(1, static_cast<size_t>(options_.segment_bytes / per_block));
+    const size_t end = std::min(refs.size(), i + n);
+    absl::Status copy_error;
+    cache_->VisitCached(absl::MakeConstSpan(refs).subspan(i, end - i), [&](const CachedBlockView& v) {
+      RecordHeader h;
+      h.kind = RecordKind::kBlock;
+      h.ns = *v.ns;
+      h.key = v.key;
+      h.parent_key = v.parent_key;
+      h.has_parent = v.has_parent;
+      h.tokens.assign(v.tokens.begin(), v.tokens.end());
+      h.raw_length = pools_[v.pool].block_bytes_all_shards();
+      h.layout_tag = layout_tags_[v.pool];
+      auto raw = std::make_shared<std::string>(static_cast<size_t>(h.raw_length), '\0');
+      absl::Status s = arena_->ReadBlock(v.pool, v.index, reinterpret_cast<uint8_t*>(raw->data()));
+      if (!s.ok()) {
+        if (copy_error.ok()) copy_error = s;
+        return;
+      }
+      headers.push_back(std::move(h));
+      raws.push_back(std::move(raw));
+    });
+    if (!copy_error.ok()) fail(copy_error, 1);
+    write(headers, raws);
+    i = end;
+  }
+  result.durable = result.failed_blocks == 0;
+  result.seconds = SecondsSince(start);
+  absl::MutexLock lock(&mu_);
+  ++stats_.flushes;
+  if (!result.durable) ++stats_.flush_failures;
+  stats_.last_flush_seconds = result.seconds;
+  stats_.last_flush_durable = result.durable;
+  return result;
+}
+
+std::vector<SavedPrefix> TierStore::SavedPrefixes() const {
+  absl::MutexLock lock(&mu_);
+  absl::flat_hash_set<BlockKey> parents;
+  for (const auto& [key, e] : entries_) {
+    if (e.segment != 0 && e.header.kind == RecordKind::kBlock && e.header.has_parent) {
+      parents.insert(e.header.parent_key);
+    }
+  }
+  std::vector<SavedPrefix> out;
+  for (const auto& [key, e] : entries_) {
+    if (e.segment == 0 || e.header.kind != RecordKind::kBlock || parents.contains(key)) continue;
+    std::vector<const RecordHeader*> chain{&e.header};
+    bool complete = true;
+    while (chain.back()->has_parent) {
+      auto it = entries_.find(chain.back()->parent_key);
+      if (it == entries_.end() || it->second.segment == 0 || it->second.header.kind != RecordKind::kBlock) {
+        complete = false;
+        break;
+      }
+      chain.push_back(&it->second.header);
+    }
+    if (!complete) continue;
+    SavedPrefix p;
+    p.ns = e.header.ns;
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+      p.tokens.insert(p.tokens.end(), (*it)->tokens.begin(), (*it)->tokens.end());
+    }
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+TierStats TierStore::Stats() const {
+  const std::vector<CachedBlockRef> g1 = cache_->SnapshotCached();
+  absl::MutexLock lock(&mu_);
+  TierStats s = stats_;
+  if (host_ != nullptr) {
+    s.host_capacity_bytes = host_->num_slots() * host_->slot_bytes();
+    s.host_used_bytes = (host_->num_slots() - host_->free_slots()) * host_->slot_bytes();
+  }
+  s.host_records = static_cast<int64_t>(g2_lru_.size());
+  s.disk_capacity_bytes = options_.disk_dir.empty() ? 0 : options_.disk_bytes;
+  s.disk_used_bytes = disk_used_;
+  s.disk_segments = static_cast<int64_t>(segments_.size());
+  for (const auto& [key, e] : entries_) {
+    if (e.segment != 0) ++s.disk_records;
+    if (e.header.kind == RecordKind::kObject) ++s.objects;
+    if (e.spill != nullptr) {
+      ++s.pending_spill_records;
+      s.pending_spill_bytes += static_cast<int64_t>(e.spill->size());
+    } else if (e.segment == 0 && !e.slots.empty()) {
+      ++s.pending_snapshot_records;
+    }
+  }
+  for (const CachedBlockRef& r : g1) {
+    auto it = entries_.find(r.key);
+    if (it == entries_.end() || it->second.segment == 0) ++s.pending_snapshot_records;
+  }
+  s.prefetch_handles = static_cast<int64_t>(prefetches_.size());
+  s.idle_demotion = idle_demotion();
+  return s;
+}
+
+void TierStore::WaitIdleForTesting() {
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (spill_queue_.empty() && !spill_write_scheduled_ && writer_->pending() == 0 &&
+          readers_->pending() == 0) {
+        return;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+}  // namespace kvd
