@@ -248,6 +248,54 @@ HandleInfo FromProto(const v1::Handle& p) {
   return h;
 }
 
+void ToProto(const FlushResult& r, v1::FlushResponse* p) {
+  p->set_durable(r.durable);
+  p->set_written_records(r.written_blocks);
+  p->set_written_bytes(r.written_bytes);
+  p->set_already_durable(r.already_durable);
+  p->set_failed_records(r.failed_blocks);
+  p->set_error(r.error);
+  p->set_seconds(r.seconds);
+}
+
+void ToProto(const TierStats& s, v1::TierReport* p) {
+  p->set_host_capacity_bytes(s.host_capacity_bytes);
+  p->set_host_used_bytes(s.host_used_bytes);
+  p->set_host_records(s.host_records);
+  p->set_disk_capacity_bytes(s.disk_capacity_bytes);
+  p->set_disk_used_bytes(s.disk_used_bytes);
+  p->set_disk_records(s.disk_records);
+  p->set_disk_segments(s.disk_segments);
+  p->set_objects(s.objects);
+  p->set_pending_spill_records(s.pending_spill_records);
+  p->set_pending_spill_bytes(s.pending_spill_bytes);
+  p->set_pending_snapshot_records(s.pending_snapshot_records);
+  for (int r = 0; r <= kNumEvictReasons; ++r) {
+    const std::string reason =
+        r == kNumEvictReasons ? "idle_or_spill" : EvictReasonName(static_cast<EvictReason>(r));
+    for (int to = 1; to < kNumTiers; ++to) {
+      if (s.demotions[r][to] > 0) (*p->mutable_demotions())[reason + "->" + TierName(to)] = s.demotions[r][to];
+    }
+  }
+  for (int from = 1; from < kNumTiers; ++from) (*p->mutable_promotions())[TierName(from)] = s.promotions[from];
+  p->set_promoted_tokens(s.promoted_tokens);
+  p->set_dropped(s.dropped);
+  p->set_checksum_failures(s.checksum_failures);
+  p->set_write_failures(s.write_failures);
+  p->set_compression_ratio(s.stored_bytes_written == 0
+                               ? 1.0
+                               : static_cast<double>(s.raw_bytes_written) / s.stored_bytes_written);
+  p->set_flushes(s.flushes);
+  p->set_flush_failures(s.flush_failures);
+  p->set_last_flush_durable(s.last_flush_durable);
+  p->set_last_flush_seconds(s.last_flush_seconds);
+  p->set_reloaded_records(s.reloaded_records);
+  p->set_load_seconds(s.load_seconds);
+  p->set_idle_demotion(s.idle_demotion);
+  p->set_prefetch_handles(s.prefetch_handles);
+  p->set_incompatible(s.incompatible);
+}
+
 void ToProto(const CacheEvent& e, v1::CacheEvent* p) {
   p->set_sequence(e.sequence);
   p->set_kind(static_cast<v1::CacheEvent::Kind>(e.kind));

@@ -9,6 +9,7 @@
 #include "server/core/cache_types.h"
 #include "server/core/event_log.h"
 #include "server/core/pool_geometry.h"
+#include "server/store/tier_types.h"
 
 namespace kvd {
 
@@ -35,6 +36,9 @@ SessionInfo FromProto(const v1::SessionInfo& p);
 
 void ToProto(const HandleInfo& h, v1::Handle* p);
 HandleInfo FromProto(const v1::Handle& p);
+
+void ToProto(const FlushResult& r, v1::FlushResponse* p);
+void ToProto(const TierStats& s, v1::TierReport* p);
 
 void ToProto(const CacheEvent& e, v1::CacheEvent* p);
 CacheEvent FromProto(const v1::CacheEvent& p);

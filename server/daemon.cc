@@ -63,13 +63,21 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
 
   KVD_ASSIGN_OR_RETURN(d->cache_, KvCache::Create(d->options_.cache, SystemClock::Get()));
   KVD_ASSIGN_OR_RETURN(d->arena_, MakeArena(so.backend, d->options_.cache.pools));
+  if (d->options_.tiers.enabled()) {
+    // Load before serving: health turns SERVING only once a warm restart's state is indexed.
+    KVD_ASSIGN_OR_RETURN(d->tiers_, TierStore::Open(d->options_.tiers, d->arena_.get(), d->cache_.get()));
+    KVD_RETURN_IF_ERROR(d->tiers_->Load());
+    d->cache_->SetEvictionSink(d->tiers_.get());
+  }
   d->workers_ = std::make_unique<AttachmentRegistry>(SystemClock::Get(), so.lease_ttl);
   KVD_ASSIGN_OR_RETURN(d->metrics_, Metrics::Start(so.metrics_listen, d->cache_.get(),
-                                                   d->workers_.get(), d->arena_->backend()));
+                                                   d->workers_.get(), d->arena_->backend(),
+                                                   d->tiers_.get()));
   KVD_RETURN_IF_ERROR(EnsureParentDir(so.side_socket));
   KVD_ASSIGN_OR_RETURN(d->side_, SlabSideChannel::Start(so.side_socket, d->arena_.get(), d->workers_.get()));
   d->service_ = std::make_unique<KvdService>(d->cache_.get(), d->workers_.get(), d->arena_.get(),
-                                             d->metrics_.get(), so.side_socket, so.lease_ttl);
+                                             d->metrics_.get(), so.side_socket, so.lease_ttl,
+                                             d->tiers_.get());
   d->service_->set_on_drain([raw = d.get()] {
     if (raw->server_ != nullptr) raw->server_->GetHealthCheckService()->SetServingStatus(false);
   });
@@ -110,6 +118,12 @@ void Daemon::ReapLapsedLeases() {
       std::min(absl::Seconds(1), options_.server.lease_ttl / 4);
   while (!stop_reaper_.WaitForNotificationWithTimeout(period)) {
     for (const WorkerId& w : workers_->TakeLapsed()) service_->WorkerGone(w, "lease lapsed");
+    if (tiers_ != nullptr && tiers_->idle_demotion()) {
+      // Idle demotion: G1 blocks unused for idle_demote_after leave for G2 (KvCache::Gc evicts
+      // them through the eviction sink), and G2's idle blocks go on to G3.
+      cache_->Gc(tiers_->options().idle_demote_after);
+      tiers_->DemoteIdle();
+    }
   }
 }
 
@@ -128,6 +142,16 @@ int64_t Daemon::Drain(absl::Duration timeout, const std::function<bool()>& inter
     live = cache_->Report().live_requests;
   }
   spdlog::info("drained: {} requests still live", live);
+  if (tiers_ != nullptr && !tiers_->options().disk_dir.empty() && tiers_->options().flush_on_drain) {
+    absl::StatusOr<FlushResult> r = tiers_->Flush();
+    if (r.ok() && r->durable) {
+      spdlog::info("flushed on drain: {} records written, {} already durable, {:.3f}s",
+                   r->written_blocks, r->already_durable, r->seconds);
+    } else {
+      spdlog::error("flush on drain is not durable: {}",
+                    r.ok() ? r->error : std::string(r.status().message()));
+    }
+  }
   return live;
 }
 
@@ -137,6 +161,10 @@ Daemon::~Daemon() {
   if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   server_.reset();
   side_.reset();
+  if (tiers_ != nullptr) {
+    cache_->SetEvictionSink(nullptr);
+    tiers_.reset();  // finishes queued disk work while the cache and arena still live
+  }
   if (absl::StartsWith(options_.server.listen, "unix://")) {
     std::error_code ec;
     std::filesystem::remove(options_.server.listen.substr(7), ec);

@@ -19,6 +19,7 @@
 #include "server/rpc/attachments.h"
 #include "server/rpc/kvd_service.h"
 #include "server/rpc/slab_side_channel.h"
+#include "server/store/tier_store.h"
 
 namespace kvd {
 
@@ -32,7 +33,8 @@ class Daemon {
   // Stops admitting: new Admit/Fits/Attach get UNAVAILABLE, health turns NOT_SERVING. Idempotent.
   void StartDrain();
   // StartDrain, then waits up to `timeout` for live requests to finish, or until `interrupted`
-  // (polled) returns true. Returns how many requests were still live.
+  // (polled) returns true; then, with a disk tier and tiers.flush_on_drain, flushes (unless
+  // interrupted). Returns how many requests were still live.
   int64_t Drain(absl::Duration timeout, const std::function<bool()>& interrupted = nullptr);
 
   const Options& options() const { return options_; }
@@ -40,6 +42,7 @@ class Daemon {
   const std::string& side_socket() const { return options_.server.side_socket; }
   int metrics_port() const { return metrics_->port(); }
   KvCache* cache() const { return cache_.get(); }
+  TierStore* tiers() const { return tiers_.get(); }
 
  private:
   explicit Daemon(Options options) : options_(std::move(options)) {}
@@ -48,6 +51,7 @@ class Daemon {
   Options options_;
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<DeviceArena> arena_;
+  std::unique_ptr<TierStore> tiers_;  // null unless tiers are configured
   std::unique_ptr<AttachmentRegistry> workers_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<SlabSideChannel> side_;

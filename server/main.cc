@@ -58,6 +58,12 @@ int main(int argc, char** argv) {
   app.add_option("--max-message-bytes", max_message_bytes, "largest gRPC message accepted");
   app.add_option("--lease-ttl", lease_ttl_s, "seconds without heartbeat before a worker is dead");
   app.add_option("--drain-timeout", drain_timeout_s, "seconds running requests get on SIGTERM");
+  std::string disk_dir;
+  int64_t host_tier_bytes = -1;
+  app.add_option("--disk-dir", disk_dir, "directory of the disk tier (G3); enables flush and warm restart")
+      ->envname("KVD_DISK_DIR");
+  app.add_option("--host-tier-bytes", host_tier_bytes, "bytes of host RAM for the host tier (G2)")
+      ->envname("KVD_HOST_TIER_BYTES");
   bool print_config = false;
   app.add_flag("--print-config", print_config, "print the effective configuration as YAML and exit");
   CLI11_PARSE(app, argc, argv);
@@ -82,6 +88,8 @@ int main(int argc, char** argv) {
   if (max_message_bytes > 0) options.server.max_message_bytes = max_message_bytes;
   if (lease_ttl_s > 0) options.server.lease_ttl = absl::Seconds(lease_ttl_s);
   if (drain_timeout_s >= 0) options.server.drain_timeout = absl::Seconds(drain_timeout_s);
+  if (!disk_dir.empty()) options.tiers.disk_dir = disk_dir;
+  if (host_tier_bytes >= 0) options.tiers.host_bytes = host_tier_bytes;
 
   options.ApplyDefaults();
   if (absl::Status s = options.Validate(); !s.ok()) {

@@ -55,6 +55,31 @@ absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeom
   return absl::OkStatus();
 }
 
+absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOptions* t) {
+  if (!node.IsMap()) return absl::InvalidArgumentError(absl::StrCat(where, ": tiers must be a map"));
+  static const char* kKnown[] = {"host_bytes", "disk_dir", "disk_bytes", "codec", "segment_bytes",
+                                 "idle_demote_after_s", "read_threads", "flush_on_drain"};
+  for (const auto& kv : node) {
+    const std::string key = kv.first.as<std::string>();
+    bool known = false;
+    for (const char* k : kKnown) known |= key == k;
+    if (!known) return absl::InvalidArgumentError(absl::StrCat(where, ": unknown key '", key, "'"));
+  }
+  KVD_RETURN_IF_ERROR(Read(node, "host_bytes", &t->host_bytes, where));
+  KVD_RETURN_IF_ERROR(Read(node, "disk_dir", &t->disk_dir, where));
+  KVD_RETURN_IF_ERROR(Read(node, "disk_bytes", &t->disk_bytes, where));
+  std::string codec = CodecName(t->codec);
+  KVD_RETURN_IF_ERROR(Read(node, "codec", &codec, where));
+  absl::StatusOr<Codec> parsed = ParseCodec(codec);
+  if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": codec: ", parsed.status().message()));
+  t->codec = *parsed;
+  KVD_RETURN_IF_ERROR(Read(node, "segment_bytes", &t->segment_bytes, where));
+  KVD_RETURN_IF_ERROR(ReadSeconds(node, "idle_demote_after_s", &t->idle_demote_after, where));
+  KVD_RETURN_IF_ERROR(Read(node, "read_threads", &t->read_threads, where));
+  KVD_RETURN_IF_ERROR(Read(node, "flush_on_drain", &t->flush_on_drain, where));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 PoolGeometry DefaultPool() {
@@ -96,6 +121,18 @@ absl::Status Options::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("log_level must be trace, debug, info, warn or error, not '", server.log_level, "'"));
   }
+  if (tiers.host_bytes < 0) return absl::InvalidArgumentError("tiers.host_bytes must be >= 0");
+  if (tiers.disk_bytes <= 0) return absl::InvalidArgumentError("tiers.disk_bytes must be > 0");
+  if (tiers.segment_bytes < 4096) return absl::InvalidArgumentError("tiers.segment_bytes must be >= 4096");
+  if (tiers.read_threads < 1 || tiers.read_threads > 64) {
+    return absl::InvalidArgumentError("tiers.read_threads must be in [1, 64]");
+  }
+  if (tiers.idle_demote_after < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("tiers.idle_demote_after_s must be >= 0");
+  }
+  if (!tiers.disk_dir.empty() && tiers.disk_dir[0] != '/') {
+    return absl::InvalidArgumentError(absl::StrCat("tiers.disk_dir must be absolute, not '", tiers.disk_dir, "'"));
+  }
   return cache.Validate();
 }
 
@@ -114,7 +151,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
       "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes",
       "boundary_high_watermark", "boundary_low_watermark", "event_buffer", "eviction_policy",
       "slru_main_fraction", "slru_ghost_fraction", "max_requests_per_worker", "max_bytes_per_worker",
-      "pools"};
+      "pools", "tiers"};
   for (const auto& kv : root) {
     const std::string key = kv.first.as<std::string>();
     bool known = false;
@@ -150,6 +187,9 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(Read(root, "slru_ghost_fraction", &c.slru_ghost_fraction, where));
   KVD_RETURN_IF_ERROR(Read(root, "max_requests_per_worker", &c.max_requests_per_worker, where));
   KVD_RETURN_IF_ERROR(Read(root, "max_bytes_per_worker", &c.max_bytes_per_worker, where));
+  if (const YAML::Node tiers = root["tiers"]) {
+    KVD_RETURN_IF_ERROR(ReadTiers(tiers, absl::StrCat(where, ": tiers"), &options->tiers));
+  }
   if (const YAML::Node pools = root["pools"]) {
     if (!pools.IsSequence()) return absl::InvalidArgumentError(absl::StrCat(where, ": pools must be a list"));
     c.pools.clear();
@@ -209,7 +249,18 @@ std::string FormatConfig(const Options& o) {
     if (!g.devices.empty()) out << YAML::Key << "devices" << YAML::Value << YAML::Flow << g.devices;
     out << YAML::EndMap;
   }
-  out << YAML::EndSeq << YAML::EndMap;
+  out << YAML::EndSeq;
+  const TierOptions& t = o.tiers;
+  out << YAML::Key << "tiers" << YAML::Value << YAML::BeginMap;
+  out << YAML::Key << "host_bytes" << YAML::Value << t.host_bytes;
+  out << YAML::Key << "disk_dir" << YAML::Value << t.disk_dir;
+  out << YAML::Key << "disk_bytes" << YAML::Value << t.disk_bytes;
+  out << YAML::Key << "codec" << YAML::Value << CodecName(t.codec);
+  out << YAML::Key << "segment_bytes" << YAML::Value << t.segment_bytes;
+  out << YAML::Key << "idle_demote_after_s" << YAML::Value << absl::ToDoubleSeconds(t.idle_demote_after);
+  out << YAML::Key << "read_threads" << YAML::Value << t.read_threads;
+  out << YAML::Key << "flush_on_drain" << YAML::Value << t.flush_on_drain;
+  out << YAML::EndMap << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }
 

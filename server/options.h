@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/core/cache_options.h"
+#include "server/store/tier_types.h"
 
 namespace kvd {
 
@@ -37,6 +38,7 @@ struct ServerOptions {
 struct Options {
   ServerOptions server;
   CacheOptions cache;
+  TierOptions tiers;  // the `tiers:` map of the config file; off unless host_bytes or disk_dir
 
   // Fills defaults that depend on the environment (listen address, side socket, default pool).
   void ApplyDefaults();

@@ -131,6 +131,8 @@ class KvCache {
   // into its writable blocks: publish them and count them as hit. NOT_FOUND (request gone),
   // FAILED_PRECONDITION (not acquired, resumed, or new_cached not a block boundary in the prompt).
   absl::Status AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) ABSL_LOCKS_EXCLUDED(mu_);
+  // A copy of a live request's spec. NOT_FOUND when not live.
+  absl::StatusOr<RequestSpec> SpecOf(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Holds a reference on each of `blocks` of the request's table (owned or cached) so that they
   // stay put while a lower tier writes into them, even if the request is released meanwhile.
   // NOT_FOUND (request), INVALID_ARGUMENT (a block not in its table). Undo with UnpinBlocks.

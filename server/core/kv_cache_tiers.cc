@@ -64,6 +64,12 @@ absl::Status KvCache::AdoptPromoted(const RequestId& id, int64_t new_cached_toke
   return status;
 }
 
+absl::StatusOr<RequestSpec> KvCache::SpecOf(const RequestId& id) const {
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
+  return req->spec;
+}
+
 absl::Status KvCache::PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks) {
   absl::MutexLock lock(&mu_);
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/core/kv_cache.h"
 #include "server/rpc/attachments.h"
+#include "server/store/tier_store.h"
 
 namespace kvd {
 namespace {
@@ -21,8 +22,9 @@ using prometheus::MetricType;
 // Builds metric families from KvCache::Report() at scrape time.
 class CacheCollector final : public prometheus::Collectable {
  public:
-  CacheCollector(const KvCache* cache, const AttachmentRegistry* workers, std::string backend)
-      : cache_(cache), workers_(workers), backend_(std::move(backend)) {}
+  CacheCollector(const KvCache* cache, const AttachmentRegistry* workers, std::string backend,
+                 const TierStore* tiers)
+      : cache_(cache), workers_(workers), backend_(std::move(backend)), tiers_(tiers) {}
 
   std::vector<MetricFamily> Collect() const override {
     const CacheReport r = cache_->Report();
@@ -76,6 +78,7 @@ class CacheCollector final : public prometheus::Collectable {
     add(family("kvd_orphaned_checkpoints", "Checkpoints awaiting resume.", MetricType::Gauge), r.orphaned_checkpoints);
     add(family("kvd_pressure_level", "0 normal, 1 high, 2 critical.", MetricType::Gauge), static_cast<int>(r.pressure));
     add(family("kvd_attached_workers", "Workers attached.", MetricType::Gauge), workers_->size());
+    if (tiers_ != nullptr) CollectTiers(family, add);
     add(family("kvd_checkpoint_bytes", "KV bytes pinned by checkpoints awaiting resume.", MetricType::Gauge),
         r.checkpoint_bytes);
     add(family("kvd_published_blocks_total", "Blocks kept by Publish.", MetricType::Counter), r.published_blocks);
@@ -89,9 +92,48 @@ class CacheCollector final : public prometheus::Collectable {
   }
 
  private:
+  // The G2/G3 families, from TierStore::Stats().
+  template <typename Family, typename Add>
+  void CollectTiers(Family& family, Add& add) const {
+    const TierStats t = tiers_->Stats();
+    MetricFamily& bytes = family("kvd_tier_bytes", "Bytes of the lower tiers by tier and state.", MetricType::Gauge);
+    add(bytes, t.host_capacity_bytes, {{"tier", "host"}, {"state", "total"}});
+    add(bytes, t.host_used_bytes, {{"tier", "host"}, {"state", "used"}});
+    add(bytes, t.disk_capacity_bytes, {{"tier", "disk"}, {"state", "total"}});
+    add(bytes, t.disk_used_bytes, {{"tier", "disk"}, {"state", "used"}});
+    MetricFamily& records = family("kvd_tier_records", "Blocks and objects held by each lower tier.", MetricType::Gauge);
+    add(records, t.host_records, {{"tier", "host"}});
+    add(records, t.disk_records, {{"tier", "disk"}});
+    add(family("kvd_objects", "Objects in the object cache.", MetricType::Gauge), t.objects);
+    MetricFamily& dem = family("kvd_demotions_total", "Blocks moved down a tier, by reason and destination.", MetricType::Counter);
+    for (int r = 0; r <= kNumEvictReasons; ++r) {
+      const std::string reason = r == kNumEvictReasons ? "idle_or_spill" : EvictReasonName(static_cast<EvictReason>(r));
+      for (int to = 1; to < kNumTiers; ++to) add(dem, t.demotions[r][to], {{"reason", reason}, {"to", TierName(to)}});
+    }
+    MetricFamily& pro = family("kvd_promotions_total", "Blocks promoted into the device pool, by source tier.", MetricType::Counter);
+    for (int from = 1; from < kNumTiers; ++from) add(pro, t.promotions[from], {{"from", TierName(from)}});
+    add(family("kvd_promoted_tokens_total", "Prompt tokens served by promotion from a lower tier.", MetricType::Counter), t.promoted_tokens);
+    add(family("kvd_tier_dropped_total", "Records dropped for lack of room in every tier.", MetricType::Counter), t.dropped);
+    add(family("kvd_tier_checksum_failures_total", "Stored records that failed verification (never served).", MetricType::Counter), t.checksum_failures);
+    add(family("kvd_tier_write_failures_total", "Disk-tier writes (segments, manifest) that failed.", MetricType::Counter), t.write_failures);
+    MetricFamily& flushes = family("kvd_flushes_total", "Flushes by result.", MetricType::Counter);
+    add(flushes, t.flushes - t.flush_failures, {{"result", "durable"}});
+    add(flushes, t.flush_failures, {{"result", "not_durable"}});
+    add(family("kvd_flush_duration_seconds", "Duration of the last flush.", MetricType::Gauge), t.last_flush_seconds);
+    add(family("kvd_last_flush_durable", "1 when the last flush made everything durable.", MetricType::Gauge), t.last_flush_durable ? 1 : 0);
+    MetricFamily& pending = family("kvd_pending_persistence_records", "Records not yet on the disk tier.", MetricType::Gauge);
+    add(pending, t.pending_spill_records, {{"kind", "spill"}});
+    add(pending, t.pending_snapshot_records, {{"kind", "snapshot"}});
+    add(family("kvd_pending_persistence_bytes", "Demoted bytes waiting for the disk writer.", MetricType::Gauge), t.pending_spill_bytes);
+    add(family("kvd_tier_compression_ratio", "Raw over stored bytes written to the disk tier.", MetricType::Gauge),
+        t.stored_bytes_written == 0 ? 1.0 : static_cast<double>(t.raw_bytes_written) / t.stored_bytes_written);
+    add(family("kvd_tier_reloaded_records", "Records the last warm restart reloaded.", MetricType::Gauge), t.reloaded_records);
+  }
+
   const KvCache* cache_;
   const AttachmentRegistry* workers_;
   const std::string backend_;
+  const TierStore* tiers_;
 };
 
 }  // namespace
@@ -99,14 +141,15 @@ class CacheCollector final : public prometheus::Collectable {
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& listen,
                                                         const KvCache* cache,
                                                         const AttachmentRegistry* workers,
-                                                        const std::string& backend) {
+                                                        const std::string& backend,
+                                                        const TierStore* tiers) {
   std::unique_ptr<Metrics> m(new Metrics());
   m->registry_ = std::make_shared<prometheus::Registry>();
   m->rpc_latency_ = &prometheus::BuildHistogram()
                          .Name("kvd_rpc_latency_seconds")
                          .Help("Latency of control-plane RPCs, by method and status code.")
                          .Register(*m->registry_);
-  auto collector = std::make_shared<CacheCollector>(cache, workers, backend);
+  auto collector = std::make_shared<CacheCollector>(cache, workers, backend, tiers);
   if (!listen.empty()) {
     try {
       m->exposer_ = std::make_unique<prometheus::Exposer>(listen);

@@ -6,6 +6,7 @@
 #include "proto/convert.h"
 #include "proto/grpc_status.h"
 #include "server/core/status_macros.h"
+#include "server/rpc/kvd_service_unary.h"
 #include "spdlog/spdlog.h"
 
 namespace kvd {
@@ -23,27 +24,15 @@ absl::Status RequireId(absl::string_view what, const std::string& value) {
 }  // namespace
 
 KvdService::KvdService(KvCache* cache, AttachmentRegistry* workers, const DeviceArena* arena,
-                       Metrics* metrics, std::string side_socket, absl::Duration lease_ttl)
+                       Metrics* metrics, std::string side_socket, absl::Duration lease_ttl,
+                       TierStore* tiers)
     : cache_(cache),
+      tiers_(tiers),
       workers_(workers),
       arena_(arena),
       metrics_(metrics),
       side_socket_(std::move(side_socket)),
       lease_ttl_(lease_ttl) {}
-
-template <typename Fn>
-grpc::ServerUnaryReactor* KvdService::Unary(grpc::CallbackServerContext* ctx, const char* method,
-                                            Fn&& fn) {
-  const auto start = std::chrono::steady_clock::now();
-  const absl::Status status = fn();
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  metrics_->ObserveRpc(method, status.code(), seconds);
-  if (!status.ok()) spdlog::debug("{} -> {}", method, status.ToString());
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
-}
 
 absl::Status KvdService::CheckWorker(const std::string& worker_id,
                                      const std::string& request_id) const {
@@ -61,6 +50,7 @@ void KvdService::StartDraining() {
 
 void KvdService::WorkerGone(const WorkerId& worker, absl::string_view why) {
   workers_->Remove(worker);
+  if (tiers_ != nullptr) tiers_->ReleasePrefetchesOf(worker);
   const int64_t released = cache_->ReleaseWorker(worker);
   spdlog::info("worker {} gone ({}): released {} requests as interrupted", worker.value(), std::string(why),
                released);
@@ -111,15 +101,30 @@ grpc::ServerUnaryReactor* KvdService::Fits(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* KvdService::Acquire(grpc::CallbackServerContext* ctx,
                                               const v1::AcquireRequest* req,
                                               v1::AcquireResponse* resp) {
-  return Unary(ctx, "Acquire", [&]() -> absl::Status {
+  const auto start = std::chrono::steady_clock::now();
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  bool promoting = false;
+  const absl::Status status = [&]() -> absl::Status {
     KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
-    KVD_ASSIGN_OR_RETURN(AcquireResult r, cache_->Acquire(RequestId(req->request_id())));
+    const RequestId id(req->request_id());
+    KVD_ASSIGN_OR_RETURN(AcquireResult r, cache_->Acquire(id));
     for (const WorkerId& w : r.publishers) {
       if (std::string e = workers_->EventHandle(w); !e.empty()) r.publisher_events.push_back(std::move(e));
     }
     ToProto(r, resp);
+    if (tiers_ == nullptr) return absl::OkStatus();
+    // Lower tiers may hold more of the prefix: the answer waits (off this thread) until those
+    // blocks are copied into the request's table and published.
+    absl::StatusOr<RequestSpec> spec = cache_->SpecOf(id);
+    if (!spec.ok()) return absl::OkStatus();
+    promoting = tiers_->Promote(id, *spec, r, [this, reactor, resp, start](absl::StatusOr<int64_t> cached) {
+      if (cached.ok()) resp->set_cached_tokens(*cached);
+      FinishRpc(reactor, "Acquire", start, cached.status());
+    });
     return absl::OkStatus();
-  });
+  }();
+  if (!promoting) FinishRpc(reactor, "Acquire", start, status);
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* KvdService::Extend(grpc::CallbackServerContext* ctx,
@@ -257,6 +262,10 @@ grpc::ServerUnaryReactor* KvdService::Report(grpc::CallbackServerContext* ctx,
   return Unary(ctx, "Report", [&] {
     ToProto(cache_->Report(), resp);
     resp->set_attached_workers(workers_->size());
+    if (tiers_ != nullptr) {
+      ToProto(tiers_->Stats(), resp->mutable_tiers());
+      resp->mutable_tiers()->set_pending_checkpoints(resp->orphaned_checkpoints());
+    }
     return absl::OkStatus();
   });
 }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <string>
 
@@ -15,14 +16,17 @@
 #include "server/core/kv_cache.h"
 #include "server/obs/metrics.h"
 #include "server/rpc/attachments.h"
+#include "server/store/tier_store.h"
 
 namespace kvd {
 
 class KvdService final : public v1::Kvd::CallbackService {
  public:
-  // Everything is borrowed and must outlive the service (the Daemon owns it all).
+  // Everything is borrowed and must outlive the service (the Daemon owns it all). `tiers` is
+  // null when kvd runs without lower tiers.
   KvdService(KvCache* cache, AttachmentRegistry* workers, const DeviceArena* arena,
-             Metrics* metrics, std::string side_socket, absl::Duration lease_ttl);
+             Metrics* metrics, std::string side_socket, absl::Duration lease_ttl,
+             TierStore* tiers = nullptr);
 
   // After this, Admit, Fits and Attach answer UNAVAILABLE; running requests continue. Calls
   // `on_drain` (set by the Daemon: health NOT_SERVING) once.
@@ -96,10 +100,41 @@ class KvdService final : public v1::Kvd::CallbackService {
   grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext* ctx, const v1::PingRequest* req,
                                  v1::PingResponse* resp) override;
 
+  // Tiers: tier_service.cc.
+  grpc::ServerUnaryReactor* Flush(grpc::CallbackServerContext* ctx, const v1::FlushRequest* req,
+                                  v1::FlushResponse* resp) override;
+  grpc::ServerUnaryReactor* Close(grpc::CallbackServerContext* ctx, const v1::CloseRequest* req,
+                                  v1::CloseResponse* resp) override;
+  grpc::ServerUnaryReactor* Prefetch(grpc::CallbackServerContext* ctx,
+                                     const v1::PrefetchRequest* req,
+                                     v1::PrefetchResponse* resp) override;
+  grpc::ServerUnaryReactor* ReleasePrefetch(grpc::CallbackServerContext* ctx,
+                                            const v1::ReleasePrefetchRequest* req,
+                                            v1::ReleasePrefetchResponse* resp) override;
+  grpc::ServerUnaryReactor* StopIdleDemotion(grpc::CallbackServerContext* ctx,
+                                             const v1::StopIdleDemotionRequest* req,
+                                             v1::StopIdleDemotionResponse* resp) override;
+  grpc::ServerWriteReactor<v1::SavedPrefixBatch>* SavedPrefixes(
+      grpc::CallbackServerContext* ctx, const v1::SavedPrefixesRequest* req) override;
+  grpc::ServerUnaryReactor* PutObject(grpc::CallbackServerContext* ctx,
+                                      const v1::PutObjectRequest* req,
+                                      v1::PutObjectResponse* resp) override;
+  grpc::ServerUnaryReactor* GetObject(grpc::CallbackServerContext* ctx,
+                                      const v1::GetObjectRequest* req,
+                                      v1::GetObjectResponse* resp) override;
+  grpc::ServerUnaryReactor* DeleteObject(grpc::CallbackServerContext* ctx,
+                                         const v1::DeleteObjectRequest* req,
+                                         v1::DeleteObjectResponse* resp) override;
+
  private:
   // Runs `fn` (returning absl::Status), records latency and code, logs failures, finishes the call.
   template <typename Fn>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const char* method, Fn&& fn);
+  // The end of every unary call, also of those that finish later on another thread.
+  void FinishRpc(grpc::ServerUnaryReactor* reactor, const char* method,
+                 std::chrono::steady_clock::time_point start, const absl::Status& status);
+  // FAILED_PRECONDITION unless tiers are configured (and, with `disk`, a disk tier).
+  absl::Status RequireTiers(bool disk) const;
   // Publish, or with dry_run its prediction Keeps: the same checks and conversions.
   grpc::ServerUnaryReactor* PublishOrKeeps(grpc::CallbackServerContext* ctx, const char* method,
                                            const v1::PublishRequest* req,
@@ -108,6 +143,7 @@ class KvdService final : public v1::Kvd::CallbackService {
   absl::Status CheckWorker(const std::string& worker_id, const std::string& request_id) const;
 
   KvCache* const cache_;
+  TierStore* const tiers_;
   AttachmentRegistry* const workers_;
   const DeviceArena* const arena_;
   Metrics* const metrics_;

@@ -10,15 +10,6 @@
 
 namespace kvd {
 
-std::string TierName(int tier) {
-  switch (tier) {
-    case 0: return "device";
-    case 1: return "host";
-    case 2: return "disk";
-  }
-  return "unknown";
-}
-
 absl::StatusOr<std::unique_ptr<TierStore>> TierStore::Open(TierOptions options,
                                                           const DeviceArena* arena, KvCache* cache) {
   if (options.segment_bytes <= 0) return absl::InvalidArgumentError("tiers.segment_bytes must be > 0");

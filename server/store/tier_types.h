@@ -45,7 +45,9 @@ struct FlushResult {
 };
 
 inline constexpr int kNumTiers = 3;  // index: 0 G1 device, 1 G2 host, 2 G3 disk
-std::string TierName(int tier);
+inline std::string TierName(int tier) {
+  return tier == 0 ? "device" : tier == 1 ? "host" : tier == 2 ? "disk" : "unknown";
+}
 
 struct TierStats {
   // Gauges.
