@@ -76,9 +76,9 @@ int Fail(const grpc::Status& s) {
 }
 
 template <typename Resp, typename Fn>
-int Call(Fn&& fn, Resp* resp) {
+int Call(Fn&& fn, Resp* resp, int deadline_s = 10) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(deadline_s));
   grpc::Status s = fn(&ctx, resp);
   return s.ok() ? 0 : Fail(s);
 }
@@ -104,6 +104,58 @@ int Status(Kvd::Stub& stub, bool json) {
                                                static_cast<int64_t>(looked))},
          {"admissions", absl::StrCat(r.admitted(), " admitted, ", r.waited(), " waited, ", r.rejected(), " rejected")},
          {"last event", absl::StrCat(r.last_event_sequence())}});
+  if (r.has_tiers()) {
+    const kvd::v1::TierReport& t = r.tiers();
+    std::cout << "\n";
+    Table({{"TIER", "USED", "CAPACITY", "RECORDS"},
+           {"host", Bytes(t.host_used_bytes()), Bytes(t.host_capacity_bytes()), absl::StrCat(t.host_records())},
+           {"disk", Bytes(t.disk_used_bytes()), Bytes(t.disk_capacity_bytes()),
+            absl::StrCat(t.disk_records(), " in ", t.disk_segments(), " segments")}});
+    std::cout << "\n";
+    Table({{"pending persistence", absl::StrCat(t.pending_snapshot_records(), " cached records, ",
+                                                t.pending_spill_records(), " spills (",
+                                                Bytes(t.pending_spill_bytes()), "), ",
+                                                t.pending_checkpoints(), " checkpoints")},
+           {"last flush", t.flushes() == 0 ? std::string("never")
+                                           : absl::StrFormat("%s in %.3fs (%d of %d failed)",
+                                                             t.last_flush_durable() ? "durable" : "NOT durable",
+                                                             t.last_flush_seconds(), t.flush_failures(), t.flushes())},
+           {"promoted tokens", absl::StrCat(t.promoted_tokens())},
+           {"compression ratio", absl::StrFormat("%.2f", t.compression_ratio())},
+           {"checksum failures", absl::StrCat(t.checksum_failures())},
+           {"objects", absl::StrCat(t.objects())}});
+  }
+  return 0;
+}
+
+void PrintFlush(const kvd::v1::FlushResponse& f) {
+  std::cout << (f.durable() ? "durable" : "NOT durable") << ": wrote " << f.written_records()
+            << " records (" << Bytes(f.written_bytes()) << "), " << f.already_durable()
+            << " already on disk, " << f.failed_records() << " failed"
+            << absl::StrFormat(" in %.3fs", f.seconds()) << "\n";
+  if (!f.durable()) std::cout << "error: " << f.error() << "\n";
+}
+
+int SavedPrefixes(Kvd::Stub& stub, bool json) {
+  grpc::ClientContext ctx;
+  auto reader = stub.SavedPrefixes(&ctx, kvd::v1::SavedPrefixesRequest());
+  kvd::v1::SavedPrefixBatch batch;
+  std::vector<std::vector<std::string>> rows = {{"POOL", "ADAPTER", "TOKENS", "FIRST TOKENS"}};
+  while (reader->Read(&batch)) {
+    for (const auto& p : batch.prefixes()) {
+      if (json) {
+        std::cout << Json(p) << "\n";
+        continue;
+      }
+      std::vector<std::string> head;
+      for (int i = 0; i < std::min(p.tokens_size(), 8); ++i) head.push_back(absl::StrCat(p.tokens(i)));
+      rows.push_back({p.namespace_().pool(), p.namespace_().adapter(), absl::StrCat(p.tokens_size()),
+                      absl::StrJoin(head, ",") + (p.tokens_size() > 8 ? ",..." : "")});
+    }
+  }
+  grpc::Status s = reader->Finish();
+  if (!s.ok()) return Fail(s);
+  if (!json) Table(rows);
   return 0;
 }
 
@@ -230,6 +282,9 @@ int main(int argc, char** argv) {
   events->add_option("--after", after, "start after this sequence number");
   events->add_flag("--follow", follow, "keep streaming");
   auto* health = app.add_subcommand("health", "exit 0 when SERVING (for probes)");
+  auto* flush = app.add_subcommand("flush", "make every cached prefix durable on disk (exit 2 when not durable)");
+  auto* close = app.add_subcommand("close", "after a drain: flush, then clear device and host tiers");
+  auto* saved = app.add_subcommand("saved", "token prefixes the disk tier holds");
   CLI11_PARSE(app, argc, argv);
 
   auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
@@ -273,6 +328,25 @@ int main(int argc, char** argv) {
     else std::cout << "evicted " << r.evicted_blocks() << " blocks\n";
     return 0;
   }
+  if (*flush) {
+    kvd::v1::FlushResponse r;
+    if (int rc = Call([&](auto* c, auto* p) { return stub->Flush(c, kvd::v1::FlushRequest(), p); }, &r, 600)) return rc;
+    if (json) std::cout << Json(r) << "\n";
+    else PrintFlush(r);
+    return r.durable() ? 0 : 2;
+  }
+  if (*close) {
+    kvd::v1::CloseResponse r;
+    if (int rc = Call([&](auto* c, auto* p) { return stub->Close(c, kvd::v1::CloseRequest(), p); }, &r, 600)) return rc;
+    if (json) {
+      std::cout << Json(r) << "\n";
+    } else {
+      if (r.has_flush()) PrintFlush(r.flush());
+      std::cout << "cleared " << r.cleared_blocks() << " device blocks\n";
+    }
+    return !r.has_flush() || r.flush().durable() ? 0 : 2;
+  }
+  if (*saved) return SavedPrefixes(*stub, json);
   if (*drain) {
     kvd::v1::DrainResponse r;
     if (int rc = Call([&](auto* c, auto* p) { return stub->Drain(c, kvd::v1::DrainRequest(), p); }, &r)) return rc;
