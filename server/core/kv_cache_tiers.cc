@@ -31,7 +31,7 @@ absl::Status KvCache::AdoptPromoted(const RequestId& id, int64_t new_cached_toke
   {
     absl::MutexLock lock(&mu_);
     ExpireLocked(nullptr);
-    status = [&]() -> absl::Status {
+    status = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
       KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
       const int32_t bt = pools_[req->pool]->geometry.block_tokens;
       const int64_t prompt_len = static_cast<int64_t>(req->spec.prompt.size());

@@ -20,7 +20,7 @@ absl::StatusOr<std::unique_ptr<HostTier>> HostTier::Create(int64_t capacity, int
   const int64_t slots = capacity / slot_bytes;
   const int64_t bytes = slots * slot_bytes;
   void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);  // pre-faulted, like the arena
   if (p == MAP_FAILED) {
     return absl::ResourceExhaustedError(
         absl::StrCat("mmap of the host tier (", bytes, " bytes): ", std::strerror(errno)));

@@ -1,4 +1,4 @@
-// HostTier is the memory of G2: one host region of `capacity` bytes cut into fixed slots of
+// HostTier is the memory of G2: one pre-faulted host region of `capacity` bytes cut into slots of
 // `slot_bytes` (the largest block of any pool), page-locked through the arena when the backend
 // is CUDA so that G1 <-> G2 copies run at DMA speed. A block takes one slot; an object takes as
 // many as its size needs (not contiguous). HostTier only hands out and takes back slots; TierStore

@@ -68,13 +68,20 @@ absl::Status PreadAll(int fd, char* out, size_t size, int64_t offset, const std:
 
 absl::Status WriteFileDurably(const std::string& dir, const std::string& name,
                               absl::string_view data) {
+  return WriteFileDurably(dir, name, std::vector<absl::string_view>{data});
+}
+
+absl::Status WriteFileDurably(const std::string& dir, const std::string& name,
+                              const std::vector<absl::string_view>& pieces) {
   const std::string path = absl::StrCat(dir, "/", name);
   const std::string tmp = absl::StrCat(path, ".tmp");
   {
     UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640));
     if (!fd.valid()) return Errno(absl::StrCat("open ", tmp), errno);
     absl::Cleanup remove_tmp = [&] { unlink(tmp.c_str()); };
-    if (absl::Status s = WriteAll(fd.get(), data, tmp); !s.ok()) return s;
+    for (absl::string_view piece : pieces) {
+      if (absl::Status s = WriteAll(fd.get(), piece, tmp); !s.ok()) return s;
+    }
     if (fsync(fd.get()) != 0) return Errno(absl::StrCat("fsync ", tmp), errno);
     if (rename(tmp.c_str(), path.c_str()) != 0) return Errno(absl::StrCat("rename ", tmp), errno);
     std::move(remove_tmp).Cancel();
@@ -87,7 +94,7 @@ absl::Status WriteFileDurably(const std::string& dir, const std::string& name,
 
 absl::StatusOr<int64_t> WriteSegment(const std::string& dir, const std::string& name,
                                      std::vector<RecordHeader>& headers,
-                                     const std::vector<std::string>& payloads) {
+                                     const std::vector<absl::string_view>& payloads) {
   // Offsets depend on the header section's size, which does not depend on the offsets' values.
   std::string section;
   for (const RecordHeader& h : headers) EncodeRecordHeader(h, &section);
@@ -98,17 +105,17 @@ absl::StatusOr<int64_t> WriteSegment(const std::string& dir, const std::string& 
   }
   section.clear();
   for (const RecordHeader& h : headers) EncodeRecordHeader(h, &section);
-  std::string file;
-  file.reserve(static_cast<size_t>(offset));
-  file.append(kSegmentMagic, sizeof(kSegmentMagic));
-  Put<uint32_t>(&file, static_cast<uint32_t>(headers.size()));
-  Put<uint32_t>(&file, 0);
-  Put<uint64_t>(&file, section.size());
-  Put<uint64_t>(&file, Checksum(section.data(), section.size()));
-  file += section;
-  for (const std::string& p : payloads) file += p;
-  if (absl::Status s = WriteFileDurably(dir, name, file); !s.ok()) return s;
-  return static_cast<int64_t>(file.size());
+  std::string head;
+  head.append(kSegmentMagic, sizeof(kSegmentMagic));
+  Put<uint32_t>(&head, static_cast<uint32_t>(headers.size()));
+  Put<uint32_t>(&head, 0);
+  Put<uint64_t>(&head, section.size());
+  Put<uint64_t>(&head, Checksum(section.data(), section.size()));
+  head += section;
+  std::vector<absl::string_view> pieces{head};
+  pieces.insert(pieces.end(), payloads.begin(), payloads.end());
+  if (absl::Status s = WriteFileDurably(dir, name, pieces); !s.ok()) return s;
+  return offset;
 }
 
 absl::StatusOr<std::vector<RecordHeader>> ReadSegmentHeaders(const std::string& path,

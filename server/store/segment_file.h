@@ -29,12 +29,15 @@ namespace kvd {
 // RESOURCE_EXHAUSTED for ENOSPC/EDQUOT.
 absl::Status WriteFileDurably(const std::string& dir, const std::string& name,
                               absl::string_view data);
+// The same for a file made of `pieces` written in order (no concatenated copy).
+absl::Status WriteFileDurably(const std::string& dir, const std::string& name,
+                              const std::vector<absl::string_view>& pieces);
 
 // Writes a segment durably; fills each header's offset. `payloads[i]` are the stored bytes of
 // `headers[i]` (whose stored_length and checksum must match). Returns the file size.
 absl::StatusOr<int64_t> WriteSegment(const std::string& dir, const std::string& name,
                                      std::vector<RecordHeader>& headers,
-                                     const std::vector<std::string>& payloads);
+                                     const std::vector<absl::string_view>& payloads);
 // The headers of a segment, reading only its header section. DATA_LOSS for a bad magic, a
 // checksum mismatch or a header past the file.
 absl::StatusOr<std::vector<RecordHeader>> ReadSegmentHeaders(const std::string& path,

@@ -197,13 +197,19 @@ void TierStore::WriteSpills() {
 absl::Status TierStore::WriteSegmentOf(std::vector<RecordHeader> headers,
                                        std::vector<std::shared_ptr<const std::string>> raws,
                                        int64_t* stored_bytes) {
-  std::vector<std::string> payloads(headers.size());
+  std::vector<std::string> compressed(headers.size());
+  std::vector<absl::string_view> payloads(headers.size());
   int64_t raw_total = 0, total = 0;
   for (size_t i = 0; i < headers.size(); ++i) {
     const std::string& raw = *raws[i];
-    headers[i].codec = Compress(
-        options_.codec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(raw.data()), raw.size()),
-        &payloads[i]);
+    headers[i].codec = Codec::kNone;
+    payloads[i] = raw;  // stored as is unless the codec saves bytes
+    if (options_.codec != Codec::kNone) {
+      headers[i].codec = Compress(
+          options_.codec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(raw.data()), raw.size()),
+          &compressed[i]);
+      if (headers[i].codec != Codec::kNone) payloads[i] = compressed[i];
+    }
     headers[i].stored_length = static_cast<int64_t>(payloads[i].size());
     headers[i].checksum = Checksum(payloads[i].data(), payloads[i].size());
     raw_total += static_cast<int64_t>(raw.size());
@@ -385,7 +391,7 @@ FlushResult TierStore::FlushNow() {
   std::vector<CachedBlockRef> refs = cache_->SnapshotCached();
   {
     absl::MutexLock lock(&mu_);
-    std::erase_if(refs, [&](const CachedBlockRef& r) {
+    std::erase_if(refs, [&](const CachedBlockRef& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       auto it = entries_.find(r.key);
       const bool durable = it != entries_.end() && it->second.segment != 0;
       if (durable) ++result.already_durable;
