@@ -127,7 +127,9 @@ def main():
 def scrape_metric_names(kvd, kvdctl, tmp):
     ready = os.path.join(tmp, "ready.json")
     proc = subprocess.Popen([kvd, "--listen=unix://" + os.path.join(tmp, "k.sock"), "--metrics-listen=127.0.0.1:0",
-                             "--ready-file=" + ready, "--log-level=warn"],
+                             "--ready-file=" + ready, "--log-level=warn",
+                             # tiers on, so that their families (flush, demotion...) are exported too
+                             "--disk-dir=" + os.path.join(tmp, "disk"), "--host-tier-bytes=4194304"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(500):

@@ -78,16 +78,18 @@ TEST_CASE("A restarted daemon serves every flushed prefix at once, byte for byte
     INFO(ctl.out);
     REQUIRE(ctl.exit_code == 0);
     REQUIRE(ctl.out.find("durable: wrote 0 records") != std::string::npos);
+    // Not flushed by hand: SIGTERM's drain flushes it.
+    REQUIRE(Work(d, "e", 2000, 13) == 0);
     d.Signal(SIGTERM);
     REQUIRE(*d.WaitExit(absl::Seconds(20)) == 0);
   }
   DaemonProcess d(TierConfig(disk.path(), 16, "zstd"));
   auto stub = Stub(d);
   std::vector<v1::SavedPrefix> saved = Saved(*stub);
-  REQUIRE(saved.size() == 2);
+  REQUIRE(saved.size() == 3);
   std::set<int> lengths;
   for (const auto& p : saved) lengths.insert(p.tokens_size());
-  REQUIRE(lengths == std::set<int>{20, 40});
+  REQUIRE(lengths == std::set<int>{12, 20, 40});
   // Routers resync: "all cleared", then one stored (disk) event per reloaded block.
   {
     grpc::ClientContext ctx;
@@ -95,9 +97,9 @@ TEST_CASE("A restarted daemon serves every flushed prefix at once, byte for byte
     auto reader = stub->WatchEvents(&ctx, req);
     v1::EventBatch batch;
     REQUIRE(reader->Read(&batch));
-    REQUIRE(batch.events_size() >= 16);
+    REQUIRE(batch.events_size() >= 19);
     REQUIRE(batch.events(0).kind() == v1::CacheEvent::CLEARED);
-    for (int i = 1; i < 16; ++i) REQUIRE(batch.events(i).medium() == "disk");
+    for (int i = 1; i < 19; ++i) REQUIRE(batch.events(i).medium() == "disk");
     ctx.TryCancel();
   }
   ProcessResult ctl = RunProcess(KVDCTL_BINARY, {"--target", d.target(), "saved"});
@@ -109,9 +111,16 @@ TEST_CASE("A restarted daemon serves every flushed prefix at once, byte for byte
   grpc::ClientContext ctx;
   v1::ReportResponse r;
   REQUIRE(stub->Report(&ctx, v1::ReportRequest(), &r).ok());
-  REQUIRE(r.tiers().reloaded_records() == 15);
+  REQUIRE(r.tiers().reloaded_records() == 18);
   REQUIRE(r.tiers().promotions().at("disk") == 15);
   REQUIRE(r.hit_tokens() == 60);
+  // The same counts on /metrics.
+  absl::StatusOr<std::string> metrics = HttpGet(d.metrics_port(), "/metrics");
+  REQUIRE(metrics.ok());
+  REQUIRE(metrics->find("kvd_promotions_total{from=\"disk\"} 15") != std::string::npos);
+  REQUIRE(metrics->find("kvd_tier_reloaded_records 18") != std::string::npos);
+  REQUIRE(metrics->find("kvd_pending_persistence_records{kind=\"snapshot\"} 0") != std::string::npos);
+  REQUIRE(metrics->find("kvd_last_flush_durable 1") != std::string::npos);
 }
 
 TEST_CASE("kill -9 in the middle of flushes never serves a torn block and keeps every durable one",
