@@ -14,7 +14,7 @@ kvd_packages=(
   libcli11-dev libyaml-cpp-dev libsystemd-dev liblz4-dev libzstd-dev
 )
 # Only the tests need these: manifest and unit-file checks.
-kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd prometheus)
+kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd prometheus clang)
 
 kvd_install_missing() {
   local missing=()

@@ -98,7 +98,7 @@ absl::StatusOr<RecordHeader> DecodeRecordHeader(absl::string_view* in) {
   if (ok && (ntokens > kMaxTokens || ntokens * sizeof(Token) > in->size())) {
     ok = r.Fail("token count out of range");
   }
-  if (ok) {
+  if (ok && ntokens > 0) {  // memcpy into an empty vector's null data() is undefined
     h.tokens.resize(ntokens);
     std::memcpy(h.tokens.data(), in->data(), ntokens * sizeof(Token));
     in->remove_prefix(ntokens * sizeof(Token));
