@@ -3,6 +3,8 @@
 #include <sys/stat.h>
 
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -44,6 +46,34 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> MakeArena(const std::string& backen
   spdlog::warn("--backend=auto: built without CUDA; using host memory");
 #endif
   return HostArena::Create(pools);
+}
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(what, ": cannot read ", path));
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Unix sockets: insecure transport (the kernel checks peers: 0660 socket, SO_PEERCRED on the side
+// socket). TCP: TLS when a certificate is configured, optionally requiring client certificates;
+// plain TCP only with a warning.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const ServerOptions& so,
+                                                                           bool unix_socket) {
+  if (unix_socket || so.tls_cert_file.empty()) {
+    if (!unix_socket) spdlog::warn("listening on TCP {} without TLS: any host that reaches it can call kvd", so.listen);
+    return grpc::InsecureServerCredentials();
+  }
+  grpc::SslServerCredentialsOptions ssl;
+  KVD_ASSIGN_OR_RETURN(std::string cert, ReadPem(so.tls_cert_file, "tls_cert_file"));
+  KVD_ASSIGN_OR_RETURN(std::string key, ReadPem(so.tls_key_file, "tls_key_file"));
+  ssl.pem_key_cert_pairs.push_back({key, cert});
+  if (!so.tls_client_ca_file.empty()) {
+    KVD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(so.tls_client_ca_file, "tls_client_ca_file"));
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
 }
 
 absl::Status EnsureParentDir(const std::string& path) {
@@ -88,7 +118,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(so.listen, grpc::InsecureServerCredentials(), unix_socket ? nullptr : &port);
+  KVD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> creds, ServerCredentials(so, unix_socket));
+  builder.AddListeningPort(so.listen, creds, unix_socket ? nullptr : &port);
   builder.SetMaxReceiveMessageSize(static_cast<int>(so.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(so.max_message_bytes));
   builder.RegisterService(d->service_.get());

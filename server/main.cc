@@ -58,6 +58,10 @@ int main(int argc, char** argv) {
   app.add_option("--max-message-bytes", max_message_bytes, "largest gRPC message accepted");
   app.add_option("--lease-ttl", lease_ttl_s, "seconds without heartbeat before a worker is dead");
   app.add_option("--drain-timeout", drain_timeout_s, "seconds running requests get on SIGTERM");
+  std::string tls_cert, tls_key, tls_client_ca;
+  app.add_option("--tls-cert", tls_cert, "PEM certificate chain for a TCP listen address");
+  app.add_option("--tls-key", tls_key, "PEM private key for --tls-cert");
+  app.add_option("--tls-client-ca", tls_client_ca, "PEM CA: require client certificates it signed");
   std::string disk_dir;
   int64_t host_tier_bytes = -1;
   app.add_option("--disk-dir", disk_dir, "directory of the disk tier (G3); enables flush and warm restart")
@@ -89,6 +93,9 @@ int main(int argc, char** argv) {
   if (lease_ttl_s > 0) options.server.lease_ttl = absl::Seconds(lease_ttl_s);
   if (drain_timeout_s >= 0) options.server.drain_timeout = absl::Seconds(drain_timeout_s);
   if (!disk_dir.empty()) options.tiers.disk_dir = disk_dir;
+  if (!tls_cert.empty()) options.server.tls_cert_file = tls_cert;
+  if (!tls_key.empty()) options.server.tls_key_file = tls_key;
+  if (!tls_client_ca.empty()) options.server.tls_client_ca_file = tls_client_ca;
   if (host_tier_bytes >= 0) options.tiers.host_bytes = host_tier_bytes;
 
   options.ApplyDefaults();

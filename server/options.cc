@@ -121,6 +121,15 @@ absl::Status Options::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("log_level must be trace, debug, info, warn or error, not '", server.log_level, "'"));
   }
+  if (server.tls_cert_file.empty() != server.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("tls_cert_file and tls_key_file go together");
+  }
+  if (!server.tls_client_ca_file.empty() && server.tls_cert_file.empty()) {
+    return absl::InvalidArgumentError("tls_client_ca_file needs tls_cert_file and tls_key_file");
+  }
+  if (!server.tls_cert_file.empty() && absl::StartsWith(server.listen, "unix://")) {
+    return absl::InvalidArgumentError("tls_cert_file is for a TCP listen address, not a Unix socket");
+  }
   if (tiers.host_bytes < 0) return absl::InvalidArgumentError("tiers.host_bytes must be >= 0");
   if (tiers.disk_bytes <= 0) return absl::InvalidArgumentError("tiers.disk_bytes must be > 0");
   if (tiers.segment_bytes < 4096) return absl::InvalidArgumentError("tiers.segment_bytes must be >= 4096");
@@ -151,7 +160,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
       "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes",
       "boundary_high_watermark", "boundary_low_watermark", "event_buffer", "eviction_policy",
       "slru_main_fraction", "slru_ghost_fraction", "max_requests_per_worker", "max_bytes_per_worker",
-      "pools", "tiers"};
+      "pools", "tiers", "tls_cert_file", "tls_key_file", "tls_client_ca_file"};
   for (const auto& kv : root) {
     const std::string key = kv.first.as<std::string>();
     bool known = false;
@@ -168,6 +177,9 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "lease_ttl_s", &s.lease_ttl, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "drain_timeout_s", &s.drain_timeout, where));
   KVD_RETURN_IF_ERROR(Read(root, "log_level", &s.log_level, where));
+  KVD_RETURN_IF_ERROR(Read(root, "tls_cert_file", &s.tls_cert_file, where));
+  KVD_RETURN_IF_ERROR(Read(root, "tls_key_file", &s.tls_key_file, where));
+  KVD_RETURN_IF_ERROR(Read(root, "tls_client_ca_file", &s.tls_client_ca_file, where));
   KVD_RETURN_IF_ERROR(Read(root, "budget_bytes", &c.budget_bytes, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "session_ttl_s", &c.session_ttl, where));
   KVD_RETURN_IF_ERROR(Read(root, "session_max_protected_blocks", &c.session_max_protected_blocks, where));
@@ -220,6 +232,9 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "lease_ttl_s" << YAML::Value << absl::ToDoubleSeconds(s.lease_ttl);
   out << YAML::Key << "drain_timeout_s" << YAML::Value << absl::ToDoubleSeconds(s.drain_timeout);
   out << YAML::Key << "log_level" << YAML::Value << s.log_level;
+  out << YAML::Key << "tls_cert_file" << YAML::Value << s.tls_cert_file;
+  out << YAML::Key << "tls_key_file" << YAML::Value << s.tls_key_file;
+  out << YAML::Key << "tls_client_ca_file" << YAML::Value << s.tls_client_ca_file;
   out << YAML::Key << "budget_bytes" << YAML::Value << c.budget_bytes;
   out << YAML::Key << "session_ttl_s" << YAML::Value << absl::ToDoubleSeconds(c.session_ttl);
   out << YAML::Key << "session_max_protected_blocks" << YAML::Value << c.session_max_protected_blocks;

@@ -33,6 +33,12 @@ struct ServerOptions {
   std::string ready_file;
   // spdlog level: trace, debug, info, warn, error. Default info.
   std::string log_level = "info";
+  // TLS for a TCP listen address (ignored on Unix sockets, whose peers are checked by the
+  // kernel): PEM certificate chain and private key. Both or neither.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS).
+  std::string tls_client_ca_file;
 };
 
 struct Options {

@@ -74,9 +74,11 @@ DaemonProcess::DaemonProcess(const std::string& config_yaml, std::vector<std::st
   const std::string config = dir_.path() + "/kvd.yaml";
   const std::string ready = dir_.path() + "/ready.json";
   std::ofstream(config) << config_yaml;
-  std::vector<std::string> args = {"--config=" + config, "--listen=unix://" + socket_,
-                                   "--metrics-listen=127.0.0.1:0", "--ready-file=" + ready,
-                                   "--log-level=warn"};
+  bool own_listen = false;
+  for (const std::string& f : extra_flags) own_listen |= f.rfind("--listen=", 0) == 0;
+  std::vector<std::string> args = {"--config=" + config, "--metrics-listen=127.0.0.1:0",
+                                   "--ready-file=" + ready, "--log-level=warn"};
+  if (!own_listen) args.push_back("--listen=unix://" + socket_);
   args.insert(args.end(), extra_flags.begin(), extra_flags.end());
   pid_ = Spawn(KVD_BINARY, args, -1);
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
@@ -84,6 +86,10 @@ DaemonProcess::DaemonProcess(const std::string& config_yaml, std::vector<std::st
     const std::string json = ReadFile(ready);
     if (!json.empty()) {
       metrics_port_ = static_cast<int>(JsonInt(json, "metrics_port"));
+      if (own_listen) {  // "grpc": "HOST:PORT" as bound
+        const size_t at = json.find("\"grpc\": \"") + 9;
+        tcp_target_ = json.substr(at, json.find('"', at) - at);
+      }
       return;
     }
     int status;

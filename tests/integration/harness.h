@@ -31,7 +31,8 @@ class DaemonProcess {
   DaemonProcess(const std::string& config_yaml, std::vector<std::string> extra_flags = {});
   ~DaemonProcess();  // SIGKILLs the daemon if still running
 
-  std::string target() const { return "unix://" + socket_; }
+  // The gRPC target: the Unix socket, or HOST:PORT when extra_flags gave a --listen.
+  std::string target() const { return tcp_target_.empty() ? "unix://" + socket_ : tcp_target_; }
   const std::string& side_socket() const { return side_socket_; }
   int metrics_port() const { return metrics_port_; }
   pid_t pid() const { return pid_; }
@@ -46,6 +47,7 @@ class DaemonProcess {
   std::string side_socket_;
   int metrics_port_ = 0;
   pid_t pid_ = -1;
+  std::string tcp_target_;
 };
 
 struct ProcessResult {
