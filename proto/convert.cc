@@ -294,6 +294,8 @@ void ToProto(const TierStats& s, v1::TierReport* p) {
   p->set_idle_demotion(s.idle_demotion);
   p->set_prefetch_handles(s.prefetch_handles);
   p->set_incompatible(s.incompatible);
+  p->set_pending_checkpoints(s.pending_checkpoints);
+  p->set_restored_checkpoints(s.restored_checkpoints);
 }
 
 void ToProto(const CacheEvent& e, v1::CacheEvent* p) {

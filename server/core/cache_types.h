@@ -89,6 +89,17 @@ struct HandleInfo {
   absl::Time admitted_at;
 };
 
+// A checkpoint as KvCache::SnapshotCheckpoints sees it (for the disk tier's flush).
+struct CheckpointSnapshot {
+  RequestId id;
+  PoolId pool = 0;
+  Namespace ns;
+  std::vector<Token> tokens;
+  std::vector<BlockIndex> blocks;  // hold the KV of `tokens` (the last one may be partial)
+  std::string engine_state;
+  bool orphaned = false;           // its generation was interrupted
+};
+
 struct SessionInfo {
   SessionId id;
   WorkerId worker;           // who served the session's latest request

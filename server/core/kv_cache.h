@@ -145,6 +145,17 @@ class KvCache {
   int64_t VisitCached(absl::Span<const CachedBlockRef> refs,
                       const std::function<void(const CachedBlockView&)>& fn) const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Every checkpoint now. With `pin`, each one's blocks are pinned (release them with UnpinBlocks)
+  // so that their bytes can be copied outside the lock.
+  std::vector<CheckpointSnapshot> SnapshotCheckpoints(bool pin) ABSL_LOCKS_EXCLUDED(mu_);
+  // Recreates an interrupted generation's checkpoint (a warm restart) with fresh blocks the caller
+  // then fills, charged to the checkpoint budget with a full TTL. NOT_FOUND (pool), ALREADY_EXISTS
+  // (id), INVALID_ARGUMENT (no tokens, engine state too large, past max_model_len),
+  // RESOURCE_EXHAUSTED (checkpoint budget or pool). Changes nothing on error.
+  absl::StatusOr<std::vector<BlockIndex>> RestoreCheckpoint(const RequestId& id, const Namespace& ns,
+                                                            std::vector<Token> tokens,
+                                                            std::string engine_state)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Records events that happened outside the device index (a warm restart's reload), in order.
   void EmitExternal(const std::vector<CacheEvent>& events) ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -129,6 +129,85 @@ int64_t KvCache::VisitCached(absl::Span<const CachedBlockRef> refs,
   return visited;
 }
 
+std::vector<CheckpointSnapshot> KvCache::SnapshotCheckpoints(bool pin) {
+  absl::MutexLock lock(&mu_);
+  std::vector<CheckpointSnapshot> out;
+  for (const auto& [id, ckpt] : checkpoints_) {
+    CheckpointSnapshot s;
+    s.id = id;
+    s.pool = ckpt->pool;
+    s.ns = ckpt->ns;
+    s.tokens = ckpt->tokens;
+    s.blocks = ckpt->blocks;
+    s.engine_state = ckpt->engine_state;
+    s.orphaned = ckpt->orphaned;
+    if (pin) {
+      Pool& pool = *pools_[ckpt->pool];
+      for (BlockIndex b : ckpt->blocks) {
+        RefLocked(ckpt->pool, b);
+        ++pool.pins[b];
+      }
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<BlockIndex>> KvCache::RestoreCheckpoint(const RequestId& id,
+                                                                   const Namespace& ns,
+                                                                   std::vector<Token> tokens,
+                                                                   std::string engine_state) {
+  absl::StatusOr<std::vector<BlockIndex>> result;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    result = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::StatusOr<std::vector<BlockIndex>> {
+      KVD_ASSIGN_OR_RETURN(PoolId pool_id, FindPool(ns.pool));
+      const PoolGeometry& g = pools_[pool_id]->geometry;
+      if (tokens.empty()) return absl::InvalidArgumentError("checkpoint tokens are empty");
+      if (static_cast<int64_t>(tokens.size()) > g.max_model_len) {
+        return absl::InvalidArgumentError("checkpoint is longer than the pool's max_model_len");
+      }
+      if (static_cast<int64_t>(engine_state.size()) > options_.max_engine_state_bytes) {
+        return absl::InvalidArgumentError("checkpoint engine state exceeds max_engine_state_bytes");
+      }
+      if (checkpoints_.contains(id) || requests_.contains(id)) {
+        return absl::AlreadyExistsError(absl::StrCat("id '", id.value(), "' is in use"));
+      }
+      const int64_t n = g.BlocksFor(static_cast<int64_t>(tokens.size()));
+      const int64_t charge_bytes = ledger_.BytesOf(pool_id, n);
+      if (orphan_blocks_bytes_ + charge_bytes > options_.checkpoint_budget_bytes) {
+        return absl::ResourceExhaustedError("the checkpoint budget has no room for it");
+      }
+      KVD_RETURN_IF_ERROR(ledger_.Reserve(pool_id, n));
+      const uint64_t serial = next_serial_++;
+      absl::StatusOr<std::vector<BlockIndex>> blocks = AllocateOwnedLocked(pool_id, n, serial);
+      if (!blocks.ok()) {
+        ledger_.Unreserve(pool_id, n);
+        return blocks.status();
+      }
+      auto rec = std::make_unique<CheckpointRecord>();
+      rec->serial = serial;
+      rec->id = id;
+      rec->pool = pool_id;
+      rec->ns = ns;
+      rec->tokens = std::move(tokens);
+      rec->blocks = *blocks;
+      rec->engine_state = std::move(engine_state);
+      rec->orphaned = true;
+      rec->charged_blocks = n;
+      rec->expires_at = clock_->Now() + options_.checkpoint_ttl;
+      orphans_.emplace(std::make_pair(rec->expires_at, rec->serial), id);
+      orphan_blocks_bytes_ += charge_bytes;
+      checkpoints_.emplace(id, std::move(rec));
+      UpdatePressureLocked();
+      return blocks;
+    }();
+  }
+  Deliver();
+  return result;
+}
+
 void KvCache::EmitExternal(const std::vector<CacheEvent>& events) {
   {
     absl::MutexLock lock(&mu_);

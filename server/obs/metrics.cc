@@ -124,6 +124,7 @@ class CacheCollector final : public prometheus::Collectable {
     MetricFamily& pending = family("kvd_pending_persistence_records", "Records not yet on the disk tier.", MetricType::Gauge);
     add(pending, t.pending_spill_records, {{"kind", "spill"}});
     add(pending, t.pending_snapshot_records, {{"kind", "snapshot"}});
+    add(pending, t.pending_checkpoints, {{"kind", "checkpoint"}});
     add(family("kvd_pending_persistence_bytes", "Demoted bytes waiting for the disk writer.", MetricType::Gauge), t.pending_spill_bytes);
     add(family("kvd_tier_compression_ratio", "Raw over stored bytes written to the disk tier.", MetricType::Gauge),
         t.stored_bytes_written == 0 ? 1.0 : static_cast<double>(t.raw_bytes_written) / t.stored_bytes_written);

@@ -262,10 +262,7 @@ grpc::ServerUnaryReactor* KvdService::Report(grpc::CallbackServerContext* ctx,
   return Unary(ctx, "Report", [&] {
     ToProto(cache_->Report(), resp);
     resp->set_attached_workers(workers_->size());
-    if (tiers_ != nullptr) {
-      ToProto(tiers_->Stats(), resp->mutable_tiers());
-      resp->mutable_tiers()->set_pending_checkpoints(resp->orphaned_checkpoints());
-    }
+    if (tiers_ != nullptr) ToProto(tiers_->Stats(), resp->mutable_tiers());
     return absl::OkStatus();
   });
 }

@@ -105,7 +105,7 @@ absl::StatusOr<RecordHeader> DecodeRecordHeader(absl::string_view* in) {
   }
   ok = ok && r.GetString(&h.object_key) && r.Get(&codec) && r.Get(&h.raw_length) &&
        r.Get(&h.stored_length) && r.Get(&h.checksum) && r.Get(&h.offset) && r.Get(&h.layout_tag);
-  if (ok && kind > static_cast<uint8_t>(RecordKind::kObject)) ok = r.Fail("unknown record kind");
+  if (ok && kind > static_cast<uint8_t>(RecordKind::kCheckpoint)) ok = r.Fail("unknown record kind");
   if (ok && codec > static_cast<uint8_t>(Codec::kZstd)) ok = r.Fail("unknown codec");
   if (ok && (h.raw_length < 0 || h.stored_length < 0)) ok = r.Fail("negative length");
   if (!ok) return absl::DataLossError(absl::StrCat("bad record header: ", r.error()));
@@ -113,6 +113,10 @@ absl::StatusOr<RecordHeader> DecodeRecordHeader(absl::string_view* in) {
   h.has_parent = has_parent != 0;
   h.codec = static_cast<Codec>(codec);
   return h;
+}
+
+BlockKey CheckpointKey(absl::string_view request_id) {
+  return ObjectKey(Namespace{}, absl::StrCat("checkpoint:", request_id));
 }
 
 uint64_t LayoutTag(const PoolGeometry& g) {

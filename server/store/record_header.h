@@ -21,7 +21,9 @@
 
 namespace kvd {
 
-enum class RecordKind : uint8_t { kBlock = 0, kObject = 1 };
+// kCheckpoint: an interrupted generation's checkpoint; object_key is its request id, tokens its
+// tokens, and the payload [u32 engine state bytes][engine state][its blocks' bytes, in order].
+enum class RecordKind : uint8_t { kBlock = 0, kObject = 1, kCheckpoint = 2 };
 
 struct RecordHeader {
   RecordKind kind = RecordKind::kBlock;
@@ -30,7 +32,7 @@ struct RecordHeader {
   BlockKey parent_key;         // kBlock with has_parent
   bool has_parent = false;
   std::vector<Token> tokens;   // kBlock: the block's tokens
-  std::string object_key;      // kObject: the caller's content key
+  std::string object_key;      // kObject: the caller's content key; kCheckpoint: the request id
   Codec codec = Codec::kNone;
   int64_t raw_length = 0;      // bytes once decoded
   int64_t stored_length = 0;   // bytes as stored
@@ -45,6 +47,9 @@ struct RecordHeader {
 void EncodeRecordHeader(const RecordHeader& h, std::string* out);
 // Decodes one header from the front of `*in` and advances it. DATA_LOSS naming what was wrong.
 absl::StatusOr<RecordHeader> DecodeRecordHeader(absl::string_view* in);
+
+// The key of a checkpoint record: by request id alone (a resume names only the id).
+BlockKey CheckpointKey(absl::string_view request_id);
 
 // A fingerprint of everything that fixes a block's byte layout.
 uint64_t LayoutTag(const PoolGeometry& g);

@@ -166,6 +166,13 @@ class TierStore final : public EvictionSink {
                               std::vector<std::shared_ptr<const std::string>> raws,
                               int64_t* stored_bytes) ABSL_LOCKS_EXCLUDED(mu_);
   FlushResult FlushNow() ABSL_LOCKS_EXCLUDED(mu_);  // writer thread
+  // Flush's last step: every checkpoint not yet on G3 as it is now; stored ones that ended are
+  // deleted. Adds to `result`.
+  void FlushCheckpoints(FlushResult* result) ABSL_LOCKS_EXCLUDED(mu_);
+  // Load's last step: recreates each stored checkpoint in the cache and fills its blocks.
+  void RestoreCheckpoints() ABSL_LOCKS_EXCLUDED(mu_);
+  // Replaces the G3 location of a record rewritten under the same key (a checkpoint that moved on).
+  void TombstoneLocked(const BlockKey& key, Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes room on G3 for `bytes` by dropping least-recently-used segments (in memory; files are
   // unlinked after the next manifest write). Returns the numbers dropped.
   std::vector<uint64_t> EvictSegmentsLocked(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

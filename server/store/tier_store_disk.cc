@@ -136,11 +136,142 @@ absl::Status TierStore::Load() {
   }
   if (rewrite) KVD_RETURN_IF_ERROR(WriteManifestNow({}));
   cache_->EmitExternal(events);
+  RestoreCheckpoints();
   absl::MutexLock lock(&mu_);
   stats_.load_seconds = SecondsSince(start);
   spdlog::info("tiers: reloaded {} records from {} segments in {:.3f}s", reloaded, segments_.size(),
                stats_.load_seconds);
   return absl::OkStatus();
+}
+
+void TierStore::FlushCheckpoints(FlushResult* result) {
+  std::vector<CheckpointSnapshot> snaps = cache_->SnapshotCheckpoints(/*pin=*/true);
+  std::vector<RecordHeader> headers;
+  std::vector<std::shared_ptr<const std::string>> raws;
+  absl::flat_hash_set<BlockKey> live;
+  for (const CheckpointSnapshot& c : snaps) {
+    const BlockKey key = CheckpointKey(c.id.value());
+    live.insert(key);
+    bool durable = false;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = entries_.find(key);
+      durable = it != entries_.end() && it->second.segment != 0 &&
+                it->second.header.tokens == c.tokens && it->second.header.ns == c.ns;
+    }
+    if (durable) {
+      ++result->already_durable;
+    } else if (result->error.empty()) {
+      const int64_t bb = pools_[c.pool].block_bytes_all_shards();
+      auto raw = std::make_shared<std::string>();
+      const uint32_t es = static_cast<uint32_t>(c.engine_state.size());
+      raw->append(reinterpret_cast<const char*>(&es), sizeof(es));
+      raw->append(c.engine_state);
+      const size_t blocks_at = raw->size();
+      raw->resize(blocks_at + c.blocks.size() * static_cast<size_t>(bb));
+      absl::Status s;
+      for (size_t i = 0; i < c.blocks.size() && s.ok(); ++i) {
+        s = arena_->ReadBlock(c.pool, c.blocks[i], reinterpret_cast<uint8_t*>(raw->data() + blocks_at + i * bb));
+      }
+      if (!s.ok()) {
+        ++result->failed_blocks;
+        result->error = std::string(s.message());
+      } else {
+        RecordHeader h;
+        h.kind = RecordKind::kCheckpoint;
+        h.ns = c.ns;
+        h.key = key;
+        h.tokens = c.tokens;
+        h.object_key = c.id.value();
+        h.raw_length = static_cast<int64_t>(raw->size());
+        h.layout_tag = layout_tags_[c.pool];
+        headers.push_back(std::move(h));
+        raws.push_back(std::move(raw));
+      }
+    } else {
+      ++result->failed_blocks;
+    }
+    cache_->UnpinBlocks(c.pool, c.blocks);
+  }
+  if (!headers.empty()) {
+    int64_t stored = 0;
+    const int64_t n = static_cast<int64_t>(headers.size());
+    if (absl::Status s = WriteSegmentOf(std::move(headers), std::move(raws), &stored); !s.ok()) {
+      result->failed_blocks += n;
+      if (result->error.empty()) result->error = std::string(s.message());
+    } else {
+      result->written_blocks += n;
+      result->written_bytes += stored;
+    }
+  }
+  // Stored checkpoints whose generation completed (or expired) since must not come back.
+  bool deleted = false;
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<BlockKey> ended;
+    for (auto& [key, e] : entries_) {
+      if (e.header.kind == RecordKind::kCheckpoint && e.segment != 0 && !live.contains(key)) {
+        ended.push_back(key);
+      }
+    }
+    for (const BlockKey& key : ended) {
+      TombstoneLocked(key, entries_.at(key));
+      EraseIfEmptyLocked(key);
+      deleted = true;
+    }
+  }
+  if (deleted) {
+    if (absl::Status s = WriteManifestNow({}); !s.ok() && result->error.empty()) {
+      result->error = std::string(s.message());
+      ++result->failed_blocks;
+    }
+  }
+}
+
+void TierStore::RestoreCheckpoints() {
+  std::vector<ReadSource> sources;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [key, e] : entries_) {
+      if (e.header.kind == RecordKind::kCheckpoint && e.segment != 0) sources.push_back(PinForReadLocked(key, e));
+    }
+  }
+  int64_t restored = 0;
+  for (const ReadSource& src : sources) {
+    absl::Status s = [&]() -> absl::Status {
+      KVD_ASSIGN_OR_RETURN(PoolId pool, PoolOf(src.header.ns.pool));
+      if (src.header.layout_tag != layout_tags_[pool]) {
+        return absl::FailedPreconditionError("its pool's layout changed");
+      }
+      std::string raw(static_cast<size_t>(src.header.raw_length), '\0');
+      KVD_RETURN_IF_ERROR(ReadRaw(src, reinterpret_cast<uint8_t*>(raw.data())));
+      uint32_t es = 0;
+      if (raw.size() < sizeof(es)) return absl::DataLossError("truncated checkpoint record");
+      std::memcpy(&es, raw.data(), sizeof(es));
+      const int64_t bb = pools_[pool].block_bytes_all_shards();
+      const int64_t nblocks = pools_[pool].BlocksFor(static_cast<int64_t>(src.header.tokens.size()));
+      if (static_cast<int64_t>(raw.size()) != static_cast<int64_t>(sizeof(es)) + es + nblocks * bb) {
+        return absl::DataLossError("checkpoint record size does not match its tokens");
+      }
+      KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> blocks,
+                           cache_->RestoreCheckpoint(RequestId(src.header.object_key), src.header.ns,
+                                                     src.header.tokens, raw.substr(sizeof(es), es)));
+      const char* bytes = raw.data() + sizeof(es) + es;
+      for (size_t i = 0; i < blocks.size(); ++i) {
+        KVD_RETURN_IF_ERROR(arena_->WriteBlock(pool, blocks[i], reinterpret_cast<const uint8_t*>(bytes + i * bb)));
+      }
+      return absl::OkStatus();
+    }();
+    if (s.ok()) {
+      ++restored;
+    } else {
+      spdlog::warn("tiers: checkpoint '{}' not restored: {}", src.header.object_key, s.ToString());
+    }
+    absl::MutexLock lock(&mu_);
+    UnpinLocked(src.key);
+  }
+  absl::MutexLock lock(&mu_);
+  stats_.restored_checkpoints = restored;
 }
 
 void TierStore::ScheduleSpillWriteLocked() {
@@ -243,6 +374,8 @@ absl::Status TierStore::WriteSegmentOf(std::vector<RecordHeader> headers,
       Entry& e = it->second;
       if (inserted) {
         e.last_use = absl::Now();
+      } else if (h.kind == RecordKind::kCheckpoint && e.header.kind == RecordKind::kCheckpoint) {
+        if (e.segment != 0) TombstoneLocked(h.key, e);  // the generation moved on: replace it
       } else if (e.segment != 0 || e.header.tokens != h.tokens || e.header.kind != h.kind ||
                  e.header.object_key != h.object_key) {
         continue;  // already on G3, or another record under a colliding key
@@ -260,6 +393,14 @@ absl::Status TierStore::WriteSegmentOf(std::vector<RecordHeader> headers,
   }
   *stored_bytes = total;
   return WriteManifestNow(evicted);
+}
+
+void TierStore::TombstoneLocked(const BlockKey& key, Entry& e) {
+  manifest_.deleted.push_back(Tombstone{key, e.segment});
+  auto seg = segments_.find(e.segment);
+  if (seg != segments_.end()) --seg->second.records;
+  e.segment = 0;
+  manifest_dirty_ = true;
 }
 
 std::vector<uint64_t> TierStore::EvictSegmentsLocked(int64_t bytes) {
@@ -426,6 +567,7 @@ FlushResult TierStore::FlushNow() {
     write(headers, raws);
     i = end;
   }
+  FlushCheckpoints(&result);
   result.durable = result.failed_blocks == 0;
   result.seconds = SecondsSince(start);
   absl::MutexLock lock(&mu_);
@@ -470,8 +612,15 @@ std::vector<SavedPrefix> TierStore::SavedPrefixes() const {
 
 TierStats TierStore::Stats() const {
   const std::vector<CachedBlockRef> g1 = cache_->SnapshotCached();
+  const std::vector<CheckpointSnapshot> ckpts = cache_->SnapshotCheckpoints(/*pin=*/false);
   absl::MutexLock lock(&mu_);
   TierStats s = stats_;
+  for (const CheckpointSnapshot& c : ckpts) {
+    auto it = entries_.find(CheckpointKey(c.id.value()));
+    if (it == entries_.end() || it->second.segment == 0 || it->second.header.tokens != c.tokens) {
+      ++s.pending_checkpoints;
+    }
+  }
   if (host_ != nullptr) {
     s.host_capacity_bytes = host_->num_slots() * host_->slot_bytes();
     s.host_used_bytes = (host_->num_slots() - host_->free_slots()) * host_->slot_bytes();
@@ -483,6 +632,7 @@ TierStats TierStore::Stats() const {
   for (const auto& [key, e] : entries_) {
     if (e.segment != 0) ++s.disk_records;
     if (e.header.kind == RecordKind::kObject) ++s.objects;
+    if (e.header.kind == RecordKind::kCheckpoint) continue;  // counted above
     if (e.spill != nullptr) {
       ++s.pending_spill_records;
       s.pending_spill_bytes += static_cast<int64_t>(e.spill->size());

@@ -70,6 +70,8 @@ struct TierStats {
   uint64_t flushes = 0, flush_failures = 0;
   double last_flush_seconds = 0;
   bool last_flush_durable = true;
+  int64_t pending_checkpoints = 0;       // checkpoints not on G3 as they are now
+  int64_t restored_checkpoints = 0;      // by the last Load
   int64_t reloaded_records = 0;          // by the last Load (warm restart)
   double load_seconds = 0;
 };

@@ -170,6 +170,65 @@ TEST_CASE("kill -9 in the middle of flushes never serves a torn block and keeps 
   for (int p : durable) REQUIRE(Work(d, absl::StrCat("final-", p), p * 10000, 401) == 400);
 }
 
+TEST_CASE("An interrupted generation's checkpoint survives a restart and resumes byte-exact",
+          "[integration][tiers]") {
+  TempDir disk;
+  {
+    DaemonProcess d(TierConfig(disk.path()), {"--lease-ttl=2"});
+    auto stub = Stub(d);
+    WorkerProcess victim({"--target", d.target(), "--id", "gen", "--prompt-range", "100:10", "--gen", "20",
+                          "--checkpoint-every", "5", "--hang-after-checkpoint"});
+    REQUIRE(victim.WaitForLine("CHECKPOINTED", absl::Seconds(20)).ok());
+    {
+      grpc::ClientContext ctx;
+      v1::ReportResponse r;
+      REQUIRE(stub->Report(&ctx, v1::ReportRequest(), &r).ok());
+      REQUIRE(r.tiers().pending_checkpoints() == 1);  // only in memory so far
+    }
+    victim.Kill(SIGKILL);
+    v1::FlushResponse f = Flush(*stub);
+    REQUIRE(f.durable());
+    grpc::ClientContext ctx;
+    v1::ReportResponse r;
+    REQUIRE(stub->Report(&ctx, v1::ReportRequest(), &r).ok());
+    REQUIRE(r.tiers().pending_checkpoints() == 0);
+    d.Signal(SIGKILL);  // a crash: only what Flush made durable survives
+    (void)d.WaitExit(absl::Seconds(10));
+  }
+  DaemonProcess d(TierConfig(disk.path()));
+  auto stub = Stub(d);
+  {
+    grpc::ClientContext ctx;
+    v1::ReportResponse r;
+    REQUIRE(stub->Report(&ctx, v1::ReportRequest(), &r).ok());
+    REQUIRE(r.tiers().restored_checkpoints() == 1);
+    REQUIRE(r.orphaned_checkpoints() == 1);
+  }
+  ProcessResult resumed = RunWorker({"--target", d.target(), "--id", "gen2", "--resume-from", "gen",
+                                     "--prompt-range", "100:10", "--gen", "20"});
+  INFO(resumed.out);
+  REQUIRE(resumed.exit_code == 0);
+  REQUIRE(JsonBool(resumed.out, "resumed"));
+  REQUIRE(JsonInt(resumed.out, "cached_tokens") == 15);
+  REQUIRE(JsonInt(resumed.out, "mismatches") == 0);
+  REQUIRE(JsonInt(resumed.out, "tokens") == 30);
+  // Completed now: the next flush deletes the stored checkpoint, so no restart brings it back.
+  REQUIRE(Flush(*stub).durable());
+  grpc::ClientContext ctx;
+  v1::ReportResponse r;
+  REQUIRE(stub->Report(&ctx, v1::ReportRequest(), &r).ok());
+  REQUIRE(r.orphaned_checkpoints() == 0);
+  d.Signal(SIGKILL);
+  (void)d.WaitExit(absl::Seconds(10));
+  DaemonProcess again(TierConfig(disk.path()));
+  auto stub2 = Stub(again);
+  grpc::ClientContext ctx2;
+  v1::ReportResponse r2;
+  REQUIRE(stub2->Report(&ctx2, v1::ReportRequest(), &r2).ok());
+  REQUIRE(r2.tiers().restored_checkpoints() == 0);
+  REQUIRE(r2.orphaned_checkpoints() == 0);
+}
+
 TEST_CASE("Close needs every request ended, flushes, clears, and is idempotent", "[integration][tiers]") {
   TempDir disk;
   DaemonProcess d(TierConfig(disk.path()));
