@@ -104,7 +104,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
                                                    d->workers_.get(), d->arena_->backend(),
                                                    d->tiers_.get()));
   KVD_RETURN_IF_ERROR(EnsureParentDir(so.side_socket));
-  KVD_ASSIGN_OR_RETURN(d->side_, SlabSideChannel::Start(so.side_socket, d->arena_.get(), d->workers_.get()));
+  d->access_ = AccessPolicy(std::vector<uid_t>(so.allowed_uids.begin(), so.allowed_uids.end()),
+                            std::vector<gid_t>(so.allowed_gids.begin(), so.allowed_gids.end()));
+  KVD_ASSIGN_OR_RETURN(d->side_, SlabSideChannel::Start(so.side_socket, d->arena_.get(),
+                                                        d->workers_.get(), &d->access_));
   d->service_ = std::make_unique<KvdService>(d->cache_.get(), d->workers_.get(), d->arena_.get(),
                                              d->metrics_.get(), so.side_socket, so.lease_ttl,
                                              d->tiers_.get());
@@ -119,7 +122,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   grpc::ServerBuilder builder;
   int port = 0;
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> creds, ServerCredentials(so, unix_socket));
-  builder.AddListeningPort(so.listen, creds, unix_socket ? nullptr : &port);
+  if (unix_socket && d->access_.enabled()) {
+    // kvd accepts on the socket itself, to know each connection's peer (PeerListener).
+    KVD_ASSIGN_OR_RETURN(d->peers_, PeerListener::Bind(so.listen.substr(7)));
+    d->service_->set_access(&d->access_, d->peers_.get());
+  } else {
+    builder.AddListeningPort(so.listen, creds, unix_socket ? nullptr : &port);
+  }
   builder.SetMaxReceiveMessageSize(static_cast<int>(so.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(so.max_message_bytes));
   builder.RegisterService(d->service_.get());
@@ -131,6 +140,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   if (d->server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", so.listen));
   }
+  if (d->peers_ != nullptr) d->peers_->Start(d->server_.get());
   if (unix_socket) {
     // Only the daemon's user and group may connect; the side socket also checks SO_PEERCRED.
     ::chmod(so.listen.substr(7).c_str(), 0660);
@@ -189,7 +199,9 @@ int64_t Daemon::Drain(absl::Duration timeout, const std::function<bool()>& inter
 Daemon::~Daemon() {
   stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();
+  if (peers_ != nullptr) peers_.reset();
   if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  peers_.reset();  // stop accepting first
   server_.reset();
   side_.reset();
   if (tiers_ != nullptr) {

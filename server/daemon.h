@@ -18,6 +18,8 @@
 #include "server/options.h"
 #include "server/rpc/attachments.h"
 #include "server/rpc/kvd_service.h"
+#include "server/rpc/access_policy.h"
+#include "server/rpc/peer_listener.h"
 #include "server/rpc/slab_side_channel.h"
 #include "server/store/tier_store.h"
 
@@ -54,7 +56,9 @@ class Daemon {
   std::unique_ptr<TierStore> tiers_;  // null unless tiers are configured
   std::unique_ptr<AttachmentRegistry> workers_;
   std::unique_ptr<Metrics> metrics_;
+  AccessPolicy access_;
   std::unique_ptr<SlabSideChannel> side_;
+  std::unique_ptr<PeerListener> peers_;  // set when an allow-list guards the Unix socket
   std::unique_ptr<KvdService> service_;
   std::unique_ptr<grpc::Server> server_;
   absl::Notification stop_reaper_;

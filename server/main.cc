@@ -62,6 +62,11 @@ int main(int argc, char** argv) {
   app.add_option("--tls-cert", tls_cert, "PEM certificate chain for a TCP listen address");
   app.add_option("--tls-key", tls_key, "PEM private key for --tls-cert");
   app.add_option("--tls-client-ca", tls_client_ca, "PEM CA: require client certificates it signed");
+  std::vector<int64_t> allowed_uids, allowed_gids;
+  app.add_option("--allowed-uids", allowed_uids, "uids allowed besides root and kvd's user (comma-separated)")
+      ->delimiter(',');
+  app.add_option("--allowed-gids", allowed_gids, "gids allowed (primary or supplementary; comma-separated)")
+      ->delimiter(',');
   std::string disk_dir;
   int64_t host_tier_bytes = -1;
   app.add_option("--disk-dir", disk_dir, "directory of the disk tier (G3); enables flush and warm restart")
@@ -94,6 +99,8 @@ int main(int argc, char** argv) {
   if (drain_timeout_s >= 0) options.server.drain_timeout = absl::Seconds(drain_timeout_s);
   if (!disk_dir.empty()) options.tiers.disk_dir = disk_dir;
   if (!tls_cert.empty()) options.server.tls_cert_file = tls_cert;
+  if (!allowed_uids.empty()) options.server.allowed_uids = allowed_uids;
+  if (!allowed_gids.empty()) options.server.allowed_gids = allowed_gids;
   if (!tls_key.empty()) options.server.tls_key_file = tls_key;
   if (!tls_client_ca.empty()) options.server.tls_client_ca_file = tls_client_ca;
   if (host_tier_bytes >= 0) options.tiers.host_bytes = host_tier_bytes;

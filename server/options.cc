@@ -130,6 +130,16 @@ absl::Status Options::Validate() const {
   if (!server.tls_cert_file.empty() && absl::StartsWith(server.listen, "unix://")) {
     return absl::InvalidArgumentError("tls_cert_file is for a TCP listen address, not a Unix socket");
   }
+  for (int64_t id : server.allowed_uids) {
+    if (id < 0 || id > 0xFFFFFFFE) return absl::InvalidArgumentError(absl::StrCat("allowed_uids: bad uid ", id));
+  }
+  for (int64_t id : server.allowed_gids) {
+    if (id < 0 || id > 0xFFFFFFFE) return absl::InvalidArgumentError(absl::StrCat("allowed_gids: bad gid ", id));
+  }
+  if ((!server.allowed_uids.empty() || !server.allowed_gids.empty()) &&
+      !absl::StartsWith(server.listen, "unix://")) {
+    return absl::InvalidArgumentError("allowed_uids / allowed_gids need a Unix socket listen address (use TLS client certificates on TCP)");
+  }
   if (tiers.host_bytes < 0) return absl::InvalidArgumentError("tiers.host_bytes must be >= 0");
   if (tiers.disk_bytes <= 0) return absl::InvalidArgumentError("tiers.disk_bytes must be > 0");
   if (tiers.segment_bytes < 4096) return absl::InvalidArgumentError("tiers.segment_bytes must be >= 4096");
@@ -160,7 +170,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
       "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes",
       "boundary_high_watermark", "boundary_low_watermark", "event_buffer", "eviction_policy",
       "slru_main_fraction", "slru_ghost_fraction", "max_requests_per_worker", "max_bytes_per_worker",
-      "pools", "tiers", "tls_cert_file", "tls_key_file", "tls_client_ca_file"};
+      "pools", "tiers", "tls_cert_file", "tls_key_file", "tls_client_ca_file", "allowed_uids", "allowed_gids"};
   for (const auto& kv : root) {
     const std::string key = kv.first.as<std::string>();
     bool known = false;
@@ -180,6 +190,8 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(Read(root, "tls_cert_file", &s.tls_cert_file, where));
   KVD_RETURN_IF_ERROR(Read(root, "tls_key_file", &s.tls_key_file, where));
   KVD_RETURN_IF_ERROR(Read(root, "tls_client_ca_file", &s.tls_client_ca_file, where));
+  KVD_RETURN_IF_ERROR(Read(root, "allowed_uids", &s.allowed_uids, where));
+  KVD_RETURN_IF_ERROR(Read(root, "allowed_gids", &s.allowed_gids, where));
   KVD_RETURN_IF_ERROR(Read(root, "budget_bytes", &c.budget_bytes, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "session_ttl_s", &c.session_ttl, where));
   KVD_RETURN_IF_ERROR(Read(root, "session_max_protected_blocks", &c.session_max_protected_blocks, where));
@@ -235,6 +247,8 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "tls_cert_file" << YAML::Value << s.tls_cert_file;
   out << YAML::Key << "tls_key_file" << YAML::Value << s.tls_key_file;
   out << YAML::Key << "tls_client_ca_file" << YAML::Value << s.tls_client_ca_file;
+  out << YAML::Key << "allowed_uids" << YAML::Value << YAML::Flow << s.allowed_uids;
+  out << YAML::Key << "allowed_gids" << YAML::Value << YAML::Flow << s.allowed_gids;
   out << YAML::Key << "budget_bytes" << YAML::Value << c.budget_bytes;
   out << YAML::Key << "session_ttl_s" << YAML::Value << absl::ToDoubleSeconds(c.session_ttl);
   out << YAML::Key << "session_max_protected_blocks" << YAML::Value << c.session_max_protected_blocks;

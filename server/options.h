@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -39,6 +40,11 @@ struct ServerOptions {
   std::string tls_key_file;
   // PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS).
   std::string tls_client_ca_file;
+  // Local users allowed on the Unix sockets besides root and kvd's own user (SO_PEERCRED; a gid
+  // matches the primary or a supplementary group). Others get PERMISSION_DENIED on gRPC and are
+  // refused on the side socket. Both empty: whoever can open the sockets (mode 0660).
+  std::vector<int64_t> allowed_uids;
+  std::vector<int64_t> allowed_gids;
 };
 
 struct Options {

@@ -79,7 +79,8 @@ std::vector<WorkerId> AttachmentRegistry::TakeLapsed() {
   return out;
 }
 
-absl::Status AttachmentRegistry::RedeemToken(const std::string& token, const PeerCredentials& peer) {
+absl::Status AttachmentRegistry::RedeemToken(const std::string& token, const PeerCredentials& peer,
+                                             bool allow_listed) {
   absl::MutexLock lock(&mu_);
   for (auto& [id, e] : workers_) {
     if (e.slab_token != token) continue;
@@ -89,7 +90,7 @@ absl::Status AttachmentRegistry::RedeemToken(const std::string& token, const Pee
           "slab token belongs to pid ", e.pid, ", presented by pid ", peer.pid,
           " (a worker in another PID namespace needs hostPID or shareProcessNamespace)"));
     }
-    if (peer.uid != geteuid() && peer.uid != 0) {
+    if (peer.uid != geteuid() && peer.uid != 0 && !allow_listed) {
       return absl::PermissionDeniedError(absl::StrCat("peer uid ", peer.uid, " may not map slabs"));
     }
     e.token_used = true;

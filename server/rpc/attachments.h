@@ -43,8 +43,10 @@ class AttachmentRegistry {
   // Removes and returns workers whose lease has lapsed.
   std::vector<WorkerId> TakeLapsed() ABSL_LOCKS_EXCLUDED(mu_);
   // Consumes a slab token presented on the side socket. PERMISSION_DENIED unless the token is live
-  // and unused and the peer is the process that attached (same pid) under the daemon's uid or root.
-  absl::Status RedeemToken(const std::string& token, const PeerCredentials& peer)
+  // and unused and the peer is the process that attached (same pid) under the daemon's uid or root,
+  // or `allow_listed` (the access policy admitted it).
+  absl::Status RedeemToken(const std::string& token, const PeerCredentials& peer,
+                           bool allow_listed = false)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   int64_t size() const ABSL_LOCKS_EXCLUDED(mu_);

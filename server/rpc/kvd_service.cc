@@ -34,6 +34,13 @@ KvdService::KvdService(KvCache* cache, AttachmentRegistry* workers, const Device
       side_socket_(std::move(side_socket)),
       lease_ttl_(lease_ttl) {}
 
+absl::Status KvdService::Authorize(const grpc::CallbackServerContext* ctx) const {
+  if (policy_ == nullptr || peers_ == nullptr) return absl::OkStatus();
+  std::optional<PeerCredentials> peer = peers_->PeerOf(ctx->peer());
+  if (!peer.has_value()) return absl::PermissionDeniedError("kvd cannot tell who is calling");
+  return policy_->Check(*peer);
+}
+
 absl::Status KvdService::CheckWorker(const std::string& worker_id,
                                      const std::string& request_id) const {
   KVD_RETURN_IF_ERROR(RequireId("worker_id", worker_id));
@@ -105,6 +112,7 @@ grpc::ServerUnaryReactor* KvdService::Acquire(grpc::CallbackServerContext* ctx,
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   bool promoting = false;
   const absl::Status status = [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(Authorize(ctx));
     KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
     const RequestId id(req->request_id());
     KVD_ASSIGN_OR_RETURN(AcquireResult r, cache_->Acquire(id));

@@ -15,7 +15,9 @@
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "server/core/kv_cache.h"
 #include "server/obs/metrics.h"
+#include "server/rpc/access_policy.h"
 #include "server/rpc/attachments.h"
+#include "server/rpc/peer_listener.h"
 #include "server/store/tier_store.h"
 
 namespace kvd {
@@ -32,6 +34,14 @@ class KvdService final : public v1::Kvd::CallbackService {
   // `on_drain` (set by the Daemon: health NOT_SERVING) once.
   void StartDraining();
   void set_on_drain(std::function<void()> fn) { on_drain_ = std::move(fn); }
+  // With an allow-list: every call's peer is looked up in `peers` and checked against `policy`
+  // (both borrowed). Call before serving.
+  void set_access(const AccessPolicy* policy, const PeerListener* peers) {
+    policy_ = policy;
+    peers_ = peers;
+  }
+  // OK, or PERMISSION_DENIED when the allow-list refuses the caller.
+  absl::Status Authorize(const grpc::CallbackServerContext* ctx) const;
   bool draining() const { return draining_.load(); }
   // A worker's attachment ended (stream closed or lease lapsed): release what it held.
   void WorkerGone(const WorkerId& worker, absl::string_view why);
@@ -150,6 +160,8 @@ class KvdService final : public v1::Kvd::CallbackService {
   const std::string side_socket_;
   const absl::Duration lease_ttl_;
   std::atomic<bool> draining_{false};
+  const AccessPolicy* policy_ = nullptr;
+  const PeerListener* peers_ = nullptr;
   std::function<void()> on_drain_;
 };
 

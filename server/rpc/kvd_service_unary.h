@@ -24,7 +24,8 @@ template <typename Fn>
 grpc::ServerUnaryReactor* KvdService::Unary(grpc::CallbackServerContext* ctx, const char* method,
                                             Fn&& fn) {
   const auto start = std::chrono::steady_clock::now();
-  const absl::Status status = fn();
+  absl::Status status = Authorize(ctx);
+  if (status.ok()) status = fn();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   FinishRpc(reactor, method, start, status);
   return reactor;

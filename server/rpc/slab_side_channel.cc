@@ -15,24 +15,27 @@
 namespace kvd {
 
 absl::StatusOr<std::unique_ptr<SlabSideChannel>> SlabSideChannel::Start(
-    const std::string& path, const DeviceArena* arena, AttachmentRegistry* registry) {
+    const std::string& path, const DeviceArena* arena, AttachmentRegistry* registry,
+    const AccessPolicy* policy) {
   auto listen_fd = ListenUnix(path, 0660);
   if (!listen_fd.ok()) return listen_fd.status();
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
   return std::unique_ptr<SlabSideChannel>(new SlabSideChannel(
-      path, std::move(*listen_fd), UniqueFd(pipe_fds[0]), UniqueFd(pipe_fds[1]), arena, registry));
+      path, std::move(*listen_fd), UniqueFd(pipe_fds[0]), UniqueFd(pipe_fds[1]), arena, registry,
+      policy));
 }
 
 SlabSideChannel::SlabSideChannel(std::string path, UniqueFd listen_fd, UniqueFd wake_read,
                                  UniqueFd wake_write, const DeviceArena* arena,
-                                 AttachmentRegistry* registry)
+                                 AttachmentRegistry* registry, const AccessPolicy* policy)
     : path_(std::move(path)),
       listen_fd_(std::move(listen_fd)),
       wake_read_(std::move(wake_read)),
       wake_write_(std::move(wake_write)),
       arena_(arena),
-      registry_(registry) {
+      registry_(registry),
+      policy_(policy) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -70,9 +73,14 @@ void SlabSideChannel::Serve(int conn) {
   };
   auto peer = GetPeerCredentials(conn);
   if (!peer.ok()) return refuse(peer.status());
+  // Without an allow-list only kvd's own user and root may map slabs; with one, its users too.
+  const bool allow_listed = policy_ != nullptr && policy_->enabled();
+  if (allow_listed) {
+    if (absl::Status allowed = policy_->Check(*peer); !allowed.ok()) return refuse(allowed);
+  }
   auto token = ReceiveMessage(conn, /*max_payload=*/256, /*max_fds=*/0);
   if (!token.ok()) return refuse(token.status());
-  absl::Status redeemed = registry_->RedeemToken(token->payload, *peer);
+  absl::Status redeemed = registry_->RedeemToken(token->payload, *peer, allow_listed);
   if (!redeemed.ok()) return refuse(redeemed);
   const auto& slabs = arena_->slabs();
   if (!SendMessage(conn, absl::StrCat("OK ", slabs.size()), {}).ok()) return;

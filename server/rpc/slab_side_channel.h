@@ -16,22 +16,25 @@
 #include "absl/status/statusor.h"
 #include "gpu/device_arena.h"
 #include "gpu/unique_fd.h"
+#include "server/rpc/access_policy.h"
 #include "server/rpc/attachments.h"
 
 namespace kvd {
 
 class SlabSideChannel {
  public:
-  // Listens on `path` (mode 0660). `arena` and `registry` are borrowed and must outlive this.
+  // Listens on `path` (mode 0660). `arena`, `registry` and `policy` (may be null) are borrowed
+  // and must outlive this; peers `policy` refuses get "ERR" and nothing else.
   static absl::StatusOr<std::unique_ptr<SlabSideChannel>> Start(const std::string& path,
                                                                 const DeviceArena* arena,
-                                                                AttachmentRegistry* registry);
+                                                                AttachmentRegistry* registry,
+                                                                const AccessPolicy* policy = nullptr);
   ~SlabSideChannel();  // stops the thread and removes the socket file
   const std::string& path() const { return path_; }
 
  private:
   SlabSideChannel(std::string path, UniqueFd listen_fd, UniqueFd wake_read, UniqueFd wake_write,
-                  const DeviceArena* arena, AttachmentRegistry* registry);
+                  const DeviceArena* arena, AttachmentRegistry* registry, const AccessPolicy* policy);
   void Loop();
   void Serve(int conn);
 
@@ -41,6 +44,7 @@ class SlabSideChannel {
   UniqueFd wake_write_;
   const DeviceArena* arena_;
   AttachmentRegistry* registry_;
+  const AccessPolicy* policy_;
   std::thread thread_;
 };
 

@@ -249,18 +249,31 @@ class PressureReactor final : public PumpedWriter<v1::PressureUpdate> {
 
 }  // namespace
 
+// Streams refused before they start (the allow-list): finish at once with `status`.
+template <typename Base>
+class Refused final : public Base {
+ public:
+  explicit Refused(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
 grpc::ServerBidiReactor<v1::AttachRequest, v1::AttachResponse>* KvdService::Attach(
-    grpc::CallbackServerContext*) {
+    grpc::CallbackServerContext* ctx) {
+  if (absl::Status s = Authorize(ctx); !s.ok()) {
+    return new Refused<grpc::ServerBidiReactor<v1::AttachRequest, v1::AttachResponse>>(s);
+  }
   return new AttachReactor(this);
 }
 
 grpc::ServerWriteReactor<v1::EventBatch>* KvdService::WatchEvents(
-    grpc::CallbackServerContext*, const v1::WatchEventsRequest* req) {
+    grpc::CallbackServerContext* ctx, const v1::WatchEventsRequest* req) {
+  if (absl::Status s = Authorize(ctx); !s.ok()) return new Refused<grpc::ServerWriteReactor<v1::EventBatch>>(s);
   return new EventsReactor(cache_, req->after_sequence());
 }
 
 grpc::ServerWriteReactor<v1::PressureUpdate>* KvdService::WatchPressure(
-    grpc::CallbackServerContext*, const v1::WatchPressureRequest*) {
+    grpc::CallbackServerContext* ctx, const v1::WatchPressureRequest*) {
+  if (absl::Status s = Authorize(ctx); !s.ok()) return new Refused<grpc::ServerWriteReactor<v1::PressureUpdate>>(s);
   return new PressureReactor(cache_);
 }
 

@@ -57,7 +57,8 @@ grpc::ServerUnaryReactor* KvdService::Flush(grpc::CallbackServerContext* ctx,
                                             const v1::FlushRequest*, v1::FlushResponse* resp) {
   const auto start = std::chrono::steady_clock::now();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  absl::Status s = RequireTiers(/*disk=*/true);
+  absl::Status s = Authorize(ctx);
+  if (s.ok()) s = RequireTiers(/*disk=*/true);
   if (s.ok()) {
     s = tiers_->FlushAsync([this, reactor, resp, start](FlushResult r) {
       ToProto(r, resp);
@@ -76,7 +77,8 @@ grpc::ServerUnaryReactor* KvdService::Close(grpc::CallbackServerContext* ctx,
     resp->set_cleared_blocks(cache_->ClearCache());
     if (tiers_ != nullptr) tiers_->DropMemory();
   };
-  absl::Status s = RequireTiers(/*disk=*/false);
+  absl::Status s = Authorize(ctx);
+  if (s.ok()) s = RequireTiers(/*disk=*/false);
   if (s.ok()) {
     if (const int64_t live = cache_->Report().live_requests; live > 0) {
       s = absl::FailedPreconditionError(absl::StrCat(live, " requests are live: Close needs every request ended (drain first)"));
@@ -134,9 +136,10 @@ grpc::ServerUnaryReactor* KvdService::StopIdleDemotion(grpc::CallbackServerConte
 }
 
 grpc::ServerWriteReactor<v1::SavedPrefixBatch>* KvdService::SavedPrefixes(
-    grpc::CallbackServerContext*, const v1::SavedPrefixesRequest*) {
+    grpc::CallbackServerContext* ctx, const v1::SavedPrefixesRequest*) {
   const auto start = std::chrono::steady_clock::now();
-  absl::Status s = RequireTiers(/*disk=*/true);
+  absl::Status s = Authorize(ctx);
+  if (s.ok()) s = RequireTiers(/*disk=*/true);
   std::vector<v1::SavedPrefixBatch> batches;
   if (s.ok()) {
     for (const SavedPrefix& p : tiers_->SavedPrefixes()) {
@@ -167,7 +170,9 @@ grpc::ServerUnaryReactor* KvdService::GetObject(grpc::CallbackServerContext* ctx
                                                 v1::GetObjectResponse* resp) {
   const auto start = std::chrono::steady_clock::now();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  if (absl::Status s = RequireTiers(false); !s.ok()) {
+  absl::Status s = Authorize(ctx);
+  if (s.ok()) s = RequireTiers(false);
+  if (!s.ok()) {
     FinishRpc(reactor, "GetObject", start, s);
     return reactor;
   }

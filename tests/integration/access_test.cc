@@ -1,0 +1,86 @@
+// The uid/gid allow-list, checked with a process running as another user (created by the test
+// when it runs as root; skipped with a message otherwise): refused peers get PERMISSION_DENIED on
+// gRPC and "ERR" on the side socket; allowing the user's group (a supplementary group) lets the
+// same user run a full worker.
+#include <grp.h>
+#include <pwd.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "tests/integration/harness.h"
+
+namespace kvd {
+namespace {
+
+using namespace kvd::testing;
+
+constexpr char kUser[] = "kvd-test-peer";
+constexpr char kGroup[] = "kvd-test-group";
+
+bool EnsureUser() {
+  ProcessResult r = RunProcess("/bin/sh", {"-c", absl::StrCat(
+      "getent group ", kGroup, " >/dev/null || groupadd --system ", kGroup, " && "
+      "(id -u ", kUser, " >/dev/null 2>&1 || useradd --system --no-create-home --shell /bin/sh ", kUser, ") && "
+      "usermod -a -G ", kGroup, " ", kUser)});
+  return r.exit_code == 0 && getpwnam(kUser) != nullptr;
+}
+
+// Opens the daemon's directory and sockets to everyone, so that only the allow-list decides.
+void OpenUp(const DaemonProcess& d) {
+  chmod(d.dir().c_str(), 0755);
+  chmod((d.dir() + "/kvd.sock").c_str(), 0666);
+  chmod(d.side_socket().c_str(), 0666);
+}
+
+ProcessResult RunAs(const std::string& binary, std::vector<std::string> args) {
+  std::vector<std::string> full = {"-u", kUser, "--", binary};
+  full.insert(full.end(), args.begin(), args.end());
+  return RunProcess("/usr/sbin/runuser", full);
+}
+
+TEST_CASE("The allow-list refuses other users on gRPC and the side socket, and admits a group",
+          "[integration][access]") {
+  if (geteuid() != 0) {
+    WARN("skipped: creating a second user needs root");
+    return;
+  }
+  if (!EnsureUser()) {
+    WARN("skipped: could not create user " << kUser);
+    return;
+  }
+  const gid_t group = getgrnam(kGroup)->gr_gid;
+  {
+    DaemonProcess d(SmallPoolConfig(), {"--allowed-uids=4242"});
+    OpenUp(d);
+    ProcessResult ctl = RunAs(KVDCTL_BINARY, {"--target=" + d.target(), "status"});
+    INFO(ctl.out);
+    REQUIRE(ctl.exit_code != 0);
+    REQUIRE(ctl.out.find("kvdctl: 7 ") != std::string::npos);  // PERMISSION_DENIED
+    REQUIRE(ctl.out.find("is not in kvd's allowed_uids / allowed_gids") != std::string::npos);
+    ProcessResult worker = RunAs(ExampleWorkerBinary(), {"--target=" + d.target(), "--id=x", "--prompt-range=0:9"});
+    REQUIRE(worker.exit_code != 0);
+    REQUIRE(worker.out.find("PERMISSION_DENIED") != std::string::npos);
+    // The side socket refuses the same peer before reading anything it sends.
+    ProcessResult side = RunAs("/usr/bin/python3", {"-c",
+        "import socket,struct,sys\n"
+        "s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+        "s.sendall(struct.pack('<I',5)+b'token'); print(s.recv(200))", d.side_socket()});
+    INFO(side.out);
+    REQUIRE(side.out.find("ERR") != std::string::npos);
+    REQUIRE(side.out.find("not in kvd") != std::string::npos);
+    // Root still gets through.
+    REQUIRE(RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "status"}).exit_code == 0);
+  }
+  DaemonProcess d(SmallPoolConfig(), {absl::StrCat("--allowed-gids=", group)});
+  OpenUp(d);
+  ProcessResult worker = RunAs(ExampleWorkerBinary(), {"--target=" + d.target(), "--id=y", "--prompt-range=0:9"});
+  INFO(worker.out);
+  REQUIRE(worker.exit_code == 0);
+  REQUIRE(JsonInt(worker.out, "mismatches") == 0);
+}
+
+}  // namespace
+}  // namespace kvd
