@@ -1,6 +1,10 @@
 #include "server/daemon.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <filesystem>
 #include <fstream>
@@ -144,6 +148,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   if (unix_socket) {
     // Only the daemon's user and group may connect; the side socket also checks SO_PEERCRED.
     ::chmod(so.listen.substr(7).c_str(), 0660);
+    if (!so.socket_group.empty()) {
+      KVD_ASSIGN_OR_RETURN(gid_t gid, ResolveGroup(so.socket_group));
+      for (const std::string& path : {so.listen.substr(7), so.side_socket}) {
+        if (::chown(path.c_str(), static_cast<uid_t>(-1), gid) != 0) {
+          return absl::PermissionDeniedError(absl::StrCat("socket_group: chown ", path, ": ", std::strerror(errno)));
+        }
+      }
+    }
   } else if (port > 0 && absl::EndsWith(so.listen, ":0")) {
     d->options_.server.listen = absl::StrCat(so.listen.substr(0, so.listen.size() - 1), port);
   }

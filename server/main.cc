@@ -67,6 +67,9 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   app.add_option("--allowed-gids", allowed_gids, "gids allowed (primary or supplementary; comma-separated)")
       ->delimiter(',');
+  std::string socket_group;
+  app.add_option("--socket-group", socket_group, "group owning the Unix sockets (workers join it)")
+      ->envname("KVD_SOCKET_GROUP");
   std::string disk_dir;
   int64_t host_tier_bytes = -1;
   app.add_option("--disk-dir", disk_dir, "directory of the disk tier (G3); enables flush and warm restart")
@@ -100,6 +103,7 @@ int main(int argc, char** argv) {
   if (!disk_dir.empty()) options.tiers.disk_dir = disk_dir;
   if (!tls_cert.empty()) options.server.tls_cert_file = tls_cert;
   if (!allowed_uids.empty()) options.server.allowed_uids = allowed_uids;
+  if (!socket_group.empty()) options.server.socket_group = socket_group;
   if (!allowed_gids.empty()) options.server.allowed_gids = allowed_gids;
   if (!tls_key.empty()) options.server.tls_key_file = tls_key;
   if (!tls_client_ca.empty()) options.server.tls_client_ca_file = tls_client_ca;

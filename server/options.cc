@@ -1,8 +1,11 @@
 #include "server/options.h"
 
+#include <grp.h>
+
 #include <yaml-cpp/yaml.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/status_macros.h"
 #include "server/default_paths.h"
@@ -82,6 +85,13 @@ absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOpt
 
 }  // namespace
 
+absl::StatusOr<gid_t> ResolveGroup(const std::string& name) {
+  if (group* g = getgrnam(name.c_str())) return g->gr_gid;
+  uint32_t gid = 0;
+  if (absl::SimpleAtoi(name, &gid)) return static_cast<gid_t>(gid);
+  return absl::InvalidArgumentError(absl::StrCat("socket_group: no group '", name, "'"));
+}
+
 PoolGeometry DefaultPool() {
   PoolGeometry g;
   g.name = "default";
@@ -130,6 +140,9 @@ absl::Status Options::Validate() const {
   if (!server.tls_cert_file.empty() && absl::StartsWith(server.listen, "unix://")) {
     return absl::InvalidArgumentError("tls_cert_file is for a TCP listen address, not a Unix socket");
   }
+  if (!server.socket_group.empty() && !ResolveGroup(server.socket_group).ok()) {
+    return ResolveGroup(server.socket_group).status();
+  }
   for (int64_t id : server.allowed_uids) {
     if (id < 0 || id > 0xFFFFFFFE) return absl::InvalidArgumentError(absl::StrCat("allowed_uids: bad uid ", id));
   }
@@ -170,7 +183,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
       "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes",
       "boundary_high_watermark", "boundary_low_watermark", "event_buffer", "eviction_policy",
       "slru_main_fraction", "slru_ghost_fraction", "max_requests_per_worker", "max_bytes_per_worker",
-      "pools", "tiers", "tls_cert_file", "tls_key_file", "tls_client_ca_file", "allowed_uids", "allowed_gids"};
+      "pools", "tiers", "tls_cert_file", "tls_key_file", "tls_client_ca_file", "allowed_uids", "allowed_gids", "socket_group"};
   for (const auto& kv : root) {
     const std::string key = kv.first.as<std::string>();
     bool known = false;
@@ -191,6 +204,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(Read(root, "tls_key_file", &s.tls_key_file, where));
   KVD_RETURN_IF_ERROR(Read(root, "tls_client_ca_file", &s.tls_client_ca_file, where));
   KVD_RETURN_IF_ERROR(Read(root, "allowed_uids", &s.allowed_uids, where));
+  KVD_RETURN_IF_ERROR(Read(root, "socket_group", &s.socket_group, where));
   KVD_RETURN_IF_ERROR(Read(root, "allowed_gids", &s.allowed_gids, where));
   KVD_RETURN_IF_ERROR(Read(root, "budget_bytes", &c.budget_bytes, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "session_ttl_s", &c.session_ttl, where));
@@ -247,6 +261,7 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "tls_cert_file" << YAML::Value << s.tls_cert_file;
   out << YAML::Key << "tls_key_file" << YAML::Value << s.tls_key_file;
   out << YAML::Key << "tls_client_ca_file" << YAML::Value << s.tls_client_ca_file;
+  out << YAML::Key << "socket_group" << YAML::Value << s.socket_group;
   out << YAML::Key << "allowed_uids" << YAML::Value << YAML::Flow << s.allowed_uids;
   out << YAML::Key << "allowed_gids" << YAML::Value << YAML::Flow << s.allowed_gids;
   out << YAML::Key << "budget_bytes" << YAML::Value << c.budget_bytes;

@@ -3,6 +3,8 @@
 // Validate() runs once at start-up, before anything binds.
 #pragma once
 
+#include <sys/types.h>
+
 #include <string>
 #include <vector>
 
@@ -43,6 +45,9 @@ struct ServerOptions {
   // Local users allowed on the Unix sockets besides root and kvd's own user (SO_PEERCRED; a gid
   // matches the primary or a supplementary group). Others get PERMISSION_DENIED on gRPC and are
   // refused on the side socket. Both empty: whoever can open the sockets (mode 0660).
+  // Group owning the Unix sockets (name or number; mode stays 0660): workers join it to connect.
+  // Empty: the daemon's group.
+  std::string socket_group;
   std::vector<int64_t> allowed_uids;
   std::vector<int64_t> allowed_gids;
 };
@@ -57,6 +62,9 @@ struct Options {
   // INVALID_ARGUMENT naming the first bad field.
   absl::Status Validate() const;
 };
+
+// The gid of a group given by name or number. INVALID_ARGUMENT naming it when there is none.
+absl::StatusOr<gid_t> ResolveGroup(const std::string& name);
 
 // The pool served when the config declares none: Llama-3-8B-shaped (32 layers, 4 KiB per token
 // per layer in bf16, 16-token blocks of 2 MiB), 64 blocks (128 MiB).

@@ -65,17 +65,24 @@ TEST_CASE("The allow-list refuses other users on gRPC and the side socket, and a
     REQUIRE(worker.out.find("PERMISSION_DENIED") != std::string::npos);
     // The side socket refuses the same peer before reading anything it sends.
     ProcessResult side = RunAs("/usr/bin/python3", {"-c",
-        "import socket,struct,sys\n"
-        "s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
-        "s.sendall(struct.pack('<I',5)+b'token'); print(s.recv(200))", d.side_socket()});
+        "import socket,sys\n"
+        "s=socket.socket(socket.AF_UNIX); s.settimeout(5); s.connect(sys.argv[1])\n"
+        "print(s.recv(200))", d.side_socket()});  // refused before it sends anything
     INFO(side.out);
     REQUIRE(side.out.find("ERR") != std::string::npos);
     REQUIRE(side.out.find("not in kvd") != std::string::npos);
     // Root still gets through.
     REQUIRE(RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "status"}).exit_code == 0);
   }
-  DaemonProcess d(SmallPoolConfig(), {absl::StrCat("--allowed-gids=", group)});
-  OpenUp(d);
+  // The sockets' group is configurable: with socket_group the group alone reaches kvd (0660).
+  DaemonProcess d(SmallPoolConfig(), {absl::StrCat("--allowed-gids=", group), absl::StrCat("--socket-group=", kGroup)});
+  struct stat st;
+  REQUIRE(stat((d.dir() + "/kvd.sock").c_str(), &st) == 0);
+  REQUIRE(st.st_gid == group);
+  REQUIRE((st.st_mode & 0777) == 0660);
+  REQUIRE(stat(d.side_socket().c_str(), &st) == 0);
+  REQUIRE(st.st_gid == group);
+  chmod(d.dir().c_str(), 0755);
   ProcessResult worker = RunAs(ExampleWorkerBinary(), {"--target=" + d.target(), "--id=y", "--prompt-range=0:9"});
   INFO(worker.out);
   REQUIRE(worker.exit_code == 0);

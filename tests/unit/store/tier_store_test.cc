@@ -412,3 +412,44 @@ TEST_CASE("Codecs round-trip and fall back to none when data does not shrink", "
 
 }  // namespace
 }  // namespace kvd
+
+namespace kvd {
+namespace {
+
+TEST_CASE("Idle demotion moves idle host blocks to disk until it is stopped", "[store]") {
+  const ScopedDir dir;
+  TierOptions t = Tiers(dir);
+  t.idle_demote_after = absl::Milliseconds(1);
+  Node node(t);
+  node.Publish("a", Seq(1, 9));
+  REQUIRE(node.cache->Gc(t.idle_demote_after).blocks_freed == 0);  // just used: not idle yet
+  absl::SleepFor(absl::Milliseconds(5));
+  REQUIRE(node.cache->Gc(t.idle_demote_after).blocks_freed == 2);  // G1 -> G2
+  REQUIRE(node.store->Stats().host_records == 2);
+  node.store->StopIdleDemotion();
+  absl::SleepFor(absl::Milliseconds(5));
+  node.store->DemoteIdle();
+  node.store->WaitIdleForTesting();
+  REQUIRE(node.store->Stats().disk_records == 0);  // stopped: nothing moved
+  REQUIRE_FALSE(node.store->idle_demotion());
+  REQUIRE(node.Serve("b", Seq(1, 9)) == 8);
+  // A second store with idle demotion on spills idle host blocks to disk.
+  const ScopedDir dir2;
+  TierOptions t2 = Tiers(dir2);
+  t2.idle_demote_after = absl::Milliseconds(1);
+  Node other(t2);
+  other.Publish("a", Seq(1, 9));
+  absl::SleepFor(absl::Milliseconds(5));
+  other.cache->Gc(t2.idle_demote_after);
+  absl::SleepFor(absl::Milliseconds(5));
+  other.store->DemoteIdle();
+  other.store->WaitIdleForTesting();
+  const TierStats s = other.store->Stats();
+  REQUIRE(s.disk_records == 2);
+  REQUIRE(s.host_records == 0);
+  REQUIRE(s.demotions[kNumEvictReasons][2] == 2);
+  REQUIRE(other.Serve("b", Seq(1, 9)) == 8);
+}
+
+}  // namespace
+}  // namespace kvd
