@@ -83,17 +83,34 @@ absl::Status TierStore::Load() {
   events.push_back(cleared);
   bool rewrite = tombstones.size() != manifest.deleted.size();
   int64_t reloaded = 0;
+  // Read every header section first (no lock held), so the index is sized once: re-hashing
+  // entries while it grows dominated the load of a million blocks.
+  struct Loaded {
+    uint64_t num;
+    int64_t size;
+    absl::StatusOr<std::vector<RecordHeader>> headers;
+  };
+  std::vector<Loaded> loaded;
+  size_t total = 0;
+  for (uint64_t num : manifest.segments) {
+    int64_t size = 0;
+    auto headers = ReadSegmentHeaders(absl::StrCat(dir, "/", SegmentName(num)), &size);
+    if (headers.ok()) total += headers->size();
+    loaded.push_back(Loaded{num, size, std::move(headers)});
+  }
+  events.reserve(total + 1);
   {
     absl::MutexLock lock(&mu_);
     manifest_.next_segment = std::max<uint64_t>(manifest.next_segment, 1);
     manifest_.generation = manifest.generation;
     manifest_.deleted = std::move(tombstones);
-    for (uint64_t num : manifest.segments) {
-      const std::string path = absl::StrCat(dir, "/", SegmentName(num));
-      int64_t size = 0;
-      absl::StatusOr<std::vector<RecordHeader>> headers = ReadSegmentHeaders(path, &size);
+    entries_.reserve(entries_.size() + total);
+    for (Loaded& l : loaded) {
+      const uint64_t num = l.num;
+      const int64_t size = l.size;
+      absl::StatusOr<std::vector<RecordHeader>>& headers = l.headers;
       if (!headers.ok()) {
-        spdlog::error("tiers: segment {} is not served: {}", path, headers.status().ToString());
+        spdlog::error("tiers: segment {} is not served: {}", SegmentName(num), headers.status().ToString());
         ++stats_.checksum_failures;
         rewrite = true;
         continue;
