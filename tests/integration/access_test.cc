@@ -65,9 +65,17 @@ TEST_CASE("The allow-list refuses other users on gRPC and the side socket, and a
     REQUIRE(worker.out.find("PERMISSION_DENIED") != std::string::npos);
     // The side socket refuses the same peer before reading anything it sends.
     ProcessResult side = RunAs("/usr/bin/python3", {"-c",
-        "import socket,sys\n"
+        "import socket,struct,sys\n"
         "s=socket.socket(socket.AF_UNIX); s.settimeout(5); s.connect(sys.argv[1])\n"
-        "print(s.recv(200))", d.side_socket()});  // refused before it sends anything
+        "def read(n):\n"
+        "  b=b''\n"
+        "  while len(b)<n:\n"
+        "    c=s.recv(n-len(b))\n"
+        "    if not c: break\n"
+        "    b+=c\n"
+        "  return b\n"
+        "print(read(struct.unpack('<I',read(4))[0]))", d.side_socket()});  // one framed message,
+                                                                         // sent before it reads
     INFO(side.out);
     REQUIRE(side.out.find("ERR") != std::string::npos);
     REQUIRE(side.out.find("not in kvd") != std::string::npos);
