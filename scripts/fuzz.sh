@@ -29,7 +29,7 @@ for target in core_ops store_decode service; do
   [ "$target" = service ] && leaks=0
   ASAN_OPTIONS=detect_leaks=$leaks "$build/tests/fuzz/kvd_fuzz_$target" -max_total_time="$seconds" \
     -detect_leaks=$leaks -max_len=4096 -artifact_prefix="$build/crashes/$target-" -print_final_stats=1 \
-    "$work" "$root/tests/fuzz/corpus/$target" 2>&1 | grep -E "^#[0-9]+ *DONE|stat::number_of_executed_units|ERROR|SUMMARY|Done" || true
+    "$work" "$root/tests/fuzz/corpus/$target" 2>&1 | grep -E "^#[0-9]+ *DONE|stat::number_of_executed_units|==ERROR|SUMMARY|Done" || true
   if ls "$build/crashes/$target-"* >/dev/null 2>&1; then
     echo "kvd: $target found a crash: $(ls "$build/crashes/$target-"*)"
     exit 1

@@ -16,6 +16,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <google/protobuf/stubs/logging.h>
+
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "server/daemon.h"
 #include "spdlog/spdlog.h"
@@ -34,6 +36,7 @@ struct World {
 
 World* Start() {
   spdlog::set_level(spdlog::level::off);
+  google::protobuf::SetLogHandler(nullptr);  // invalid UTF-8 in string fields is expected here
   char tmpl[] = "/tmp/kvd-fuzz-svc-XXXXXX";
   if (mkdtemp(tmpl) == nullptr) std::abort();
   const std::string dir = tmpl;
