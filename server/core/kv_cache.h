@@ -39,6 +39,7 @@
 #include "server/core/eviction_sink.h"
 #include "server/core/eviction_queue.h"
 #include "server/core/ghost_list.h"
+#include "server/core/kv_cache_state.h"
 #include "server/core/prefix_index.h"
 #include "server/core/pressure_monitor.h"
 #include "server/core/worker_table.h"
@@ -170,65 +171,13 @@ class KvCache {
   absl::Status CheckInvariantsForTesting() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  struct BlockState {
-    enum class Kind : uint8_t { kFree, kOwned, kCached };
-    Kind kind = Kind::kFree;
-    int32_t refs = 0;             // request tables + checkpoints referencing the block
-    uint64_t owner = 0;           // kOwned: serial of the owning request / checkpoint
-    CachedBlock* node = nullptr;  // kCached
-  };
-  struct Pool {
-    PoolGeometry geometry;
-    BlockAllocator allocator;
-    std::vector<BlockState> blocks;
-    EvictionQueue queue;
-    int64_t num_owned = 0;
-    int64_t num_cached = 0;
-    int64_t num_cached_unreferenced = 0;
-    GhostList ghost;  // SLRU: keys of recently evicted probation blocks
-    absl::flat_hash_map<BlockIndex, int32_t> pins;  // PinBlocks references, by block
-    Pool(PoolGeometry g, int64_t ghost_capacity)
-        : geometry(std::move(g)), allocator(geometry.capacity_blocks),
-          blocks(geometry.capacity_blocks), ghost(ghost_capacity) {}
-  };
-  struct Request {
-    RequestSpec spec;
-    uint64_t serial = 0;
-    PoolId pool = 0;
-    int64_t reserved_blocks = 0;
-    bool acquired = false;
-    std::vector<BlockIndex> table;
-    int64_t num_tokens = 0;
-    int64_t cached_tokens = 0;
-    std::vector<Token> known_tokens;  // prompt, then generated tokens learned from publish/checkpoint
-    absl::Time admitted_at;
-  };
-  struct CheckpointRecord {
-    uint64_t serial = 0;  // owner serial of its owned blocks
-    RequestId id;
-    PoolId pool = 0;
-    Namespace ns;
-    std::vector<Token> tokens;
-    std::vector<BlockIndex> blocks;
-    std::string engine_state;
-    bool orphaned = false;        // its request ended interrupted
-    int64_t charged_blocks = 0;   // when orphaned: blocks charged to the ledger
-    absl::Time expires_at;        // when orphaned
-  };
-  struct ProtectedRef { PoolId pool; BlockIndex index; uint64_t node_serial; };
-  struct Session {
-    WorkerId worker;
-    std::vector<ProtectedRef> protected_blocks;  // leading cached blocks of its latest request
-    absl::Time expires_at;
-  };
-  // Notifications produced under mu_ and delivered after it is released.
-  struct Outbox {
-    std::vector<CacheEvent> events;
-    bool pressure_changed = false;  // then `level` and `available` are the latest reading
-    PressureLevel level = PressureLevel::kNormal;
-    double available = 1.0;
-    bool empty() const { return events.empty() && !pressure_changed; }
-  };
+  using BlockState = cache_state::BlockState;
+  using Pool = cache_state::Pool;
+  using Request = cache_state::Request;
+  using CheckpointRecord = cache_state::CheckpointRecord;
+  using ProtectedRef = cache_state::ProtectedRef;
+  using Session = cache_state::Session;
+  using Outbox = cache_state::Outbox;
   KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes);
   // kv_cache.cc: requests.
   absl::StatusOr<PoolId> ValidateSpecLocked(const RequestSpec& spec) const

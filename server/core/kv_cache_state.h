@@ -1,0 +1,83 @@
+// The state KvCache keeps per pool, request, checkpoint and session, and the notifications it
+// queues while holding its mutex. Plain structs, used only by KvCache (its private aliases name
+// them); split out of kv_cache.h to keep the engine's interface readable.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/time/time.h"
+#include "server/core/block_allocator.h"
+#include "server/core/cache_types.h"
+#include "server/core/event_log.h"
+#include "server/core/eviction_queue.h"
+#include "server/core/ghost_list.h"
+#include "server/core/pool_geometry.h"
+#include "server/core/prefix_index.h"
+#include "server/core/pressure_monitor.h"
+
+namespace kvd::cache_state {
+
+struct BlockState {
+  enum class Kind : uint8_t { kFree, kOwned, kCached };
+  Kind kind = Kind::kFree;
+  int32_t refs = 0;             // request tables + checkpoints referencing the block
+  uint64_t owner = 0;           // kOwned: serial of the owning request / checkpoint
+  CachedBlock* node = nullptr;  // kCached
+};
+struct Pool {
+  PoolGeometry geometry;
+  BlockAllocator allocator;
+  std::vector<BlockState> blocks;
+  EvictionQueue queue;
+  int64_t num_owned = 0;
+  int64_t num_cached = 0;
+  int64_t num_cached_unreferenced = 0;
+  GhostList ghost;  // SLRU: keys of recently evicted probation blocks
+  absl::flat_hash_map<BlockIndex, int32_t> pins;  // PinBlocks references, by block
+  Pool(PoolGeometry g, int64_t ghost_capacity)
+      : geometry(std::move(g)), allocator(geometry.capacity_blocks),
+        blocks(geometry.capacity_blocks), ghost(ghost_capacity) {}
+};
+struct Request {
+  RequestSpec spec;
+  uint64_t serial = 0;
+  PoolId pool = 0;
+  int64_t reserved_blocks = 0;
+  bool acquired = false;
+  std::vector<BlockIndex> table;
+  int64_t num_tokens = 0;
+  int64_t cached_tokens = 0;
+  std::vector<Token> known_tokens;  // prompt, then generated tokens learned from publish/checkpoint
+  absl::Time admitted_at;
+};
+struct CheckpointRecord {
+  uint64_t serial = 0;  // owner serial of its owned blocks
+  RequestId id;
+  PoolId pool = 0;
+  Namespace ns;
+  std::vector<Token> tokens;
+  std::vector<BlockIndex> blocks;
+  std::string engine_state;
+  bool orphaned = false;        // its request ended interrupted
+  int64_t charged_blocks = 0;   // when orphaned: blocks charged to the ledger
+  absl::Time expires_at;        // when orphaned
+};
+struct ProtectedRef { PoolId pool; BlockIndex index; uint64_t node_serial; };
+struct Session {
+  WorkerId worker;
+  std::vector<ProtectedRef> protected_blocks;  // leading cached blocks of its latest request
+  absl::Time expires_at;
+};
+// Notifications produced under mu_ and delivered after it is released.
+struct Outbox {
+  std::vector<CacheEvent> events;
+  bool pressure_changed = false;  // then `level` and `available` are the latest reading
+  PressureLevel level = PressureLevel::kNormal;
+  double available = 1.0;
+  bool empty() const { return events.empty() && !pressure_changed; }
+};
+}  // namespace kvd::cache_state
