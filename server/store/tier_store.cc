@@ -236,11 +236,7 @@ void TierStore::DropCorrupt(const BlockKey& key, uint64_t segment) {
   ++stats_.checksum_failures;
   auto it = entries_.find(key);
   if (it == entries_.end() || it->second.segment != segment) return;
-  it->second.segment = 0;
-  auto seg = segments_.find(segment);
-  if (seg != segments_.end()) --seg->second.records;
-  manifest_.deleted.push_back(Tombstone{key, segment});
-  manifest_dirty_ = true;
+  TombstoneLocked(key, it->second);
   ScheduleSpillWriteLocked();
   EraseIfEmptyLocked(key);
 }
@@ -409,12 +405,7 @@ absl::Status TierStore::PutObject(const Namespace& ns, const std::string& key, a
     Entry& old = it->second;
     DropSlotsLocked(old);
     if (old.spill != nullptr) spill_bytes_ -= static_cast<int64_t>(old.spill->size());
-    if (old.segment != 0) {
-      manifest_.deleted.push_back(Tombstone{k, old.segment});
-      manifest_dirty_ = true;
-      auto seg = segments_.find(old.segment);
-      if (seg != segments_.end()) --seg->second.records;
-    }
+    if (old.segment != 0) TombstoneLocked(k, old);
     entries_.erase(it);
   }
   Entry fresh;
@@ -500,10 +491,7 @@ absl::Status TierStore::DeleteObject(const Namespace& ns, const std::string& key
   DropSlotsLocked(e);
   if (e.spill != nullptr) spill_bytes_ -= static_cast<int64_t>(e.spill->size());
   if (e.segment != 0) {
-    manifest_.deleted.push_back(Tombstone{k, e.segment});
-    auto seg = segments_.find(e.segment);
-    if (seg != segments_.end()) --seg->second.records;
-    manifest_dirty_ = true;
+    TombstoneLocked(k, e);
     ScheduleSpillWriteLocked();  // persists the tombstone with the next manifest
   }
   entries_.erase(it);

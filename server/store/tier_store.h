@@ -171,7 +171,8 @@ class TierStore final : public EvictionSink {
   void FlushCheckpoints(FlushResult* result) ABSL_LOCKS_EXCLUDED(mu_);
   // Load's last step: recreates each stored checkpoint in the cache and fills its blocks.
   void RestoreCheckpoints() ABSL_LOCKS_EXCLUDED(mu_);
-  // Replaces the G3 location of a record rewritten under the same key (a checkpoint that moved on).
+  // Forgets a record's G3 copy: tombstoned in the manifest (written with the next one) so a restart
+  // does not bring it back. Used for deletes, corrupt records and rewritten checkpoints.
   void TombstoneLocked(const BlockKey& key, Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes room on G3 for `bytes` by dropping least-recently-used segments (in memory; files are
   // unlinked after the next manifest write). Returns the numbers dropped.
