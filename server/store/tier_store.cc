@@ -45,6 +45,19 @@ TierStore::~TierStore() {
   }
 }
 
+RecordHeader TierStore::BlockHeader(const CachedBlockView& v) const {
+  RecordHeader h;
+  h.kind = RecordKind::kBlock;
+  h.ns = *v.ns;
+  h.key = v.key;
+  h.parent_key = v.parent_key;
+  h.has_parent = v.has_parent;
+  h.tokens.assign(v.tokens.begin(), v.tokens.end());
+  h.raw_length = pools_[v.pool].block_bytes_all_shards();
+  h.layout_tag = layout_tags_[v.pool];
+  return h;
+}
+
 absl::StatusOr<PoolId> TierStore::PoolOf(const std::string& name) const {
   for (PoolId p = 0; p < pools_.size(); ++p) {
     if (pools_[p].name == name) return p;
@@ -151,15 +164,7 @@ void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
     TouchLocked(block.key, *e);
     if (!e->slots.empty() || e->spill != nullptr) return;  // already in memory below G1
   } else {
-    RecordHeader& h = e->header;
-    h.kind = RecordKind::kBlock;
-    h.ns = *block.ns;
-    h.key = block.key;
-    h.parent_key = block.parent_key;
-    h.has_parent = block.has_parent;
-    h.tokens.assign(block.tokens.begin(), block.tokens.end());
-    h.raw_length = raw_bytes;
-    h.layout_tag = layout_tags_[block.pool];
+    e->header = BlockHeader(block);
     e->last_use = absl::Now();
   }
   const int r = static_cast<int>(reason);

@@ -156,6 +156,8 @@ class TierStore final : public EvictionSink {
   absl::Status ReadRaw(const ReadSource& src, uint8_t* out) ABSL_LOCKS_EXCLUDED(mu_);
   void DropCorrupt(const BlockKey& key, uint64_t segment) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<PoolId> PoolOf(const std::string& name) const;
+  // The G3 header of a device block (identity, raw length, layout tag; no location yet).
+  RecordHeader BlockHeader(const CachedBlockView& v) const;
 
   // tier_store_disk.cc: G3.
   void ScheduleSpillWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -562,15 +562,7 @@ FlushResult TierStore::FlushNow() {
     const size_t end = std::min(refs.size(), i + n);
     absl::Status copy_error;
     cache_->VisitCached(absl::MakeConstSpan(refs).subspan(i, end - i), [&](const CachedBlockView& v) {
-      RecordHeader h;
-      h.kind = RecordKind::kBlock;
-      h.ns = *v.ns;
-      h.key = v.key;
-      h.parent_key = v.parent_key;
-      h.has_parent = v.has_parent;
-      h.tokens.assign(v.tokens.begin(), v.tokens.end());
-      h.raw_length = pools_[v.pool].block_bytes_all_shards();
-      h.layout_tag = layout_tags_[v.pool];
+      RecordHeader h = BlockHeader(v);
       auto raw = std::make_shared<std::string>(static_cast<size_t>(h.raw_length), '\0');
       absl::Status s = arena_->ReadBlock(v.pool, v.index, reinterpret_cast<uint8_t*>(raw->data()));
       if (!s.ok()) {
