@@ -12,9 +12,12 @@ kvd_packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev prometheus-cpp-dev catch2 libabsl-dev libxxhash-dev
   libcli11-dev libyaml-cpp-dev libsystemd-dev liblz4-dev libzstd-dev
+  libzmq3-dev libmsgpack-cxx-dev libssl-dev libhiredis-dev
 )
-# Only the tests need these: manifest and unit-file checks.
-kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd prometheus clang)
+# Only the tests need these: manifest and unit-file checks, the Python client and router-event
+# subscriber, and a real redis-server for the shared tier.
+kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd prometheus clang
+                   python3-zmq python3-msgpack python3-cbor2 python3-numpy redis-server)
 
 kvd_install_missing() {
   local missing=()

@@ -97,6 +97,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
 
   KVD_ASSIGN_OR_RETURN(d->cache_, KvCache::Create(d->options_.cache, SystemClock::Get()));
   KVD_ASSIGN_OR_RETURN(d->arena_, MakeArena(so.backend, d->options_.cache.pools));
+  if (d->options_.router_events.enabled()) {
+    // Before Load: a warm restart's reload is announced to routers too.
+    RouterEventsOptions ro = d->options_.router_events;
+    ro.device_medium = d->arena_->backend() == "cuda" ? "GPU" : "CPU";
+    KVD_ASSIGN_OR_RETURN(d->router_events_, RouterEventPublisher::Start(std::move(ro)));
+    d->router_events_->Attach(d->cache_.get());
+  }
   if (d->options_.tiers.enabled()) {
     // Load before serving: health turns SERVING only once a warm restart's state is indexed.
     KVD_ASSIGN_OR_RETURN(d->tiers_, TierStore::Open(d->options_.tiers, d->arena_.get(), d->cache_.get()));
@@ -106,7 +113,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   d->workers_ = std::make_unique<AttachmentRegistry>(SystemClock::Get(), so.lease_ttl);
   KVD_ASSIGN_OR_RETURN(d->metrics_, Metrics::Start(so.metrics_listen, d->cache_.get(),
                                                    d->workers_.get(), d->arena_->backend(),
-                                                   d->tiers_.get()));
+                                                   d->tiers_.get(), d->router_events_.get()));
   KVD_RETURN_IF_ERROR(EnsureParentDir(so.side_socket));
   d->access_ = AccessPolicy(std::vector<uid_t>(so.allowed_uids.begin(), so.allowed_uids.end()),
                             std::vector<gid_t>(so.allowed_gids.begin(), so.allowed_gids.end()));
@@ -216,6 +223,7 @@ Daemon::~Daemon() {
   peers_.reset();  // stop accepting first
   server_.reset();
   side_.reset();
+  router_events_.reset();  // stops listening to the cache
   if (tiers_ != nullptr) {
     cache_->SetEvictionSink(nullptr);
     tiers_.reset();  // finishes queued disk work while the cache and arena still live

@@ -14,6 +14,7 @@
 #include "absl/synchronization/notification.h"
 #include "gpu/device_arena.h"
 #include "server/core/kv_cache.h"
+#include "server/events/router_event_publisher.h"
 #include "server/obs/metrics.h"
 #include "server/options.h"
 #include "server/rpc/attachments.h"
@@ -54,6 +55,7 @@ class Daemon {
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<DeviceArena> arena_;
   std::unique_ptr<TierStore> tiers_;  // null unless tiers are configured
+  std::unique_ptr<RouterEventPublisher> router_events_;  // null unless configured
   std::unique_ptr<AttachmentRegistry> workers_;
   std::unique_ptr<Metrics> metrics_;
   AccessPolicy access_;

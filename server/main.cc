@@ -76,6 +76,11 @@ int main(int argc, char** argv) {
       ->envname("KVD_DISK_DIR");
   app.add_option("--host-tier-bytes", host_tier_bytes, "bytes of host RAM for the host tier (G2)")
       ->envname("KVD_HOST_TIER_BYTES");
+  std::string router_events, router_replay;
+  app.add_option("--router-events", router_events, "ZMQ endpoint for router KV events (e.g. tcp://*:5557)")
+      ->envname("KVD_ROUTER_EVENTS");
+  app.add_option("--router-replay", router_replay, "ZMQ endpoint of the router events' replay socket")
+      ->envname("KVD_ROUTER_REPLAY");
   bool print_config = false;
   app.add_flag("--print-config", print_config, "print the effective configuration as YAML and exit");
   CLI11_PARSE(app, argc, argv);
@@ -108,6 +113,8 @@ int main(int argc, char** argv) {
   if (!tls_key.empty()) options.server.tls_key_file = tls_key;
   if (!tls_client_ca.empty()) options.server.tls_client_ca_file = tls_client_ca;
   if (host_tier_bytes >= 0) options.tiers.host_bytes = host_tier_bytes;
+  if (!router_events.empty()) options.router_events.endpoint = router_events;
+  if (!router_replay.empty()) options.router_events.replay_endpoint = router_replay;
 
   options.ApplyDefaults();
   if (absl::Status s = options.Validate(); !s.ok()) {

@@ -83,6 +83,34 @@ absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOpt
   return absl::OkStatus();
 }
 
+absl::Status CheckKeys(const YAML::Node& node, const std::string& where,
+                       std::initializer_list<const char*> known) {
+  if (!node.IsMap()) return absl::InvalidArgumentError(absl::StrCat(where, ": must be a map"));
+  for (const auto& kv : node) {
+    const std::string key = kv.first.as<std::string>();
+    bool ok = false;
+    for (const char* k : known) ok |= key == k;
+    if (!ok) return absl::InvalidArgumentError(absl::StrCat(where, ": unknown key '", key, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadRouterEvents(const YAML::Node& node, const std::string& where, RouterEventsOptions* r) {
+  KVD_RETURN_IF_ERROR(CheckKeys(node, where,
+                                {"endpoint", "replay_endpoint", "topic", "node", "hash_seed",
+                                 "data_parallel_rank", "buffer_batches", "max_batch_events", "send_hwm"}));
+  KVD_RETURN_IF_ERROR(Read(node, "endpoint", &r->endpoint, where));
+  KVD_RETURN_IF_ERROR(Read(node, "replay_endpoint", &r->replay_endpoint, where));
+  KVD_RETURN_IF_ERROR(Read(node, "topic", &r->topic, where));
+  KVD_RETURN_IF_ERROR(Read(node, "node", &r->node, where));
+  KVD_RETURN_IF_ERROR(Read(node, "hash_seed", &r->hash_seed, where));
+  KVD_RETURN_IF_ERROR(Read(node, "data_parallel_rank", &r->data_parallel_rank, where));
+  KVD_RETURN_IF_ERROR(Read(node, "buffer_batches", &r->buffer_batches, where));
+  KVD_RETURN_IF_ERROR(Read(node, "max_batch_events", &r->max_batch_events, where));
+  KVD_RETURN_IF_ERROR(Read(node, "send_hwm", &r->send_hwm, where));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<gid_t> ResolveGroup(const std::string& name) {
@@ -165,6 +193,14 @@ absl::Status Options::Validate() const {
   if (!tiers.disk_dir.empty() && tiers.disk_dir[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat("tiers.disk_dir must be absolute, not '", tiers.disk_dir, "'"));
   }
+  const RouterEventsOptions& r = router_events;
+  if (!r.replay_endpoint.empty() && r.endpoint.empty()) {
+    return absl::InvalidArgumentError("router_events.replay_endpoint needs router_events.endpoint");
+  }
+  if (r.buffer_batches < 1) return absl::InvalidArgumentError("router_events.buffer_batches must be >= 1");
+  if (r.max_batch_events < 1) return absl::InvalidArgumentError("router_events.max_batch_events must be >= 1");
+  if (r.send_hwm < 0) return absl::InvalidArgumentError("router_events.send_hwm must be >= 0");
+  if (r.data_parallel_rank < 0) return absl::InvalidArgumentError("router_events.data_parallel_rank must be >= 0");
   return cache.Validate();
 }
 
@@ -183,7 +219,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
       "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes",
       "boundary_high_watermark", "boundary_low_watermark", "event_buffer", "eviction_policy",
       "slru_main_fraction", "slru_ghost_fraction", "max_requests_per_worker", "max_bytes_per_worker",
-      "pools", "tiers", "tls_cert_file", "tls_key_file", "tls_client_ca_file", "allowed_uids", "allowed_gids", "socket_group"};
+      "pools", "tiers", "router_events", "tls_cert_file", "tls_key_file", "tls_client_ca_file", "allowed_uids", "allowed_gids", "socket_group"};
   for (const auto& kv : root) {
     const std::string key = kv.first.as<std::string>();
     bool known = false;
@@ -227,6 +263,9 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(Read(root, "max_bytes_per_worker", &c.max_bytes_per_worker, where));
   if (const YAML::Node tiers = root["tiers"]) {
     KVD_RETURN_IF_ERROR(ReadTiers(tiers, absl::StrCat(where, ": tiers"), &options->tiers));
+  }
+  if (const YAML::Node events = root["router_events"]) {
+    KVD_RETURN_IF_ERROR(ReadRouterEvents(events, absl::StrCat(where, ": router_events"), &options->router_events));
   }
   if (const YAML::Node pools = root["pools"]) {
     if (!pools.IsSequence()) return absl::InvalidArgumentError(absl::StrCat(where, ": pools must be a list"));
@@ -304,6 +343,18 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "idle_demote_after_s" << YAML::Value << absl::ToDoubleSeconds(t.idle_demote_after);
   out << YAML::Key << "read_threads" << YAML::Value << t.read_threads;
   out << YAML::Key << "flush_on_drain" << YAML::Value << t.flush_on_drain;
+  out << YAML::EndMap;
+  const RouterEventsOptions& r = o.router_events;
+  out << YAML::Key << "router_events" << YAML::Value << YAML::BeginMap;
+  out << YAML::Key << "endpoint" << YAML::Value << r.endpoint;
+  out << YAML::Key << "replay_endpoint" << YAML::Value << r.replay_endpoint;
+  out << YAML::Key << "topic" << YAML::Value << r.topic;
+  out << YAML::Key << "node" << YAML::Value << r.node;
+  out << YAML::Key << "hash_seed" << YAML::Value << YAML::DoubleQuoted << r.hash_seed;
+  out << YAML::Key << "data_parallel_rank" << YAML::Value << r.data_parallel_rank;
+  out << YAML::Key << "buffer_batches" << YAML::Value << r.buffer_batches;
+  out << YAML::Key << "max_batch_events" << YAML::Value << r.max_batch_events;
+  out << YAML::Key << "send_hwm" << YAML::Value << r.send_hwm;
   out << YAML::EndMap << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }

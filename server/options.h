@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/core/cache_options.h"
+#include "server/events/router_event_publisher.h"
 #include "server/store/tier_types.h"
 
 namespace kvd {
@@ -56,6 +57,7 @@ struct Options {
   ServerOptions server;
   CacheOptions cache;
   TierOptions tiers;  // the `tiers:` map of the config file; off unless host_bytes or disk_dir
+  RouterEventsOptions router_events;  // the `router_events:` map; off unless endpoint is set
 
   // Fills defaults that depend on the environment (listen address, side socket, default pool).
   void ApplyDefaults();

@@ -32,6 +32,11 @@ struct CacheEvent {
   BlockIndex block = 0;    // kStored, kRemoved
   int32_t block_tokens = 0;
   std::vector<Token> tokens;  // kStored
+  // kStored: the rest of the namespace, for router block hashes (server/events/router_hash.h).
+  // Internal: never sent on the WatchEvents stream.
+  std::vector<std::string> media_keys;
+  std::string method;
+  std::string cache_salt;
   // Where the block is: empty for the device pool (G1), "disk" for blocks a warm restart reloaded
   // onto G3 (their `block` index means nothing then).
   std::string medium;

@@ -99,6 +99,9 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
     e.block = index;
     e.block_tokens = pool.geometry.block_tokens;
     e.tokens.clear();
+    e.media_keys.clear();
+    e.method.clear();
+    e.cache_salt.clear();
     e.medium.clear();
     EmitLocked();
   }
@@ -143,6 +146,9 @@ CachedBlock* KvCache::CacheBlockLocked(PoolId pool_id, NamespaceRoot* root, Cach
   e.block = index;
   e.block_tokens = pool.geometry.block_tokens;
   e.tokens.assign(node->tokens.begin(), node->tokens.end());
+  e.media_keys = root->ns.media_keys;
+  e.method = root->ns.method;
+  e.cache_salt = root->ns.cache_salt;
   e.medium.clear();
   EmitLocked();
   return node;

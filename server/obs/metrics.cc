@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/kv_cache.h"
+#include "server/events/router_event_publisher.h"
 #include "server/rpc/attachments.h"
 #include "server/store/tier_store.h"
 
@@ -23,8 +24,9 @@ using prometheus::MetricType;
 class CacheCollector final : public prometheus::Collectable {
  public:
   CacheCollector(const KvCache* cache, const AttachmentRegistry* workers, std::string backend,
-                 const TierStore* tiers)
-      : cache_(cache), workers_(workers), backend_(std::move(backend)), tiers_(tiers) {}
+                 const TierStore* tiers, const RouterEventPublisher* router_events)
+      : cache_(cache), workers_(workers), backend_(std::move(backend)), tiers_(tiers),
+        router_events_(router_events) {}
 
   std::vector<MetricFamily> Collect() const override {
     const CacheReport r = cache_->Report();
@@ -79,6 +81,15 @@ class CacheCollector final : public prometheus::Collectable {
     add(family("kvd_pressure_level", "0 normal, 1 high, 2 critical.", MetricType::Gauge), static_cast<int>(r.pressure));
     add(family("kvd_attached_workers", "Workers attached.", MetricType::Gauge), workers_->size());
     if (tiers_ != nullptr) CollectTiers(family, add);
+    if (router_events_ != nullptr) {
+      const RouterEventStats e = router_events_->Stats();
+      add(family("kvd_router_event_batches_total", "Router event batches published on ZMQ.", MetricType::Counter), e.batches);
+      add(family("kvd_router_events_total", "Router events (BlockStored/BlockRemoved/AllBlocksCleared) published.", MetricType::Counter), e.events);
+      add(family("kvd_router_replayed_batches_total", "Batches resent to replay requests.", MetricType::Counter), e.replayed_batches);
+      MetricFamily& lost = family("kvd_router_events_lost_total", "Cache events not announced to routers, by reason.", MetricType::Counter);
+      add(lost, e.dropped, {{"reason", "queue_full"}});
+      add(lost, e.unhashable, {{"reason", "parent_unknown"}});
+    }
     add(family("kvd_checkpoint_bytes", "KV bytes pinned by checkpoints awaiting resume.", MetricType::Gauge),
         r.checkpoint_bytes);
     add(family("kvd_published_blocks_total", "Blocks kept by Publish.", MetricType::Counter), r.published_blocks);
@@ -135,6 +146,7 @@ class CacheCollector final : public prometheus::Collectable {
   const AttachmentRegistry* workers_;
   const std::string backend_;
   const TierStore* tiers_;
+  const RouterEventPublisher* router_events_;
 };
 
 }  // namespace
@@ -143,14 +155,15 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& liste
                                                         const KvCache* cache,
                                                         const AttachmentRegistry* workers,
                                                         const std::string& backend,
-                                                        const TierStore* tiers) {
+                                                        const TierStore* tiers,
+                                                        const RouterEventPublisher* router_events) {
   std::unique_ptr<Metrics> m(new Metrics());
   m->registry_ = std::make_shared<prometheus::Registry>();
   m->rpc_latency_ = &prometheus::BuildHistogram()
                          .Name("kvd_rpc_latency_seconds")
                          .Help("Latency of control-plane RPCs, by method and status code.")
                          .Register(*m->registry_);
-  auto collector = std::make_shared<CacheCollector>(cache, workers, backend, tiers);
+  auto collector = std::make_shared<CacheCollector>(cache, workers, backend, tiers, router_events);
   if (!listen.empty()) {
     try {
       m->exposer_ = std::make_unique<prometheus::Exposer>(listen);

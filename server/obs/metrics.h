@@ -25,18 +25,21 @@ namespace kvd {
 class KvCache;
 class AttachmentRegistry;
 class TierStore;
+class RouterEventPublisher;
 
 class Metrics {
  public:
   // Serves /metrics on `listen` (HOST:PORT, port 0 picks a free one); empty serves nothing but
   // still records. `cache` and `workers` are borrowed and must outlive this. UNAVAILABLE when the
   // address cannot be bound.
-  // `backend` labels kvd_build_info. `tiers` (borrowed, may be null) adds the tier families.
+  // `backend` labels kvd_build_info. `tiers` and `router_events` (borrowed, may be null) add
+  // their families.
   static absl::StatusOr<std::unique_ptr<Metrics>> Start(const std::string& listen,
                                                         const KvCache* cache,
                                                         const AttachmentRegistry* workers,
                                                         const std::string& backend,
-                                                        const TierStore* tiers = nullptr);
+                                                        const TierStore* tiers = nullptr,
+                                                        const RouterEventPublisher* router_events = nullptr);
   ~Metrics();
 
   void ObserveRpc(absl::string_view method, absl::StatusCode code, double seconds);

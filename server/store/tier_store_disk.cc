@@ -10,6 +10,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -23,6 +24,41 @@ namespace {
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Orders reloaded "stored" events so that each block comes after its parent (segments hold
+// records in write order, not chain order), as a consumer chaining hashes needs. events[0] is the
+// "all cleared" event and stays first.
+void OrderParentsFirst(std::vector<CacheEvent>* events) {
+  absl::flat_hash_map<BlockKey, size_t> at;
+  for (size_t i = 1; i < events->size(); ++i) at[(*events)[i].key] = i;
+  std::vector<int32_t> depth(events->size(), -1);  // -1 unknown, -2 on the current walk
+  for (size_t i = 1; i < events->size(); ++i) {
+    std::vector<size_t> path;
+    int32_t above = -1;  // depth of the block above the walk's top
+    for (size_t j = i;;) {
+      if (depth[j] >= 0) {
+        above = depth[j];
+        break;
+      }
+      if (depth[j] == -2) break;  // a cycle: impossible with distinct keys, but never loop
+      depth[j] = -2;
+      path.push_back(j);
+      const CacheEvent& e = (*events)[j];
+      auto it = e.has_parent ? at.find(e.parent_key) : at.end();
+      if (it == at.end()) break;
+      j = it->second;
+    }
+    for (auto p = path.rbegin(); p != path.rend(); ++p) depth[*p] = ++above;
+  }
+  std::vector<size_t> order(events->size() - 1);
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i + 1;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return depth[a] < depth[b]; });
+  std::vector<CacheEvent> sorted;
+  sorted.reserve(events->size());
+  sorted.push_back(std::move((*events)[0]));
+  for (size_t i : order) sorted.push_back(std::move((*events)[i]));
+  *events = std::move(sorted);
 }
 
 absl::Status MakeDirs(const std::string& dir) {
@@ -137,6 +173,9 @@ absl::Status TierStore::Load() {
           e.parent_key = h.parent_key;
           e.block_tokens = pools_[*pool].block_tokens;
           e.tokens = h.tokens;
+          e.media_keys = h.ns.media_keys;
+          e.method = h.ns.method;
+          e.cache_salt = h.ns.cache_salt;
           e.medium = "disk";
           events.push_back(std::move(e));
         }
@@ -152,6 +191,7 @@ absl::Status TierStore::Load() {
     if (!evicted.empty()) rewrite = true;
   }
   if (rewrite) KVD_RETURN_IF_ERROR(WriteManifestNow({}));
+  OrderParentsFirst(&events);
   cache_->EmitExternal(events);
   RestoreCheckpoints();
   absl::MutexLock lock(&mu_);

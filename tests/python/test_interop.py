@@ -86,6 +86,18 @@ def main():
                 check(r.cached_tokens == 0, "first python request misses")
                 touch(c, r, prompt, 0, r.num_tokens, verify=False)
                 check(r.publish(prompt).kept == 5, "python published 5 blocks")
+                # numpy views alias the same slab bytes (no copy).
+                arr = c.block_array(r.pool, r.blocks[1])
+                pool = c.pools[r.pool]
+                check(arr.shape == (pool.num_layers, pool.block_tokens, pool.bytes_per_token_per_layer) and
+                      bytes(arr[1, 2]) == slot_bytes(prompt[6], 6, 1, pool.bytes_per_token_per_layer),
+                      "numpy block view shows the written KV")
+                arr[0, 0, 0] ^= 0xFF
+                view = c.layer_view(r.pool, r.blocks[1], 0)
+                check(view[0] == bytes(arr[0, 0])[0], "a write through numpy lands in the shared slab")
+                arr[0, 0, 0] ^= 0xFF
+                view.release()
+                del arr
             out = subprocess.run([worker, "--target=" + target, "--id=cpp-b", "--prompt-range=300:22"],
                                  capture_output=True, text=True, timeout=30)
             res = json.loads(out.stdout.strip().splitlines()[-1])

@@ -7,7 +7,10 @@
             ...
             r.publish(tokens)
 
-Host slabs arrive as file descriptors over the side socket (SCM_RIGHTS) and are mapped with mmap;
-CUDA slabs are not mapped by this module yet (use the C++ client).
+Host slabs arrive as file descriptors over the side socket (SCM_RIGHTS) and are mapped with mmap
+(memoryviews; numpy arrays with slab_array/block_array when numpy is installed). CUDA slabs are
+opened with cudaIpcOpenMemHandle through ctypes (kvd.cuda): pools[i].devices[shard] holds the
+device pointer and size, and layer_address() gives a block layer's device address.
 """
 from .client import Client, KvdError, Request  # noqa: F401
+from .cuda import CudaError, CudaRuntime, DeviceSlab  # noqa: F401

@@ -9,7 +9,13 @@ import time
 
 import grpc
 
+from . import cuda
 from .v1 import kvd_pb2, kvd_pb2_grpc
+
+try:  # optional: numpy views of the slabs
+    import numpy
+except ImportError:  # pragma: no cover - numpy is optional
+    numpy = None
 
 
 class KvdError(Exception):
@@ -49,7 +55,7 @@ def _recv_frame(sock, max_fds):
 
 
 class Pool:
-    """A pool's geometry and, per shard, a writable mapping of its slab (host backend)."""
+    """A pool's geometry and, per shard, its slab: an mmap (host backend) or a DeviceSlab (CUDA)."""
 
     def __init__(self, info):
         self.id = info.pool_id
@@ -61,7 +67,9 @@ class Pool:
         self.layer_major = info.layout == kvd_pb2.LAYOUT_LAYER_MAJOR
         self.layer_block_bytes = info.layer_block_bytes
         self.slab_sizes = [s.size_bytes for s in info.slabs]
-        self.maps = [None] * len(info.slabs)
+        self.slabs = list(info.slabs)
+        self.maps = [None] * len(info.slabs)     # host: mmap per shard
+        self.devices = [None] * len(info.slabs)  # cuda: DeviceSlab per shard
 
     def offset(self, block, layer):
         """Byte offset of `layer` of `block` in a slab (gpu/slab_layout.h)."""
@@ -119,7 +127,7 @@ class Request:
 class Client:
     """Attaches to kvd (with a background heartbeat), lists pools and maps host slabs once."""
 
-    def __init__(self, target, worker_name="python", map_slabs=True, heartbeat_s=1.0):
+    def __init__(self, target, worker_name="python", map_slabs=True, heartbeat_s=1.0, cuda_runtime=None):
         self._channel = grpc.insecure_channel(target)
         grpc.channel_ready_future(self._channel).result(timeout=5)
         self._stub = kvd_pb2_grpc.KvdStub(self._channel)
@@ -135,6 +143,17 @@ class Client:
         self.pools = [Pool(p) for p in self._rpc("ListPools", kvd_pb2.ListPoolsRequest()).pools]
         if map_slabs and self.backend == "host":
             self._map_slabs(attached.side_socket, attached.slab_token)
+        elif map_slabs and self.backend == "cuda":
+            self.map_cuda_slabs(cuda_runtime)
+
+    def map_cuda_slabs(self, runtime=None, ranks=None):
+        """Opens the CUDA IPC handle of each slab (of shards `ranks`, default all) once:
+        pools[i].devices[shard] becomes a DeviceSlab (device pointer + size)."""
+        runtime = runtime or cuda.CudaRuntime()
+        for p in self.pools:
+            for shard, info in enumerate(p.slabs):
+                if (ranks is None or shard in ranks) and p.devices[shard] is None:
+                    p.devices[shard] = cuda.map_slab(runtime, info)
 
     def _requests(self):
         while True:
@@ -172,11 +191,40 @@ class Client:
         start = p.offset(block, layer)
         return memoryview(p.maps[shard])[start:start + p.layer_block_bytes]
 
+    def layer_address(self, pool, block, layer, shard=0):
+        """Device address of `layer` of `block` in a mapped CUDA slab."""
+        p = self.pools[pool]
+        if p.devices[shard] is None:
+            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of pool {pool} is not mapped on a GPU")
+        return p.devices[shard].address(p.offset(block, layer))
+
+    def slab_array(self, pool, shard=0):
+        """The whole host slab as a numpy uint8 array shaped (layers, blocks, bytes) for layer-major
+        pools or (blocks, layers, bytes) for block-major ones. Needs numpy; no copy."""
+        if numpy is None:
+            raise ImportError("numpy is not installed (apt-get install python3-numpy)")
+        p = self.pools[pool]
+        if p.maps[shard] is None:
+            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of pool {pool} is not mapped")
+        used = p.capacity_blocks * p.num_layers * p.layer_block_bytes
+        flat = numpy.frombuffer(p.maps[shard], dtype=numpy.uint8, count=used)
+        if p.layer_major:
+            return flat.reshape(p.num_layers, p.capacity_blocks, p.layer_block_bytes)
+        return flat.reshape(p.capacity_blocks, p.num_layers, p.layer_block_bytes)
+
+    def block_array(self, pool, block, shard=0):
+        """One block's KV as a numpy array (layers, block_tokens, bytes_per_token_per_layer): a view."""
+        p = self.pools[pool]
+        slab = self.slab_array(pool, shard)
+        per_layer = slab[:, block, :] if p.layer_major else slab[block]
+        return per_layer.reshape(p.num_layers, p.block_tokens, -1)
+
     def request(self, request_id, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="",
-                wait_s=10.0):
+                adapter="", media_keys=(), wait_s=10.0):
         """Admit (waiting while the budget is full) and acquire: a Request context manager."""
+        ns = kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt, adapter=adapter, media_keys=list(media_keys))
         admit = kvd_pb2.AdmitRequest(
-            worker_id=self.worker_id, request_id=request_id, namespace=kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt),
+            worker_id=self.worker_id, request_id=request_id, namespace=ns,
             prompt=prompt, max_new_tokens=max_new_tokens, session_id=session, resume_from=resume_from)
         deadline = time.monotonic() + wait_s
         while not self._rpc("Admit", admit).admitted:
@@ -189,6 +237,10 @@ class Client:
     def report(self):
         return self._rpc("Report", kvd_pb2.ReportRequest())
 
+    def flush(self):
+        """Makes every cached prefix durable on the disk tier; returns the FlushResponse."""
+        return self._rpc("Flush", kvd_pb2.FlushRequest())
+
     def close(self):
         if not self._closed.is_set():
             self._closed.set()
@@ -200,6 +252,9 @@ class Client:
                             m.close()
                         except BufferError:  # a caller still holds a view; the OS unmaps at exit
                             pass
+                for d in p.devices:
+                    if d is not None:
+                        d.close()
             self._channel.close()
 
     def __enter__(self):

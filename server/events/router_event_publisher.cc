@@ -1,0 +1,365 @@
+#include "server/events/router_event_publisher.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <msgpack.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
+#include "server/core/kv_cache.h"
+#include "spdlog/spdlog.h"
+
+namespace kvd {
+namespace {
+
+std::string BigEndian8(int64_t v) {
+  std::string out(8, '\0');
+  const uint64_t u = static_cast<uint64_t>(v);
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((u >> (8 * (7 - i))) & 0xff);
+  return out;
+}
+
+int64_t FromBigEndian8(const uint8_t* p) {
+  uint64_t u = 0;
+  for (int i = 0; i < 8; ++i) u = (u << 8) | p[i];
+  return static_cast<int64_t>(u);
+}
+
+// Sends `frames` as one multipart message. False when ZMQ refused (logged by the caller).
+bool SendFrames(void* socket, const std::vector<std::string_view>& frames, int flags = 0) {
+  for (size_t i = 0; i < frames.size(); ++i) {
+    const int more = i + 1 < frames.size() ? ZMQ_SNDMORE : 0;
+    if (zmq_send(socket, frames[i].data(), frames[i].size(), more | flags) < 0) return false;
+  }
+  return true;
+}
+
+std::string HostName() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "localhost";
+  return name;
+}
+
+}  // namespace
+
+// The router events of one pool, in order, while a batch is being assembled.
+struct RouterEventPublisher::Batch {
+  struct Event {
+    CacheEventKind kind;
+    std::string medium;
+    std::vector<uint64_t> ids;
+    bool has_parent = false;
+    uint64_t parent_id = 0;
+    std::vector<Token> tokens;
+    int32_t block_size = 0;
+    BlockKey last_key;  // of the last block stored, to extend a chain
+  };
+  double ts = 0;
+  std::vector<Event> events;
+  int64_t size() const { return static_cast<int64_t>(events.size()); }
+};
+
+absl::StatusOr<std::unique_ptr<RouterEventPublisher>> RouterEventPublisher::Start(
+    RouterEventsOptions options) {
+  if (options.endpoint.empty()) return absl::InvalidArgumentError("router_events.endpoint is empty");
+  if (options.buffer_batches < 1) return absl::InvalidArgumentError("router_events.buffer_batches must be >= 1");
+  if (options.max_batch_events < 1) return absl::InvalidArgumentError("router_events.max_batch_events must be >= 1");
+  if (options.node.empty()) options.node = HostName();
+  std::unique_ptr<RouterEventPublisher> p(new RouterEventPublisher(std::move(options)));
+  const RouterEventsOptions& o = p->options_;
+  p->ctx_ = zmq_ctx_new();
+  if (p->ctx_ == nullptr) return absl::InternalError(absl::StrCat("zmq_ctx_new: ", zmq_strerror(errno)));
+  p->pub_ = zmq_socket(p->ctx_, ZMQ_PUB);
+  const int hwm = static_cast<int>(o.send_hwm);
+  const int linger = 0;
+  zmq_setsockopt(p->pub_, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+  zmq_setsockopt(p->pub_, ZMQ_LINGER, &linger, sizeof(linger));
+  if (zmq_bind(p->pub_, o.endpoint.c_str()) != 0) {
+    return absl::UnavailableError(absl::StrCat("router_events.endpoint ", o.endpoint, ": ", zmq_strerror(errno)));
+  }
+  if (!o.replay_endpoint.empty()) {
+    p->replay_ = zmq_socket(p->ctx_, ZMQ_ROUTER);
+    zmq_setsockopt(p->replay_, ZMQ_LINGER, &linger, sizeof(linger));
+    if (zmq_bind(p->replay_, o.replay_endpoint.c_str()) != 0) {
+      return absl::UnavailableError(absl::StrCat("router_events.replay_endpoint ", o.replay_endpoint, ": ",
+                                                 zmq_strerror(errno)));
+    }
+  }
+  p->wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (p->wake_fd_ < 0) return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
+  p->thread_ = std::thread([raw = p.get()] { raw->Run(); });
+  spdlog::info("router events on {} (replay {}), topic {}", o.endpoint,
+               o.replay_endpoint.empty() ? "off" : o.replay_endpoint, o.topic);
+  return p;
+}
+
+RouterEventPublisher::RouterEventPublisher(RouterEventsOptions options)
+    : options_(std::move(options)), hasher_(options_.hash_seed) {}
+
+RouterEventPublisher::~RouterEventPublisher() {
+  if (cache_ != nullptr) cache_->RemoveListener(listener_);
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (wake_fd_ >= 0) {
+    const uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+  }
+  if (thread_.joinable()) thread_.join();
+  if (pub_ != nullptr) zmq_close(pub_);
+  if (replay_ != nullptr) zmq_close(replay_);
+  if (ctx_ != nullptr) zmq_ctx_term(ctx_);
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+void RouterEventPublisher::Attach(KvCache* cache) {
+  cache_ = cache;
+  for (const PoolGeometry& g : cache->pools()) pools_.push_back(g.name);
+  listener_ = cache->AddEventListener([this](const CacheEvent& e) { Enqueue(e); });
+}
+
+void RouterEventPublisher::Enqueue(const CacheEvent& event) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (static_cast<int64_t>(queue_.size()) >= options_.max_queued_events) {
+      overflowed_ = true;
+      absl::MutexLock s(&stats_mu_);
+      ++stats_.dropped;
+      return;
+    }
+    queue_.push_back(event);
+  }
+  const uint64_t one = 1;
+  (void)!write(wake_fd_, &one, sizeof(one));
+}
+
+RouterEventStats RouterEventPublisher::Stats() const {
+  absl::MutexLock lock(&stats_mu_);
+  return stats_;
+}
+
+std::string RouterEventPublisher::TopicOf(const std::string& pool) const {
+  return absl::StrReplaceAll(options_.topic, {{"{node}", options_.node}, {"{pool}", pool}});
+}
+
+void RouterEventPublisher::Run() {
+  zmq_pollitem_t items[2] = {};
+  items[0].fd = wake_fd_;
+  items[0].events = ZMQ_POLLIN;
+  items[1].socket = replay_;
+  items[1].events = ZMQ_POLLIN;
+  const int n = replay_ != nullptr ? 2 : 1;
+  for (;;) {
+    if (zmq_poll(items, n, 1000) < 0 && errno != EINTR) {
+      spdlog::error("router events: zmq_poll: {}", zmq_strerror(errno));
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    if (n == 2 && (items[1].revents & ZMQ_POLLIN) != 0) ServeReplay();
+    uint64_t wakes = 0;
+    (void)!read(wake_fd_, &wakes, sizeof(wakes));
+    std::vector<CacheEvent> events;
+    bool overflowed = false;
+    bool stopping = false;
+    {
+      absl::MutexLock lock(&mu_);
+      events.swap(queue_);
+      overflowed = overflowed_;
+      overflowed_ = false;
+      stopping = stopping_;
+    }
+    if (overflowed) {
+      // Events were lost: tell routers to forget this node, and start the hash chains afresh.
+      CacheEvent cleared;
+      cleared.kind = CacheEventKind::kCleared;
+      events.insert(events.begin(), cleared);
+    }
+    if (!events.empty()) Publish(std::move(events));
+    if (stopping) return;
+  }
+}
+
+void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
+  // Batches are per pool (the topic names the pool); a batch is sent when the pool changes, when
+  // it is full, and at the end, so the sequence order is the cache's event order.
+  std::string pool;
+  Batch batch;
+  auto flush = [&] {
+    if (!batch.events.empty()) Send(pool, batch);
+    batch = Batch{};
+  };
+  auto start = [&](const std::string& p, absl::Time t) {
+    if (p != pool || batch.size() >= options_.max_batch_events) flush();
+    pool = p;
+    if (batch.events.empty()) batch.ts = absl::ToDoubleSeconds(t - absl::UnixEpoch());
+  };
+  uint64_t unhashable = 0;
+  for (CacheEvent& e : events) {
+    switch (e.kind) {
+      case CacheEventKind::kCleared: {
+        known_.clear();
+        for (const std::string& p : pools_) {
+          start(p, e.time);
+          batch.events.push_back(Batch::Event{CacheEventKind::kCleared});
+        }
+        break;
+      }
+      case CacheEventKind::kStored: {
+        const RouterHash* parent = nullptr;
+        if (e.has_parent) {
+          auto it = known_.find(e.parent_key);
+          if (it == known_.end()) {
+            ++unhashable;
+            break;
+          }
+          parent = &it->second.hash;
+        }
+        const std::vector<std::string> extra =
+            RouterExtraKeys(e.adapter, e.media_keys, e.cache_salt, e.method, !e.has_parent);
+        const RouterHash h = hasher_.BlockHash(parent, e.tokens, extra);
+        const uint64_t parent_id = parent != nullptr ? RouterHasher::EventId(*parent) : 0;
+        Known& k = known_[e.key];
+        k.hash = h;
+        ++k.stored;
+        const std::string medium = e.medium == "disk" ? "DISK" : options_.device_medium;
+        start(e.pool, e.time);
+        Batch::Event* last = batch.events.empty() ? nullptr : &batch.events.back();
+        if (last != nullptr && last->kind == CacheEventKind::kStored && e.has_parent &&
+            last->last_key == e.parent_key && last->medium == medium) {
+          last->ids.push_back(RouterHasher::EventId(h));
+          last->tokens.insert(last->tokens.end(), e.tokens.begin(), e.tokens.end());
+          last->last_key = e.key;
+        } else {
+          Batch::Event out{CacheEventKind::kStored, medium};
+          out.ids.push_back(RouterHasher::EventId(h));
+          out.has_parent = parent != nullptr;
+          out.parent_id = parent_id;
+          out.tokens = std::move(e.tokens);
+          out.block_size = e.block_tokens;
+          out.last_key = e.key;
+          batch.events.push_back(std::move(out));
+        }
+        break;
+      }
+      case CacheEventKind::kRemoved: {
+        auto it = known_.find(e.key);
+        if (it == known_.end()) break;  // never announced
+        const uint64_t id = RouterHasher::EventId(it->second.hash);
+        if (--it->second.stored <= 0) known_.erase(it);
+        start(e.pool, e.time);
+        Batch::Event* last = batch.events.empty() ? nullptr : &batch.events.back();
+        if (last != nullptr && last->kind == CacheEventKind::kRemoved && last->medium == options_.device_medium) {
+          last->ids.push_back(id);
+        } else {
+          Batch::Event out{CacheEventKind::kRemoved, options_.device_medium};
+          out.ids.push_back(id);
+          batch.events.push_back(std::move(out));
+        }
+        break;
+      }
+    }
+  }
+  flush();
+  if (unhashable > 0) {
+    absl::MutexLock lock(&stats_mu_);
+    stats_.unhashable += unhashable;
+  }
+}
+
+void RouterEventPublisher::Send(const std::string& pool, const Batch& batch) {
+  msgpack::sbuffer buf;
+  msgpack::packer<msgpack::sbuffer> pk(buf);
+  pk.pack_array(3);
+  pk.pack_double(batch.ts);
+  pk.pack_array(static_cast<uint32_t>(batch.events.size()));
+  for (const Batch::Event& ev : batch.events) {
+    switch (ev.kind) {
+      case CacheEventKind::kStored:
+        pk.pack_array(7);
+        pk.pack(std::string_view("BlockStored"));
+        pk.pack(ev.ids);
+        if (ev.has_parent) {
+          pk.pack_uint64(ev.parent_id);
+        } else {
+          pk.pack_nil();
+        }
+        pk.pack(ev.tokens);
+        pk.pack_int32(ev.block_size);
+        pk.pack_nil();  // lora_id: kvd names adapters (lora_name), it has no integer ids
+        pk.pack(ev.medium);
+        break;
+      case CacheEventKind::kRemoved:
+        pk.pack_array(3);
+        pk.pack(std::string_view("BlockRemoved"));
+        pk.pack(ev.ids);
+        pk.pack(ev.medium);
+        break;
+      case CacheEventKind::kCleared:
+        pk.pack_array(1);
+        pk.pack(std::string_view("AllBlocksCleared"));
+        break;
+    }
+  }
+  pk.pack_int64(options_.data_parallel_rank);
+
+  const uint64_t seq = next_sequence_++;
+  const std::string seq_bytes = BigEndian8(static_cast<int64_t>(seq));
+  const std::string topic = TopicOf(pool);
+  std::string payload(buf.data(), buf.size());
+  if (!SendFrames(pub_, {topic, seq_bytes, payload})) {
+    spdlog::warn("router events: send of batch {} failed: {}", seq, zmq_strerror(errno));
+  }
+  buffer_.push_back(Buffered{seq, std::move(payload)});
+  while (static_cast<int64_t>(buffer_.size()) > options_.buffer_batches) buffer_.pop_front();
+  absl::MutexLock lock(&stats_mu_);
+  ++stats_.batches;
+  stats_.events += batch.events.size();
+  stats_.last_sequence = seq;
+}
+
+void RouterEventPublisher::ServeReplay() {
+  for (;;) {
+    std::vector<std::string> frames;
+    int more = 1;
+    while (more != 0) {
+      zmq_msg_t msg;
+      zmq_msg_init(&msg);
+      if (zmq_msg_recv(&msg, replay_, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&msg);
+        return;  // nothing (more) to read
+      }
+      frames.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
+      more = zmq_msg_more(&msg);
+      zmq_msg_close(&msg);
+    }
+    {
+      absl::MutexLock lock(&stats_mu_);
+      ++stats_.replay_requests;
+    }
+    if (frames.size() != 3 || frames[2].size() != 8) {
+      spdlog::warn("router events: ignoring a replay request of {} frames (want identity, empty, "
+                   "8-byte start sequence)", frames.size());
+      continue;
+    }
+    const std::string& identity = frames[0];
+    const int64_t start = FromBigEndian8(reinterpret_cast<const uint8_t*>(frames[2].data()));
+    uint64_t sent = 0;
+    for (const Buffered& b : buffer_) {
+      if (static_cast<int64_t>(b.sequence) < start) continue;
+      const std::string seq = BigEndian8(static_cast<int64_t>(b.sequence));
+      if (!SendFrames(replay_, {identity, "", seq, b.payload})) break;
+      ++sent;
+    }
+    SendFrames(replay_, {identity, "", BigEndian8(-1), ""});
+    absl::MutexLock lock(&stats_mu_);
+    stats_.replayed_batches += sent;
+  }
+}
+
+}  // namespace kvd

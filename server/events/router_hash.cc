@@ -1,0 +1,58 @@
+#include "server/events/router_hash.h"
+
+#include <openssl/sha.h>
+
+#include "server/events/cbor_writer.h"
+
+namespace kvd {
+namespace {
+
+RouterHash Sha256(const std::string& bytes) {
+  RouterHash h;
+  SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), h.data());
+  return h;
+}
+
+}  // namespace
+
+RouterHasher::RouterHasher(const std::string& seed) {
+  CborWriter w;
+  w.Text(seed);
+  root_ = Sha256(w.data());
+}
+
+RouterHash RouterHasher::BlockHash(const RouterHash* parent, absl::Span<const Token> tokens,
+                                   absl::Span<const std::string> extra_keys) const {
+  CborWriter w;
+  w.Array(3);
+  w.Bytes(parent != nullptr ? *parent : root_);
+  w.Array(tokens.size());
+  for (Token t : tokens) w.Uint(t);
+  if (extra_keys.empty()) {
+    w.Null();
+  } else {
+    w.Array(extra_keys.size());
+    for (const std::string& k : extra_keys) w.Text(k);
+  }
+  return Sha256(w.data());
+}
+
+uint64_t RouterHasher::EventId(const RouterHash& h) {
+  uint64_t v = 0;
+  for (size_t i = h.size() - 8; i < h.size(); ++i) v = (v << 8) | h[i];
+  return v;
+}
+
+std::vector<std::string> RouterExtraKeys(const std::string& adapter,
+                                         const std::vector<std::string>& media_keys,
+                                         const std::string& cache_salt, const std::string& method,
+                                         bool first_block) {
+  std::vector<std::string> keys;
+  if (!adapter.empty()) keys.push_back(adapter);
+  keys.insert(keys.end(), media_keys.begin(), media_keys.end());
+  if (first_block && !cache_salt.empty()) keys.push_back(cache_salt);
+  if (!method.empty()) keys.push_back(method);
+  return keys;
+}
+
+}  // namespace kvd

@@ -1,0 +1,53 @@
+// Router block hashes: the block identifiers kvd puts in router events, computed the way vLLM's
+// prefix cache does with `--prefix-caching-hash-algo sha256_cbor`, so that a cluster router that
+// hashes prompts itself (vLLM's KV-event consumers, the llm-d KV-cache indexer) finds kvd's blocks:
+//
+//   root          = SHA-256(cbor(seed))                       seed: the engine's PYTHONHASHSEED
+//   hash(block i) = SHA-256(cbor([hash(block i-1) or root, [tokens of block i], extra_keys]))
+//   event id      = the low 64 bits of hash(block i): its last 8 bytes, big-endian
+//
+// with canonical CBOR (cbor2.dumps(..., canonical=True)); the chain carries the full 32-byte
+// digests and only the identifier reported in events is cut to 64 bits. extra_keys is null or an
+// array of text strings (see RouterExtraKeys).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "server/core/block_key.h"
+#include "server/core/types.h"
+
+namespace kvd {
+
+using RouterHash = std::array<uint8_t, 32>;
+
+class RouterHasher {
+ public:
+  explicit RouterHasher(const std::string& seed);
+
+  const RouterHash& root() const { return root_; }
+  // `parent` is nullptr for the first block of a prompt (the root is used). Empty `extra_keys`
+  // encodes as null, as vLLM hashes a block without LoRA, media or salt.
+  RouterHash BlockHash(const RouterHash* parent, absl::Span<const Token> tokens,
+                       absl::Span<const std::string> extra_keys) const;
+  // The identifier events carry: the digest's last 8 bytes as a big-endian integer.
+  static uint64_t EventId(const RouterHash& h);
+
+ private:
+  RouterHash root_;
+};
+
+// The extra keys of a block, in vLLM's order: the LoRA adapter name, then the media keys, then the
+// cache salt on the first block only. kvd's `method` (no vLLM equivalent) comes last, so that
+// namespaces a router cannot tell apart still get distinct identifiers. Media keys are added to
+// every block, since kvd does not know which token positions an image covers (vLLM adds a media
+// hash only to the blocks it overlaps): routers match media prompts only if they do the same.
+std::vector<std::string> RouterExtraKeys(const std::string& adapter,
+                                         const std::vector<std::string>& media_keys,
+                                         const std::string& cache_salt, const std::string& method,
+                                         bool first_block);
+
+}  // namespace kvd

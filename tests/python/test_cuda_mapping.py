@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""kvd.cuda's ctypes marshalling against a stand-in CUDA runtime (fake_cudart.c): the 64-byte
+handle reaches cudaIpcOpenMemHandle by value and intact, with the device set first and the lazy
+peer-access flag; addresses are slab base + Pool.offset; errors carry cudaGetErrorName; close
+unmaps. (tests/gpu covers the real runtime on a GPU.)
+
+Usage: test_cuda_mapping.py LIBFAKECUDART   (PYTHONPATH=<build>/python)
+"""
+import ctypes
+import sys
+
+from kvd import cuda
+from kvd.client import Pool
+from kvd.v1 import kvd_pb2
+
+failures = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        failures.append(what)
+
+
+def main():
+    lib_path = sys.argv[1]
+    fake = ctypes.CDLL(lib_path)
+    fake.fake_handle.restype = ctypes.POINTER(ctypes.c_ubyte * 64)
+    fake.fake_flags.restype = ctypes.c_uint
+    rt = cuda.CudaRuntime(path=lib_path)
+    check(rt.path == lib_path, "the runtime named by path is loaded")
+
+    handle = bytes((i * 7 + 3) % 251 for i in range(64))
+    info = kvd_pb2.SlabInfo(shard=0, device=3, size_bytes=4 << 20, cuda_ipc_handle=handle)
+    slab = cuda.map_slab(rt, info)
+    base = int.from_bytes(handle[:8], "little")
+    check(slab.ptr == 0x7f0000000000 | (base & 0xffffff000), f"device pointer returned ({slab.ptr:#x})")
+    check(fake.fake_device() == 3, "cudaSetDevice got the slab's device")
+    check(bytes(fake.fake_handle().contents) == handle, "cudaIpcOpenMemHandle got all 64 handle bytes by value")
+    check(fake.fake_flags() == cuda.CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, "lazy peer-access flag")
+    check(slab.size == 4 << 20 and slab.device == 3, "size and device kept")
+
+    pool = Pool(kvd_pb2.PoolInfo(pool_id=0, name="m", block_tokens=16, num_layers=4,
+                                 bytes_per_token_per_layer=256, capacity_blocks=64,
+                                 layout=kvd_pb2.LAYOUT_LAYER_MAJOR, layer_block_bytes=4096, slabs=[info]))
+    check(slab.address(pool.offset(5, 2)) == slab.ptr + (2 * 64 + 5) * 4096, "layer address = base + offset")
+    try:
+        slab.address(4 << 20)
+        check(False, "an address past the slab is refused")
+    except IndexError:
+        check(True, "an address past the slab is refused")
+
+    slab.close()
+    check(fake.fake_open() == 0 and slab.ptr is None, "close unmaps the handle")
+    slab.close()  # idempotent
+
+    bad = kvd_pb2.SlabInfo(shard=0, device=0, size_bytes=2 << 20, cuda_ipc_handle=b"\xff" + bytes(63))
+    try:
+        cuda.map_slab(rt, bad)
+        check(False, "a foreign handle fails")
+    except cuda.CudaError as e:
+        check(e.name == "cudaErrorInvalidResourceHandle" and e.code == 400 and "cudaIpcOpenMemHandle" in str(e),
+              f"a foreign handle fails naming the CUDA error ({e})")
+    try:
+        rt.open_ipc_handle(b"short", 0)
+        check(False, "a short handle is refused")
+    except ValueError:
+        check(True, "a short handle is refused")
+    try:
+        cuda.CudaRuntime(path="/nonexistent/libcudart.so")
+        check(True, "a bad path falls back to the system runtime when there is one")
+    except OSError as e:
+        check("KVD_CUDART" in str(e), "no runtime: the error says how to name one")
+
+    print(f"{len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
