@@ -76,6 +76,9 @@ int main(int argc, char** argv) {
       ->envname("KVD_DISK_DIR");
   app.add_option("--host-tier-bytes", host_tier_bytes, "bytes of host RAM for the host tier (G2)")
       ->envname("KVD_HOST_TIER_BYTES");
+  std::string redis_url;
+  app.add_option("--redis-url", redis_url, "shared Redis/Valkey tier (G4): redis://host:port[/db] or unix:///path")
+      ->envname("KVD_REDIS_URL");
   std::string router_events, router_replay;
   app.add_option("--router-events", router_events, "ZMQ endpoint for router KV events (e.g. tcp://*:5557)")
       ->envname("KVD_ROUTER_EVENTS");
@@ -113,6 +116,7 @@ int main(int argc, char** argv) {
   if (!tls_key.empty()) options.server.tls_key_file = tls_key;
   if (!tls_client_ca.empty()) options.server.tls_client_ca_file = tls_client_ca;
   if (host_tier_bytes >= 0) options.tiers.host_bytes = host_tier_bytes;
+  if (!redis_url.empty()) options.tiers.remote.url = redis_url;
   if (!router_events.empty()) options.router_events.endpoint = router_events;
   if (!router_replay.empty()) options.router_events.replay_endpoint = router_replay;
 

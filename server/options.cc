@@ -61,7 +61,10 @@ absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeom
 absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOptions* t) {
   if (!node.IsMap()) return absl::InvalidArgumentError(absl::StrCat(where, ": tiers must be a map"));
   static const char* kKnown[] = {"host_bytes", "disk_dir", "disk_bytes", "codec", "segment_bytes",
-                                 "idle_demote_after_s", "read_threads", "flush_on_drain"};
+                                 "idle_demote_after_s", "read_threads", "flush_on_drain",
+                                 "redis_url", "redis_key_prefix", "redis_ttl_s", "redis_connect_timeout_s",
+                                 "redis_timeout_s", "redis_retry_after_s", "redis_write_through",
+                                 "redis_max_pending_uploads"};
   for (const auto& kv : node) {
     const std::string key = kv.first.as<std::string>();
     bool known = false;
@@ -80,6 +83,15 @@ absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOpt
   KVD_RETURN_IF_ERROR(ReadSeconds(node, "idle_demote_after_s", &t->idle_demote_after, where));
   KVD_RETURN_IF_ERROR(Read(node, "read_threads", &t->read_threads, where));
   KVD_RETURN_IF_ERROR(Read(node, "flush_on_drain", &t->flush_on_drain, where));
+  RemoteTierOptions& r = t->remote;
+  KVD_RETURN_IF_ERROR(Read(node, "redis_url", &r.url, where));
+  KVD_RETURN_IF_ERROR(Read(node, "redis_key_prefix", &r.key_prefix, where));
+  KVD_RETURN_IF_ERROR(ReadSeconds(node, "redis_ttl_s", &r.ttl, where));
+  KVD_RETURN_IF_ERROR(ReadSeconds(node, "redis_connect_timeout_s", &r.connect_timeout, where));
+  KVD_RETURN_IF_ERROR(ReadSeconds(node, "redis_timeout_s", &r.io_timeout, where));
+  KVD_RETURN_IF_ERROR(ReadSeconds(node, "redis_retry_after_s", &r.retry_after, where));
+  KVD_RETURN_IF_ERROR(Read(node, "redis_write_through", &r.write_through, where));
+  KVD_RETURN_IF_ERROR(Read(node, "redis_max_pending_uploads", &r.max_pending_uploads, where));
   return absl::OkStatus();
 }
 
@@ -192,6 +204,20 @@ absl::Status Options::Validate() const {
   }
   if (!tiers.disk_dir.empty() && tiers.disk_dir[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat("tiers.disk_dir must be absolute, not '", tiers.disk_dir, "'"));
+  }
+  const RemoteTierOptions& g4 = tiers.remote;
+  if (g4.enabled()) {
+    if (!absl::StartsWith(g4.url, "redis://") && !absl::StartsWith(g4.url, "unix:///")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tiers.redis_url must be redis://host:port[/db] or unix:///path, not '", g4.url, "'"));
+    }
+    if (g4.key_prefix.empty()) return absl::InvalidArgumentError("tiers.redis_key_prefix is empty");
+    if (g4.ttl < absl::Seconds(1)) return absl::InvalidArgumentError("tiers.redis_ttl_s must be >= 1");
+    if (g4.connect_timeout <= absl::ZeroDuration() || g4.io_timeout <= absl::ZeroDuration()) {
+      return absl::InvalidArgumentError("tiers.redis_connect_timeout_s and redis_timeout_s must be > 0");
+    }
+    if (g4.retry_after < absl::ZeroDuration()) return absl::InvalidArgumentError("tiers.redis_retry_after_s must be >= 0");
+    if (g4.max_pending_uploads < 1) return absl::InvalidArgumentError("tiers.redis_max_pending_uploads must be >= 1");
   }
   const RouterEventsOptions& r = router_events;
   if (!r.replay_endpoint.empty() && r.endpoint.empty()) {
@@ -343,6 +369,14 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "idle_demote_after_s" << YAML::Value << absl::ToDoubleSeconds(t.idle_demote_after);
   out << YAML::Key << "read_threads" << YAML::Value << t.read_threads;
   out << YAML::Key << "flush_on_drain" << YAML::Value << t.flush_on_drain;
+  out << YAML::Key << "redis_url" << YAML::Value << t.remote.url;
+  out << YAML::Key << "redis_key_prefix" << YAML::Value << t.remote.key_prefix;
+  out << YAML::Key << "redis_ttl_s" << YAML::Value << absl::ToDoubleSeconds(t.remote.ttl);
+  out << YAML::Key << "redis_connect_timeout_s" << YAML::Value << absl::ToDoubleSeconds(t.remote.connect_timeout);
+  out << YAML::Key << "redis_timeout_s" << YAML::Value << absl::ToDoubleSeconds(t.remote.io_timeout);
+  out << YAML::Key << "redis_retry_after_s" << YAML::Value << absl::ToDoubleSeconds(t.remote.retry_after);
+  out << YAML::Key << "redis_write_through" << YAML::Value << t.remote.write_through;
+  out << YAML::Key << "redis_max_pending_uploads" << YAML::Value << t.remote.max_pending_uploads;
   out << YAML::EndMap;
   const RouterEventsOptions& r = o.router_events;
   out << YAML::Key << "router_events" << YAML::Value << YAML::BeginMap;

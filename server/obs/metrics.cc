@@ -123,6 +123,7 @@ class CacheCollector final : public prometheus::Collectable {
     }
     MetricFamily& pro = family("kvd_promotions_total", "Blocks promoted into the device pool, by source tier.", MetricType::Counter);
     for (int from = 1; from < kNumTiers; ++from) add(pro, t.promotions[from], {{"from", TierName(from)}});
+    if (t.remote_enabled) add(pro, t.remote_promotions, {{"from", "remote"}});
     add(family("kvd_promoted_tokens_total", "Prompt tokens served by promotion from a lower tier.", MetricType::Counter), t.promoted_tokens);
     add(family("kvd_tier_dropped_total", "Records dropped for lack of room in every tier.", MetricType::Counter), t.dropped);
     add(family("kvd_tier_checksum_failures_total", "Stored records that failed verification (never served).", MetricType::Counter), t.checksum_failures);
@@ -140,6 +141,28 @@ class CacheCollector final : public prometheus::Collectable {
     add(family("kvd_tier_compression_ratio", "Raw over stored bytes written to the disk tier.", MetricType::Gauge),
         t.stored_bytes_written == 0 ? 1.0 : static_cast<double>(t.raw_bytes_written) / t.stored_bytes_written);
     add(family("kvd_tier_reloaded_records", "Records the last warm restart reloaded.", MetricType::Gauge), t.reloaded_records);
+    if (t.remote_enabled) CollectRemote(t, family, add);
+  }
+
+  // G4 (Redis) families.
+  template <typename Family, typename Add>
+  void CollectRemote(const TierStats& t, Family& family, Add& add) const {
+    const RemoteStats& r = t.remote;
+    add(family("kvd_remote_available", "1 when the Redis tier is in use, 0 while skipped after a failure.", MetricType::Gauge),
+        r.available ? 1 : 0);
+    add(family("kvd_remote_lookups_total", "Prefix lookups sent to the Redis tier (one round trip each).", MetricType::Counter), r.lookups);
+    add(family("kvd_remote_hit_blocks_total", "Blocks Redis lookups found.", MetricType::Counter), r.hit_blocks);
+    MetricFamily& blocks = family("kvd_remote_blocks_total", "Blocks moved to or from the Redis tier, by direction.", MetricType::Counter);
+    add(blocks, r.fetched_blocks, {{"direction", "fetched"}});
+    add(blocks, r.uploaded_blocks, {{"direction", "uploaded"}});
+    add(blocks, r.refreshed_blocks, {{"direction", "refreshed"}});
+    add(blocks, r.upload_dropped, {{"direction", "upload_dropped"}});
+    MetricFamily& bytes = family("kvd_remote_bytes_total", "Bytes moved to or from the Redis tier (as stored).", MetricType::Counter);
+    add(bytes, r.fetched_bytes, {{"direction", "fetched"}});
+    add(bytes, r.uploaded_bytes, {{"direction", "uploaded"}});
+    add(family("kvd_remote_errors_total", "Failed Redis calls (connect, timeout, protocol).", MetricType::Counter), r.errors);
+    add(family("kvd_remote_skipped_total", "Redis calls skipped during a failure back-off.", MetricType::Counter), r.skipped);
+    add(family("kvd_remote_corrupt_total", "Redis values that failed verification (never served).", MetricType::Counter), r.corrupt);
   }
 
   const KvCache* cache_;

@@ -24,17 +24,27 @@ absl::StatusOr<std::unique_ptr<TierStore>> TierStore::Open(TierOptions options,
     absl::MutexLock lock(&store->mu_);
     store->host_ = std::move(host);
   }
+  if (store->options_.remote.enabled()) {
+    KVD_ASSIGN_OR_RETURN(store->remote_, RemoteTier::Open(store->options_.remote));
+    if (store->options_.remote.write_through) {
+      store->upload_listener_ = cache->AddEventListener(
+          [raw = store.get()](const CacheEvent& e) { raw->QueueUpload(e); });
+    }
+  }
   return store;
 }
 
 TierStore::TierStore(TierOptions options, const DeviceArena* arena, KvCache* cache)
     : options_(std::move(options)), arena_(arena), cache_(cache), pools_(cache->pools()),
       readers_(std::make_unique<Executor>(options_.read_threads)),
-      writer_(std::make_unique<Executor>(1)) {
+      writer_(std::make_unique<Executor>(1)),
+      uploader_(std::make_unique<Executor>(1)) {
   for (const PoolGeometry& g : pools_) layout_tags_.push_back(LayoutTag(g));
 }
 
 TierStore::~TierStore() {
+  if (upload_listener_ >= 0) cache_->RemoveListener(upload_listener_);
+  uploader_.reset();
   readers_.reset();
   writer_.reset();
   absl::MutexLock lock(&mu_);
@@ -255,7 +265,7 @@ bool TierStore::Promote(const RequestId& id, const RequestSpec& spec, const Acqu
   const int64_t max_blocks = (prompt_len - 1) / bt;  // leave one token to compute
   const int64_t first = acquired.cached_tokens / bt;
   if (first >= max_blocks) return false;
-  const std::vector<BlockKey> keys = ChainKeys(spec.ns, spec.prompt, bt, max_blocks);
+  std::vector<BlockKey> keys = ChainKeys(spec.ns, spec.prompt, bt, max_blocks);
   std::vector<ReadSource> sources;
   {
     absl::MutexLock lock(&mu_);
@@ -269,16 +279,21 @@ bool TierStore::Promote(const RequestId& id, const RequestSpec& spec, const Acqu
       sources.push_back(PinForReadLocked(keys[i], *e));
     }
   }
-  if (sources.empty()) return false;
-  std::vector<BlockIndex> targets(acquired.blocks.begin() + first,
-                                  acquired.blocks.begin() + first + static_cast<int64_t>(sources.size()));
+  // G4 is asked for what follows the local run (skipped at once while it is failing).
+  const int64_t local_end = first + static_cast<int64_t>(sources.size());
+  const bool ask_remote = remote_ != nullptr && remote_->available() && local_end < max_blocks;
+  if (sources.empty() && !ask_remote) return false;
+  const int64_t end = ask_remote ? max_blocks : local_end;
+  std::vector<BlockIndex> targets(acquired.blocks.begin() + first, acquired.blocks.begin() + end);
   if (!cache_->PinBlocks(id, targets).ok()) {  // the request is already gone
     absl::MutexLock lock(&mu_);
     for (const ReadSource& s : sources) UnpinLocked(s.key);
     return false;
   }
+  std::vector<Token> prompt = ask_remote ? spec.prompt : std::vector<Token>{};
   readers_->Submit([this, id, pool = acquired.pool, first, bt, sources = std::move(sources),
-                    targets = std::move(targets), done = std::move(done)]() {
+                    targets = std::move(targets), done = std::move(done), ask_remote, ns = spec.ns,
+                    prompt = std::move(prompt), keys = std::move(keys)]() {
     std::vector<uint8_t> buf(static_cast<size_t>(pools_[pool].block_bytes_all_shards()));
     int64_t copied = 0;
     int from_tier[kNumTiers] = {};
@@ -305,6 +320,10 @@ bool TierStore::Promote(const RequestId& id, const RequestSpec& spec, const Acqu
     {
       absl::MutexLock lock(&mu_);
       for (const ReadSource& s : sources) UnpinLocked(s.key);
+    }
+    if (ask_remote && copied == static_cast<int64_t>(sources.size())) {
+      copied += FetchRemote(pool, ns, prompt, keys, first + copied,
+                            absl::MakeConstSpan(targets).subspan(static_cast<size_t>(copied)));
     }
     absl::StatusOr<int64_t> result = (first + copied) * bt;
     if (copied > 0) {

@@ -10,6 +10,10 @@
 // on its way to G3); a G3 segment. Tiers are not exclusive: a block written to G3 keeps its G2
 // copy until G2 needs the room, and a promoted block keeps its copies below.
 //
+// G4 (optional, remote_tier.h): blocks published to G1 are uploaded to Redis by one uploader
+// thread (write-through); a promotion that runs past what G1-G3 hold asks G4 for the rest of the
+// prompt's chain on the reader thread.
+//
 // Threads: OnEvict runs on the caller's thread under KvCache's mutex (lock order: KvCache, then
 // this). Disk writes (spills, flushes, manifest) run on one writer thread, disk reads (promotion,
 // prefetch, object gets) on reader threads; no gRPC thread ever waits on the disk.
@@ -34,6 +38,7 @@
 #include "server/store/executor.h"
 #include "server/store/host_tier.h"
 #include "server/store/record_header.h"
+#include "server/store/remote_tier.h"
 #include "server/store/segment_file.h"
 #include "server/store/tier_types.h"
 
@@ -159,6 +164,15 @@ class TierStore final : public EvictionSink {
   // The G3 header of a device block (identity, raw length, layout tag; no location yet).
   RecordHeader BlockHeader(const CachedBlockView& v) const;
 
+  // tier_store_remote.cc: G4.
+  // Queues a block the cache just stored in G1 for upload (the cache's event listener).
+  void QueueUpload(const CacheEvent& e) ABSL_LOCKS_EXCLUDED(upload_mu_);
+  void UploadQueued() ABSL_LOCKS_EXCLUDED(upload_mu_);  // uploader thread
+  // Copies the run of blocks keys[from..from+targets.size()) that G4 holds into `targets`,
+  // verifying each record against the prompt; returns how many were written. Reader thread.
+  int64_t FetchRemote(PoolId pool, const Namespace& ns, absl::Span<const Token> prompt,
+                      absl::Span<const BlockKey> keys, int64_t from, absl::Span<const BlockIndex> targets);
+
   // tier_store_disk.cc: G3.
   void ScheduleSpillWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WriteSpills() ABSL_LOCKS_EXCLUDED(mu_);  // writer thread
@@ -204,9 +218,16 @@ class TierStore final : public EvictionSink {
   uint64_t next_prefetch_ ABSL_GUARDED_BY(mu_) = 1;
   TierStats stats_ ABSL_GUARDED_BY(mu_);  // counters; gauges are filled by Stats()
 
+  std::unique_ptr<RemoteTier> remote_;  // G4, or null
+  int upload_listener_ = -1;
+  absl::Mutex upload_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::vector<CachedBlockRef> upload_queue_ ABSL_GUARDED_BY(upload_mu_);
+  bool upload_scheduled_ ABSL_GUARDED_BY(upload_mu_) = false;
+
   // Declared last: destroyed first, finishing queued work while everything above still lives.
   std::unique_ptr<Executor> readers_;
   std::unique_ptr<Executor> writer_;
+  std::unique_ptr<Executor> uploader_;  // G4 uploads
 };
 
 }  // namespace kvd

@@ -695,6 +695,10 @@ TierStats TierStore::Stats() const {
   }
   s.prefetch_handles = static_cast<int64_t>(prefetches_.size());
   s.idle_demotion = idle_demotion();
+  if (remote_ != nullptr) {
+    s.remote_enabled = true;
+    s.remote = remote_->Stats();
+  }
   return s;
 }
 

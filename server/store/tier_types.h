@@ -13,6 +13,40 @@
 
 namespace kvd {
 
+// G4: a Redis or Valkey server shared by daemons (remote_tier.h).
+struct RemoteTierOptions {
+  // redis://[:password@]host:port[/db] or unix:///path/to/redis.sock. Empty disables G4.
+  std::string url;
+  std::string key_prefix = "kvd";
+  // Lifetime of a stored block, refreshed whenever a daemon stores or reuses it. Default 1 day.
+  absl::Duration ttl = absl::Hours(24);
+  absl::Duration connect_timeout = absl::Milliseconds(200);
+  // Bound on each read or write on a connection.
+  absl::Duration io_timeout = absl::Milliseconds(500);
+  // After a failure, how long the tier is skipped.
+  absl::Duration retry_after = absl::Seconds(1);
+  // Upload every block published to the device pool (else G4 only serves what others uploaded).
+  bool write_through = true;
+  // Most blocks waiting for upload; more are dropped (counted).
+  int64_t max_pending_uploads = 4096;
+
+  bool enabled() const { return !url.empty(); }
+};
+
+struct RemoteStats {
+  bool available = false;          // not in a failure back-off
+  uint64_t lookups = 0;            // prefix lookups sent (one round trip each)
+  uint64_t hit_blocks = 0;         // blocks found by lookups
+  uint64_t fetched_blocks = 0, fetched_bytes = 0;    // values read (bytes as stored)
+  uint64_t uploaded_blocks = 0, uploaded_bytes = 0;  // values written
+  uint64_t refreshed_blocks = 0;   // already present: TTL refreshed, nothing sent
+  uint64_t upload_dropped = 0;     // not uploaded: queue full, tier down, or block gone
+  uint64_t skipped = 0;            // calls skipped during a back-off
+  uint64_t errors = 0;             // failed calls (connect, timeout, protocol)
+  uint64_t corrupt = 0;            // values that failed verification (not served)
+  std::string last_error;
+};
+
 struct TierOptions {
   // G2: bytes of host RAM for demoted blocks and objects. 0 disables G2.
   int64_t host_bytes = 0;
@@ -31,7 +65,10 @@ struct TierOptions {
   // SIGTERM drain flushes to G3 before exit (when G3 is configured).
   bool flush_on_drain = true;
 
-  bool enabled() const { return host_bytes > 0 || !disk_dir.empty(); }
+  // G4 (off unless remote.url is set).
+  RemoteTierOptions remote;
+
+  bool enabled() const { return host_bytes > 0 || !disk_dir.empty() || remote.enabled(); }
 };
 
 struct FlushResult {
@@ -62,6 +99,7 @@ struct TierStats {
   uint64_t demotions[kNumEvictReasons + 1][kNumTiers] = {};  // [reason, idle = last][to tier]
   uint64_t promotions[kNumTiers] = {};   // blocks promoted to G1, by the tier they came from
   uint64_t promoted_tokens = 0;
+  uint64_t remote_promotions = 0;        // blocks promoted to G1 from G4 (Redis)
   uint64_t dropped = 0;                  // records dropped for lack of room in every tier
   uint64_t checksum_failures = 0;        // G3 records that failed verification (never served)
   uint64_t incompatible = 0;             // G3 records whose pool layout no longer matches
@@ -74,6 +112,8 @@ struct TierStats {
   int64_t restored_checkpoints = 0;      // by the last Load
   int64_t reloaded_records = 0;          // by the last Load (warm restart)
   double load_seconds = 0;
+  bool remote_enabled = false;
+  RemoteStats remote;                    // G4, when enabled
 };
 
 struct PrefetchInfo {

@@ -102,6 +102,10 @@ TEST_CASE("Every configuration error exits non-zero naming the field", "[integra
       {"colour: blue\n", "unknown key 'colour'"},
       {"pools: [\n", "config"},
       {"lease_ttl_s: soon\n", "lease_ttl_s"},
+      {"tiers:\n  redis_url: http://cache:6379\n", "tiers.redis_url"},
+      {"tiers:\n  redis_url: redis://127.0.0.1:6379\n  redis_ttl_s: 0\n", "redis_ttl_s"},
+      {"router_events:\n  replay_endpoint: ipc:///tmp/kvd-replay\n", "router_events.replay_endpoint"},
+      {"router_events:\n  colour: blue\n", "unknown key 'colour'"},
   };
   for (const Case& c : cases) {
     const std::string path = dir.path() + "/bad.yaml";

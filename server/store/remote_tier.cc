@@ -1,0 +1,276 @@
+#include "server/store/remote_tier.h"
+
+#include <hiredis/hiredis.h>
+#include <sys/time.h>
+#include <xxhash.h>
+
+#include <string_view>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "spdlog/spdlog.h"
+
+namespace kvd {
+namespace {
+
+struct ReplyDeleter {
+  void operator()(redisReply* r) const { freeReplyObject(r); }
+};
+using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
+
+
+int64_t NowNs() { return absl::GetCurrentTimeNanos(); }
+
+}  // namespace
+
+class RemoteTier::Connection {
+ public:
+  explicit Connection(redisContext* c) : c_(c) {}
+  ~Connection() { redisFree(c_); }
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  void Append(std::initializer_list<std::string_view> args) {
+    const char* argv[8];
+    size_t len[8];
+    int n = 0;
+    for (std::string_view a : args) {
+      argv[n] = a.data();
+      len[n] = a.size();
+      ++n;
+    }
+    redisAppendCommandArgv(c_, n, argv, len);
+  }
+  // The next reply; UNAVAILABLE (the connection is then unusable) on I/O or protocol failure.
+  absl::StatusOr<Reply> Read() {
+    void* r = nullptr;
+    if (redisGetReply(c_, &r) != REDIS_OK || r == nullptr) {
+      return absl::UnavailableError(c_->errstr[0] != '\0' ? c_->errstr : "connection lost");
+    }
+    return Reply(static_cast<redisReply*>(r));
+  }
+  // Runs one command and checks its reply is not an error.
+  absl::StatusOr<Reply> Command(std::initializer_list<std::string_view> args) {
+    Append(args);
+    absl::StatusOr<Reply> r = Read();
+    if (r.ok() && (*r)->type == REDIS_REPLY_ERROR) {
+      return absl::UnavailableError(std::string((*r)->str, (*r)->len));
+    }
+    return r;
+  }
+
+ private:
+  redisContext* c_;
+};
+
+absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions options) {
+  std::unique_ptr<RemoteTier> t(new RemoteTier(options));
+  const std::string& url = t->options_.url;
+  if (absl::StartsWith(url, "unix://")) {
+    t->unix_path_ = url.substr(7);
+    if (t->unix_path_.empty() || t->unix_path_[0] != '/') {
+      return absl::InvalidArgumentError(absl::StrCat("tiers.redis_url: want unix:///absolute/path, not '", url, "'"));
+    }
+  } else if (absl::StartsWith(url, "redis://")) {
+    std::string rest = url.substr(8);
+    if (size_t at = rest.rfind('@'); at != std::string::npos) {
+      std::string auth = rest.substr(0, at);
+      rest = rest.substr(at + 1);
+      t->password_ = absl::StartsWith(auth, ":") ? auth.substr(1) : auth;
+    }
+    if (size_t slash = rest.find('/'); slash != std::string::npos) {
+      if (!absl::SimpleAtoi(rest.substr(slash + 1), &t->db_) || t->db_ < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("tiers.redis_url: bad database number in '", url, "'"));
+      }
+      rest = rest.substr(0, slash);
+    }
+    if (size_t colon = rest.rfind(':'); colon != std::string::npos) {
+      if (!absl::SimpleAtoi(rest.substr(colon + 1), &t->port_) || t->port_ <= 0 || t->port_ > 65535) {
+        return absl::InvalidArgumentError(absl::StrCat("tiers.redis_url: bad port in '", url, "'"));
+      }
+      rest = rest.substr(0, colon);
+    }
+    t->host_ = rest;
+    if (t->host_.empty()) return absl::InvalidArgumentError(absl::StrCat("tiers.redis_url: no host in '", url, "'"));
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tiers.redis_url: want redis://host:port[/db] or unix:///path, not '", url, "'"));
+  }
+  if (t->options_.key_prefix.empty()) return absl::InvalidArgumentError("tiers.redis_key_prefix is empty");
+  if (t->options_.ttl < absl::Seconds(1)) return absl::InvalidArgumentError("tiers.redis_ttl_s must be >= 1");
+  {
+    absl::MutexLock lock(&t->mu_);
+    t->stats_.available = true;
+  }
+  return t;
+}
+
+RemoteTier::RemoteTier(RemoteTierOptions options) : options_(std::move(options)) {}
+RemoteTier::~RemoteTier() = default;
+
+std::string RemoteTier::KeyName(const Namespace& ns, const BlockKey& key) const {
+  const std::string salt =
+      ns.cache_salt.empty() ? "-" : absl::StrFormat("%016x", XXH3_64bits(ns.cache_salt.data(), ns.cache_salt.size()));
+  return absl::StrCat(options_.key_prefix, ":", ns.pool, ":", salt, ":", key.ToHex());
+}
+
+bool RemoteTier::available() const { return NowNs() >= down_until_ns_.load(std::memory_order_relaxed); }
+
+absl::Status RemoteTier::Fail(const std::string& what) {
+  down_until_ns_.store(NowNs() + absl::ToInt64Nanoseconds(options_.retry_after), std::memory_order_relaxed);
+  absl::MutexLock lock(&mu_);
+  ++stats_.errors;
+  if (stats_.last_error != what) {
+    spdlog::warn("redis tier {}: {}; skipped for {}", options_.url, what, absl::FormatDuration(options_.retry_after));
+  }
+  stats_.last_error = what;
+  idle_.clear();  // a failure usually means the server went away: reconnect afresh
+  return absl::UnavailableError(absl::StrCat("redis tier: ", what));
+}
+
+absl::StatusOr<std::unique_ptr<RemoteTier::Connection>> RemoteTier::Take() {
+  if (!available()) {
+    absl::MutexLock lock(&mu_);
+    ++stats_.skipped;
+    return absl::UnavailableError("redis tier: skipped after a recent failure");
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (!idle_.empty()) {
+      std::unique_ptr<Connection> c = std::move(idle_.back());
+      idle_.pop_back();
+      return c;
+    }
+  }
+  const timeval connect_tv = absl::ToTimeval(options_.connect_timeout);
+  redisContext* raw = unix_path_.empty() ? redisConnectWithTimeout(host_.c_str(), port_, connect_tv)
+                                         : redisConnectUnixWithTimeout(unix_path_.c_str(), connect_tv);
+  if (raw == nullptr) return Fail("cannot allocate a connection");
+  auto c = std::make_unique<Connection>(raw);
+  if (raw->err != 0) return Fail(absl::StrCat("connect: ", raw->errstr));
+  redisSetTimeout(raw, absl::ToTimeval(options_.io_timeout));
+  redisEnableKeepAlive(raw);
+  if (!password_.empty()) {
+    if (absl::StatusOr<Reply> r = c->Command({"AUTH", password_}); !r.ok()) return Fail(absl::StrCat("AUTH: ", r.status().message()));
+  }
+  if (db_ != 0) {
+    const std::string db = std::to_string(db_);
+    if (absl::StatusOr<Reply> r = c->Command({"SELECT", db}); !r.ok()) return Fail(absl::StrCat("SELECT: ", r.status().message()));
+  }
+  return c;
+}
+
+void RemoteTier::Return(std::unique_ptr<Connection> c) {
+  absl::MutexLock lock(&mu_);
+  if (idle_.size() < 8) idle_.push_back(std::move(c));
+}
+
+absl::StatusOr<int64_t> RemoteTier::RunLength(const std::vector<std::string>& keys) {
+  if (keys.empty()) return 0;
+  absl::StatusOr<std::unique_ptr<Connection>> c = Take();
+  if (!c.ok()) return c.status();
+  for (const std::string& k : keys) (*c)->Append({"EXISTS", k});
+  int64_t run = 0;
+  bool contiguous = true;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    absl::StatusOr<Reply> r = (*c)->Read();
+    if (!r.ok()) return Fail(absl::StrCat("EXISTS: ", r.status().message()));
+    if ((*r)->type != REDIS_REPLY_INTEGER) return Fail("EXISTS: unexpected reply");
+    contiguous &= (*r)->integer == 1;
+    if (contiguous) ++run;
+  }
+  Return(*std::move(c));
+  absl::MutexLock lock(&mu_);
+  ++stats_.lookups;
+  stats_.hit_blocks += static_cast<uint64_t>(run);
+  return run;
+}
+
+absl::StatusOr<std::vector<std::optional<std::string>>> RemoteTier::Fetch(const std::vector<std::string>& keys) {
+  std::vector<std::optional<std::string>> out(keys.size());
+  if (keys.empty()) return out;
+  absl::StatusOr<std::unique_ptr<Connection>> c = Take();
+  if (!c.ok()) return c.status();
+  // GET and refresh the TTL of what is being reused, in one pipeline.
+  const std::string ttl_ms = std::to_string(absl::ToInt64Milliseconds(options_.ttl));
+  for (const std::string& k : keys) {
+    (*c)->Append({"GET", k});
+    (*c)->Append({"PEXPIRE", k, ttl_ms});
+  }
+  uint64_t bytes = 0, blocks = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    absl::StatusOr<Reply> get = (*c)->Read();
+    if (!get.ok()) return Fail(absl::StrCat("GET: ", get.status().message()));
+    absl::StatusOr<Reply> expire = (*c)->Read();
+    if (!expire.ok()) return Fail(absl::StrCat("PEXPIRE: ", expire.status().message()));
+    if ((*get)->type == REDIS_REPLY_STRING) {
+      out[i].emplace((*get)->str, (*get)->len);
+      bytes += (*get)->len;
+      ++blocks;
+    } else if ((*get)->type != REDIS_REPLY_NIL) {
+      return Fail("GET: unexpected reply");
+    }
+  }
+  Return(*std::move(c));
+  absl::MutexLock lock(&mu_);
+  stats_.fetched_blocks += blocks;
+  stats_.fetched_bytes += bytes;
+  return out;
+}
+
+absl::StatusOr<int64_t> RemoteTier::Store(const std::vector<std::pair<std::string, std::string>>& items) {
+  if (items.empty()) return 0;
+  absl::StatusOr<std::unique_ptr<Connection>> c = Take();
+  if (!c.ok()) {
+    CountUploadDropped(items.size());
+    return c.status();
+  }
+  const std::string ttl_ms = std::to_string(absl::ToInt64Milliseconds(options_.ttl));
+  for (const auto& [key, value] : items) (*c)->Append({"PEXPIRE", key, ttl_ms});
+  std::vector<size_t> missing;
+  for (size_t i = 0; i < items.size(); ++i) {
+    absl::StatusOr<Reply> r = (*c)->Read();
+    if (!r.ok() || (*r)->type != REDIS_REPLY_INTEGER) {
+      CountUploadDropped(items.size());
+      return Fail(absl::StrCat("PEXPIRE: ", r.ok() ? "unexpected reply" : r.status().message()));
+    }
+    if ((*r)->integer == 0) missing.push_back(i);
+  }
+  for (size_t i : missing) (*c)->Append({"SET", items[i].first, items[i].second, "PX", ttl_ms});
+  uint64_t bytes = 0;
+  for (size_t i : missing) {
+    absl::StatusOr<Reply> r = (*c)->Read();
+    if (!r.ok() || (*r)->type == REDIS_REPLY_ERROR) {
+      CountUploadDropped(missing.size());
+      return Fail(absl::StrCat("SET: ", r.ok() ? std::string((*r)->str, (*r)->len) : std::string(r.status().message())));
+    }
+    bytes += items[i].second.size();
+  }
+  Return(*std::move(c));
+  absl::MutexLock lock(&mu_);
+  stats_.uploaded_blocks += missing.size();
+  stats_.uploaded_bytes += bytes;
+  stats_.refreshed_blocks += items.size() - missing.size();
+  return static_cast<int64_t>(missing.size());
+}
+
+void RemoteTier::CountCorrupt() {
+  absl::MutexLock lock(&mu_);
+  ++stats_.corrupt;
+}
+
+void RemoteTier::CountUploadDropped(uint64_t n) {
+  absl::MutexLock lock(&mu_);
+  stats_.upload_dropped += n;
+}
+
+RemoteStats RemoteTier::Stats() const {
+  absl::MutexLock lock(&mu_);
+  RemoteStats s = stats_;
+  s.available = available();
+  return s;
+}
+
+}  // namespace kvd

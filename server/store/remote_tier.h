@@ -1,0 +1,84 @@
+// RemoteTier is G4: prefix blocks kept in Redis (or Valkey, same protocol) through hiredis, shared
+// by every daemon pointed at the same server, so that one node reuses what another published and a
+// node with an empty disk starts warm.
+//
+// Keys: "<key_prefix>:<pool>:<salt tag>:<chained block key, 32 hex>", the salt tag being "-" or 16
+// hex digits of XXH3 of the tenant's cache_salt (the salt itself never leaves the node), so an
+// operator can list or drop one model's or one tenant's blocks by pattern. Values: the G3 record
+// header (namespace, key, parent, tokens, codec, lengths, checksum, layout tag) followed by the
+// stored bytes, the same codec and checksum as G3; a reader verifies all of it, so a collision or a
+// corrupt value is a miss, never served. Every value carries a TTL; storing a block that is already
+// there only refreshes its TTL (no bytes sent).
+//
+// Never stalls a request: every call has connect and I/O timeouts; after a failure the tier is
+// skipped (calls return UNAVAILABLE at once, counted) for `retry_after`, then tried again.
+// Thread-safe: each call takes a connection from a small pool.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/core/block_key.h"
+#include "server/store/tier_types.h"
+
+struct redisContext;
+
+namespace kvd {
+
+class RemoteTier {
+ public:
+  // Parses the URL (INVALID_ARGUMENT naming what is wrong); connects lazily, so a server that is
+  // down at start-up only makes the tier unavailable until it is back.
+  static absl::StatusOr<std::unique_ptr<RemoteTier>> Open(RemoteTierOptions options);
+  ~RemoteTier();
+
+  std::string KeyName(const Namespace& ns, const BlockKey& key) const;
+
+  // How many of `keys`, from the first, exist: one pipelined round trip of EXISTS.
+  absl::StatusOr<int64_t> RunLength(const std::vector<std::string>& keys) ABSL_LOCKS_EXCLUDED(mu_);
+  // The values of `keys`, pipelined GETs; nullopt for a key that vanished meanwhile.
+  absl::StatusOr<std::vector<std::optional<std::string>>> Fetch(const std::vector<std::string>& keys)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Stores each (key, value) with the TTL: one round trip of PEXPIRE (present keys are only
+  // refreshed), then SET PX for the rest. Returns how many values were sent.
+  absl::StatusOr<int64_t> Store(const std::vector<std::pair<std::string, std::string>>& items)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // False during a failure back-off (callers skip the tier without a round trip).
+  bool available() const;
+  void CountCorrupt() ABSL_LOCKS_EXCLUDED(mu_);
+  void CountUploadDropped(uint64_t n) ABSL_LOCKS_EXCLUDED(mu_);
+  RemoteStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  const RemoteTierOptions& options() const { return options_; }
+
+ private:
+  class Connection;  // RAII hiredis context
+  explicit RemoteTier(RemoteTierOptions options);
+
+  // A connected, authenticated connection from the pool or a new one; UNAVAILABLE during a
+  // back-off or when connecting fails.
+  absl::StatusOr<std::unique_ptr<Connection>> Take() ABSL_LOCKS_EXCLUDED(mu_);
+  void Return(std::unique_ptr<Connection> c) ABSL_LOCKS_EXCLUDED(mu_);
+  // Records a failure and starts the back-off; returns UNAVAILABLE with `what`.
+  absl::Status Fail(const std::string& what) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const RemoteTierOptions options_;
+  std::string host_, unix_path_, password_;
+  int port_ = 6379;
+  int db_ = 0;
+  std::atomic<int64_t> down_until_ns_{0};
+
+  mutable absl::Mutex mu_;
+  std::vector<std::unique_ptr<Connection>> idle_ ABSL_GUARDED_BY(mu_);
+  RemoteStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvd

@@ -1,0 +1,217 @@
+// The shared Redis tier (G4) with a real redis-server on loopback, real daemons and real workers:
+// two daemons with their own disks share a prefix through Redis (bytes verified by the reader);
+// a daemon with an empty disk starts warm; corrupt values are never served; killing Redis keeps
+// every daemon serving, and the tier comes back with the server.
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "tests/integration/harness.h"
+
+namespace kvd {
+namespace {
+
+using namespace kvd::testing;
+
+// A port on 127.0.0.1 that was free a moment ago (the kernel picks it).
+int FreeLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// A real redis-server bound to loopback only, without persistence, in a temp directory.
+class RedisServer {
+ public:
+  RedisServer() : port_(FreeLoopbackPort()) { Start(); }
+  ~RedisServer() { Kill(); }
+
+  void Start() {
+    pid_ = fork();
+    if (pid_ == 0) {
+      execlp("redis-server", "redis-server", "--bind", "127.0.0.1", "--port", std::to_string(port_).c_str(),
+             "--save", "", "--appendonly", "no", "--dir", dir_.path().c_str(), "--logfile", "redis.log",
+             static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    for (int i = 0; i < 200; ++i) {
+      if (Cli({"PING"}).out.find("PONG") != std::string::npos) return;
+      absl::SleepFor(absl::Milliseconds(25));
+    }
+    FAIL("redis-server did not start on port " << port_ << " (is it installed? scripts/test.sh installs it)");
+  }
+  void Kill() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+      pid_ = -1;
+    }
+  }
+  ProcessResult Cli(std::vector<std::string> args) const {
+    std::vector<std::string> full = {"-h", "127.0.0.1", "-p", std::to_string(port_)};
+    full.insert(full.end(), args.begin(), args.end());
+    return RunProcess("/usr/bin/redis-cli", full, absl::Seconds(10));
+  }
+  std::vector<std::string> Keys() const {
+    std::vector<std::string> keys;
+    for (absl::string_view k : absl::StrSplit(Cli({"--scan", "--pattern", "kvd:*"}).out, '\n', absl::SkipEmpty())) {
+      keys.emplace_back(k);
+    }
+    return keys;
+  }
+  std::string url() const { return absl::StrCat("redis://127.0.0.1:", port_); }
+
+ private:
+  TempDir dir_;
+  int port_;
+  pid_t pid_ = -1;
+};
+
+std::string Config(const std::string& redis_url, const std::string& disk_dir) {
+  return absl::StrCat(SmallPoolConfig(64), "tiers:\n  disk_dir: ", disk_dir, "\n  codec: lz4\n",
+                      "  redis_url: ", redis_url, "\n  redis_retry_after_s: 0.2\n");
+}
+
+// The value of the first metric line starting with `series` (name plus labels), or -1.
+int64_t Metric(const DaemonProcess& d, const std::string& series) {
+  absl::StatusOr<std::string> body = HttpGet(d.metrics_port(), "/metrics");
+  REQUIRE(body.ok());
+  for (absl::string_view line : absl::StrSplit(*body, '\n')) {
+    if (absl::StartsWith(line, series + " ")) {
+      double v = -1;
+      (void)absl::SimpleAtod(line.substr(series.size() + 1), &v);
+      return static_cast<int64_t>(v);
+    }
+  }
+  return -1;
+}
+
+void WaitForMetric(const DaemonProcess& d, const std::string& series, int64_t at_least) {
+  for (int i = 0; i < 400 && Metric(d, series) < at_least; ++i) absl::SleepFor(absl::Milliseconds(10));
+  REQUIRE(Metric(d, series) >= at_least);
+}
+
+// The example worker over tokens [start, start + len); REQUIREs every reused byte is right.
+ProcessResult Work(const DaemonProcess& d, const std::string& id, int start, int len) {
+  ProcessResult r = RunWorker({"--target", d.target(), "--id", id, "--prompt-range", absl::StrCat(start, ":", len)});
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  REQUIRE(JsonInt(r.out, "mismatches") == 0);
+  return r;
+}
+
+const std::string kUploaded = "kvd_remote_blocks_total{direction=\"uploaded\"}";
+
+TEST_CASE("Two daemons share a prefix through Redis; a node with an empty disk starts warm",
+          "[integration][remote]") {
+  RedisServer redis;
+  TempDir disks;
+  DaemonProcess a(Config(redis.url(), disks.path() + "/a"));
+  DaemonProcess b(Config(redis.url(), disks.path() + "/b"));
+
+  // A computes a 65-token prompt (16 full blocks) and publishes it: uploaded write-through.
+  REQUIRE(JsonInt(Work(a, "a1", 300, 65).out, "cached_tokens") == 0);
+  WaitForMetric(a, kUploaded, 16);
+  REQUIRE(redis.Keys().size() == 16);
+  for (const std::string& k : redis.Keys()) REQUIRE(absl::StartsWith(k, "kvd:default:-:"));
+  const int64_t ttl = std::stoll(redis.Cli({"TTL", redis.Keys()[0]}).out);
+  REQUIRE(ttl > 0);
+
+  // B never saw it: its lookup misses G1-G3 and fetches the run from Redis; the worker verifies
+  // every byte A's worker wrote.
+  ProcessResult rb = Work(b, "b1", 300, 65);
+  REQUIRE(JsonInt(rb.out, "cached_tokens") == 64);
+  REQUIRE(JsonInt(rb.out, "verified_bytes") == 64 * 2 * 16);
+  REQUIRE(Metric(b, "kvd_promotions_total{from=\"remote\"}") == 16);
+  REQUIRE(Metric(b, "kvd_remote_lookups_total") >= 1);
+  // B publishing the same blocks again refreshes their TTL and sends no bytes.
+  WaitForMetric(b, "kvd_remote_blocks_total{direction=\"refreshed\"}", 16);
+  REQUIRE(Metric(b, kUploaded) == 0);
+
+  // A longer prompt on B reuses the shared 16 blocks and adds its own; A then reads B's.
+  REQUIRE(JsonInt(Work(b, "b2", 300, 97).out, "cached_tokens") == 64);
+  WaitForMetric(b, kUploaded, 8);
+  REQUIRE(JsonInt(Work(a, "a2", 300, 97).out, "cached_tokens") == 96);
+
+  // A restarted node with an empty disk reuses it all.
+  DaemonProcess c(Config(redis.url(), disks.path() + "/c"));
+  REQUIRE(JsonInt(Work(c, "c1", 300, 97).out, "cached_tokens") == 96);
+
+  // A different tenant salt never sees these blocks.
+  ProcessResult salted = RunWorker({"--target", c.target(), "--id", "c2", "--prompt-range", "300:97",
+                                    "--salt", "tenant-b"});
+  INFO(salted.out);
+  REQUIRE(salted.exit_code == 0);
+  REQUIRE(JsonInt(salted.out, "cached_tokens") == 0);
+  WaitForMetric(c, kUploaded, 24);
+  bool salted_key = false;
+  for (const std::string& k : redis.Keys()) salted_key |= !absl::StartsWith(k, "kvd:default:-:");
+  REQUIRE(salted_key);  // the tenant's blocks live under its own salt tag
+}
+
+TEST_CASE("Corrupt Redis values are never served", "[integration][remote]") {
+  RedisServer redis;
+  TempDir disks;
+  DaemonProcess a(Config(redis.url(), disks.path() + "/a"));
+  Work(a, "a1", 500, 33);
+  WaitForMetric(a, kUploaded, 8);
+  // Flip the last byte of every stored value (the block bytes, under the checksum).
+  for (const std::string& k : redis.Keys()) {
+    const int64_t len = std::stoll(redis.Cli({"STRLEN", k}).out);
+    REQUIRE(redis.Cli({"SETRANGE", k, std::to_string(len - 1), "\x01"}).exit_code == 0);
+  }
+  DaemonProcess b(Config(redis.url(), disks.path() + "/b"));
+  REQUIRE(JsonInt(Work(b, "b1", 500, 33).out, "cached_tokens") == 0);
+  REQUIRE(Metric(b, "kvd_remote_corrupt_total") >= 1);
+  REQUIRE(Metric(b, "kvd_promotions_total{from=\"remote\"}") == 0);
+}
+
+TEST_CASE("Killing Redis mid-run keeps every daemon serving; the tier returns with the server",
+          "[integration][remote]") {
+  RedisServer redis;
+  TempDir disks;
+  DaemonProcess a(Config(redis.url(), disks.path() + "/a"));
+  DaemonProcess b(Config(redis.url(), disks.path() + "/b"));
+  Work(a, "a1", 700, 41);
+  WaitForMetric(a, kUploaded, 10);
+
+  redis.Kill();
+  // Both daemons keep answering: A still hits its own G1 copy, B computes what Redis would have
+  // given it, new prompts work on both.
+  REQUIRE(JsonInt(Work(a, "a2", 700, 41).out, "cached_tokens") == 40);
+  REQUIRE(JsonInt(Work(b, "b1", 700, 41).out, "cached_tokens") == 0);
+  for (int i = 0; i < 5; ++i) {
+    Work(a, absl::StrCat("a-new-", i), 2000 + 100 * i, 41);
+    Work(b, absl::StrCat("b-new-", i), 3000 + 100 * i, 41);
+  }
+  REQUIRE(Metric(b, "kvd_remote_errors_total") >= 1);
+  REQUIRE(Metric(a, "kvd_remote_errors_total") + Metric(a, "kvd_remote_skipped_total") +
+              Metric(a, "kvd_remote_blocks_total{direction=\"upload_dropped\"}") >= 1);
+
+  // The server comes back (empty): after the back-off, uploads and lookups resume.
+  redis.Start();
+  absl::SleepFor(absl::Milliseconds(300));
+  const int64_t before = Metric(a, kUploaded);
+  Work(a, "a3", 5000, 41);
+  WaitForMetric(a, kUploaded, before + 10);
+  REQUIRE(JsonInt(Work(b, "b2", 5000, 41).out, "cached_tokens") == 40);
+  REQUIRE(Metric(b, "kvd_remote_available") == 1);
+}
+
+}  // namespace
+}  // namespace kvd
