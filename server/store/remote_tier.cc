@@ -188,72 +188,82 @@ absl::StatusOr<int64_t> RemoteTier::RunLength(const std::vector<std::string>& ke
   return run;
 }
 
-absl::StatusOr<std::vector<std::optional<std::string>>> RemoteTier::Fetch(const std::vector<std::string>& keys) {
-  std::vector<std::optional<std::string>> out(keys.size());
-  if (keys.empty()) return out;
+absl::Status RemoteTier::Fetch(const std::vector<std::string>& keys,
+                              const std::function<bool(size_t, const absl::string_view*)>& consume) {
+  if (keys.empty()) return absl::OkStatus();
   absl::StatusOr<std::unique_ptr<Connection>> c = Take();
   if (!c.ok()) return c.status();
-  // GET and refresh the TTL of what is being reused, in one pipeline.
   const std::string ttl_ms = std::to_string(absl::ToInt64Milliseconds(options_.ttl));
   for (const std::string& k : keys) {
     (*c)->Append({"GET", k});
     (*c)->Append({"PEXPIRE", k, ttl_ms});
   }
   uint64_t bytes = 0, blocks = 0;
+  bool wanted = true;
   for (size_t i = 0; i < keys.size(); ++i) {
     absl::StatusOr<Reply> get = (*c)->Read();
     if (!get.ok()) return Fail(absl::StrCat("GET: ", get.status().message()));
     absl::StatusOr<Reply> expire = (*c)->Read();
     if (!expire.ok()) return Fail(absl::StrCat("PEXPIRE: ", expire.status().message()));
+    if ((*get)->type != REDIS_REPLY_STRING && (*get)->type != REDIS_REPLY_NIL) return Fail("GET: unexpected reply");
+    if (!wanted) continue;  // drain the rest of the pipeline so the connection stays usable
     if ((*get)->type == REDIS_REPLY_STRING) {
-      out[i].emplace((*get)->str, (*get)->len);
-      bytes += (*get)->len;
+      const absl::string_view value((*get)->str, (*get)->len);
+      bytes += value.size();
       ++blocks;
-    } else if ((*get)->type != REDIS_REPLY_NIL) {
-      return Fail("GET: unexpected reply");
+      wanted = consume(i, &value);
+    } else {
+      wanted = consume(i, nullptr);
     }
   }
   Return(*std::move(c));
   absl::MutexLock lock(&mu_);
   stats_.fetched_blocks += blocks;
   stats_.fetched_bytes += bytes;
-  return out;
+  return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> RemoteTier::Store(const std::vector<std::pair<std::string, std::string>>& items) {
-  if (items.empty()) return 0;
+absl::StatusOr<std::vector<bool>> RemoteTier::Refresh(const std::vector<std::string>& keys) {
+  std::vector<bool> present(keys.size(), false);
+  if (keys.empty()) return present;
   absl::StatusOr<std::unique_ptr<Connection>> c = Take();
-  if (!c.ok()) {
-    CountUploadDropped(items.size());
-    return c.status();
-  }
+  if (!c.ok()) return c.status();
   const std::string ttl_ms = std::to_string(absl::ToInt64Milliseconds(options_.ttl));
-  for (const auto& [key, value] : items) (*c)->Append({"PEXPIRE", key, ttl_ms});
-  std::vector<size_t> missing;
-  for (size_t i = 0; i < items.size(); ++i) {
+  for (const std::string& k : keys) (*c)->Append({"PEXPIRE", k, ttl_ms});
+  uint64_t refreshed = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
     absl::StatusOr<Reply> r = (*c)->Read();
     if (!r.ok() || (*r)->type != REDIS_REPLY_INTEGER) {
-      CountUploadDropped(items.size());
       return Fail(absl::StrCat("PEXPIRE: ", r.ok() ? "unexpected reply" : r.status().message()));
     }
-    if ((*r)->integer == 0) missing.push_back(i);
-  }
-  for (size_t i : missing) (*c)->Append({"SET", items[i].first, items[i].second, "PX", ttl_ms});
-  uint64_t bytes = 0;
-  for (size_t i : missing) {
-    absl::StatusOr<Reply> r = (*c)->Read();
-    if (!r.ok() || (*r)->type == REDIS_REPLY_ERROR) {
-      CountUploadDropped(missing.size());
-      return Fail(absl::StrCat("SET: ", r.ok() ? std::string((*r)->str, (*r)->len) : std::string(r.status().message())));
-    }
-    bytes += items[i].second.size();
+    present[i] = (*r)->integer == 1;
+    refreshed += present[i] ? 1 : 0;
   }
   Return(*std::move(c));
   absl::MutexLock lock(&mu_);
-  stats_.uploaded_blocks += missing.size();
+  stats_.refreshed_blocks += refreshed;
+  return present;
+}
+
+absl::Status RemoteTier::Store(const std::vector<std::pair<std::string, std::string>>& items) {
+  if (items.empty()) return absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<Connection>> c = Take();
+  if (!c.ok()) return c.status();
+  const std::string ttl_ms = std::to_string(absl::ToInt64Milliseconds(options_.ttl));
+  for (const auto& [key, value] : items) (*c)->Append({"SET", key, value, "PX", ttl_ms});
+  uint64_t bytes = 0;
+  for (const auto& [key, value] : items) {
+    absl::StatusOr<Reply> r = (*c)->Read();
+    if (!r.ok() || (*r)->type == REDIS_REPLY_ERROR) {
+      return Fail(absl::StrCat("SET: ", r.ok() ? std::string((*r)->str, (*r)->len) : std::string(r.status().message())));
+    }
+    bytes += value.size();
+  }
+  Return(*std::move(c));
+  absl::MutexLock lock(&mu_);
+  stats_.uploaded_blocks += items.size();
   stats_.uploaded_bytes += bytes;
-  stats_.refreshed_blocks += items.size() - missing.size();
-  return static_cast<int64_t>(missing.size());
+  return absl::OkStatus();
 }
 
 void RemoteTier::CountCorrupt() {

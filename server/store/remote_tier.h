@@ -17,13 +17,14 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/core/block_key.h"
@@ -44,13 +45,18 @@ class RemoteTier {
 
   // How many of `keys`, from the first, exist: one pipelined round trip of EXISTS.
   absl::StatusOr<int64_t> RunLength(const std::vector<std::string>& keys) ABSL_LOCKS_EXCLUDED(mu_);
-  // The values of `keys`, pipelined GETs; nullopt for a key that vanished meanwhile.
-  absl::StatusOr<std::vector<std::optional<std::string>>> Fetch(const std::vector<std::string>& keys)
+  // Pipelined GETs of `keys` (each with a PEXPIRE that renews the TTL of what is reused), handing
+  // each value to consume(i, bytes) as it arrives — bytes is nullptr for a key that vanished
+  // meanwhile — and freeing it right after: no copy, and one value's memory at a time (holding
+  // several fresh 2 MiB buffers costs a page fault per 4 KiB). consume returns false to stop.
+  absl::Status Fetch(const std::vector<std::string>& keys,
+                     const std::function<bool(size_t i, const absl::string_view* bytes)>& consume)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Stores each (key, value) with the TTL: one round trip of PEXPIRE (present keys are only
-  // refreshed), then SET PX for the rest. Returns how many values were sent.
-  absl::StatusOr<int64_t> Store(const std::vector<std::pair<std::string, std::string>>& items)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // Renews the TTL of each key present (one round trip of PEXPIRE); true for those present, which
+  // need no upload.
+  absl::StatusOr<std::vector<bool>> Refresh(const std::vector<std::string>& keys) ABSL_LOCKS_EXCLUDED(mu_);
+  // Stores each (key, value) with the TTL (pipelined SET PX).
+  absl::Status Store(const std::vector<std::pair<std::string, std::string>>& items) ABSL_LOCKS_EXCLUDED(mu_);
 
   // False during a failure back-off (callers skip the tier without a round trip).
   bool available() const;

@@ -221,7 +221,11 @@ class TierStore final : public EvictionSink {
   std::unique_ptr<RemoteTier> remote_;  // G4, or null
   int upload_listener_ = -1;
   absl::Mutex upload_mu_ ABSL_ACQUIRED_AFTER(mu_);
-  std::vector<CachedBlockRef> upload_queue_ ABSL_GUARDED_BY(upload_mu_);
+  struct Upload {
+    CachedBlockRef ref;
+    std::string name;  // its Redis key
+  };
+  std::vector<Upload> upload_queue_ ABSL_GUARDED_BY(upload_mu_);
   bool upload_scheduled_ ABSL_GUARDED_BY(upload_mu_) = false;
 
   // Declared last: destroyed first, finishing queued work while everything above still lives.

@@ -1,6 +1,7 @@
 // TierStore's G4 side: write-through uploads of published blocks and prefix fetches from Redis.
 #include <algorithm>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "server/store/tier_store.h"
 #include "spdlog/spdlog.h"
@@ -9,7 +10,11 @@ namespace kvd {
 namespace {
 
 constexpr size_t kUploadBatch = 64;  // blocks per pipeline
-constexpr size_t kFetchBatch = 32;   // values per pipelined GET round trip (bounds memory)
+// Values per pipelined GET round trip: up to 32, and at most ~8 MiB in flight. Deeper pipelines of
+// large values make Redis queue tens of MiB of replies and slow it several-fold (2 MiB values:
+// 0.24 GB/s at depth 32 against 1.4 GB/s at depth 4 on loopback).
+constexpr size_t kFetchMaxDepth = 32;
+constexpr int64_t kFetchWindowBytes = int64_t{8} << 20;
 
 }  // namespace
 
@@ -23,7 +28,13 @@ void TierStore::QueueUpload(const CacheEvent& e) {
       remote_->CountUploadDropped(1);
       return;
     }
-    upload_queue_.push_back(CachedBlockRef{*pool, e.block, e.key});
+    Namespace ns;
+    ns.pool = e.pool;
+    ns.adapter = e.adapter;
+    ns.media_keys = e.media_keys;
+    ns.method = e.method;
+    ns.cache_salt = e.cache_salt;
+    upload_queue_.push_back(Upload{CachedBlockRef{*pool, e.block, e.key}, remote_->KeyName(ns, e.key)});
     if (upload_scheduled_) return;
     upload_scheduled_ = true;
   }
@@ -32,7 +43,7 @@ void TierStore::QueueUpload(const CacheEvent& e) {
 
 void TierStore::UploadQueued() {
   for (;;) {
-    std::vector<CachedBlockRef> refs;
+    std::vector<Upload> batch;
     {
       absl::MutexLock lock(&upload_mu_);
       const size_t n = std::min(kUploadBatch, upload_queue_.size());
@@ -40,42 +51,55 @@ void TierStore::UploadQueued() {
         upload_scheduled_ = false;
         return;
       }
-      refs.assign(upload_queue_.begin(), upload_queue_.begin() + n);
+      batch.assign(std::make_move_iterator(upload_queue_.begin()), std::make_move_iterator(upload_queue_.begin() + n));
       upload_queue_.erase(upload_queue_.begin(), upload_queue_.begin() + n);
     }
-    if (!remote_->available()) {  // skip, do not queue up behind a failing server
-      remote_->CountUploadDropped(refs.size());
+    // Blocks another node (or an earlier upload) already stored only get their TTL renewed.
+    std::vector<std::string> names;
+    for (const Upload& u : batch) names.push_back(u.name);
+    absl::StatusOr<std::vector<bool>> present = remote_->Refresh(names);
+    if (!present.ok()) {  // failing server: drop, do not queue up behind it
+      remote_->CountUploadDropped(batch.size());
       continue;
     }
-    // Copy each still-cached block out under the cache lock (as a flush does), encode outside it.
+    std::vector<CachedBlockRef> refs;
+    absl::flat_hash_map<BlockKey, std::string> name_of;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      if ((*present)[i]) continue;
+      refs.push_back(batch[i].ref);
+      name_of[batch[i].ref.key] = std::move(batch[i].name);
+    }
+    if (refs.empty()) continue;
+    // Copy each still-cached block out under the cache lock (as a flush does) straight into its
+    // value (header + stored bytes), compressing outside the lock.
     std::vector<RecordHeader> headers;
     std::vector<std::string> raws;
-    std::vector<std::string> names;
+    std::vector<std::string> keys;
     cache_->VisitCached(refs, [&](const CachedBlockView& v) {
       std::string raw(static_cast<size_t>(pools_[v.pool].block_bytes_all_shards()), '\0');
       if (!arena_->ReadBlock(v.pool, v.index, reinterpret_cast<uint8_t*>(raw.data())).ok()) return;
       headers.push_back(BlockHeader(v));
-      names.push_back(remote_->KeyName(*v.ns, v.key));
+      keys.push_back(name_of[v.key]);
       raws.push_back(std::move(raw));
     });
     if (headers.size() < refs.size()) remote_->CountUploadDropped(refs.size() - headers.size());
     std::vector<std::pair<std::string, std::string>> items;
     items.reserve(headers.size());
+    std::string compressed;
     for (size_t i = 0; i < headers.size(); ++i) {
       RecordHeader& h = headers[i];
-      std::string stored;
-      h.codec = Compress(options_.codec,
-                         absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(raws[i].data()), raws[i].size()),
-                         &stored);
-      if (h.codec == Codec::kNone) stored = std::move(raws[i]);
+      const std::string& raw = raws[i];
+      h.codec = Compress(options_.codec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(raw.data()), raw.size()),
+                         &compressed);
+      const std::string& stored = h.codec == Codec::kNone ? raw : compressed;
       h.stored_length = static_cast<int64_t>(stored.size());
       h.checksum = Checksum(stored.data(), stored.size());
       std::string value;
       EncodeRecordHeader(h, &value);
       value += stored;
-      items.emplace_back(std::move(names[i]), std::move(value));
+      items.emplace_back(std::move(keys[i]), std::move(value));
     }
-    (void)remote_->Store(items);  // failures are counted and start the back-off
+    if (!remote_->Store(items).ok()) remote_->CountUploadDropped(items.size());
   }
 }
 
@@ -91,15 +115,18 @@ int64_t TierStore::FetchRemote(PoolId pool, const Namespace& ns, absl::Span<cons
   names.resize(static_cast<size_t>(*run));
   std::vector<uint8_t> buf(static_cast<size_t>(raw_length));
   int64_t copied = 0;
-  for (size_t start = 0; start < names.size(); start += kFetchBatch) {
+  const size_t depth = static_cast<size_t>(std::clamp<int64_t>(kFetchWindowBytes / raw_length, 1, kFetchMaxDepth));
+  for (size_t start = 0; start < names.size(); start += depth) {
     const std::vector<std::string> chunk(names.begin() + start,
-                                         names.begin() + std::min(names.size(), start + kFetchBatch));
-    absl::StatusOr<std::vector<std::optional<std::string>>> values = remote_->Fetch(chunk);
-    if (!values.ok()) return copied;
-    for (const std::optional<std::string>& value : *values) {
+                                         names.begin() + std::min(names.size(), start + depth));
+    bool ok = true;
+    const absl::Status fetched = remote_->Fetch(chunk, [&](size_t, const absl::string_view* value) {
       const int64_t i = from + copied;
-      if (!value.has_value()) return copied;  // expired between the lookup and the fetch
-      absl::string_view in(*value);
+      if (value == nullptr) {  // expired between the lookup and the fetch
+        ok = false;
+        return false;
+      }
+      absl::string_view in = *value;
       absl::StatusOr<RecordHeader> h = DecodeRecordHeader(&in);
       const absl::Span<const Token> tokens = prompt.subspan(static_cast<size_t>(i * bt), static_cast<size_t>(bt));
       const bool valid =
@@ -107,19 +134,32 @@ int64_t TierStore::FetchRemote(PoolId pool, const Namespace& ns, absl::Span<cons
           h->has_parent == (i > 0) && (i == 0 || h->parent_key == keys[i - 1]) &&
           std::equal(h->tokens.begin(), h->tokens.end(), tokens.begin(), tokens.end()) &&
           h->layout_tag == layout_tags_[pool] && h->raw_length == raw_length &&
-          static_cast<int64_t>(in.size()) == h->stored_length && Checksum(in.data(), in.size()) == h->checksum &&
-          Decompress(h->codec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(in.data()), in.size()),
-                     buf.data(), raw_length)
-              .ok();
+          static_cast<int64_t>(in.size()) == h->stored_length && Checksum(in.data(), in.size()) == h->checksum;
       if (!valid) {
         remote_->CountCorrupt();
         spdlog::warn("redis tier: the record for block {} of pool {} failed verification; not served",
                      keys[i].ToHex(), pools_[pool].name);
-        return copied;
+        ok = false;
+        return false;
       }
-      if (!arena_->WriteBlock(pool, targets[copied], buf.data()).ok()) return copied;
+      // Uncompressed values go straight into the pool; others are decoded into `buf` first.
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(in.data());
+      if (h->codec != Codec::kNone) {
+        if (!Decompress(h->codec, absl::MakeConstSpan(src, in.size()), buf.data(), raw_length).ok()) {
+          remote_->CountCorrupt();
+          ok = false;
+          return false;
+        }
+        src = buf.data();
+      }
+      if (!arena_->WriteBlock(pool, targets[copied], src).ok()) {
+        ok = false;
+        return false;
+      }
       ++copied;
-    }
+      return true;
+    });
+    if (!fetched.ok() || !ok) break;
   }
   absl::MutexLock lock(&mu_);
   stats_.remote_promotions += static_cast<uint64_t>(copied);

@@ -9,8 +9,9 @@
 // (clearing its device pool between): each time TierStore's promotion asks Redis for the run
 // (one EXISTS round trip), fetches it with pipelined GETs, verifies header and checksum and
 // copies every block into B's pool. The baselines, same keys, same server: pipelined raw GETs
-// through hiredis (no verification, no copy), and `redis-benchmark -t set,get -P 32` at the same
-// value size (its GET line is the raw throughput; bytes/s = requests/s x value size).
+// through hiredis (no verification, no copy) and `redis-benchmark -t set,get`, both at kvd's
+// pipeline depth for the value size (its GET line is the raw throughput; bytes/s = requests/s x
+// value size).
 #include <hiredis/hiredis.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -185,7 +186,9 @@ int main(int argc, char** argv) {
                 (long long)bb, url.c_str());
   }
 
-  Node b(g, t);
+  TierOptions tb = t;
+  tb.remote.write_through = false;
+  Node b(g, tb);
   std::vector<double> fetch_s;
   int64_t hit = 0;
   for (int64_t r = 0; r < reps; ++r) {
@@ -207,9 +210,11 @@ int main(int argc, char** argv) {
   freeReplyObject(keys_reply);
   std::vector<double> raw_s;
   int64_t raw_bytes = 0;
+  // The pipeline depth kvd uses for this value size (tier_store_remote.cc: <= 32, ~8 MiB in flight).
+  const size_t depth = static_cast<size_t>(std::clamp<int64_t>((int64_t{8} << 20) / bb, 1, 32));
   for (int64_t r = 0; r < reps; ++r) {
     auto t0 = SteadyClock::now();
-    raw_bytes = RawGets(c, keys, 32);
+    raw_bytes = RawGets(c, keys, depth);
     raw_s.push_back(Since(t0));
   }
   redisFree(c);
@@ -219,11 +224,11 @@ int main(int argc, char** argv) {
               "(hit %lld tokens, %.0f B stored per block, verified and copied into the pool)\n",
               (long long)tokens, (long long)nblocks, f * 1e3, nblocks / f, nblocks * bb / f / 1e9, (long long)hit,
               stored_per_block);
-  std::printf("raw pipelined GET %lld values:                median %.1f ms, %.0f values/s, %.2f GB/s  -> kvd/raw %.2f\n",
-              (long long)keys.size(), raw * 1e3, keys.size() / raw, raw_bytes / raw / 1e9, raw / f);
+  std::printf("raw pipelined GET %lld values (depth %zu):      median %.1f ms, %.0f values/s, %.2f GB/s  -> kvd/raw %.2f\n",
+              (long long)keys.size(), depth, raw * 1e3, keys.size() / raw, raw_bytes / raw / 1e9, raw / f);
   std::fflush(stdout);
   const std::string cmd = absl::StrCat("redis-benchmark -h 127.0.0.1 -p ", port, " -t set,get -d ",
-                                       static_cast<int64_t>(stored_per_block), " -P 32 -n ", nblocks,
+                                       static_cast<int64_t>(stored_per_block), " -P ", depth, " -n ", nblocks,
                                        " -c 1 -q 2>&1 | tr '\\r' '\\n' | grep 'requests per second'");
   std::printf("redis-benchmark (%s):\n", cmd.c_str());
   std::fflush(stdout);
