@@ -78,7 +78,13 @@ absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions o
     if (size_t at = rest.rfind('@'); at != std::string::npos) {
       std::string auth = rest.substr(0, at);
       rest = rest.substr(at + 1);
-      t->password_ = absl::StartsWith(auth, ":") ? auth.substr(1) : auth;
+      // [user]:password (Redis 6 ACL user) or a bare password.
+      if (size_t colon = auth.find(':'); colon != std::string::npos) {
+        t->username_ = auth.substr(0, colon);
+        t->password_ = auth.substr(colon + 1);
+      } else {
+        t->password_ = auth;
+      }
     }
     if (size_t slash = rest.find('/'); slash != std::string::npos) {
       if (!absl::SimpleAtoi(rest.substr(slash + 1), &t->db_) || t->db_ < 0) {
@@ -153,7 +159,9 @@ absl::StatusOr<std::unique_ptr<RemoteTier::Connection>> RemoteTier::Take() {
   redisSetTimeout(raw, absl::ToTimeval(options_.io_timeout));
   redisEnableKeepAlive(raw);
   if (!password_.empty()) {
-    if (absl::StatusOr<Reply> r = c->Command({"AUTH", password_}); !r.ok()) return Fail(absl::StrCat("AUTH: ", r.status().message()));
+    absl::StatusOr<Reply> r = username_.empty() ? c->Command({"AUTH", password_})
+                                                : c->Command({"AUTH", username_, password_});
+    if (!r.ok()) return Fail(absl::StrCat("AUTH: ", r.status().message()));
   }
   if (db_ != 0) {
     const std::string db = std::to_string(db_);

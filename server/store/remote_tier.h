@@ -77,7 +77,7 @@ class RemoteTier {
   absl::Status Fail(const std::string& what) ABSL_LOCKS_EXCLUDED(mu_);
 
   const RemoteTierOptions options_;
-  std::string host_, unix_path_, password_;
+  std::string host_, unix_path_, username_, password_;
   int port_ = 6379;
   int db_ = 0;
   std::atomic<int64_t> down_until_ns_{0};

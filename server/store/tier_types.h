@@ -15,7 +15,7 @@ namespace kvd {
 
 // G4: a Redis or Valkey server shared by daemons (remote_tier.h).
 struct RemoteTierOptions {
-  // redis://[:password@]host:port[/db] or unix:///path/to/redis.sock. Empty disables G4.
+  // redis://[[user]:password@]host:port[/db] or unix:///path/to/redis.sock. Empty disables G4.
   std::string url;
   std::string key_prefix = "kvd";
   // Lifetime of a stored block, refreshed whenever a daemon stores or reuses it. Default 1 day.

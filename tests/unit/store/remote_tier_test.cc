@@ -1,0 +1,94 @@
+// RemoteTier without a server: URL parsing, key names, and the failure back-off (a refused
+// connection fails fast, then the tier is skipped without a round trip until retry_after).
+// tests/integration/remote_test.cc runs it against a real redis-server.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+
+#include "absl/time/clock.h"
+#include "server/store/remote_tier.h"
+
+namespace kvd {
+namespace {
+
+// A loopback port nothing listens on (bound, then closed).
+int ClosedPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+absl::StatusOr<std::unique_ptr<RemoteTier>> OpenUrl(const std::string& url) {
+  RemoteTierOptions o;
+  o.url = url;
+  return RemoteTier::Open(o);
+}
+
+TEST_CASE("RemoteTier URLs: redis://, unix://; anything else is INVALID_ARGUMENT", "[store][remote]") {
+  for (const char* ok : {"redis://127.0.0.1:6379", "redis://cache", "redis://:secret@cache:7000/3",
+                         "redis://user:pw@10.0.0.1:6380", "unix:///run/redis/redis.sock"}) {
+    INFO(ok);
+    REQUIRE(OpenUrl(ok).ok());
+  }
+  for (const char* bad : {"http://cache:6379", "redis://", "redis://cache:99999", "redis://cache:6379/x",
+                          "unix://relative.sock", "cache:6379"}) {
+    INFO(bad);
+    absl::StatusOr<std::unique_ptr<RemoteTier>> t = OpenUrl(bad);
+    REQUIRE(t.status().code() == absl::StatusCode::kInvalidArgument);
+    REQUIRE(t.status().message().find("redis_url") != absl::string_view::npos);
+  }
+}
+
+TEST_CASE("RemoteTier keys name the pool and a tag of the salt, never the salt", "[store][remote]") {
+  auto t = *OpenUrl("redis://127.0.0.1:6379");
+  Namespace ns;
+  ns.pool = "llama";
+  BlockKey key{0x0123456789abcdefULL, 0xfedcba9876543210ULL};
+  REQUIRE(t->KeyName(ns, key) == "kvd:llama:-:0123456789abcdeffedcba9876543210");
+  ns.cache_salt = "tenant-secret";
+  const std::string salted = t->KeyName(ns, key);
+  REQUIRE(salted.find("tenant-secret") == std::string::npos);
+  REQUIRE(salted.size() == std::string("kvd:llama:").size() + 16 + 1 + 32);
+  ns.cache_salt = "other";
+  REQUIRE(t->KeyName(ns, key) != salted);
+}
+
+TEST_CASE("A refused connection fails fast, then the tier is skipped until retry_after", "[store][remote]") {
+  RemoteTierOptions o;
+  o.url = "redis://127.0.0.1:" + std::to_string(ClosedPort());
+  o.retry_after = absl::Milliseconds(300);
+  auto t = *RemoteTier::Open(o);
+  REQUIRE(t->available());
+  const std::vector<std::string> keys = {"a", "b"};
+  REQUIRE(t->RunLength(keys).status().code() == absl::StatusCode::kUnavailable);
+  RemoteStats s = t->Stats();
+  REQUIRE(s.errors == 1);
+  REQUIRE_FALSE(s.available);
+  REQUIRE(s.last_error.find("connect") != std::string::npos);
+  // During the back-off: no connection attempt, counted as skipped.
+  REQUIRE(t->Refresh(keys).status().code() == absl::StatusCode::kUnavailable);
+  REQUIRE(t->Store({{"a", "1"}}).code() == absl::StatusCode::kUnavailable);
+  bool consumed = false;
+  REQUIRE(t->Fetch(keys, [&](size_t, const absl::string_view*) { return consumed = true; }).code() ==
+          absl::StatusCode::kUnavailable);
+  REQUIRE_FALSE(consumed);
+  s = t->Stats();
+  REQUIRE(s.errors == 1);
+  REQUIRE(s.skipped == 3);
+  // After it: tried again (and fails again: nothing listens).
+  absl::SleepFor(absl::Milliseconds(350));
+  REQUIRE(t->available());
+  REQUIRE_FALSE(t->RunLength(keys).ok());
+  REQUIRE(t->Stats().errors == 2);
+}
+
+}  // namespace
+}  // namespace kvd
