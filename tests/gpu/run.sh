@@ -15,5 +15,9 @@ kvd_build -DKVD_WITH_CUDA=ON -DKVD_BUILD_TESTS=ON -DKVD_BUILD_BENCHMARKS=ON >"$K
 gpu_rc=${PIPESTATUS[0]}
 "$KVD_BUILD_DIR/tests/bench/kvd_cuda_bench" --max-gib="${KVD_IPC_MAX_GIB:-16}" 2>&1
 bench_rc=$?
-echo "SUMMARY: gpu tests rc=$gpu_rc, cuda bench rc=$bench_rc"
-[ "$gpu_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+cudart=$(ls /usr/local/cuda/lib64/libcudart.so* /usr/lib/x86_64-linux-gnu/libcudart.so* 2>/dev/null | head -1)
+KVD_CUDART="$cudart" PYTHONPATH="$KVD_BUILD_DIR/python" /usr/bin/python3 "$root/tests/gpu/test_python_cuda.py" \
+  "$KVD_BUILD_DIR/server/kvd" "$(find "$KVD_BUILD_DIR" -name kvd_example_worker -type f | head -1)" 2>&1 | tail -20
+py_rc=${PIPESTATUS[0]}
+echo "SUMMARY: gpu tests rc=$gpu_rc, cuda bench rc=$bench_rc, python cuda rc=$py_rc"
+[ "$gpu_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$py_rc" -eq 0 ]

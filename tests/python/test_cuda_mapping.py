@@ -67,6 +67,11 @@ def main():
     except ValueError:
         check(True, "a short handle is refused")
     try:
+        rt.copy_to_device(0x1000, b"x")
+        check(False, "copies need cudaMemcpy")
+    except OSError as e:
+        check("cudaMemcpy" in str(e), "a runtime without cudaMemcpy says so")
+    try:
         cuda.CudaRuntime(path="/nonexistent/libcudart.so")
         check(True, "a bad path falls back to the system runtime when there is one")
     except OSError as e:

@@ -58,6 +58,10 @@ class CudaRuntime:
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         for fn in (lib.cudaSetDevice, lib.cudaIpcOpenMemHandle, lib.cudaIpcCloseMemHandle):
             fn.restype = ctypes.c_int
+        self._memcpy = getattr(lib, "cudaMemcpy", None)  # optional: tests and simple tools
+        if self._memcpy is not None:
+            self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            self._memcpy.restype = ctypes.c_int
 
     def check(self, call, code):
         if code != 0:
@@ -76,6 +80,23 @@ class CudaRuntime:
         self.check("cudaIpcOpenMemHandle", self._lib.cudaIpcOpenMemHandle(
             ctypes.byref(ptr), h, CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
         return ptr.value
+
+    def copy_to_device(self, dst, data: bytes):
+        """cudaMemcpy host -> device (synchronous): for tools and tests; engines use their kernels."""
+        self._need_memcpy()
+        buf = ctypes.create_string_buffer(bytes(data), len(data))
+        self.check("cudaMemcpy(HostToDevice)", self._memcpy(ctypes.c_void_p(dst), buf, len(data), 1))
+
+    def copy_from_device(self, src, n):
+        """cudaMemcpy device -> host (synchronous): `n` bytes at device address `src`."""
+        self._need_memcpy()
+        buf = ctypes.create_string_buffer(n)
+        self.check("cudaMemcpy(DeviceToHost)", self._memcpy(buf, ctypes.c_void_p(src), n, 2))
+        return buf.raw
+
+    def _need_memcpy(self):
+        if self._memcpy is None:
+            raise OSError(f"{self.path} has no cudaMemcpy")
 
     def close_ipc_handle(self, ptr):
         self.check("cudaIpcCloseMemHandle", self._lib.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)))
