@@ -164,6 +164,9 @@ class KvCache {
   int AddEventListener(EventListener fn) ABSL_LOCKS_EXCLUDED(mu_);
   int AddPressureListener(PressureListener fn) ABSL_LOCKS_EXCLUDED(mu_);
   void RemoveListener(int handle) ABSL_LOCKS_EXCLUDED(mu_);
+  // RemoveListener, then waits for a delivery in progress, so the listener never runs after this
+  // returns (for owners that free what it points to). Never call it from a listener.
+  void RemoveListenerAndWait(int handle) ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
   PressureLevel pressure_level() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Recomputes every derived count from scratch and compares (refs, free counts, queue membership,

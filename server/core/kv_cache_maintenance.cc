@@ -237,6 +237,11 @@ void KvCache::RemoveListener(int handle) {
   std::erase_if(pressure_listeners_, [handle](const auto& p) { return p.first == handle; });
 }
 
+void KvCache::RemoveListenerAndWait(int handle) {
+  absl::MutexLock deliver_lock(&deliver_mu_);  // a delivery in progress finishes first
+  RemoveListener(handle);
+}
+
 PressureLevel KvCache::pressure_level() const {
   absl::MutexLock lock(&mu_);
   return pressure_.level();

@@ -103,7 +103,7 @@ RouterEventPublisher::RouterEventPublisher(RouterEventsOptions options)
     : options_(std::move(options)), hasher_(options_.hash_seed) {}
 
 RouterEventPublisher::~RouterEventPublisher() {
-  if (cache_ != nullptr) cache_->RemoveListener(listener_);
+  if (cache_ != nullptr) cache_->RemoveListenerAndWait(listener_);
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;

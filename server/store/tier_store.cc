@@ -43,7 +43,7 @@ TierStore::TierStore(TierOptions options, const DeviceArena* arena, KvCache* cac
 }
 
 TierStore::~TierStore() {
-  if (upload_listener_ >= 0) cache_->RemoveListener(upload_listener_);
+  if (upload_listener_ >= 0) cache_->RemoveListenerAndWait(upload_listener_);
   uploader_.reset();
   readers_.reset();
   writer_.reset();
