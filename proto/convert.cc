@@ -296,6 +296,22 @@ void ToProto(const TierStats& s, v1::TierReport* p) {
   p->set_incompatible(s.incompatible);
   p->set_pending_checkpoints(s.pending_checkpoints);
   p->set_restored_checkpoints(s.restored_checkpoints);
+  if (s.remote_enabled) {
+    const RemoteStats& r = s.remote;
+    v1::RemoteTierReport* g4 = p->mutable_remote();
+    g4->set_url(s.remote_url);
+    g4->set_available(r.available);
+    g4->set_lookups(r.lookups);
+    g4->set_hit_blocks(r.hit_blocks);
+    g4->set_fetched_blocks(r.fetched_blocks);
+    g4->set_uploaded_blocks(r.uploaded_blocks);
+    g4->set_refreshed_blocks(r.refreshed_blocks);
+    g4->set_upload_dropped(r.upload_dropped);
+    g4->set_errors(r.errors);
+    g4->set_skipped(r.skipped);
+    g4->set_corrupt(r.corrupt);
+    g4->set_last_error(r.last_error);
+  }
 }
 
 void ToProto(const CacheEvent& e, v1::CacheEvent* p) {

@@ -124,6 +124,16 @@ int Status(Kvd::Stub& stub, bool json) {
            {"compression ratio", absl::StrFormat("%.2f", t.compression_ratio())},
            {"checksum failures", absl::StrCat(t.checksum_failures())},
            {"objects", absl::StrCat(t.objects())}});
+    if (t.has_remote()) {
+      const kvd::v1::RemoteTierReport& g4 = t.remote();
+      std::cout << "\n";
+      Table({{"redis tier", absl::StrCat(g4.url(), g4.available() ? " (available)" : " (SKIPPED after a failure)")},
+             {"lookups", absl::StrCat(g4.lookups(), " (", g4.hit_blocks(), " blocks found, ", g4.fetched_blocks(), " fetched)")},
+             {"uploads", absl::StrCat(g4.uploaded_blocks(), " uploaded, ", g4.refreshed_blocks(), " already there, ",
+                                      g4.upload_dropped(), " dropped")},
+             {"failures", absl::StrCat(g4.errors(), " errors, ", g4.skipped(), " calls skipped, ", g4.corrupt(),
+                                       " corrupt values", g4.last_error().empty() ? "" : "; last: " + g4.last_error())}});
+    }
   }
   return 0;
 }

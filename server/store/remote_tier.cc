@@ -116,6 +116,13 @@ absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions o
 RemoteTier::RemoteTier(RemoteTierOptions options) : options_(std::move(options)) {}
 RemoteTier::~RemoteTier() = default;
 
+std::string RemoteTier::display_url() const {
+  if (password_.empty()) return options_.url;
+  const std::string where = unix_path_.empty() ? absl::StrCat(host_, ":", port_, db_ != 0 ? absl::StrCat("/", db_) : "")
+                                               : unix_path_;
+  return absl::StrCat("redis://", username_, ":***@", where);
+}
+
 std::string RemoteTier::KeyName(const Namespace& ns, const BlockKey& key) const {
   const std::string salt =
       ns.cache_salt.empty() ? "-" : absl::StrFormat("%016x", XXH3_64bits(ns.cache_salt.data(), ns.cache_salt.size()));
@@ -129,7 +136,7 @@ absl::Status RemoteTier::Fail(const std::string& what) {
   absl::MutexLock lock(&mu_);
   ++stats_.errors;
   if (stats_.last_error != what) {
-    spdlog::warn("redis tier {}: {}; skipped for {}", options_.url, what, absl::FormatDuration(options_.retry_after));
+    spdlog::warn("redis tier {}: {}; skipped for {}", display_url(), what, absl::FormatDuration(options_.retry_after));
   }
   stats_.last_error = what;
   idle_.clear();  // a failure usually means the server went away: reconnect afresh

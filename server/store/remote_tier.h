@@ -64,6 +64,8 @@ class RemoteTier {
   void CountUploadDropped(uint64_t n) ABSL_LOCKS_EXCLUDED(mu_);
   RemoteStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
   const RemoteTierOptions& options() const { return options_; }
+  // The URL with any password masked, for logs and reports.
+  std::string display_url() const;
 
  private:
   class Connection;  // RAII hiredis context

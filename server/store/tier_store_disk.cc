@@ -697,6 +697,7 @@ TierStats TierStore::Stats() const {
   s.idle_demotion = idle_demotion();
   if (remote_ != nullptr) {
     s.remote_enabled = true;
+    s.remote_url = remote_->display_url();
     s.remote = remote_->Stats();
   }
   return s;

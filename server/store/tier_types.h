@@ -113,6 +113,7 @@ struct TierStats {
   int64_t reloaded_records = 0;          // by the last Load (warm restart)
   double load_seconds = 0;
   bool remote_enabled = false;
+  std::string remote_url;                // G4's URL without any password
   RemoteStats remote;                    // G4, when enabled
 };
 

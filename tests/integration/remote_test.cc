@@ -148,6 +148,13 @@ TEST_CASE("Two daemons share a prefix through Redis; a node with an empty disk s
   WaitForMetric(b, kUploaded, 8);
   REQUIRE(JsonInt(Work(a, "a2", 300, 97).out, "cached_tokens") == 96);
 
+  // kvdctl status shows the tier.
+  ProcessResult status = RunProcess(KVDCTL_BINARY, {"--target=" + b.target(), "status"});
+  INFO(status.out);
+  REQUIRE(status.exit_code == 0);
+  REQUIRE(status.out.find("redis tier") != std::string::npos);
+  REQUIRE(status.out.find(redis.url() + " (available)") != std::string::npos);
+
   // A restarted node with an empty disk reuses it all.
   DaemonProcess c(Config(redis.url(), disks.path() + "/c"));
   REQUIRE(JsonInt(Work(c, "c1", 300, 97).out, "cached_tokens") == 96);
@@ -200,6 +207,9 @@ TEST_CASE("Killing Redis mid-run keeps every daemon serving; the tier returns wi
     Work(b, absl::StrCat("b-new-", i), 3000 + 100 * i, 41);
   }
   REQUIRE(Metric(b, "kvd_remote_errors_total") >= 1);
+  ProcessResult status = RunProcess(KVDCTL_BINARY, {"--target=" + b.target(), "status"});
+  INFO(status.out);
+  REQUIRE(status.out.find("last: ") != std::string::npos);  // the last error is named
   REQUIRE(Metric(a, "kvd_remote_errors_total") + Metric(a, "kvd_remote_skipped_total") +
               Metric(a, "kvd_remote_blocks_total{direction=\"upload_dropped\"}") >= 1);
 
