@@ -128,8 +128,10 @@ def scrape_metric_names(kvd, kvdctl, tmp):
     ready = os.path.join(tmp, "ready.json")
     proc = subprocess.Popen([kvd, "--listen=unix://" + os.path.join(tmp, "k.sock"), "--metrics-listen=127.0.0.1:0",
                              "--ready-file=" + ready, "--log-level=warn",
-                             # tiers on, so that their families (flush, demotion...) are exported too
-                             "--disk-dir=" + os.path.join(tmp, "disk"), "--host-tier-bytes=4194304"],
+                             # tiers on, so that their families (flush, demotion...) are exported too;
+                             # a Redis tier (nothing listens there: it is merely unavailable) and router events
+                             "--disk-dir=" + os.path.join(tmp, "disk"), "--host-tier-bytes=4194304",
+                             "--redis-url=redis://127.0.0.1:1", "--router-events=ipc://" + os.path.join(tmp, "events")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(500):
