@@ -106,6 +106,7 @@ TEST_CASE("Every configuration error exits non-zero naming the field", "[integra
       {"tiers:\n  redis_url: redis://127.0.0.1:6379\n  redis_ttl_s: 0\n", "redis_ttl_s"},
       {"router_events:\n  replay_endpoint: ipc:///tmp/kvd-replay\n", "router_events.replay_endpoint"},
       {"router_events:\n  colour: blue\n", "unknown key 'colour'"},
+      {"router_events:\n  endpoint: bogus://nowhere\n", "router_events.endpoint bogus://nowhere"},
   };
   for (const Case& c : cases) {
     const std::string path = dir.path() + "/bad.yaml";
