@@ -32,19 +32,13 @@
 #include "absl/time/clock.h"
 #include "gpu/host_arena.h"
 #include "server/store/tier_store.h"
+#include "tests/bench/tier_bench_node.h"
 
 namespace kvd {
 namespace {
 
 using SteadyClock = std::chrono::steady_clock;
 double Since(SteadyClock::time_point t) { return std::chrono::duration<double>(SteadyClock::now() - t).count(); }
-
-void Check(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
-    std::exit(1);
-  }
-}
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -63,39 +57,7 @@ int FreePort() {
   return ntohs(a.sin_port);
 }
 
-struct Node {
-  std::unique_ptr<HostArena> arena;
-  std::unique_ptr<KvCache> cache;
-  std::unique_ptr<TierStore> store;
-  Node(const PoolGeometry& g, TierOptions t) {
-    CacheOptions o;
-    o.pools = {g};
-    arena = *HostArena::Create(o.pools);
-    cache = *KvCache::Create(o, SystemClock::Get());
-    auto s = TierStore::Open(std::move(t), arena.get(), cache.get());
-    Check(s.status(), "open tiers");
-    store = std::move(*s);
-    cache->SetEvictionSink(store.get());
-  }
-  ~Node() {
-    cache->SetEvictionSink(nullptr);
-    store.reset();
-  }
-  std::pair<AcquireResult, int64_t> Start(const RequestSpec& spec) {
-    Check(cache->Admit(spec).status(), "admit");
-    absl::StatusOr<AcquireResult> acq = cache->Acquire(spec.id);
-    Check(acq.status(), "acquire");
-    int64_t cached = acq->cached_tokens;
-    absl::Notification done;
-    if (store->Promote(spec.id, spec, *acq, [&](absl::StatusOr<int64_t> r) {
-          if (r.ok()) cached = *r;
-          done.Notify();
-        })) {
-      done.WaitForNotification();
-    }
-    return {*acq, cached};
-  }
-};
+using Node = TierBenchNode;
 
 // Pipelined GETs of `keys` in chunks of `depth`; returns the bytes read.
 int64_t RawGets(redisContext* c, const std::vector<std::string>& keys, size_t depth) {

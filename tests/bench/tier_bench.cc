@@ -28,6 +28,7 @@
 #include "gpu/host_arena.h"
 #include "server/store/segment_file.h"
 #include "server/store/tier_store.h"
+#include "tests/bench/tier_bench_node.h"
 
 namespace kvd {
 namespace {
@@ -36,47 +37,7 @@ using Clock = std::chrono::steady_clock;
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 double GBps(int64_t bytes, double s) { return bytes / s / 1e9; }
 
-void Check(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
-    std::exit(1);
-  }
-}
-
-struct Node {
-  std::unique_ptr<HostArena> arena;
-  std::unique_ptr<KvCache> cache;
-  std::unique_ptr<TierStore> store;
-  Node(const PoolGeometry& g, TierOptions t, CacheOptions o = {}) {
-    o.pools = {g};
-    arena = *HostArena::Create(o.pools);
-    cache = *KvCache::Create(o, SystemClock::Get());
-    auto s = TierStore::Open(std::move(t), arena.get(), cache.get());
-    Check(s.status(), "open tiers");
-    store = std::move(*s);
-    cache->SetEvictionSink(store.get());
-    Check(store->Load(), "load");
-  }
-  ~Node() {
-    cache->SetEvictionSink(nullptr);
-    store.reset();
-  }
-  // Admit + Acquire + promotion; returns the request's table and cached tokens.
-  std::pair<AcquireResult, int64_t> Start(const RequestSpec& spec) {
-    Check(cache->Admit(spec).status(), "admit");
-    absl::StatusOr<AcquireResult> acq = cache->Acquire(spec.id);
-    Check(acq.status(), "acquire");
-    int64_t cached = acq->cached_tokens;
-    absl::Notification done;
-    if (store->Promote(spec.id, spec, *acq, [&](absl::StatusOr<int64_t> r) {
-          if (r.ok()) cached = *r;
-          done.Notify();
-        })) {
-      done.WaitForNotification();
-    }
-    return {*acq, cached};
-  }
-};
+using Node = TierBenchNode;
 
 void DropPageCache(const std::string& path) {
   int fd = open(path.c_str(), O_RDONLY);

@@ -115,6 +115,14 @@ ProcessResult Work(const DaemonProcess& d, const std::string& id, int start, int
   return r;
 }
 
+// `kvdctl status` of `d` (REQUIREs it succeeds).
+std::string KvdctlStatus(const DaemonProcess& d) {
+  ProcessResult r = RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "status"});
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  return r.out;
+}
+
 const std::string kUploaded = "kvd_remote_blocks_total{direction=\"uploaded\"}";
 
 TEST_CASE("Two daemons share a prefix through Redis; a node with an empty disk starts warm",
@@ -149,11 +157,10 @@ TEST_CASE("Two daemons share a prefix through Redis; a node with an empty disk s
   REQUIRE(JsonInt(Work(a, "a2", 300, 97).out, "cached_tokens") == 96);
 
   // kvdctl status shows the tier.
-  ProcessResult status = RunProcess(KVDCTL_BINARY, {"--target=" + b.target(), "status"});
-  INFO(status.out);
-  REQUIRE(status.exit_code == 0);
-  REQUIRE(status.out.find("redis tier") != std::string::npos);
-  REQUIRE(status.out.find(redis.url() + " (available)") != std::string::npos);
+  const std::string status = KvdctlStatus(b);
+  INFO(status);
+  REQUIRE(status.find("redis tier") != std::string::npos);
+  REQUIRE(status.find(redis.url() + " (available)") != std::string::npos);
 
   // A restarted node with an empty disk reuses it all.
   DaemonProcess c(Config(redis.url(), disks.path() + "/c"));
@@ -207,9 +214,7 @@ TEST_CASE("Killing Redis mid-run keeps every daemon serving; the tier returns wi
     Work(b, absl::StrCat("b-new-", i), 3000 + 100 * i, 41);
   }
   REQUIRE(Metric(b, "kvd_remote_errors_total") >= 1);
-  ProcessResult status = RunProcess(KVDCTL_BINARY, {"--target=" + b.target(), "status"});
-  INFO(status.out);
-  REQUIRE(status.out.find("last: ") != std::string::npos);  // the last error is named
+  REQUIRE(KvdctlStatus(b).find("last: ") != std::string::npos);  // the last error is named
   REQUIRE(Metric(a, "kvd_remote_errors_total") + Metric(a, "kvd_remote_skipped_total") +
               Metric(a, "kvd_remote_blocks_total{direction=\"upload_dropped\"}") >= 1);
 

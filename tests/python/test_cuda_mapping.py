@@ -12,14 +12,7 @@ import sys
 from kvd import cuda
 from kvd.client import Pool
 from kvd.v1 import kvd_pb2
-
-failures = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        failures.append(what)
+from kvd_testlib import check, finish
 
 
 def main():
@@ -77,8 +70,7 @@ def main():
     except OSError as e:
         check("KVD_CUDART" in str(e), "no runtime: the error says how to name one")
 
-    print(f"{len(failures)} failed")
-    return 1 if failures else 0
+    return finish()
 
 
 if __name__ == "__main__":

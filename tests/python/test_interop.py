@@ -3,37 +3,17 @@
 
 Usage: test_interop.py KVD_BINARY EXAMPLE_WORKER_BINARY   (PYTHONPATH=<build>/python)
 
-The bytes follow client/examples/kv_pattern.h, re-implemented here, so each side verifies the
+The bytes follow client/examples/kv_pattern.h (kvd_testlib.slot_bytes), so each side verifies the
 other's writes byte for byte.
 """
-import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 
 import grpc
 
 from kvd import Client, KvdError
-
-M = (1 << 64) - 1
-
-
-def kv_byte(token, pos, layer, j):
-    x = ((token << 32) ^ (pos << 12) ^ layer ^ ((j >> 3) << 48)) & M
-    x = (x + 0x9E3779B97F4A7C15) & M
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
-    x ^= x >> 31
-    return (x >> (8 * (j & 7))) & 0xFF
-
-
-def slot_bytes(token, pos, layer, n):
-    return bytes(kv_byte(token, pos, layer, j) for j in range(n))
-
+from kvd_testlib import SMALL_POOL, Daemon, check, finish, run_worker, slot_bytes
 
 def touch(client, req, tokens, start, end, verify):
     """Writes (or verifies) the pattern for positions [start, end); returns mismatching bytes."""
@@ -56,27 +36,9 @@ def touch(client, req, tokens, start, end, verify):
 def main():
     kvd, worker = sys.argv[1], sys.argv[2]
     tmp = tempfile.mkdtemp(prefix="kvd-py-")
-    config = os.path.join(tmp, "kvd.yaml")
-    with open(config, "w") as f:
-        f.write("pools:\n  - name: default\n    block_tokens: 4\n    num_layers: 2\n"
-                "    bytes_per_token_per_layer: 16\n    capacity_blocks: 64\n    max_model_len: 200\n")
-    sock = os.path.join(tmp, "kvd.sock")
-    ready = os.path.join(tmp, "ready.json")
-    daemon = subprocess.Popen([kvd, "--config=" + config, "--listen=unix://" + sock, "--metrics-listen=off",
-                               "--ready-file=" + ready, "--log-level=warn"])
-    failures = []
-
-    def check(cond, what):
-        print(("ok   " if cond else "FAIL ") + what)
-        if not cond:
-            failures.append(what)
-
+    daemon = Daemon(kvd, tmp, SMALL_POOL)
     try:
-        for _ in range(500):
-            if os.path.exists(ready):
-                break
-            time.sleep(0.02)
-        target = "unix://" + sock
+        target = daemon.target
         with Client(target, worker_name="py-test") as c:
             check(c.backend == "host" and c.pools[0].maps[0] is not None, "python client attached and mapped the slab")
 
@@ -98,16 +60,13 @@ def main():
                 arr[0, 0, 0] ^= 0xFF
                 view.release()
                 del arr
-            out = subprocess.run([worker, "--target=" + target, "--id=cpp-b", "--prompt-range=300:22"],
-                                 capture_output=True, text=True, timeout=30)
-            res = json.loads(out.stdout.strip().splitlines()[-1])
-            check(out.returncode == 0 and res["cached_tokens"] == 20 and res["mismatches"] == 0
-                  and res["verified_bytes"] == 20 * 2 * 16, f"C++ worker verified Python's KV ({res})")
+            rc, res = run_worker(worker, target, "cpp-b", "300:22")
+            check(rc == 0 and res.get("cached_tokens") == 20 and res.get("mismatches") == 0
+                  and res.get("verified_bytes") == 20 * 2 * 16, f"C++ worker verified Python's KV ({res})")
 
             # C++ writes, Python verifies.
-            out = subprocess.run([worker, "--target=" + target, "--id=cpp-c", "--prompt-range=700:13"],
-                                 capture_output=True, text=True, timeout=30)
-            check(out.returncode == 0, "C++ worker wrote and published")
+            rc, _ = run_worker(worker, target, "cpp-c", "700:13")
+            check(rc == 0, "C++ worker wrote and published")
             prompt2 = list(range(700, 713))
             with c.request("py-d", pool="default", prompt=prompt2) as r:
                 check(r.cached_tokens == 12, f"python reuses C++'s 12 tokens (got {r.cached_tokens})")
@@ -129,11 +88,9 @@ def main():
                 pass
             check(c.report().live_requests == 0, "no request leaked")
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=15)
+        daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{len(failures)} failed")
-    return 1 if failures else 0
+    return finish()
 
 
 if __name__ == "__main__":

@@ -11,10 +11,7 @@ AllBlocksCleared; a warm restart announces the reloaded blocks (medium DISK) wit
 Usage: test_router_events.py KVD_BINARY   (PYTHONPATH=<build>/python)
 """
 import hashlib
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,16 +22,10 @@ import zmq
 
 from kvd import Client
 from kvd.v1 import kvd_pb2
+from kvd_testlib import Daemon, check, finish
 
 SEED = "1234"
 BT = 4
-failures = []
-
-
-def check(cond, what):
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        failures.append(what)
 
 
 def sha256_cbor(obj):
@@ -92,36 +83,26 @@ def events_of(payloads):
 
 
 def start_daemon(kvd, tmp, name):
-    config = os.path.join(tmp, "kvd.yaml")
-    with open(config, "w") as f:
-        f.write(f"pools:\n  - name: m\n    block_tokens: {BT}\n    num_layers: 1\n"
-                "    bytes_per_token_per_layer: 8\n    capacity_blocks: 24\n    max_model_len: 200\n"
-                f"tiers:\n  host_bytes: 0\n  disk_dir: {tmp}/disk\n"
-                f"router_events:\n  endpoint: ipc://{tmp}/events\n  replay_endpoint: ipc://{tmp}/replay\n"
-                f"  node: n1\n  hash_seed: \"{SEED}\"\n  data_parallel_rank: 2\n  max_batch_events: 3\n")
-    sock = os.path.join(tmp, f"{name}.sock")
-    ready = os.path.join(tmp, f"{name}.ready")
-    p = subprocess.Popen([kvd, "--config=" + config, "--listen=unix://" + sock, "--metrics-listen=off",
-                          "--ready-file=" + ready, "--log-level=warn"])
-    for _ in range(500):
-        if os.path.exists(ready):
-            break
-        time.sleep(0.02)
-    return p, "unix://" + sock
+    config = (f"pools:\n  - name: m\n    block_tokens: {BT}\n    num_layers: 1\n"
+              "    bytes_per_token_per_layer: 8\n    capacity_blocks: 24\n    max_model_len: 200\n"
+              f"tiers:\n  host_bytes: 0\n  disk_dir: {tmp}/disk\n"
+              f"router_events:\n  endpoint: ipc://{tmp}/events\n  replay_endpoint: ipc://{tmp}/replay\n"
+              f"  node: n1\n  hash_seed: \"{SEED}\"\n  data_parallel_rank: 2\n  max_batch_events: 3\n")
+    return Daemon(kvd, tmp, config, name=name)
 
 
 def main():
     kvd = sys.argv[1]
     tmp = tempfile.mkdtemp(prefix="kvd-ev-")
     ctx = zmq.Context()
-    daemon, target = start_daemon(kvd, tmp, "a")
+    daemon = start_daemon(kvd, tmp, "a")
     try:
         sub = Subscriber(ctx, f"ipc://{tmp}/events")
         time.sleep(0.3)  # let the SUB connection settle (anything missed is replayed below)
         a = list(range(100, 117))            # 4 full blocks
         b = list(range(100, 108)) + [7] * 9  # shares a's first 2 blocks
         expected = {}
-        with Client(target, worker_name="ev") as c:
+        with Client(daemon.target, worker_name="ev") as c:
             for rid, prompt, kw in (("a", a, {}), ("b", b, {}), ("lora", a, {"adapter": "lora-x"}),
                                     ("salt", a, {"cache_salt": "tenant-1"})):
                 with c.request(rid, pool="m", prompt=prompt, **kw) as r:
@@ -188,11 +169,10 @@ def main():
             after = dict((s, p) for s, (_, p) in sub.batches.items() if s > max(seqs))
             kinds = [e[0] for _, _, _, e in events_of(after)]
             check(kinds == ["AllBlocksCleared"], f"Close announces AllBlocksCleared ({kinds})")
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=15)
+        daemon.stop()
 
         # Warm restart: "cleared", then the reloaded blocks, parents first, medium DISK, same ids.
-        daemon, target = start_daemon(kvd, tmp, "b")
+        daemon = start_daemon(kvd, tmp, "b")
         got = replay(ctx, f"ipc://{tmp}/replay", 0)
         evs = [e for _, _, _, e in events_of(got)]
         check(evs and evs[0][0] == "AllBlocksCleared", "restart: AllBlocksCleared first")
@@ -208,12 +188,10 @@ def main():
                 seen.update(e[1])
         check(ordered, "restart: every block is announced after its parent")
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(timeout=15)
+        daemon.stop()
         ctx.destroy(0)
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{len(failures)} failed")
-    return 1 if failures else 0
+    return finish()
 
 
 if __name__ == "__main__":
