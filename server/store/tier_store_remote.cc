@@ -22,19 +22,20 @@ void TierStore::QueueUpload(const CacheEvent& e) {
   if (e.kind != CacheEventKind::kStored || !e.medium.empty()) return;  // only blocks new in G1
   absl::StatusOr<PoolId> pool = PoolOf(e.pool);
   if (!pool.ok()) return;
+  Namespace ns;
+  ns.pool = e.pool;
+  ns.adapter = e.adapter;
+  ns.media_keys = e.media_keys;
+  ns.method = e.method;
+  ns.cache_salt = e.cache_salt;
+  Upload upload{CachedBlockRef{*pool, e.block, e.key}, remote_->KeyName(ns, e.key)};
   {
     absl::MutexLock lock(&upload_mu_);
     if (static_cast<int64_t>(upload_queue_.size()) >= options_.remote.max_pending_uploads) {
       remote_->CountUploadDropped(1);
       return;
     }
-    Namespace ns;
-    ns.pool = e.pool;
-    ns.adapter = e.adapter;
-    ns.media_keys = e.media_keys;
-    ns.method = e.method;
-    ns.cache_salt = e.cache_salt;
-    upload_queue_.push_back(Upload{CachedBlockRef{*pool, e.block, e.key}, remote_->KeyName(ns, e.key)});
+    upload_queue_.push_back(std::move(upload));
     if (upload_scheduled_) return;
     upload_scheduled_ = true;
   }
