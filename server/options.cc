@@ -58,19 +58,25 @@ absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeom
   return absl::OkStatus();
 }
 
-absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOptions* t) {
-  if (!node.IsMap()) return absl::InvalidArgumentError(absl::StrCat(where, ": tiers must be a map"));
-  static const char* kKnown[] = {"host_bytes", "disk_dir", "disk_bytes", "codec", "segment_bytes",
-                                 "idle_demote_after_s", "read_threads", "flush_on_drain",
-                                 "redis_url", "redis_key_prefix", "redis_ttl_s", "redis_connect_timeout_s",
-                                 "redis_timeout_s", "redis_retry_after_s", "redis_write_through",
-                                 "redis_max_pending_uploads"};
+// INVALID_ARGUMENT unless `node` is a map whose keys are all in `known`.
+absl::Status CheckKeys(const YAML::Node& node, const std::string& where,
+                       std::initializer_list<const char*> known) {
+  if (!node.IsMap()) return absl::InvalidArgumentError(absl::StrCat(where, ": not a map"));
   for (const auto& kv : node) {
     const std::string key = kv.first.as<std::string>();
-    bool known = false;
-    for (const char* k : kKnown) known |= key == k;
-    if (!known) return absl::InvalidArgumentError(absl::StrCat(where, ": unknown key '", key, "'"));
+    bool ok = false;
+    for (const char* k : known) ok |= key == k;
+    if (!ok) return absl::InvalidArgumentError(absl::StrCat(where, ": unknown key '", key, "'"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOptions* t) {
+  KVD_RETURN_IF_ERROR(CheckKeys(node, where,
+                                {"host_bytes", "disk_dir", "disk_bytes", "codec", "segment_bytes",
+                                 "idle_demote_after_s", "read_threads", "flush_on_drain", "redis_url",
+                                 "redis_key_prefix", "redis_ttl_s", "redis_connect_timeout_s", "redis_timeout_s",
+                                 "redis_retry_after_s", "redis_write_through", "redis_max_pending_uploads"}));
   KVD_RETURN_IF_ERROR(Read(node, "host_bytes", &t->host_bytes, where));
   KVD_RETURN_IF_ERROR(Read(node, "disk_dir", &t->disk_dir, where));
   KVD_RETURN_IF_ERROR(Read(node, "disk_bytes", &t->disk_bytes, where));
@@ -92,18 +98,6 @@ absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOpt
   KVD_RETURN_IF_ERROR(ReadSeconds(node, "redis_retry_after_s", &r.retry_after, where));
   KVD_RETURN_IF_ERROR(Read(node, "redis_write_through", &r.write_through, where));
   KVD_RETURN_IF_ERROR(Read(node, "redis_max_pending_uploads", &r.max_pending_uploads, where));
-  return absl::OkStatus();
-}
-
-absl::Status CheckKeys(const YAML::Node& node, const std::string& where,
-                       std::initializer_list<const char*> known) {
-  if (!node.IsMap()) return absl::InvalidArgumentError(absl::StrCat(where, ": must be a map"));
-  for (const auto& kv : node) {
-    const std::string key = kv.first.as<std::string>();
-    bool ok = false;
-    for (const char* k : known) ok |= key == k;
-    if (!ok) return absl::InvalidArgumentError(absl::StrCat(where, ": unknown key '", key, "'"));
-  }
   return absl::OkStatus();
 }
 
@@ -237,21 +231,15 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(absl::StrCat("config ", path, ": ", e.what()));
   }
-  if (!root.IsMap()) return absl::InvalidArgumentError(absl::StrCat("config ", path, ": not a map"));
   const std::string where = absl::StrCat("config ", path);
-  static const char* kKnown[] = {
-      "listen", "side_socket", "metrics_listen", "backend", "max_message_bytes", "lease_ttl_s",
-      "drain_timeout_s", "log_level", "budget_bytes", "session_ttl_s", "session_max_protected_blocks",
-      "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes",
-      "boundary_high_watermark", "boundary_low_watermark", "event_buffer", "eviction_policy",
-      "slru_main_fraction", "slru_ghost_fraction", "max_requests_per_worker", "max_bytes_per_worker",
-      "pools", "tiers", "router_events", "tls_cert_file", "tls_key_file", "tls_client_ca_file", "allowed_uids", "allowed_gids", "socket_group"};
-  for (const auto& kv : root) {
-    const std::string key = kv.first.as<std::string>();
-    bool known = false;
-    for (const char* k : kKnown) known |= key == k;
-    if (!known) return absl::InvalidArgumentError(absl::StrCat(where, ": unknown key '", key, "'"));
-  }
+  KVD_RETURN_IF_ERROR(CheckKeys(
+      root, where,
+      {"listen", "side_socket", "metrics_listen", "backend", "max_message_bytes", "lease_ttl_s",
+       "drain_timeout_s", "log_level", "budget_bytes", "session_ttl_s", "session_max_protected_blocks",
+       "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes", "boundary_high_watermark",
+       "boundary_low_watermark", "event_buffer", "eviction_policy", "slru_main_fraction", "slru_ghost_fraction",
+       "max_requests_per_worker", "max_bytes_per_worker", "pools", "tiers", "router_events", "tls_cert_file",
+       "tls_key_file", "tls_client_ca_file", "allowed_uids", "allowed_gids", "socket_group"}));
   ServerOptions& s = options->server;
   CacheOptions& c = options->cache;
   KVD_RETURN_IF_ERROR(Read(root, "listen", &s.listen, where));

@@ -13,9 +13,7 @@
 // pipeline depth for the value size (its GET line is the raw throughput; bytes/s = requests/s x
 // value size).
 #include <hiredis/hiredis.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -33,6 +31,7 @@
 #include "gpu/host_arena.h"
 #include "server/store/tier_store.h"
 #include "tests/bench/tier_bench_node.h"
+#include "tests/util/free_port.h"
 
 namespace kvd {
 namespace {
@@ -43,18 +42,6 @@ double Since(SteadyClock::time_point t) { return std::chrono::duration<double>(S
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
-}
-
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
 }
 
 using Node = TierBenchNode;
@@ -99,7 +86,7 @@ int main(int argc, char** argv) {
   int port = 0;
   std::string dir = "/tmp/kvd-remote-bench-" + std::to_string(getpid());
   if (url.empty()) {
-    port = FreePort();
+    port = testing::FreeLoopbackPort();
     std::filesystem::create_directories(dir);
     redis = fork();
     if (redis == 0) {

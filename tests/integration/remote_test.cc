@@ -2,9 +2,7 @@
 // two daemons with their own disks share a prefix through Redis (bytes verified by the reader);
 // a daemon with an empty disk starts warm; corrupt values are never served; killing Redis keeps
 // every daemon serving, and the tier comes back with the server.
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,29 +14,20 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "tests/integration/harness.h"
+#include "tests/util/free_port.h"
 
 namespace kvd {
 namespace {
 
 using namespace kvd::testing;
 
-// A port on 127.0.0.1 that was free a moment ago (the kernel picks it).
-int FreeLoopbackPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // A real redis-server bound to loopback only, without persistence, in a temp directory.
 class RedisServer {
  public:
-  RedisServer() : port_(FreeLoopbackPort()) { Start(); }
+  RedisServer() : port_(FreeLoopbackPort()) {
+    REQUIRE(port_ > 0);
+    Start();
+  }
   ~RedisServer() { Kill(); }
 
   void Start() {

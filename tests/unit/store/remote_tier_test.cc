@@ -1,30 +1,14 @@
 // RemoteTier without a server: URL parsing, key names, and the failure back-off (a refused
 // connection fails fast, then the tier is skipped without a round trip until retry_after).
 // tests/integration/remote_test.cc runs it against a real redis-server.
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <catch2/catch.hpp>
 
 #include "absl/time/clock.h"
 #include "server/store/remote_tier.h"
+#include "tests/util/free_port.h"
 
 namespace kvd {
 namespace {
-
-// A loopback port nothing listens on (bound, then closed).
-int ClosedPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 absl::StatusOr<std::unique_ptr<RemoteTier>> OpenUrl(const std::string& url) {
   RemoteTierOptions o;
@@ -63,7 +47,9 @@ TEST_CASE("RemoteTier keys name the pool and a tag of the salt, never the salt",
 
 TEST_CASE("A refused connection fails fast, then the tier is skipped until retry_after", "[store][remote]") {
   RemoteTierOptions o;
-  o.url = "redis://127.0.0.1:" + std::to_string(ClosedPort());
+  const int port = testing::FreeLoopbackPort();  // nothing listens there
+  REQUIRE(port > 0);
+  o.url = "redis://127.0.0.1:" + std::to_string(port);
   o.retry_after = absl::Milliseconds(300);
   auto t = *RemoteTier::Open(o);
   REQUIRE(t->available());
