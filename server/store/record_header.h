@@ -43,6 +43,10 @@ struct RecordHeader {
   uint64_t layout_tag = 0;
 };
 
+// The size of the smallest encoded header (every string and list empty): bounds how many headers
+// a section of N bytes can hold.
+inline constexpr uint64_t kMinRecordHeaderBytes = 103;
+
 // Appends the encoding of `h` to `out`.
 void EncodeRecordHeader(const RecordHeader& h, std::string* out);
 // Decodes one header from the front of `*in` and advances it. DATA_LOSS naming what was wrong.

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <bit>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -15,6 +16,9 @@
 
 namespace kvd {
 namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "kvd's files are little-endian and read with memcpy: port Put/Load first");
 
 constexpr char kSegmentMagic[8] = {'K', 'V', 'D', 'S', 'E', 'G', '1', '\0'};
 constexpr char kManifestMagic[8] = {'K', 'V', 'D', 'M', 'A', 'N', '1', '\0'};
@@ -119,7 +123,9 @@ absl::StatusOr<int64_t> WriteSegment(const std::string& dir, const std::string& 
 }
 
 absl::StatusOr<std::vector<RecordHeader>> ReadSegmentHeaders(const std::string& path,
-                                                             int64_t* file_size) {
+                                                             int64_t* file_size,
+                                                             int64_t* truncated_records) {
+  if (truncated_records != nullptr) *truncated_records = 0;
   UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd.valid()) return Errno(absl::StrCat("open ", path), errno);
   struct stat st;
@@ -132,10 +138,16 @@ absl::StatusOr<std::vector<RecordHeader>> ReadSegmentHeaders(const std::string& 
     return absl::DataLossError(absl::StrCat(path, ": not a kvd segment"));
   }
   const uint32_t count = Load<uint32_t>(pre + 8);
+  const uint32_t zero = Load<uint32_t>(pre + 12);
   const uint64_t hbytes = Load<uint64_t>(pre + 16);
   const uint64_t hsum = Load<uint64_t>(pre + 24);
+  if (zero != 0) return absl::DataLossError(absl::StrCat(path, ": reserved preamble word is not zero"));
   if (hbytes > static_cast<uint64_t>(st.st_size - kSegmentPreamble)) {
     return absl::DataLossError(absl::StrCat(path, ": header section past the end of the file"));
+  }
+  // The count is outside the checksum: bound it by what the section could hold before trusting it.
+  if (count > hbytes / kMinRecordHeaderBytes) {
+    return absl::DataLossError(absl::StrCat(path, ": record count ", count, " does not fit the header section"));
   }
   std::string section(hbytes, '\0');
   if (absl::Status s = PreadAll(fd.get(), section.data(), hbytes, kSegmentPreamble, path); !s.ok()) {
@@ -147,13 +159,19 @@ absl::StatusOr<std::vector<RecordHeader>> ReadSegmentHeaders(const std::string& 
   std::vector<RecordHeader> out;
   out.reserve(count);
   absl::string_view in(section);
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
   for (uint32_t i = 0; i < count; ++i) {
     absl::StatusOr<RecordHeader> h = DecodeRecordHeader(&in);
     if (!h.ok()) return absl::DataLossError(absl::StrCat(path, ": ", h.status().message()));
-    if (h->offset + static_cast<uint64_t>(h->stored_length) > static_cast<uint64_t>(st.st_size)) {
-      return absl::DataLossError(absl::StrCat(path, ": record ", i, " past the end of the file"));
+    const uint64_t stored = static_cast<uint64_t>(h->stored_length);  // >= 0: checked by decoding
+    if (h->offset < kSegmentPreamble + hbytes || stored > size || h->offset > size - stored) {
+      if (truncated_records != nullptr) ++*truncated_records;
+      continue;  // past the end (the file was truncated), or an offset into the headers
     }
     out.push_back(*std::move(h));
+  }
+  if (!in.empty()) {
+    return absl::DataLossError(absl::StrCat(path, ": record count ", count, " does not match the header section"));
   }
   return out;
 }
@@ -177,6 +195,13 @@ std::string SegmentName(uint64_t number) {
   char buf[40];
   std::snprintf(buf, sizeof(buf), "seg-%016llu.kvd", static_cast<unsigned long long>(number));
   return buf;
+}
+
+std::optional<uint64_t> ParseSegmentName(absl::string_view name) {
+  unsigned long long num = 0;
+  const std::string s(name);
+  if (std::sscanf(s.c_str(), "seg-%llu.kvd", &num) != 1 || SegmentName(num) != s) return std::nullopt;
+  return static_cast<uint64_t>(num);
 }
 
 absl::Status WriteManifest(const std::string& dir, const Manifest& m) {

@@ -9,11 +9,16 @@
 //   [32,32+H)  the record headers (record_header.h), each with its payload's offset and checksum
 //   [32+H,...) the stored payloads
 // A restart reads only [0, 32+H) of each segment; payloads are read, and verified, on demand.
+// Nothing read is trusted unverified: the magic and the zero word are compared, H is bounded by
+// the file, the header section is checksummed, and the record count (outside the checksum) must
+// decode the section exactly, so a flipped bit in any of them is DATA_LOSS, never a crash or a
+// huge allocation. Integers are fixed little-endian (the build refuses other hosts).
 //
 // Manifest: the list of live segments and of deleted object keys, with its own checksum.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,9 +44,13 @@ absl::StatusOr<int64_t> WriteSegment(const std::string& dir, const std::string& 
                                      std::vector<RecordHeader>& headers,
                                      const std::vector<absl::string_view>& payloads);
 // The headers of a segment, reading only its header section. DATA_LOSS for a bad magic, a
-// checksum mismatch or a header past the file.
+// checksum mismatch or a record count that does not match the section; the failing call named
+// (INTERNAL, NOT_FOUND, ...) when the file cannot be opened or read, which is no proof of damage.
+// Records whose bytes lie past the end of the file (a truncated segment) are left out and counted
+// in `*truncated_records` when given; the intact ones are returned.
 absl::StatusOr<std::vector<RecordHeader>> ReadSegmentHeaders(const std::string& path,
-                                                             int64_t* file_size);
+                                                             int64_t* file_size,
+                                                             int64_t* truncated_records = nullptr);
 // The stored bytes of one record, verified against its checksum: DATA_LOSS when they do not match.
 absl::Status ReadRecordBytes(const std::string& path, const RecordHeader& h, std::string* stored);
 
@@ -57,6 +66,8 @@ struct Manifest {
 };
 // "seg-<number, 16 digits>.kvd"
 std::string SegmentName(uint64_t number);
+// The number of a segment file's name; nullopt for any other name.
+std::optional<uint64_t> ParseSegmentName(absl::string_view name);
 absl::Status WriteManifest(const std::string& dir, const Manifest& m);
 // NOT_FOUND when there is none (a fresh directory); DATA_LOSS when it is damaged.
 absl::StatusOr<Manifest> ReadManifest(const std::string& dir);

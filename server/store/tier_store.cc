@@ -102,7 +102,7 @@ TierStore::Entry* TierStore::FindBlockLocked(const BlockKey& key, const BlockKey
 }
 
 void TierStore::TouchLocked(const BlockKey& key, Entry& e) {
-  e.last_use = absl::Now();
+  e.last_use = cache_->clock()->Now();
   ++tick_;
   if (!e.slots.empty()) {
     g2_lru_.erase(e.lru_tick);
@@ -175,7 +175,7 @@ void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
     if (!e->slots.empty() || e->spill != nullptr) return;  // already in memory below G1
   } else {
     e->header = BlockHeader(block);
-    e->last_use = absl::Now();
+    e->last_use = cache_->clock()->Now();
   }
   const int r = static_cast<int>(reason);
   if (std::optional<std::vector<uint32_t>> slots = AllocateSlotsLocked(1)) {
@@ -217,6 +217,7 @@ TierStore::ReadSource TierStore::PinForReadLocked(const BlockKey& key, Entry& e)
   } else if (e.spill != nullptr) {
     src.spill = e.spill;
   } else if (e.segment != 0) {
+    src.segment = e.segment;
     src.segment_path = absl::StrCat(options_.disk_dir, "/", SegmentName(e.segment));
   }
   return src;
@@ -246,14 +247,21 @@ absl::Status TierStore::ReadRaw(const ReadSource& src, uint8_t* out) {
                     out, src.header.raw_length);
 }
 
-void TierStore::DropCorrupt(const BlockKey& key, uint64_t segment) {
+void TierStore::OnReadFailure(const ReadSource& src, const absl::Status& s) {
+  if (s.ok()) return;
   absl::MutexLock lock(&mu_);
+  if (!absl::IsDataLoss(s)) {
+    // An I/O or permission error proves nothing about the bytes: count it, keep the record.
+    if (src.segment != 0) ++stats_.read_errors;
+    return;
+  }
   ++stats_.checksum_failures;
-  auto it = entries_.find(key);
-  if (it == entries_.end() || it->second.segment != segment) return;
-  TombstoneLocked(key, it->second);
+  auto it = entries_.find(src.key);
+  // Only the copy that was read is dropped: the entry may have moved to another segment since.
+  if (it == entries_.end() || src.segment == 0 || it->second.segment != src.segment) return;
+  TombstoneLocked(src.key, it->second);
   ScheduleSpillWriteLocked();
-  EraseIfEmptyLocked(key);
+  EraseIfEmptyLocked(src.key);
 }
 
 bool TierStore::Promote(const RequestId& id, const RequestSpec& spec, const AcquireResult& acquired,
@@ -303,17 +311,12 @@ bool TierStore::Promote(const RequestId& id, const RequestSpec& spec, const Acqu
                            ? arena_->WriteBlock(pool, targets[i], src.slot_bytes)
                            : ReadRaw(src, buf.data());
       if (s.ok() && src.slot_bytes == nullptr) s = arena_->WriteBlock(pool, targets[i], buf.data());
-      if (absl::IsDataLoss(s)) {
-        spdlog::error("promotion: {}; the block is dropped", std::string(s.message()));
-        uint64_t segment = 0;
-        if (!src.segment_path.empty()) {
-          absl::MutexLock lock(&mu_);
-          auto it = entries_.find(src.key);
-          if (it != entries_.end()) segment = it->second.segment;
-        }
-        DropCorrupt(src.key, segment);
+      if (!s.ok()) {
+        spdlog::error("promotion: {}{}", std::string(s.message()),
+                      absl::IsDataLoss(s) ? "; the block is dropped" : "; the block is kept");
+        OnReadFailure(src, s);
+        break;
       }
-      if (!s.ok()) break;
       ++from_tier[src.segment_path.empty() ? 1 : 2];
       ++copied;
     }
@@ -375,7 +378,7 @@ absl::StatusOr<PrefetchInfo> TierStore::Prefetch(const Namespace& ns, absl::Span
     readers_->Submit([this, src = std::move(src)]() {
       std::vector<uint8_t> raw(static_cast<size_t>(src.header.raw_length));
       absl::Status s = ReadRaw(src, raw.data());
-      if (absl::IsDataLoss(s)) DropCorrupt(src.key, 0);
+      OnReadFailure(src, s);
       absl::MutexLock lock(&mu_);
       auto it = entries_.find(src.key);
       if (s.ok() && it != entries_.end() && it->second.slots.empty()) {
@@ -438,7 +441,7 @@ absl::Status TierStore::PutObject(const Namespace& ns, const std::string& key, a
   fresh.header.key = k;
   fresh.header.object_key = key;
   fresh.header.raw_length = static_cast<int64_t>(bytes.size());
-  fresh.last_use = absl::Now();
+  fresh.last_use = cache_->clock()->Now();
   Entry& e = entries_.emplace(k, std::move(fresh)).first->second;
   if (host_ != nullptr) {
     if (auto slots = AllocateSlotsLocked(host_->SlotsFor(static_cast<int64_t>(bytes.size())))) {
@@ -486,14 +489,11 @@ void TierStore::GetObject(const Namespace& ns, const std::string& key,
   readers_->Submit([this, src = std::move(src), done = std::move(done)]() {
     std::string out(static_cast<size_t>(src.header.raw_length), '\0');
     absl::Status s = ReadRaw(src, reinterpret_cast<uint8_t*>(out.data()));
-    uint64_t segment = 0;
     {
       absl::MutexLock lock(&mu_);
-      auto it = entries_.find(src.key);
-      if (it != entries_.end()) segment = it->second.segment;
       UnpinLocked(src.key);
     }
-    if (absl::IsDataLoss(s)) DropCorrupt(src.key, segment);
+    OnReadFailure(src, s);
     if (!s.ok()) {
       done(s);
       return;
@@ -524,7 +524,7 @@ absl::Status TierStore::DeleteObject(const Namespace& ns, const std::string& key
 
 void TierStore::DemoteIdle() {
   if (!idle_demotion()) return;
-  const absl::Time cutoff = absl::Now() - options_.idle_demote_after;
+  const absl::Time cutoff = cache_->clock()->Now() - options_.idle_demote_after;
   absl::MutexLock lock(&mu_);
   if (options_.disk_dir.empty()) return;
   std::vector<BlockKey> idle;

@@ -52,10 +52,18 @@ class TierStore final : public EvictionSink {
                                                         const DeviceArena* arena, KvCache* cache);
   ~TierStore() override;
 
-  // Reads G3's manifest and every live segment's headers (not the bytes), deletes files the
-  // manifest does not list (left by a crash), and indexes what it found. Records the events a
-  // restart owes routers in the cache's event log: "all cleared", then one "stored" (medium disk)
-  // per reloaded block. A damaged segment is skipped and counted, never served.
+  // Reads G3's manifest and every live segment's headers (not the bytes) and indexes what it
+  // found. Records the events a restart owes routers in the cache's event log: "all cleared",
+  // then one "stored" (medium disk) per reloaded block. Nothing is deleted for lack of metadata:
+  // - a lost or damaged manifest is rebuilt from the segments (their blocks only; the damaged
+  //   file is kept as MANIFEST.damaged);
+  // - a segment written after the manifest's last commit is adopted (its blocks only);
+  // - a damaged segment (bad checksum, magic or count) is moved to quarantine/ and logged;
+  // - a segment that cannot be read (permissions, I/O) stays listed, is logged, and is neither
+  //   served nor evicted this run; a truncated one serves its intact records.
+  // Deleted, each with a log line: .tmp files (unfinished writes) and unlisted segments numbered
+  // below the manifest's next_segment (evicted or replaced by a committed manifest).
+  // FAILED_PRECONDITION when the manifest exists but cannot be read.
   absl::Status Load();
 
   // EvictionSink: demotes a block leaving G1 to G2 (or, without room there, towards G3).
@@ -106,6 +114,9 @@ class TierStore final : public EvictionSink {
 
   TierStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
   const TierOptions& options() const { return options_; }
+  // Runs `hook` on the writer thread in every flush after the host tier is written and before
+  // the device blocks are copied: where a concurrent eviction hurts most (tests).
+  void SetFlushHookForTesting(std::function<void()> hook) { flush_hook_for_testing_ = std::move(hook); }
   // Waits until no spill write is pending (tests).
   void WaitIdleForTesting() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -123,6 +134,7 @@ class TierStore final : public EvictionSink {
     int64_t file_bytes = 0;
     int64_t records = 0;      // live records
     uint64_t last_use = 0;    // most recent use of any of its records (tick)
+    bool unreadable = false;  // could not be read at Load: kept, never served or evicted
   };
   struct Prefetched {
     WorkerId owner;
@@ -134,6 +146,7 @@ class TierStore final : public EvictionSink {
     RecordHeader header;
     const uint8_t* slot_bytes = nullptr;  // contiguous G2 copy (blocks take one slot)
     std::shared_ptr<const std::string> spill;
+    uint64_t segment = 0;  // the G3 segment read from, when neither of the above
     std::string segment_path;
   };
 
@@ -159,7 +172,9 @@ class TierStore final : public EvictionSink {
   // The raw bytes of a pinned source into `out` (raw_length bytes). DATA_LOSS: the G3 copy failed
   // its checksum (the caller drops it).
   absl::Status ReadRaw(const ReadSource& src, uint8_t* out) ABSL_LOCKS_EXCLUDED(mu_);
-  void DropCorrupt(const BlockKey& key, uint64_t segment) ABSL_LOCKS_EXCLUDED(mu_);
+  // After a failed read of `src`: DATA_LOSS drops and tombstones the copy that was read (counted
+  // as a checksum failure); any other error only counts a read error (the record is kept).
+  void OnReadFailure(const ReadSource& src, const absl::Status& s) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<PoolId> PoolOf(const std::string& name) const;
   // The G3 header of a device block (identity, raw length, layout tag; no location yet).
   RecordHeader BlockHeader(const CachedBlockView& v) const;
@@ -194,6 +209,11 @@ class TierStore final : public EvictionSink {
   // unlinked after the next manifest write). Returns the numbers dropped.
   std::vector<uint64_t> EvictSegmentsLocked(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status WriteManifestNow(const std::vector<uint64_t>& unlink_after) ABSL_LOCKS_EXCLUDED(mu_);
+  // Moves a damaged file of the disk directory into its quarantine/ folder.
+  absl::Status Quarantine(const std::string& name) const;
+  // Whether a reloaded record may be indexed: its pool and layout match, and every length that
+  // will size an allocation is within what its kind allows.
+  absl::Status CheckLoadedLocked(const RecordHeader& h) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const TierOptions options_;
   const DeviceArena* const arena_;
@@ -201,6 +221,7 @@ class TierStore final : public EvictionSink {
   const std::vector<PoolGeometry> pools_;
   std::vector<uint64_t> layout_tags_;   // per pool
   std::atomic<bool> idle_demotion_{true};
+  std::function<void()> flush_hook_for_testing_;
 
   mutable absl::Mutex mu_;
   std::unique_ptr<HostTier> host_ ABSL_GUARDED_BY(mu_);

@@ -8,9 +8,12 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -81,29 +84,77 @@ absl::Status TierStore::Load() {
   const auto start = std::chrono::steady_clock::now();
   const std::string& dir = options_.disk_dir;
   KVD_RETURN_IF_ERROR(MakeDirs(dir));
-  Manifest manifest;
-  if (absl::StatusOr<Manifest> m = ReadManifest(dir); m.ok()) {
-    manifest = *std::move(m);
-  } else if (!absl::IsNotFound(m.status())) {
-    // A damaged manifest cannot say which segments are whole: start empty, keep the evidence.
-    spdlog::error("tiers: {}; starting with an empty disk tier", m.status().ToString());
-    rename(absl::StrCat(dir, "/", kManifestName).c_str(),
-           absl::StrCat(dir, "/", kManifestName, ".damaged").c_str());
-    manifest = Manifest{};
-  }
-  const absl::flat_hash_set<uint64_t> listed(manifest.segments.begin(), manifest.segments.end());
-  // Files the manifest does not list are what a crash left behind mid-write: never read them.
-  if (DIR* d = opendir(dir.c_str())) {
+  // What the directory holds. Only the manifest decides what is deleted: a file is never removed
+  // because metadata about it is missing.
+  absl::btree_set<uint64_t> on_disk;
+  std::vector<std::string> tmp_files;
+  {
+    DIR* d = opendir(dir.c_str());
+    if (d == nullptr) return absl::InternalError(absl::StrCat("opendir ", dir, ": ", std::strerror(errno)));
     while (dirent* ent = readdir(d)) {
       const std::string name = ent->d_name;
-      unsigned long long num = 0;
-      const bool segment = std::sscanf(name.c_str(), "seg-%llu.kvd", &num) == 1 &&
-                           absl::EndsWith(name, ".kvd") && SegmentName(num) == name;
-      if (absl::EndsWith(name, ".tmp") || (segment && !listed.contains(num))) {
-        unlink(absl::StrCat(dir, "/", name).c_str());
+      if (std::optional<uint64_t> num = ParseSegmentName(name)) {
+        on_disk.insert(*num);
+      } else if (absl::EndsWith(name, ".tmp")) {
+        tmp_files.push_back(name);
       }
     }
     closedir(d);
+  }
+  // A .tmp file is a write a crash interrupted before its rename: never part of the tier.
+  for (const std::string& name : tmp_files) {
+    spdlog::warn("tiers: deleting {}/{}: an unfinished write left by a crash", dir, name);
+    unlink(absl::StrCat(dir, "/", name).c_str());
+  }
+  Manifest manifest;
+  bool rebuilt = false;
+  if (absl::StatusOr<Manifest> m = ReadManifest(dir); m.ok()) {
+    manifest = *std::move(m);
+  } else if (absl::IsNotFound(m.status()) || absl::IsDataLoss(m.status())) {
+    // Lost or damaged: the segments carry their own checksums, so rebuild the list from them.
+    // Deletions recorded only in the manifest may be lost, so rebuilt segments contribute their
+    // prefix blocks alone (content-addressed and checksummed: reviving one is harmless).
+    rebuilt = !on_disk.empty();
+    if (absl::IsDataLoss(m.status())) {
+      const std::string kept = absl::StrCat(dir, "/", kManifestName, ".damaged");
+      rename(absl::StrCat(dir, "/", kManifestName).c_str(), kept.c_str());
+      spdlog::error("tiers: {}; kept as {}", m.status().ToString(), kept);
+    } else if (rebuilt) {
+      spdlog::error("tiers: {}/{} is missing", dir, kManifestName);
+    }
+    if (rebuilt) {
+      spdlog::warn("tiers: rebuilding the manifest from {} segment files; their objects and "
+                   "checkpoints are not restored (a deletion of them may be lost)", on_disk.size());
+    }
+    manifest = Manifest{};
+    manifest.next_segment = on_disk.empty() ? 1 : *on_disk.rbegin() + 1;
+  } else {
+    // Unreadable (permissions, I/O error): no proof of damage, so refuse to guess.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the disk tier's manifest cannot be read: ", m.status().ToString(),
+        "; fix the file's permissions or the device, or move the file away to rebuild it from the segments"));
+  }
+  const absl::flat_hash_set<uint64_t> listed(manifest.segments.begin(), manifest.segments.end());
+  // Segments to read: the listed ones, and (blocks only) those the manifest does not vouch for:
+  // every file when it was rebuilt, else files numbered past its next_segment, written by a crash
+  // before the manifest that would have listed them. Unlisted files below next_segment were
+  // evicted or replaced by a committed manifest: deleting them is the manifest's own decision.
+  struct ToLoad {
+    uint64_t num;
+    bool blocks_only;
+  };
+  std::vector<ToLoad> to_load;
+  for (uint64_t num : manifest.segments) to_load.push_back({num, false});
+  for (uint64_t num : on_disk) {
+    if (listed.contains(num)) continue;
+    if (rebuilt || num >= manifest.next_segment) {
+      if (!rebuilt) spdlog::warn("tiers: adopting {}: written but not yet in the manifest", SegmentName(num));
+      to_load.push_back({num, true});
+      manifest.next_segment = std::max(manifest.next_segment, num + 1);
+    } else {
+      spdlog::info("tiers: deleting {}: the manifest no longer lists it (evicted or replaced)", SegmentName(num));
+      unlink(absl::StrCat(dir, "/", SegmentName(num)).c_str());
+    }
   }
   absl::flat_hash_set<std::pair<uint64_t, uint64_t>> dead;
   std::vector<Tombstone> tombstones;
@@ -117,22 +168,39 @@ absl::Status TierStore::Load() {
   CacheEvent cleared;
   cleared.kind = CacheEventKind::kCleared;
   events.push_back(cleared);
-  bool rewrite = tombstones.size() != manifest.deleted.size();
+  bool rewrite = rebuilt || tombstones.size() != manifest.deleted.size() ||
+                 to_load.size() != manifest.segments.size();
   int64_t reloaded = 0;
   // Read every header section first (no lock held), so the index is sized once: re-hashing
   // entries while it grows dominated the load of a million blocks.
   struct Loaded {
-    uint64_t num;
+    ToLoad what;
     int64_t size;
     absl::StatusOr<std::vector<RecordHeader>> headers;
   };
   std::vector<Loaded> loaded;
   size_t total = 0;
-  for (uint64_t num : manifest.segments) {
-    int64_t size = 0;
-    auto headers = ReadSegmentHeaders(absl::StrCat(dir, "/", SegmentName(num)), &size);
-    if (headers.ok()) total += headers->size();
-    loaded.push_back(Loaded{num, size, std::move(headers)});
+  for (const ToLoad& t : to_load) {
+    const std::string path = absl::StrCat(dir, "/", SegmentName(t.num));
+    int64_t size = 0, truncated = 0;
+    auto headers = ReadSegmentHeaders(path, &size, &truncated);
+    if (headers.ok()) {
+      total += headers->size();
+      if (truncated > 0) {
+        spdlog::error("tiers: {} is truncated: {} records past its end are lost, {} intact ones are served",
+                      path, truncated, headers->size());
+      }
+    } else if (absl::IsDataLoss(headers.status())) {
+      const absl::Status q = Quarantine(SegmentName(t.num));
+      spdlog::error("tiers: {}; {}", headers.status().ToString(),
+                    q.ok() ? absl::StrCat("moved to ", dir, "/quarantine/") : q.ToString());
+    } else {
+      spdlog::error("tiers: {}; kept on disk and in the manifest, not served until a restart can read it",
+                    headers.status().ToString());
+      struct stat st;
+      if (stat(path.c_str(), &st) == 0) size = st.st_size;
+    }
+    loaded.push_back(Loaded{t, size, std::move(headers)});
   }
   events.reserve(total + 1);
   {
@@ -142,28 +210,34 @@ absl::Status TierStore::Load() {
     manifest_.deleted = std::move(tombstones);
     entries_.reserve(entries_.size() + total);
     for (Loaded& l : loaded) {
-      const uint64_t num = l.num;
-      const int64_t size = l.size;
+      const uint64_t num = l.what.num;
       absl::StatusOr<std::vector<RecordHeader>>& headers = l.headers;
       if (!headers.ok()) {
-        spdlog::error("tiers: segment {} is not served: {}", SegmentName(num), headers.status().ToString());
-        ++stats_.checksum_failures;
-        rewrite = true;
+        if (absl::IsDataLoss(headers.status())) {
+          ++stats_.quarantined_segments;
+        } else {
+          ++stats_.read_errors;
+          Segment& seg = segments_[num];  // listed and counted, never read or evicted this run
+          seg.file_bytes = l.size;
+          seg.unreadable = true;
+          disk_used_ += l.size;
+        }
         continue;
       }
       manifest_.next_segment = std::max(manifest_.next_segment, num + 1);
       Segment& seg = segments_[num];
-      seg.file_bytes = size;
-      disk_used_ += size;
+      seg.file_bytes = l.size;
+      disk_used_ += l.size;
       for (RecordHeader& h : *headers) {
         if (dead.contains({h.key.hi ^ num, h.key.lo}) || entries_.contains(h.key)) continue;
+        if (l.what.blocks_only && h.kind != RecordKind::kBlock) continue;
+        if (absl::Status bad = CheckLoadedLocked(h); !bad.ok()) {
+          spdlog::warn("tiers: {} record {} not served: {}", SegmentName(num), h.key.ToHex(), std::string(bad.message()));
+          ++stats_.incompatible;
+          continue;
+        }
         if (h.kind == RecordKind::kBlock) {
-          absl::StatusOr<PoolId> pool = PoolOf(h.ns.pool);
-          if (!pool.ok() || h.layout_tag != layout_tags_[*pool] ||
-              h.raw_length != pools_[*pool].block_bytes_all_shards()) {
-            ++stats_.incompatible;
-            continue;
-          }
+          const PoolGeometry& g = pools_[*PoolOf(h.ns.pool)];
           CacheEvent e;
           e.kind = CacheEventKind::kStored;
           e.pool = h.ns.pool;
@@ -171,7 +245,7 @@ absl::Status TierStore::Load() {
           e.key = h.key;
           e.has_parent = h.has_parent;
           e.parent_key = h.parent_key;
-          e.block_tokens = pools_[*pool].block_tokens;
+          e.block_tokens = g.block_tokens;
           e.tokens = h.tokens;
           e.media_keys = h.ns.media_keys;
           e.method = h.ns.method;
@@ -199,6 +273,48 @@ absl::Status TierStore::Load() {
   spdlog::info("tiers: reloaded {} records from {} segments in {:.3f}s", reloaded, segments_.size(),
                stats_.load_seconds);
   return absl::OkStatus();
+}
+
+absl::Status TierStore::Quarantine(const std::string& name) const {
+  const std::string qdir = absl::StrCat(options_.disk_dir, "/quarantine");
+  if (mkdir(qdir.c_str(), 0750) != 0 && errno != EEXIST) {
+    return absl::InternalError(absl::StrCat("mkdir ", qdir, ": ", std::strerror(errno), "; left in place"));
+  }
+  if (rename(absl::StrCat(options_.disk_dir, "/", name).c_str(), absl::StrCat(qdir, "/", name).c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("rename to ", qdir, ": ", std::strerror(errno), "; left in place"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TierStore::CheckLoadedLocked(const RecordHeader& h) const {
+  // Lengths are checked before anything is allocated from them.
+  if (h.codec == Codec::kNone && h.raw_length != h.stored_length) {
+    return absl::DataLossError("raw and stored lengths differ without a codec");
+  }
+  switch (h.kind) {
+    case RecordKind::kBlock: {
+      absl::StatusOr<PoolId> pool = PoolOf(h.ns.pool);
+      if (!pool.ok()) return absl::FailedPreconditionError(absl::StrCat("no pool '", h.ns.pool, "'"));
+      if (h.layout_tag != layout_tags_[*pool] || h.raw_length != pools_[*pool].block_bytes_all_shards()) {
+        return absl::FailedPreconditionError("its pool's layout changed");
+      }
+      return absl::OkStatus();
+    }
+    case RecordKind::kCheckpoint: {
+      absl::StatusOr<PoolId> pool = PoolOf(h.ns.pool);
+      if (!pool.ok()) return absl::FailedPreconditionError(absl::StrCat("no pool '", h.ns.pool, "'"));
+      const PoolGeometry& g = pools_[*pool];
+      const int64_t most = static_cast<int64_t>(sizeof(uint32_t)) + cache_->options().max_engine_state_bytes +
+                           g.BlocksFor(static_cast<int64_t>(h.tokens.size())) * g.block_bytes_all_shards();
+      if (h.raw_length > most) return absl::DataLossError("checkpoint length exceeds what its tokens need");
+      return absl::OkStatus();
+    }
+    case RecordKind::kObject:
+      // No object is larger than the largest gRPC message that could have carried it.
+      if (h.raw_length > std::numeric_limits<int32_t>::max()) return absl::DataLossError("object length out of range");
+      return absl::OkStatus();
+  }
+  return absl::DataLossError("unknown record kind");
 }
 
 void TierStore::FlushCheckpoints(FlushResult* result) {
@@ -430,7 +546,7 @@ absl::Status TierStore::WriteSegmentOf(std::vector<RecordHeader> headers,
       auto [it, inserted] = entries_.try_emplace(h.key);
       Entry& e = it->second;
       if (inserted) {
-        e.last_use = absl::Now();
+        e.last_use = cache_->clock()->Now();
       } else if (h.kind == RecordKind::kCheckpoint && e.header.kind == RecordKind::kCheckpoint) {
         if (e.segment != 0) TombstoneLocked(h.key, e);  // the generation moved on: replace it
       } else if (e.segment != 0 || e.header.tokens != h.tokens || e.header.kind != h.kind ||
@@ -462,10 +578,15 @@ void TierStore::TombstoneLocked(const BlockKey& key, Entry& e) {
 
 std::vector<uint64_t> TierStore::EvictSegmentsLocked(int64_t bytes) {
   std::vector<uint64_t> evicted;
-  while (!segments_.empty() && disk_used_ + bytes > options_.disk_bytes) {
-    auto victim = std::min_element(segments_.begin(), segments_.end(), [](const auto& a, const auto& b) {
-      return a.second.last_use < b.second.last_use;
-    });
+  while (disk_used_ + bytes > options_.disk_bytes) {
+    // Unreadable segments are kept for a later start to read: never evicted.
+    auto victim = segments_.end();
+    for (auto it = segments_.begin(); it != segments_.end(); ++it) {
+      if (!it->second.unreadable && (victim == segments_.end() || it->second.last_use < victim->second.last_use)) {
+        victim = it;
+      }
+    }
+    if (victim == segments_.end()) break;
     const uint64_t number = victim->first;
     disk_used_ -= victim->second.file_bytes;
     segments_.erase(victim);
@@ -548,45 +669,65 @@ FlushResult TierStore::FlushNow() {
     headers.clear();
     raws.clear();
   };
-  // 1. Demoted blocks waiting for the writer.
-  WriteSpills();
+  // What "durable" promises: every block cached when the flush began. G1 is listed first, so a
+  // block that leaves it while the flush runs (demoted by load or a gc) is looked for below.
+  std::vector<CachedBlockRef> refs = cache_->SnapshotCached();
   std::vector<RecordHeader> headers;
   std::vector<std::shared_ptr<const std::string>> raws;
-  int64_t batch_bytes = 0;
-  // 2. G2 copies not on G3 (blocks and objects).
-  std::vector<ReadSource> g2;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [key, e] : entries_) {
-      if (e.segment != 0) {
-        ++result.already_durable;
-      } else if (!e.slots.empty() || e.spill != nullptr) {
-        g2.push_back(PinForReadLocked(key, e));
+  // Writes the G2 and spill copies of the entries not on G3: every such entry, or only `keys`.
+  // Returns how many of `keys` are held by no tier at all.
+  const auto flush_held = [&](const absl::flat_hash_set<BlockKey>* keys) {
+    WriteSpills();  // demoted blocks waiting for the writer
+    std::vector<ReadSource> held;
+    int64_t missing = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      const auto visit = [&](const BlockKey& key, Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        if (e.segment != 0) {
+          ++result.already_durable;
+        } else if (!e.slots.empty() || e.spill != nullptr) {
+          held.push_back(PinForReadLocked(key, e));
+        } else {
+          ++missing;
+        }
+      };
+      if (keys == nullptr) {
+        for (auto& [key, e] : entries_) visit(key, e);
+      } else {
+        for (const BlockKey& key : *keys) {
+          auto it = entries_.find(key);
+          if (it == entries_.end()) {
+            ++missing;
+          } else {
+            visit(key, it->second);
+          }
+        }
       }
     }
-  }
-  for (const ReadSource& src : g2) {
-    auto raw = std::make_shared<std::string>(static_cast<size_t>(src.header.raw_length), '\0');
-    if (absl::Status s = ReadRaw(src, reinterpret_cast<uint8_t*>(raw->data())); !s.ok()) {
-      fail(s, 1);
-      continue;
+    int64_t batch_bytes = 0;
+    for (const ReadSource& src : held) {
+      auto raw = std::make_shared<std::string>(static_cast<size_t>(src.header.raw_length), '\0');
+      if (absl::Status s = ReadRaw(src, reinterpret_cast<uint8_t*>(raw->data())); !s.ok()) {
+        fail(s, 1);
+        continue;
+      }
+      headers.push_back(src.header);
+      raws.push_back(std::move(raw));
+      batch_bytes += src.header.raw_length;
+      if (batch_bytes >= options_.segment_bytes) {
+        write(headers, raws);
+        batch_bytes = 0;
+      }
     }
-    headers.push_back(src.header);
-    raws.push_back(std::move(raw));
-    batch_bytes += src.header.raw_length;
-    if (batch_bytes >= options_.segment_bytes) {
-      write(headers, raws);
-      batch_bytes = 0;
-    }
-  }
-  write(headers, raws);
-  batch_bytes = 0;
-  {
+    write(headers, raws);
     absl::MutexLock lock(&mu_);
-    for (const ReadSource& src : g2) UnpinLocked(src.key);
-  }
-  // 3. G1: every cached prefix block not on G3, copied out under the cache lock in batches.
-  std::vector<CachedBlockRef> refs = cache_->SnapshotCached();
+    for (const ReadSource& src : held) UnpinLocked(src.key);
+    return missing;
+  };
+  // 1. G2 copies and pending spills not on G3 (blocks and objects).
+  flush_held(nullptr);
+  if (flush_hook_for_testing_) flush_hook_for_testing_();
+  // 2. G1: every listed block not on G3, copied out under the cache lock in batches.
   {
     absl::MutexLock lock(&mu_);
     std::erase_if(refs, [&](const CachedBlockRef& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -596,12 +737,15 @@ FlushResult TierStore::FlushNow() {
       return durable;
     });
   }
+  absl::flat_hash_set<BlockKey> left_g1;  // listed, no longer in G1 when visited
   for (size_t i = 0; i < refs.size();) {
     const int64_t per_block = pools_[refs[i].pool].block_bytes_all_shards();
     const size_t n = std::max<size_t>(1, static_cast<size_t>(options_.segment_bytes / per_block));
     const size_t end = std::min(refs.size(), i + n);
     absl::Status copy_error;
+    absl::flat_hash_set<BlockKey> visited;
     cache_->VisitCached(absl::MakeConstSpan(refs).subspan(i, end - i), [&](const CachedBlockView& v) {
+      visited.insert(v.key);
       RecordHeader h = BlockHeader(v);
       auto raw = std::make_shared<std::string>(static_cast<size_t>(h.raw_length), '\0');
       absl::Status s = arena_->ReadBlock(v.pool, v.index, reinterpret_cast<uint8_t*>(raw->data()));
@@ -612,9 +756,21 @@ FlushResult TierStore::FlushNow() {
       headers.push_back(std::move(h));
       raws.push_back(std::move(raw));
     });
+    for (size_t j = i; j < end; ++j) {
+      if (!visited.contains(refs[j].key)) left_g1.insert(refs[j].key);
+    }
     if (!copy_error.ok()) fail(copy_error, 1);
     write(headers, raws);
     i = end;
+  }
+  // 3. Blocks that left G1 during the flush were demoted below it (or dropped for lack of room):
+  // write them from there, and count any that no tier holds as not durable.
+  if (!left_g1.empty()) {
+    if (const int64_t lost = flush_held(&left_g1); lost > 0) {
+      fail(absl::DataLossError(absl::StrCat(lost, " blocks cached when the flush began were dropped "
+                                            "from every tier before they could be written")),
+           lost);
+    }
   }
   FlushCheckpoints(&result);
   result.durable = result.failed_blocks == 0;

@@ -102,6 +102,8 @@ struct TierStats {
   uint64_t remote_promotions = 0;        // blocks promoted to G1 from G4 (Redis)
   uint64_t dropped = 0;                  // records dropped for lack of room in every tier
   uint64_t checksum_failures = 0;        // G3 records that failed verification (never served)
+  uint64_t read_errors = 0;              // G3 reads that failed without proof of damage (kept)
+  uint64_t quarantined_segments = 0;     // G3 segments moved to quarantine/ by the last Load
   uint64_t incompatible = 0;             // G3 records whose pool layout no longer matches
   uint64_t write_failures = 0;           // G3 segment writes that failed
   uint64_t raw_bytes_written = 0, stored_bytes_written = 0;  // compression ratio = raw / stored
