@@ -191,9 +191,9 @@ void Daemon::StartDrain() { service_->StartDraining(); }
 
 int64_t Daemon::Drain(absl::Duration timeout, const std::function<bool()>& interrupted) {
   StartDrain();
-  const absl::Time deadline = absl::Now() + timeout;
+  const absl::Time deadline = SystemClock::Get()->Now() + timeout;
   int64_t live = cache_->Report().live_requests;
-  while (live > 0 && absl::Now() < deadline) {
+  while (live > 0 && SystemClock::Get()->Now() < deadline) {
     if (interrupted && interrupted()) {
       spdlog::warn("drain interrupted: stopping with {} requests live", live);
       return live;
