@@ -236,7 +236,8 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
       root, where,
       {"listen", "side_socket", "metrics_listen", "backend", "max_message_bytes", "lease_ttl_s",
        "drain_timeout_s", "log_level", "budget_bytes", "session_ttl_s", "session_max_protected_blocks",
-       "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes", "boundary_high_watermark",
+       "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes", "checkpoint_state_bytes",
+       "max_checkpoint_state_bytes_per_worker", "boundary_high_watermark",
        "boundary_low_watermark", "event_buffer", "eviction_policy", "slru_main_fraction", "slru_ghost_fraction",
        "max_requests_per_worker", "max_bytes_per_worker", "pools", "tiers", "router_events", "tls_cert_file",
        "tls_key_file", "tls_client_ca_file", "allowed_uids", "allowed_gids", "socket_group"}));
@@ -262,6 +263,8 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(Read(root, "checkpoint_budget_bytes", &c.checkpoint_budget_bytes, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "checkpoint_ttl_s", &c.checkpoint_ttl, where));
   KVD_RETURN_IF_ERROR(Read(root, "max_engine_state_bytes", &c.max_engine_state_bytes, where));
+  KVD_RETURN_IF_ERROR(Read(root, "checkpoint_state_bytes", &c.checkpoint_state_bytes, where));
+  KVD_RETURN_IF_ERROR(Read(root, "max_checkpoint_state_bytes_per_worker", &c.max_checkpoint_state_bytes_per_worker, where));
   KVD_RETURN_IF_ERROR(Read(root, "boundary_high_watermark", &c.boundary_high_watermark, where));
   KVD_RETURN_IF_ERROR(Read(root, "boundary_low_watermark", &c.boundary_low_watermark, where));
   KVD_RETURN_IF_ERROR(Read(root, "event_buffer", &c.event_buffer, where));
@@ -323,6 +326,8 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "checkpoint_budget_bytes" << YAML::Value << c.checkpoint_budget_bytes;
   out << YAML::Key << "checkpoint_ttl_s" << YAML::Value << absl::ToDoubleSeconds(c.checkpoint_ttl);
   out << YAML::Key << "max_engine_state_bytes" << YAML::Value << c.max_engine_state_bytes;
+  out << YAML::Key << "checkpoint_state_bytes" << YAML::Value << c.checkpoint_state_bytes;
+  out << YAML::Key << "max_checkpoint_state_bytes_per_worker" << YAML::Value << c.max_checkpoint_state_bytes_per_worker;
   out << YAML::Key << "boundary_high_watermark" << YAML::Value << c.boundary_high_watermark;
   out << YAML::Key << "boundary_low_watermark" << YAML::Value << c.boundary_low_watermark;
   out << YAML::Key << "event_buffer" << YAML::Value << c.event_buffer;

@@ -38,6 +38,12 @@ struct CacheOptions {
   absl::Duration checkpoint_ttl = absl::Minutes(30);
   // Largest opaque engine state one checkpoint may carry. Default 1 MiB.
   int64_t max_engine_state_bytes = int64_t{1} << 20;
+  // Daemon memory that checkpoints may hold (engine state + tokens), in total and per worker, so
+  // that clients cannot grow the daemon past its KV budget. Past the total, the oldest orphaned
+  // checkpoints are dropped first; then Checkpoint answers RESOURCE_EXHAUSTED. Defaults 256 MiB
+  // and 0 (a quarter of the total).
+  int64_t checkpoint_state_bytes = int64_t{256} << 20;
+  int64_t max_checkpoint_state_bytes_per_worker = 0;
 
   // Boundary(): when a pool's used fraction is above `high`, trim unreferenced blocks down to `low`.
   double boundary_high_watermark = 0.90;

@@ -41,6 +41,10 @@ absl::Status CacheOptions::Validate() const {
     return absl::InvalidArgumentError("session_max_protected_blocks must be >= 0");
   }
   if (max_engine_state_bytes < 0) return absl::InvalidArgumentError("max_engine_state_bytes must be >= 0");
+  if (checkpoint_state_bytes < 0) return absl::InvalidArgumentError("checkpoint_state_bytes must be >= 0");
+  if (max_checkpoint_state_bytes_per_worker < 0) {
+    return absl::InvalidArgumentError("max_checkpoint_state_bytes_per_worker must be >= 0");
+  }
   if (!(0 < boundary_low_watermark && boundary_low_watermark <= boundary_high_watermark &&
         boundary_high_watermark <= 1)) {
     return absl::InvalidArgumentError(
@@ -161,13 +165,14 @@ absl::StatusOr<PoolId> KvCache::ValidateSpecLocked(const RequestSpec& spec) cons
   if (spec.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
   if (spec.max_new_tokens < 0) return absl::InvalidArgumentError("max_new_tokens must be >= 0");
   const PoolGeometry& g = pool_geometries_[pool];
-  const int64_t total = static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens;
-  if (total > g.max_model_len) {
+  const int64_t prompt_len = static_cast<int64_t>(spec.prompt.size());
+  // Compared before adding: a wire value near INT64_MAX must not wrap the sum.
+  if (prompt_len > g.max_model_len || spec.max_new_tokens > g.max_model_len - prompt_len) {
     return absl::OutOfRangeError(absl::StrCat("prompt (", spec.prompt.size(), ") + max_new_tokens (",
                                               spec.max_new_tokens, ") exceeds max_model_len ",
                                               g.max_model_len, " of pool '", g.name, "'"));
   }
-  const int64_t blocks = g.BlocksFor(total);
+  const int64_t blocks = g.BlocksFor(prompt_len + spec.max_new_tokens);
   if (blocks > g.capacity_blocks || ledger_.BytesOf(pool, blocks) > ledger_.budget_bytes()) {
     return absl::OutOfRangeError(absl::StrCat("request needs ", blocks, " blocks (",
                                               ledger_.BytesOf(pool, blocks),
@@ -373,6 +378,7 @@ absl::StatusOr<AcquireResult> KvCache::ResumeLocked(Request& req, CheckpointReco
   out.resumed_tokens = std::move(tokens);
   out.engine_state = std::move(ckpt.engine_state);
   orphans_.erase({ckpt.expires_at, ckpt.serial});
+  ChargeCheckpointStateLocked(ckpt, -1);
   checkpoints_.erase(ckpt.id);  // destroys `ckpt`
   counters_.resumed++;
   return out;
@@ -399,12 +405,13 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::ExtendLocked(const RequestId& i
         absl::StrCat("request '", id.value(), "' must Acquire before Extend"));
   }
   Pool& pool = *pools_[req->pool];
-  const int64_t new_tokens = req->num_tokens + additional_tokens;
-  if (new_tokens > pool.geometry.max_model_len) {
-    return absl::OutOfRangeError(absl::StrCat("request would reach ", new_tokens,
-                                              " tokens, past max_model_len ",
+  // Compared before adding: a wire value near INT64_MAX must not wrap the sum.
+  if (additional_tokens > pool.geometry.max_model_len - req->num_tokens) {
+    return absl::OutOfRangeError(absl::StrCat("request has ", req->num_tokens, " tokens; ",
+                                              additional_tokens, " more would pass max_model_len ",
                                               pool.geometry.max_model_len));
   }
+  const int64_t new_tokens = req->num_tokens + additional_tokens;
   const int64_t have = static_cast<int64_t>(req->table.size());
   const int64_t needed = std::max<int64_t>(0, pool.geometry.BlocksFor(new_tokens) - have);
   const int64_t grow = std::max<int64_t>(0, have + needed - req->reserved_blocks);

@@ -58,6 +58,9 @@ class KvCache {
   KvCache& operator=(const KvCache&) = delete;
 
   const std::vector<PoolGeometry>& pools() const { return pool_geometries_; }
+  const CacheOptions& options() const { return options_; }
+  // The clock every TTL and recency reads (the tiers below share it).
+  const Clock* clock() const { return clock_; }
   // NOT_FOUND for an unknown pool name.
   absl::StatusOr<PoolId> FindPool(absl::string_view name) const;
 
@@ -217,6 +220,12 @@ class KvCache {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OrphanCheckpointLocked(CheckpointRecord& ckpt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropCheckpointLocked(const RequestId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds (sign +1) or removes (-1) a checkpoint's state bytes from the totals.
+  void ChargeCheckpointStateLocked(const CheckpointRecord& ckpt, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Room for `bytes` more checkpoint state for `owner` (empty: no worker) when `replacing` (may be
+  // null) goes: drops the oldest orphans for the total; RESOURCE_EXHAUSTED when still short.
+  absl::Status MakeCheckpointStateRoomLocked(const WorkerId& owner, int64_t bytes,
+                                             const CheckpointRecord* replacing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // kv_cache_blocks.cc: references, allocation, eviction.
   void RefLocked(PoolId pool, BlockIndex index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -271,6 +280,8 @@ class KvCache {
   // Orphaned checkpoints, oldest first: (orphaned at, serial) -> id.
   absl::btree_map<std::pair<absl::Time, uint64_t>, RequestId> orphans_ ABSL_GUARDED_BY(mu_);
   int64_t orphan_blocks_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t checkpoint_state_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // CheckpointRecord::state_bytes, all
+  absl::flat_hash_map<WorkerId, int64_t> checkpoint_state_by_worker_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::btree_map<std::pair<absl::Time, SessionId>, bool> session_expiry_ ABSL_GUARDED_BY(mu_);
   uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 1;

@@ -170,6 +170,11 @@ absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> to
     return absl::FailedPreconditionError(
         absl::StrCat("an interrupted generation's checkpoint already uses id '", id.value(), "'"));
   }
+  const int64_t state_bytes =
+      static_cast<int64_t>(engine_state.size() + tokens.size() * sizeof(Token));
+  KVD_RETURN_IF_ERROR(MakeCheckpointStateRoomLocked(
+      req->spec.owner, state_bytes, existing != checkpoints_.end() ? existing->second.get() : nullptr));
+  existing = checkpoints_.find(id);  // making room drops orphans only, never this one
   auto rec = std::make_unique<CheckpointRecord>();
   rec->serial = req->serial;
   rec->id = id;
@@ -179,14 +184,56 @@ absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> to
   const int64_t n = pools_[req->pool]->geometry.BlocksFor(static_cast<int64_t>(tokens.size()));
   rec->blocks.assign(req->table.begin(), req->table.begin() + n);
   rec->engine_state = std::move(engine_state);
+  rec->state_bytes = state_bytes;
+  rec->owner = req->spec.owner;
   for (BlockIndex b : rec->blocks) RefLocked(req->pool, b);
   if (existing != checkpoints_.end()) DropCheckpointLocked(id);
+  ChargeCheckpointStateLocked(*rec, +1);
   checkpoints_.emplace(id, std::move(rec));
   LearnTokensLocked(*req, tokens);
   return absl::OkStatus();
 }
 
+void KvCache::ChargeCheckpointStateLocked(const CheckpointRecord& ckpt, int sign) {
+  checkpoint_state_bytes_ += sign * ckpt.state_bytes;
+  if (ckpt.owner.empty()) return;
+  int64_t& w = checkpoint_state_by_worker_[ckpt.owner];
+  w += sign * ckpt.state_bytes;
+  if (w == 0) checkpoint_state_by_worker_.erase(ckpt.owner);
+}
+
+absl::Status KvCache::MakeCheckpointStateRoomLocked(const WorkerId& owner, int64_t bytes,
+                                                    const CheckpointRecord* replacing) {
+  const int64_t freed = replacing != nullptr ? replacing->state_bytes : 0;
+  if (!owner.empty()) {
+    const int64_t per_worker = options_.max_checkpoint_state_bytes_per_worker > 0
+                                   ? options_.max_checkpoint_state_bytes_per_worker
+                                   : options_.checkpoint_state_bytes / 4;
+    auto it = checkpoint_state_by_worker_.find(owner);
+    const int64_t held = (it == checkpoint_state_by_worker_.end() ? 0 : it->second) -
+                         (replacing != nullptr && replacing->owner == owner ? freed : 0);
+    if (held + bytes > per_worker) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "worker '", owner.value(), "' holds ", held, " bytes of checkpoint state; ", bytes,
+          " more would pass max_checkpoint_state_bytes_per_worker (", per_worker, ")"));
+    }
+  }
+  while (checkpoint_state_bytes_ - freed + bytes > options_.checkpoint_state_bytes && !orphans_.empty()) {
+    DropCheckpointLocked(orphans_.begin()->second);  // oldest first
+  }
+  if (checkpoint_state_bytes_ - freed + bytes > options_.checkpoint_state_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "checkpoints hold ", checkpoint_state_bytes_, " bytes of state; ", bytes,
+        " more would pass checkpoint_state_bytes (", options_.checkpoint_state_bytes, ")"));
+  }
+  return absl::OkStatus();
+}
+
 void KvCache::OrphanCheckpointLocked(CheckpointRecord& ckpt) {
+  // No longer the worker's: its state counts only in the total from now on.
+  ChargeCheckpointStateLocked(ckpt, -1);
+  ckpt.owner = WorkerId();
+  ChargeCheckpointStateLocked(ckpt, +1);
   const int64_t charge = static_cast<int64_t>(ckpt.blocks.size());
   const int64_t charge_bytes = ledger_.BytesOf(ckpt.pool, charge);
   if (charge_bytes > options_.checkpoint_budget_bytes) {
@@ -215,6 +262,7 @@ void KvCache::DropCheckpointLocked(const RequestId& id) {
     orphans_.erase({ckpt.expires_at, ckpt.serial});
   }
   UnrefTableLocked(ckpt.pool, ckpt.blocks);
+  ChargeCheckpointStateLocked(ckpt, -1);
   checkpoints_.erase(it);
 }
 

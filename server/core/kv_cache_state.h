@@ -62,6 +62,8 @@ struct CheckpointRecord {
   std::vector<Token> tokens;
   std::vector<BlockIndex> blocks;
   std::string engine_state;
+  int64_t state_bytes = 0;      // engine_state + tokens: daemon memory charged for it
+  WorkerId owner;               // the live request's worker; empty once orphaned or restored
   bool orphaned = false;        // its request ended interrupted
   int64_t charged_blocks = 0;   // when orphaned: blocks charged to the ledger
   absl::Time expires_at;        // when orphaned

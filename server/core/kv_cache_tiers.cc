@@ -179,6 +179,11 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::RestoreCheckpoint(const Request
       if (orphan_blocks_bytes_ + charge_bytes > options_.checkpoint_budget_bytes) {
         return absl::ResourceExhaustedError("the checkpoint budget has no room for it");
       }
+      const int64_t state_bytes =
+          static_cast<int64_t>(engine_state.size() + tokens.size() * sizeof(Token));
+      if (checkpoint_state_bytes_ + state_bytes > options_.checkpoint_state_bytes) {
+        return absl::ResourceExhaustedError("checkpoint_state_bytes has no room for it");
+      }
       KVD_RETURN_IF_ERROR(ledger_.Reserve(pool_id, n));
       const uint64_t serial = next_serial_++;
       absl::StatusOr<std::vector<BlockIndex>> blocks = AllocateOwnedLocked(pool_id, n, serial);
@@ -194,6 +199,8 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::RestoreCheckpoint(const Request
       rec->tokens = std::move(tokens);
       rec->blocks = *blocks;
       rec->engine_state = std::move(engine_state);
+      rec->state_bytes = state_bytes;
+      ChargeCheckpointStateLocked(*rec, +1);
       rec->orphaned = true;
       rec->charged_blocks = n;
       rec->expires_at = clock_->Now() + options_.checkpoint_ttl;

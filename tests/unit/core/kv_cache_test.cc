@@ -1,5 +1,7 @@
 #include "server/core/kv_cache.h"
 
+#include <limits>
+
 #include <catch2/catch.hpp>
 
 #include "absl/container/flat_hash_set.h"
@@ -376,6 +378,14 @@ TEST_CASE("Bad input gets a clear status and changes nothing", "[core][cache][er
   REQUIRE(cache->Acquire(ok.id).status().code() == C::kFailedPrecondition);
   REQUIRE(cache->Extend(ok.id, -1).status().code() == C::kInvalidArgument);
   REQUIRE(cache->Extend(ok.id, 1000).status().code() == C::kOutOfRange);
+  // Sums of wire values never wrap: INT64_MAX is out of range, not "wait" or a negative length.
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  REQUIRE(cache->Admit(Spec("x", Seq(0, 9), kMax)).status().code() == C::kOutOfRange);
+  REQUIRE(cache->Admit(Spec("x", Seq(0, 9), kMax - 8)).status().code() == C::kOutOfRange);
+  REQUIRE(cache->Fits(Spec("x", Seq(0, 9), kMax)).status().code() == C::kOutOfRange);
+  REQUIRE(cache->Extend(ok.id, kMax).status().code() == C::kOutOfRange);
+  REQUIRE(cache->Extend(ok.id, kMax - 8).status().code() == C::kOutOfRange);
+  REQUIRE(cache->GetHandle(ok.id)->num_tokens == 9);
   // Publish: too many blocks, wrong blocks, short tokens, tokens past the positions, wrong tokens.
   REQUIRE(cache->Publish(ok.id, ok.prompt, {0, 1, 2, 3, 4}).status().code() == C::kInvalidArgument);
   REQUIRE(cache->Publish(ok.id, ok.prompt, {acq.blocks[1]}).status().code() == C::kInvalidArgument);
@@ -625,6 +635,43 @@ TEST_CASE("Per-worker limits refuse what would let one worker take the node", "[
   REQUIRE(cache->Extend(a.id, 8).ok());  // 4 blocks: 4 + 2 = 6, at the limit
   REQUIRE(cache->Release(b.id, true).ok());
   REQUIRE(cache->Admit(Spec("c", Seq(90, 4)))->decision == AdmitDecision::kAdmitted);
+  RequireInvariants(*cache);
+}
+
+TEST_CASE("Checkpoint state is bounded per worker and in total", "[core][cache][limits][checkpoint]") {
+  FakeClock clock;
+  auto o = SmallOptions(64);
+  o.checkpoint_state_bytes = 10'000;
+  o.max_checkpoint_state_bytes_per_worker = 6'000;
+  auto cache = MakeCache(o, &clock);
+  using C = absl::StatusCode;
+  const auto start = [&](const std::string& id, Token first, const std::string& worker) {
+    RequestSpec s = Spec(id, Seq(first, 4));
+    s.owner = WorkerId(worker);
+    Start(*cache, s);
+    return s;
+  };
+  RequestSpec a = start("a", 0, "w0"), b = start("b", 100, "w0"), c = start("c", 200, "w1");
+  REQUIRE(cache->Checkpoint(a.id, a.prompt, std::string(4'000, 'a')).ok());
+  // Per worker: w0 holds 4,016 bytes; 2,016 more would pass 6,000.
+  auto over = cache->Checkpoint(b.id, b.prompt, std::string(2'000, 'b'));
+  REQUIRE(over.code() == C::kResourceExhausted);
+  REQUIRE(over.message().find("max_checkpoint_state_bytes_per_worker") != absl::string_view::npos);
+  // Replacing a request's own checkpoint counts only the difference.
+  REQUIRE(cache->Checkpoint(a.id, a.prompt, std::string(5'000, 'a')).ok());
+  REQUIRE(cache->Checkpoint(c.id, c.prompt, std::string(4'900, 'c')).ok());
+  // In total: 5,016 + 4,916 + 116 would pass 10,000 (w1's own limit is fine).
+  RequestSpec d = start("d", 300, "w1");
+  over = cache->Checkpoint(d.id, d.prompt, std::string(100, 'd'));
+  REQUIRE(over.code() == C::kResourceExhausted);
+  REQUIRE(over.message().find("checkpoint_state_bytes") != absl::string_view::npos);
+  RequireInvariants(*cache);
+  // An orphaned checkpoint leaves its worker's share and is the first to go for room.
+  REQUIRE(cache->Release(a.id, /*completed=*/false).ok());
+  REQUIRE(cache->Report().orphaned_checkpoints == 1);
+  REQUIRE(cache->Checkpoint(d.id, d.prompt, std::string(100, 'd')).ok());
+  REQUIRE(cache->Report().orphaned_checkpoints == 0);  // a's orphan was dropped for room
+  REQUIRE(cache->Acquire(RequestId("a")).status().code() == C::kNotFound);
   RequireInvariants(*cache);
 }
 
