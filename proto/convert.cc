@@ -1,5 +1,11 @@
 #include "proto/convert.h"
 
+#include <sys/random.h>
+#include <xxhash.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
 namespace kvd {
 namespace {
 
@@ -50,6 +56,23 @@ void ToProto(const Namespace& ns, v1::Namespace* p) {
   for (const auto& m : ns.media_keys) p->add_media_keys(m);
   p->set_method(ns.method);
   p->set_cache_salt(ns.cache_salt);
+}
+
+std::string SaltFingerprint(absl::string_view salt) {
+  if (salt.empty()) return "";
+  // Keyed per process: equal salts match within one daemon's answers; nothing about a salt can be
+  // tested offline against the fingerprint.
+  static const uint64_t kKey = [] {
+    uint64_t k = 0;
+    if (getrandom(&k, sizeof(k), 0) != static_cast<ssize_t>(sizeof(k))) k = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+    return k;
+  }();
+  return absl::StrCat("fp:", absl::Hex(XXH3_64bits_withSeed(salt.data(), salt.size(), kKey), absl::kZeroPad16));
+}
+
+void ToProtoRedacted(const Namespace& ns, v1::Namespace* p) {
+  ToProto(ns, p);
+  p->set_cache_salt(SaltFingerprint(ns.cache_salt));
 }
 
 RequestSpec SpecFromProto(const v1::AdmitRequest& p) {

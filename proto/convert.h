@@ -15,6 +15,11 @@ namespace kvd {
 
 Namespace FromProto(const v1::Namespace& p);
 void ToProto(const Namespace& ns, v1::Namespace* p);
+// For answers that leave the daemon toward anyone but the request's own worker: the cache salt
+// becomes SaltFingerprint(salt), so salts never leave kvd (docs/security.md).
+void ToProtoRedacted(const Namespace& ns, v1::Namespace* p);
+// "fp:<16 hex digits>", keyed by a random per-process key; empty for an empty salt.
+std::string SaltFingerprint(absl::string_view salt);
 
 RequestSpec SpecFromProto(const v1::AdmitRequest& p);
 void ToProto(const RequestSpec& spec, v1::AdmitRequest* p);

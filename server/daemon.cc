@@ -129,12 +129,23 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   const bool unix_socket = absl::StartsWith(so.listen, "unix://");
   if (unix_socket) KVD_RETURN_IF_ERROR(EnsureParentDir(so.listen.substr(7)));
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // Reflection answers anyone who reaches the port, so it is offered only where every such peer
+  // is trusted: no allow-list (only the 0660 socket's user and group get in) . With an allow-list,
+  // only health and the Kvd service (which checks every caller) are served.
+  if (!d->access_.enabled()) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // Connections that hold descriptors without working: idle ones are closed (clients reconnect
+  // on their next call) and dead peers are found by keepalive pings.
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                             static_cast<int>(absl::ToInt64Milliseconds(so.max_connection_idle)));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 30'000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10'000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   int port = 0;
   KVD_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> creds, ServerCredentials(so, unix_socket));
-  if (unix_socket && d->access_.enabled()) {
-    // kvd accepts on the socket itself, to know each connection's peer (PeerListener).
+  if (unix_socket) {
+    // kvd accepts on the socket itself, to know each connection's peer (PeerListener): the
+    // allow-list, roles and worker ids bound to their process all need it.
     KVD_ASSIGN_OR_RETURN(d->peers_, PeerListener::Bind(so.listen.substr(7)));
     d->service_->set_access(&d->access_, d->peers_.get());
   } else {
@@ -216,12 +227,16 @@ int64_t Daemon::Drain(absl::Duration timeout, const std::function<bool()>& inter
 }
 
 Daemon::~Daemon() {
+  // Dependency order: nothing is destroyed while something that calls into it still runs.
   stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();
-  if (peers_ != nullptr) peers_.reset();
-  if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   peers_.reset();  // stop accepting first
+  if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  // Promotions, object reads and flushes finish RPCs from the store's threads: let them finish
+  // while the server lives (Shutdown has stopped new calls).
+  if (tiers_ != nullptr) tiers_->Quiesce();
   server_.reset();
+  metrics_.reset();        // the exposer reads the tiers, the events publisher and the cache
   side_.reset();
   router_events_.reset();  // stops listening to the cache
   if (tiers_ != nullptr) {

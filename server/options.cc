@@ -157,6 +157,9 @@ absl::Status Options::Validate() const {
     return absl::InvalidArgumentError("max_message_bytes must be >= 4096");
   }
   if (server.lease_ttl <= absl::ZeroDuration()) return absl::InvalidArgumentError("lease_ttl_s must be > 0");
+  if (server.max_connection_idle < absl::Seconds(1) || server.max_connection_idle > absl::Hours(24 * 20)) {
+    return absl::InvalidArgumentError("max_connection_idle_s must be between 1 and 1728000");
+  }
   if (server.drain_timeout < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("drain_timeout_s must be >= 0");
   }
@@ -234,7 +237,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   const std::string where = absl::StrCat("config ", path);
   KVD_RETURN_IF_ERROR(CheckKeys(
       root, where,
-      {"listen", "side_socket", "metrics_listen", "backend", "max_message_bytes", "lease_ttl_s",
+      {"listen", "side_socket", "metrics_listen", "backend", "max_message_bytes", "lease_ttl_s", "max_connection_idle_s",
        "drain_timeout_s", "log_level", "budget_bytes", "session_ttl_s", "session_max_protected_blocks",
        "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes", "checkpoint_state_bytes",
        "max_checkpoint_state_bytes_per_worker", "boundary_high_watermark",
@@ -249,6 +252,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(Read(root, "backend", &s.backend, where));
   KVD_RETURN_IF_ERROR(Read(root, "max_message_bytes", &s.max_message_bytes, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "lease_ttl_s", &s.lease_ttl, where));
+  KVD_RETURN_IF_ERROR(ReadSeconds(root, "max_connection_idle_s", &s.max_connection_idle, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "drain_timeout_s", &s.drain_timeout, where));
   KVD_RETURN_IF_ERROR(Read(root, "log_level", &s.log_level, where));
   KVD_RETURN_IF_ERROR(Read(root, "tls_cert_file", &s.tls_cert_file, where));
@@ -312,6 +316,7 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "backend" << YAML::Value << s.backend;
   out << YAML::Key << "max_message_bytes" << YAML::Value << s.max_message_bytes;
   out << YAML::Key << "lease_ttl_s" << YAML::Value << absl::ToDoubleSeconds(s.lease_ttl);
+  out << YAML::Key << "max_connection_idle_s" << YAML::Value << absl::ToDoubleSeconds(s.max_connection_idle);
   out << YAML::Key << "drain_timeout_s" << YAML::Value << absl::ToDoubleSeconds(s.drain_timeout);
   out << YAML::Key << "log_level" << YAML::Value << s.log_level;
   out << YAML::Key << "tls_cert_file" << YAML::Value << s.tls_cert_file;

@@ -33,6 +33,9 @@ struct ServerOptions {
   absl::Duration lease_ttl = absl::Seconds(10);
   // On SIGTERM, how long running requests may take to finish. Default 30s.
   absl::Duration drain_timeout = absl::Seconds(30);
+  // A gRPC connection with no call in flight this long is closed (its client reconnects on the
+  // next call), so idle connections cannot pin descriptors. Default 120 s.
+  absl::Duration max_connection_idle = absl::Seconds(120);
   // When set, a JSON file written once kvd serves: {"grpc": ..., "side_socket": ..., "metrics_port": N}.
   std::string ready_file;
   // spdlog level: trace, debug, info, warn, error. Default info.

@@ -22,6 +22,10 @@ struct RequestSpec {
   SessionId session;            // optional conversation id
   RequestId resume_from;        // optional: resume this interrupted generation's checkpoint
   WorkerId owner;               // the attachment holding the request (daemon-assigned)
+  // Who the per-worker limits count against: the calling process, so that attaching several
+  // times does not multiply them (daemon-assigned). Empty: the owner.
+  WorkerId principal;
+  const WorkerId& limit_key() const { return principal.empty() ? owner : principal; }
 };
 
 enum class AdmitDecision { kAdmitted, kWait };

@@ -193,7 +193,7 @@ absl::StatusOr<AdmitResult> KvCache::DecideLocked(const RequestSpec& spec, PoolI
   const PoolGeometry& g = pool_geometries_[pool];
   const int64_t blocks =
       g.BlocksFor(static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens);
-  KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(spec.owner, 1, ledger_.BytesOf(pool, blocks)));
+  KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(spec.limit_key(), 1, ledger_.BytesOf(pool, blocks)));
   AdmitResult out;
   out.projected_bytes = ledger_.BytesOf(pool, blocks);
   out.available_bytes = ledger_.budget_bytes() - ledger_.reserved_bytes();
@@ -223,7 +223,7 @@ absl::StatusOr<AdmitResult> KvCache::Admit(const RequestSpec& spec) {
       req->known_tokens = spec.prompt;
       req->admitted_at = clock_->Now();
       KVD_CHECK(ledger_.Reserve(*pool, req->reserved_blocks).ok());
-      workers_.AddUsage(spec.owner, 1, ledger_.BytesOf(*pool, req->reserved_blocks));
+      workers_.AddUsage(spec.limit_key(), 1, ledger_.BytesOf(*pool, req->reserved_blocks));
       requests_.emplace(spec.id, std::move(req));
       ++counters_.admitted;
       UpdatePressureLocked();
@@ -347,7 +347,7 @@ absl::StatusOr<AcquireResult> KvCache::ResumeLocked(Request& req, CheckpointReco
   }
   KVD_CHECK(ledger_.Reserve(req.pool, grow).ok());
   req.reserved_blocks += grow;
-  workers_.AddUsage(req.spec.owner, 0, ledger_.BytesOf(req.pool, grow));
+  workers_.AddUsage(req.spec.limit_key(), 0, ledger_.BytesOf(req.pool, grow));
   orphan_blocks_bytes_ -= ledger_.BytesOf(ckpt.pool, ckpt.charged_blocks);
 
   // The checkpoint's references pass to the request's table; its owned blocks to the request.
@@ -419,12 +419,12 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::ExtendLocked(const RequestId& i
     return absl::ResourceExhaustedError(absl::StrCat(
         "request '", id.value(), "' needs ", grow, " blocks past its reservation; the budget is full"));
   }
-  KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(req->spec.owner, 0, ledger_.BytesOf(req->pool, grow)));
+  KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(req->spec.limit_key(), 0, ledger_.BytesOf(req->pool, grow)));
   KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> owned,
                        AllocateOwnedLocked(req->pool, needed, req->serial));
   KVD_CHECK(ledger_.Reserve(req->pool, grow).ok());
   req->reserved_blocks += grow;
-  workers_.AddUsage(req->spec.owner, 0, ledger_.BytesOf(req->pool, grow));
+  workers_.AddUsage(req->spec.limit_key(), 0, ledger_.BytesOf(req->pool, grow));
   req->num_tokens = new_tokens;
   req->table.insert(req->table.end(), owned.begin(), owned.end());
   UpdatePressureLocked();
@@ -442,7 +442,7 @@ void KvCache::ReleaseLocked(Request& req, bool completed) {
   if (!req.spec.session.empty() && req.acquired) UpdateSessionLocked(req);
   UnrefTableLocked(req.pool, req.table);
   ledger_.Unreserve(req.pool, req.reserved_blocks);
-  workers_.AddUsage(req.spec.owner, -1, -ledger_.BytesOf(req.pool, req.reserved_blocks));
+  workers_.AddUsage(req.spec.limit_key(), -1, -ledger_.BytesOf(req.pool, req.reserved_blocks));
   if (own_ckpt != nullptr) OrphanCheckpointLocked(*own_ckpt);
   UpdatePressureLocked();
 }

@@ -33,8 +33,8 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
   }
   absl::flat_hash_map<WorkerId, WorkerTable::Usage> usage;
   for (const auto& [id, req] : requests_) {
-    ++usage[req->spec.owner].requests;
-    usage[req->spec.owner].reserved_bytes += ledger_.BytesOf(req->pool, req->reserved_blocks);
+    ++usage[req->spec.limit_key()].requests;
+    usage[req->spec.limit_key()].reserved_bytes += ledger_.BytesOf(req->pool, req->reserved_blocks);
   }
   if (usage.size() != workers_.all_usage().size()) return fail("per-worker usage has stale entries");
   for (const auto& [w, u] : usage) {

@@ -173,7 +173,7 @@ absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> to
   const int64_t state_bytes =
       static_cast<int64_t>(engine_state.size() + tokens.size() * sizeof(Token));
   KVD_RETURN_IF_ERROR(MakeCheckpointStateRoomLocked(
-      req->spec.owner, state_bytes, existing != checkpoints_.end() ? existing->second.get() : nullptr));
+      req->spec.limit_key(), state_bytes, existing != checkpoints_.end() ? existing->second.get() : nullptr));
   existing = checkpoints_.find(id);  // making room drops orphans only, never this one
   auto rec = std::make_unique<CheckpointRecord>();
   rec->serial = req->serial;
@@ -185,7 +185,7 @@ absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> to
   rec->blocks.assign(req->table.begin(), req->table.begin() + n);
   rec->engine_state = std::move(engine_state);
   rec->state_bytes = state_bytes;
-  rec->owner = req->spec.owner;
+  rec->owner = req->spec.limit_key();
   for (BlockIndex b : rec->blocks) RefLocked(req->pool, b);
   if (existing != checkpoints_.end()) DropCheckpointLocked(id);
   ChargeCheckpointStateLocked(*rec, +1);

@@ -26,12 +26,14 @@ AttachmentRegistry::AttachmentRegistry(const Clock* clock, absl::Duration lease_
     : clock_(clock), lease_ttl_(lease_ttl) {}
 
 AttachmentRegistry::Attached AttachmentRegistry::Register(const std::string& name, pid_t pid,
+                                                          std::string caller,
                                                           std::string event_handle) {
   absl::MutexLock lock(&mu_);
   WorkerId id(absl::StrCat("w", next_id_++, "-", pid));
   Entry& e = workers_[id];
   e.name = name;
   e.pid = pid;
+  e.caller = std::move(caller);
   e.event_handle = std::move(event_handle);
   e.slab_token = RandomToken();
   e.lease_expires = clock_->Now() + lease_ttl_;
@@ -54,11 +56,16 @@ absl::Status AttachmentRegistry::Renew(const WorkerId& id) {
   return absl::OkStatus();
 }
 
-absl::Status AttachmentRegistry::Check(const WorkerId& id) const {
+absl::Status AttachmentRegistry::Check(const WorkerId& id, const std::string& caller) const {
   absl::MutexLock lock(&mu_);
-  if (!workers_.contains(id)) {
+  auto it = workers_.find(id);
+  if (it == workers_.end()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "worker '", id.value(), "' is not attached (Attach first; a lapsed lease ends it)"));
+  }
+  if (it->second.caller != caller) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "worker '", id.value(), "' was attached by another process or connection; attach your own"));
   }
   return absl::OkStatus();
 }

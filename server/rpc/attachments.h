@@ -1,7 +1,9 @@
 // AttachmentRegistry tracks the workers attached to the daemon: who they are (id, name, pid),
 // their lease, and the one-time token that lets exactly that process fetch slab fds from the side
-// socket. Every request a worker makes names its worker id; Check() refuses ids that are not live.
-// Thread-safe.
+// socket. Every request a worker makes names its worker id; Check() refuses ids that are not live,
+// and ids that another caller attached: a worker id is bound to the caller that attached it
+// (its process on the Unix socket, its connection on TCP), so knowing an id is not enough to act
+// as that worker. Thread-safe.
 #pragma once
 
 #include <sys/types.h>
@@ -28,16 +30,18 @@ class AttachmentRegistry {
   // `clock` is borrowed and must outlive the registry.
   AttachmentRegistry(const Clock* clock, absl::Duration lease_ttl);
 
-  // Registers a worker (with its optional interprocess event handle) and issues its id and
-  // one-time slab token.
-  Attached Register(const std::string& name, pid_t pid, std::string event_handle = "")
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // Registers a worker (with its optional interprocess event handle) attached by `caller` (the
+  // key of KvdService::Caller) and issues its id and one-time slab token. `pid` is the kernel's
+  // when known (SO_PEERCRED), else the worker's own word.
+  Attached Register(const std::string& name, pid_t pid, std::string caller,
+                    std::string event_handle = "") ABSL_LOCKS_EXCLUDED(mu_);
   // The worker's interprocess event handle; empty when it registered none or is gone.
   std::string EventHandle(const WorkerId& id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Extends the lease. FAILED_PRECONDITION when the attachment is gone (e.g. its lease lapsed).
   absl::Status Renew(const WorkerId& id) ABSL_LOCKS_EXCLUDED(mu_);
-  // OK when `id` is a live attachment; FAILED_PRECONDITION otherwise.
-  absl::Status Check(const WorkerId& id) const ABSL_LOCKS_EXCLUDED(mu_);
+  // OK when `id` is a live attachment made by `caller`; FAILED_PRECONDITION when it is not live,
+  // PERMISSION_DENIED when another caller attached it.
+  absl::Status Check(const WorkerId& id, const std::string& caller) const ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets the worker. Returns false when it was not registered.
   bool Remove(const WorkerId& id) ABSL_LOCKS_EXCLUDED(mu_);
   // Removes and returns workers whose lease has lapsed.
@@ -55,6 +59,7 @@ class AttachmentRegistry {
   struct Entry {
     std::string name;
     pid_t pid = 0;
+    std::string caller;
     std::string slab_token;
     std::string event_handle;
     bool token_used = false;

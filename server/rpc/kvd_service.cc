@@ -1,11 +1,14 @@
 #include "server/rpc/kvd_service.h"
 
+#include <unistd.h>
+
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "proto/convert.h"
 #include "proto/grpc_status.h"
 #include "server/core/status_macros.h"
+#include "server/obs/log_safe.h"
 #include "server/rpc/kvd_service_unary.h"
 #include "spdlog/spdlog.h"
 
@@ -34,17 +37,38 @@ KvdService::KvdService(KvCache* cache, AttachmentRegistry* workers, const Device
       side_socket_(std::move(side_socket)),
       lease_ttl_(lease_ttl) {}
 
-absl::Status KvdService::Authorize(const grpc::CallbackServerContext* ctx) const {
-  if (policy_ == nullptr || peers_ == nullptr) return absl::OkStatus();
+absl::StatusOr<KvdService::Caller> KvdService::Identify(const grpc::CallbackServerContext* ctx) const {
+  Caller caller;
+  if (peers_ == nullptr) {
+    // TCP (or an in-process channel): whoever passed the transport's security is an operator.
+    caller.key = ctx->peer();
+    caller.role = Role::kOperator;
+    return caller;
+  }
   std::optional<PeerCredentials> peer = peers_->PeerOf(ctx->peer());
   if (!peer.has_value()) return absl::PermissionDeniedError("kvd cannot tell who is calling");
-  return policy_->Check(*peer);
+  if (policy_ != nullptr) KVD_RETURN_IF_ERROR(policy_->Check(*peer));
+  caller.key = absl::StrCat("pid:", peer->pid);
+  caller.creds = *peer;
+  caller.role = peer->uid == 0 || peer->uid == ::geteuid() ? Role::kOperator : Role::kWorker;
+  return caller;
 }
 
-absl::Status KvdService::CheckWorker(const std::string& worker_id,
+absl::Status KvdService::Authorize(const grpc::CallbackServerContext* ctx, absl::string_view method) const {
+  KVD_ASSIGN_OR_RETURN(Caller caller, Identify(ctx));
+  if (RequiredRole(method) == Role::kOperator && caller.role != Role::kOperator) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        method, " is for operators (root or kvd's own user); uid ", caller.creds ? caller.creds->uid : 0,
+        " may call the worker RPCs only"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvdService::CheckWorker(const grpc::CallbackServerContext* ctx, const std::string& worker_id,
                                      const std::string& request_id) const {
   KVD_RETURN_IF_ERROR(RequireId("worker_id", worker_id));
-  KVD_RETURN_IF_ERROR(workers_->Check(WorkerId(worker_id)));
+  KVD_ASSIGN_OR_RETURN(Caller caller, Identify(ctx));
+  KVD_RETURN_IF_ERROR(workers_->Check(WorkerId(worker_id), caller.key));
   if (request_id.empty()) return absl::OkStatus();
   return cache_->CheckOwner(RequestId(request_id), WorkerId(worker_id));
 }
@@ -88,8 +112,11 @@ grpc::ServerUnaryReactor* KvdService::Admit(grpc::CallbackServerContext* ctx,
                                             const v1::AdmitRequest* req, v1::AdmitResponse* resp) {
   return Unary(ctx, "Admit", [&]() -> absl::Status {
     if (draining()) return Draining();
-    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), ""));
-    KVD_ASSIGN_OR_RETURN(AdmitResult r, cache_->Admit(SpecFromProto(*req)));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), ""));
+    KVD_ASSIGN_OR_RETURN(Caller caller, Identify(ctx));
+    RequestSpec spec = SpecFromProto(*req);
+    spec.principal = WorkerId(caller.key);  // limits count per process, however often it attached
+    KVD_ASSIGN_OR_RETURN(AdmitResult r, cache_->Admit(spec));
     ToProto(r, resp);
     return absl::OkStatus();
   });
@@ -112,8 +139,8 @@ grpc::ServerUnaryReactor* KvdService::Acquire(grpc::CallbackServerContext* ctx,
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   bool promoting = false;
   const absl::Status status = [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(Authorize(ctx));
-    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
+    KVD_RETURN_IF_ERROR(Authorize(ctx, "Acquire"));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()));
     const RequestId id(req->request_id());
     KVD_ASSIGN_OR_RETURN(AcquireResult r, cache_->Acquire(id));
     for (const WorkerId& w : r.publishers) {
@@ -125,9 +152,17 @@ grpc::ServerUnaryReactor* KvdService::Acquire(grpc::CallbackServerContext* ctx,
     // blocks are copied into the request's table and published.
     absl::StatusOr<RequestSpec> spec = cache_->SpecOf(id);
     if (!spec.ok()) return absl::OkStatus();
-    promoting = tiers_->Promote(id, *spec, r, [this, reactor, resp, start](absl::StatusOr<int64_t> cached) {
-      if (cached.ok()) resp->set_cached_tokens(*cached);
-      FinishRpc(reactor, "Acquire", start, cached.status());
+    promoting = tiers_->Promote(id, *spec, r, [this, reactor, resp, start, id](absl::StatusOr<int64_t> cached) {
+      // The request is acquired whatever the promotion did: a failed promotion leaves it as
+      // Acquire served it from the device tier, so the answer is that (never an error that would
+      // tell the worker nothing was acquired).
+      if (cached.ok()) {
+        resp->set_cached_tokens(*cached);
+      } else {
+        spdlog::warn("promotion for request {} failed: {}; served from the device tier only",
+                     LogSafe(id.value()), LogSafe(cached.status().ToString(), 256));
+      }
+      FinishRpc(reactor, "Acquire", start, absl::OkStatus());
     });
     return absl::OkStatus();
   }();
@@ -139,7 +174,7 @@ grpc::ServerUnaryReactor* KvdService::Extend(grpc::CallbackServerContext* ctx,
                                              const v1::ExtendRequest* req,
                                              v1::ExtendResponse* resp) {
   return Unary(ctx, "Extend", [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()));
     KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> blocks,
                          cache_->Extend(RequestId(req->request_id()), req->additional_tokens()));
     resp->mutable_new_blocks()->Add(blocks.begin(), blocks.end());
@@ -152,7 +187,7 @@ grpc::ServerUnaryReactor* KvdService::PublishOrKeeps(grpc::CallbackServerContext
                                                      const v1::PublishRequest* req,
                                                      v1::PublishResponse* resp, bool dry_run) {
   return Unary(ctx, method, [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()));
     const RequestId id(req->request_id());
     const std::vector<Token> tokens = TokensFromProto(req->tokens());
     const std::vector<BlockIndex> blocks(req->blocks().begin(), req->blocks().end());
@@ -179,7 +214,7 @@ grpc::ServerUnaryReactor* KvdService::Release(grpc::CallbackServerContext* ctx,
                                               const v1::ReleaseRequest* req,
                                               v1::ReleaseResponse*) {
   return Unary(ctx, "Release", [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()));
     return cache_->Release(RequestId(req->request_id()), req->completed());
   });
 }
@@ -188,7 +223,7 @@ grpc::ServerUnaryReactor* KvdService::Checkpoint(grpc::CallbackServerContext* ct
                                                  const v1::CheckpointRequest* req,
                                                  v1::CheckpointResponse*) {
   return Unary(ctx, "Checkpoint", [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), req->request_id()));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()));
     return cache_->Checkpoint(RequestId(req->request_id()), TokensFromProto(req->tokens()),
                               req->engine_state());
   });

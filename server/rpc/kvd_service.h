@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -18,6 +19,7 @@
 #include "server/rpc/access_policy.h"
 #include "server/rpc/attachments.h"
 #include "server/rpc/peer_listener.h"
+#include "server/rpc/roles.h"
 #include "server/store/tier_store.h"
 
 namespace kvd {
@@ -34,14 +36,24 @@ class KvdService final : public v1::Kvd::CallbackService {
   // `on_drain` (set by the Daemon: health NOT_SERVING) once.
   void StartDraining();
   void set_on_drain(std::function<void()> fn) { on_drain_ = std::move(fn); }
-  // With an allow-list: every call's peer is looked up in `peers` and checked against `policy`
-  // (both borrowed). Call before serving.
+  // On the Unix socket: every call's peer is looked up in `peers` (kvd accepted the connection
+  // itself) and checked against `policy` (both borrowed). Call before serving.
   void set_access(const AccessPolicy* policy, const PeerListener* peers) {
     policy_ = policy;
     peers_ = peers;
   }
-  // OK, or PERMISSION_DENIED when the allow-list refuses the caller.
-  absl::Status Authorize(const grpc::CallbackServerContext* ctx) const;
+  // Who is calling.
+  struct Caller {
+    // Binds worker ids (AttachmentRegistry): "pid:<pid>" on the Unix socket, else the
+    // transport's peer (on TCP, one connection).
+    std::string key;
+    std::optional<PeerCredentials> creds;  // on the Unix socket
+    Role role = Role::kWorker;
+  };
+  // PERMISSION_DENIED when the allow-list refuses the caller or kvd cannot tell who it is.
+  absl::StatusOr<Caller> Identify(const grpc::CallbackServerContext* ctx) const;
+  // OK when the caller may call `method` (roles.h); PERMISSION_DENIED naming what is missing.
+  absl::Status Authorize(const grpc::CallbackServerContext* ctx, absl::string_view method) const;
   bool draining() const { return draining_.load(); }
   // A worker's attachment ended (stream closed or lease lapsed): release what it held.
   void WorkerGone(const WorkerId& worker, absl::string_view why);
@@ -149,8 +161,9 @@ class KvdService final : public v1::Kvd::CallbackService {
   grpc::ServerUnaryReactor* PublishOrKeeps(grpc::CallbackServerContext* ctx, const char* method,
                                            const v1::PublishRequest* req,
                                            v1::PublishResponse* resp, bool dry_run);
-  // The worker is attached and, when `request_id` is set, holds that request.
-  absl::Status CheckWorker(const std::string& worker_id, const std::string& request_id) const;
+  // The worker is attached by this caller and, when `request_id` is set, holds that request.
+  absl::Status CheckWorker(const grpc::CallbackServerContext* ctx, const std::string& worker_id,
+                           const std::string& request_id) const;
 
   KvCache* const cache_;
   TierStore* const tiers_;

@@ -5,6 +5,7 @@
 #include <chrono>
 
 #include "proto/grpc_status.h"
+#include "server/obs/log_safe.h"
 #include "server/rpc/kvd_service.h"
 #include "spdlog/spdlog.h"
 
@@ -16,7 +17,7 @@ inline void KvdService::FinishRpc(grpc::ServerUnaryReactor* reactor, const char*
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   metrics_->ObserveRpc(method, status.code(), seconds);
-  if (!status.ok()) spdlog::debug("{} -> {}", method, status.ToString());
+  if (!status.ok()) spdlog::debug("{} -> {}", method, LogSafe(status.ToString(), 512));
   reactor->Finish(ToGrpcStatus(status));
 }
 
@@ -24,7 +25,7 @@ template <typename Fn>
 grpc::ServerUnaryReactor* KvdService::Unary(grpc::CallbackServerContext* ctx, const char* method,
                                             Fn&& fn) {
   const auto start = std::chrono::steady_clock::now();
-  absl::Status status = Authorize(ctx);
+  absl::Status status = Authorize(ctx, method);
   if (status.ok()) status = fn();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   FinishRpc(reactor, method, start, status);

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include <grpcpp/server_posix.h>
@@ -21,8 +22,10 @@ absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Bind(const std::stri
   if (!fd.ok()) return fd.status();
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
-  return std::unique_ptr<PeerListener>(
+  auto listener = std::unique_ptr<PeerListener>(
       new PeerListener(std::move(*fd), UniqueFd(pipe_fds[0]), UniqueFd(pipe_fds[1])));
+  listener->spare_fd_ = UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  return listener;
 }
 
 PeerListener::~PeerListener() {
@@ -46,7 +49,10 @@ void PeerListener::Loop(grpc::Server* server) {
     if (fds[1].revents != 0) return;
     if ((fds[0].revents & POLLIN) == 0) continue;
     const int conn = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (conn < 0) continue;
+    if (conn < 0) {
+      if (errno == EMFILE || errno == ENFILE) ShedOneConnection();
+      continue;
+    }
     absl::StatusOr<PeerCredentials> peer = GetPeerCredentials(conn);
     if (!peer.ok()) {
       ::close(conn);
@@ -58,6 +64,23 @@ void PeerListener::Loop(grpc::Server* server) {
     }
     grpc::AddInsecureChannelFromFd(server, conn);  // gRPC owns the fd from here on
   }
+}
+
+void PeerListener::ShedOneConnection() {
+  // Out of descriptors: the pending connection would keep poll() ready and this loop spinning.
+  // Close the spare descriptor, accept the connection into it and close that (the peer sees its
+  // connection closed and may retry), then take the spare back and pause briefly.
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_shed_log_ > std::chrono::seconds(10)) {
+    spdlog::warn("grpc socket: out of file descriptors ({}); closing new connections until some "
+                 "are released (raise LimitNOFILE?)", std::strerror(errno));
+    last_shed_log_ = now;
+  }
+  ++shed_connections_;
+  spare_fd_.Reset();
+  UniqueFd(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  spare_fd_ = UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  ::poll(nullptr, 0, 10);
 }
 
 std::optional<PeerCredentials> PeerListener::PeerOf(const std::string& grpc_peer) const {

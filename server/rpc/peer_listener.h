@@ -2,9 +2,14 @@
 // each call: it reads the peer's credentials (SO_PEERCRED) at accept, then hands the connected
 // socket to the gRPC server (AddInsecureChannelFromFd), where ServerContext::peer() reads
 // "fd:<n>". KvdService looks the credentials up by that name and answers PERMISSION_DENIED to
-// peers its AccessPolicy refuses. Used when an allow-list is configured on a Unix socket.
+// peers its AccessPolicy refuses. Used on every Unix socket.
+//
+// Out of descriptors (EMFILE), accept fails and leaves the connection pending; the listener then
+// sheds it with a spare descriptor kept for the purpose (accept into it, close) and pauses 10 ms,
+// so it neither spins nor stops: it serves again as soon as descriptors are free.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -37,10 +42,14 @@ class PeerListener {
   PeerListener(UniqueFd listen_fd, UniqueFd wake_read, UniqueFd wake_write)
       : listen_fd_(std::move(listen_fd)), wake_read_(std::move(wake_read)), wake_write_(std::move(wake_write)) {}
   void Loop(grpc::Server* server);
+  void ShedOneConnection();
 
   UniqueFd listen_fd_;
   UniqueFd wake_read_;
   UniqueFd wake_write_;
+  UniqueFd spare_fd_;  // /dev/null, given up to shed a connection when out of descriptors
+  std::chrono::steady_clock::time_point last_shed_log_;  // accept thread only
+  int64_t shed_connections_ = 0;                         // accept thread only
   std::thread thread_;
   mutable absl::Mutex mu_;
   // By fd number: a number is reused only after gRPC closed the old connection, and the new

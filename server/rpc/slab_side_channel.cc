@@ -6,10 +6,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/clock.h"
 #include "spdlog/spdlog.h"
 
 namespace kvd {
@@ -43,26 +45,90 @@ SlabSideChannel::~SlabSideChannel() {
   const char b = 'x';
   (void)!::write(wake_write_.get(), &b, 1);
   if (thread_.joinable()) thread_.join();
+  Reap(/*all=*/true);
   ::unlink(path_.c_str());
+}
+
+absl::Duration SlabSideChannel::ExpireConnections() {
+  const absl::Time now = SystemClock::Get()->Now();
+  absl::Duration next = absl::InfiniteDuration();
+  absl::MutexLock lock(&mu_);
+  for (auto& c : connections_) {
+    if (c->done || c->expired) continue;
+    if (now >= c->deadline) {
+      c->expired = true;
+      ::shutdown(c->fd.get(), SHUT_RDWR);  // ends the blocked send or receive of its thread
+    } else {
+      next = std::min(next, c->deadline - now);
+    }
+  }
+  return next;
+}
+
+void SlabSideChannel::Reap(bool all) {
+  std::list<std::unique_ptr<Connection>> finished;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = connections_.begin(); it != connections_.end();) {
+      if (all && !(*it)->done) ::shutdown((*it)->fd.get(), SHUT_RDWR);
+      if (all || (*it)->done) {
+        finished.splice(finished.end(), connections_, it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& c : finished) {
+    if (c->thread.joinable()) c->thread.join();
+  }
 }
 
 void SlabSideChannel::Loop() {
   for (;;) {
+    Reap(/*all=*/false);
+    const absl::Duration next = ExpireConnections();
+    const int timeout_ms = next == absl::InfiniteDuration()
+                               ? -1
+                               : static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(absl::Ceil(next, absl::Milliseconds(1)))));
     pollfd fds[2] = {{listen_fd_.get(), POLLIN, 0}, {wake_read_.get(), POLLIN, 0}};
-    if (::poll(fds, 2, -1) < 0) {
+    const int ready = ::poll(fds, 2, timeout_ms);
+    if (ready < 0) {
       if (errno == EINTR) continue;
       spdlog::error("side socket: poll failed: {}", std::strerror(errno));
       return;
     }
     if (fds[1].revents != 0) return;
-    if (fds[0].revents & POLLIN) {
-      UniqueFd conn(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-      if (!conn.valid()) continue;
-      timeval timeout{2, 0};
-      setsockopt(conn.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
-      setsockopt(conn.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
-      Serve(conn.get());
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    UniqueFd conn(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!conn.valid()) {
+      if (errno == EMFILE || errno == ENFILE) {
+        // Out of descriptors: the pending connection stays queued; back off instead of spinning.
+        spdlog::warn("side socket: accept: {}; retrying in 100 ms", std::strerror(errno));
+        ::poll(nullptr, 0, 100);
+      }
+      continue;
     }
+    absl::MutexLock lock(&mu_);
+    if (connections_.size() >= static_cast<size_t>(kMaxConnections)) {
+      const timeval brief{0, 100'000};
+      setsockopt(conn.get(), SOL_SOCKET, SO_SNDTIMEO, &brief, sizeof(brief));
+      (void)SendMessage(conn.get(), "ERR busy: too many side-socket connections at once; retry", {});
+      continue;
+    }
+    auto c = std::make_unique<Connection>();
+    c->fd = std::move(conn);
+    c->deadline = SystemClock::Get()->Now() + kConnectionDeadline;
+    Connection* raw = c.get();
+    c->thread = std::thread([this, raw] {
+      Serve(raw->fd.get());
+      absl::MutexLock lock(&mu_);
+      if (raw->expired) {
+        spdlog::warn("side socket: a peer did not finish within {}s; its connection was closed",
+                     absl::ToInt64Seconds(kConnectionDeadline));
+      }
+      raw->done = true;
+    });
+    connections_.push_back(std::move(c));
   }
 }
 

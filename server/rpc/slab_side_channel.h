@@ -4,16 +4,25 @@
 // Protocol (messages framed by gpu/fd_passing.h): the worker sends its one-time slab token; the
 // daemon checks the peer with SO_PEERCRED (AttachmentRegistry::RedeemToken) and answers
 // "OK <n>", then n messages "<pool> <shard> <size_bytes>" each carrying one fd; or "ERR <reason>"
-// and closes. One dedicated thread; each connection has a short I/O timeout so a stalled peer
-// cannot hold it.
+// and closes.
+//
+// Threads: one accept thread, and one short-lived thread per connection, so a silent or slow
+// peer delays no one else. Each connection has a deadline (kConnectionDeadline from accept, for
+// the whole exchange, however the peer drips its bytes); the accept thread shuts down the socket
+// of a connection past it, which ends that connection's thread, and logs it. At most
+// kMaxConnections are served at once; past that a new peer gets "ERR busy" at once.
 #pragma once
 
 #include <atomic>
+#include <list>
 #include <memory>
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "gpu/device_arena.h"
 #include "gpu/unique_fd.h"
 #include "server/rpc/access_policy.h"
@@ -23,6 +32,9 @@ namespace kvd {
 
 class SlabSideChannel {
  public:
+  static constexpr absl::Duration kConnectionDeadline = absl::Seconds(5);
+  static constexpr int kMaxConnections = 64;
+
   // Listens on `path` (mode 0660). `arena`, `registry` and `policy` (may be null) are borrowed
   // and must outlive this; peers `policy` refuses get "ERR" and nothing else.
   static absl::StatusOr<std::unique_ptr<SlabSideChannel>> Start(const std::string& path,
@@ -35,8 +47,19 @@ class SlabSideChannel {
  private:
   SlabSideChannel(std::string path, UniqueFd listen_fd, UniqueFd wake_read, UniqueFd wake_write,
                   const DeviceArena* arena, AttachmentRegistry* registry, const AccessPolicy* policy);
+  struct Connection {
+    UniqueFd fd;
+    absl::Time deadline;
+    bool expired = false;  // its socket was shut down at the deadline
+    bool done = false;     // Serve returned; the thread may be joined
+    std::thread thread;
+  };
   void Loop();
   void Serve(int conn);
+  // Shuts down connections past their deadline; returns the time to the next deadline.
+  absl::Duration ExpireConnections() ABSL_LOCKS_EXCLUDED(mu_);
+  // Joins the threads of finished connections (all of them with `all`, after shutting them down).
+  void Reap(bool all) ABSL_LOCKS_EXCLUDED(mu_);
 
   std::string path_;
   UniqueFd listen_fd_;
@@ -45,7 +68,9 @@ class SlabSideChannel {
   const DeviceArena* arena_;
   AttachmentRegistry* registry_;
   const AccessPolicy* policy_;
-  std::thread thread_;
+  absl::Mutex mu_;
+  std::list<std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;  // declared last: started once everything above exists
 };
 
 }  // namespace kvd

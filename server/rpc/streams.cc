@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "proto/convert.h"
 #include "proto/grpc_status.h"
+#include "server/obs/log_safe.h"
 #include "server/rpc/kvd_service.h"
 #include "spdlog/spdlog.h"
 
@@ -19,7 +20,10 @@ namespace {
 
 class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1::AttachResponse> {
  public:
-  explicit AttachReactor(KvdService* service) : service_(service) { StartRead(&request_); }
+  AttachReactor(KvdService* service, KvdService::Caller caller)
+      : service_(service), caller_(std::move(caller)) {
+    StartRead(&request_);
+  }
 
   void OnReadDone(bool ok) override {
     absl::MutexLock lock(&mu_);
@@ -41,7 +45,20 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
         FinishLocked(ToGrpcStatus(absl::InvalidArgumentError("cuda_event_handle is longer than 64 bytes")));
         return;
       }
-      auto attached = service_->workers()->Register(hello.worker_name(), hello.pid(),
+      if (absl::Status bad = CheckWorkerName(hello.worker_name()); !bad.ok()) {
+        FinishLocked(ToGrpcStatus(bad));
+        return;
+      }
+      // The kernel's word for the pid when kvd has it: a worker cannot claim another process.
+      pid_t pid = hello.pid();
+      if (caller_.creds.has_value()) {
+        if (pid != 0 && pid != caller_.creds->pid) {
+          spdlog::warn("worker '{}' says it is pid {}, the kernel says pid {}: using the kernel's",
+                       LogSafe(hello.worker_name()), hello.pid(), caller_.creds->pid);
+        }
+        pid = caller_.creds->pid;
+      }
+      auto attached = service_->workers()->Register(hello.worker_name(), pid, caller_.key,
                                                     hello.cuda_event_handle());
       worker_ = attached.id;
       v1::Attached* a = response_.mutable_attached();
@@ -50,8 +67,8 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
       a->set_slab_token(attached.slab_token);
       a->set_lease_ttl_ms(absl::ToInt64Milliseconds(service_->lease_ttl()));
       a->set_backend(service_->arena()->backend());
-      spdlog::info("worker {} attached (name '{}', pid {})", worker_.value(), hello.worker_name(),
-                   hello.pid());
+      spdlog::info("worker {} attached (name '{}', pid {})", worker_.value(), LogSafe(hello.worker_name()),
+                   pid);
       writing_ = true;
       StartWrite(&response_);
     } else if (absl::Status renewed = service_->workers()->Renew(worker_); !renewed.ok()) {
@@ -84,7 +101,23 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
     }
   }
 
+  // Names are for people reading logs and kvdctl: bounded, printable.
+  static absl::Status CheckWorkerName(const std::string& name) {
+    constexpr size_t kMaxNameBytes = 256;
+    if (name.size() > kMaxNameBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("worker_name is ", name.size(), " bytes; at most ",
+                                                     kMaxNameBytes, " are allowed"));
+    }
+    for (unsigned char c : name) {
+      if (c < 0x20 || c == 0x7f) {
+        return absl::InvalidArgumentError("worker_name contains a control character");
+      }
+    }
+    return absl::OkStatus();
+  }
+
   KvdService* const service_;
+  const KvdService::Caller caller_;
   v1::AttachRequest request_;
   v1::AttachResponse response_;
   WorkerId worker_;  // set once, on hello
@@ -259,21 +292,22 @@ class Refused final : public Base {
 
 grpc::ServerBidiReactor<v1::AttachRequest, v1::AttachResponse>* KvdService::Attach(
     grpc::CallbackServerContext* ctx) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) {
-    return new Refused<grpc::ServerBidiReactor<v1::AttachRequest, v1::AttachResponse>>(s);
+  absl::StatusOr<Caller> caller = Identify(ctx);
+  if (!caller.ok()) {
+    return new Refused<grpc::ServerBidiReactor<v1::AttachRequest, v1::AttachResponse>>(caller.status());
   }
-  return new AttachReactor(this);
+  return new AttachReactor(this, *std::move(caller));
 }
 
 grpc::ServerWriteReactor<v1::EventBatch>* KvdService::WatchEvents(
     grpc::CallbackServerContext* ctx, const v1::WatchEventsRequest* req) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) return new Refused<grpc::ServerWriteReactor<v1::EventBatch>>(s);
+  if (absl::Status s = Authorize(ctx, "WatchEvents"); !s.ok()) return new Refused<grpc::ServerWriteReactor<v1::EventBatch>>(s);
   return new EventsReactor(cache_, req->after_sequence());
 }
 
 grpc::ServerWriteReactor<v1::PressureUpdate>* KvdService::WatchPressure(
     grpc::CallbackServerContext* ctx, const v1::WatchPressureRequest*) {
-  if (absl::Status s = Authorize(ctx); !s.ok()) return new Refused<grpc::ServerWriteReactor<v1::PressureUpdate>>(s);
+  if (absl::Status s = Authorize(ctx, "WatchPressure"); !s.ok()) return new Refused<grpc::ServerWriteReactor<v1::PressureUpdate>>(s);
   return new PressureReactor(cache_);
 }
 

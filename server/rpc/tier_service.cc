@@ -57,7 +57,7 @@ grpc::ServerUnaryReactor* KvdService::Flush(grpc::CallbackServerContext* ctx,
                                             const v1::FlushRequest*, v1::FlushResponse* resp) {
   const auto start = std::chrono::steady_clock::now();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  absl::Status s = Authorize(ctx);
+  absl::Status s = Authorize(ctx, "Flush");
   if (s.ok()) s = RequireTiers(/*disk=*/true);
   if (s.ok()) {
     s = tiers_->FlushAsync([this, reactor, resp, start](FlushResult r) {
@@ -77,7 +77,7 @@ grpc::ServerUnaryReactor* KvdService::Close(grpc::CallbackServerContext* ctx,
     resp->set_cleared_blocks(cache_->ClearCache());
     if (tiers_ != nullptr) tiers_->DropMemory();
   };
-  absl::Status s = Authorize(ctx);
+  absl::Status s = Authorize(ctx, "Close");
   if (s.ok()) s = RequireTiers(/*disk=*/false);
   if (s.ok()) {
     if (const int64_t live = cache_->Report().live_requests; live > 0) {
@@ -103,7 +103,7 @@ grpc::ServerUnaryReactor* KvdService::Prefetch(grpc::CallbackServerContext* ctx,
                                                v1::PrefetchResponse* resp) {
   return Unary(ctx, "Prefetch", [&]() -> absl::Status {
     KVD_RETURN_IF_ERROR(RequireTiers(false));
-    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), ""));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), ""));
     if (req->tokens().empty()) return absl::InvalidArgumentError("tokens are required");
     KVD_ASSIGN_OR_RETURN(PrefetchInfo info,
                          tiers_->Prefetch(FromProto(req->namespace_()), TokensFromProto(req->tokens()),
@@ -120,7 +120,7 @@ grpc::ServerUnaryReactor* KvdService::ReleasePrefetch(grpc::CallbackServerContex
                                                       v1::ReleasePrefetchResponse*) {
   return Unary(ctx, "ReleasePrefetch", [&]() -> absl::Status {
     KVD_RETURN_IF_ERROR(RequireTiers(false));
-    KVD_RETURN_IF_ERROR(CheckWorker(req->worker_id(), ""));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), ""));
     return tiers_->ReleasePrefetch(req->handle(), WorkerId(req->worker_id()));
   });
 }
@@ -138,7 +138,7 @@ grpc::ServerUnaryReactor* KvdService::StopIdleDemotion(grpc::CallbackServerConte
 grpc::ServerWriteReactor<v1::SavedPrefixBatch>* KvdService::SavedPrefixes(
     grpc::CallbackServerContext* ctx, const v1::SavedPrefixesRequest*) {
   const auto start = std::chrono::steady_clock::now();
-  absl::Status s = Authorize(ctx);
+  absl::Status s = Authorize(ctx, "SavedPrefixes");
   if (s.ok()) s = RequireTiers(/*disk=*/true);
   std::vector<v1::SavedPrefixBatch> batches;
   if (s.ok()) {
@@ -147,7 +147,7 @@ grpc::ServerWriteReactor<v1::SavedPrefixBatch>* KvdService::SavedPrefixes(
         batches.emplace_back();
       }
       v1::SavedPrefix* out = batches.back().add_prefixes();
-      ToProto(p.ns, out->mutable_namespace_());
+      ToProtoRedacted(p.ns, out->mutable_namespace_());
       out->mutable_tokens()->Add(p.tokens.begin(), p.tokens.end());
     }
   }
@@ -170,7 +170,7 @@ grpc::ServerUnaryReactor* KvdService::GetObject(grpc::CallbackServerContext* ctx
                                                 v1::GetObjectResponse* resp) {
   const auto start = std::chrono::steady_clock::now();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  absl::Status s = Authorize(ctx);
+  absl::Status s = Authorize(ctx, "GetObject");
   if (s.ok()) s = RequireTiers(false);
   if (!s.ok()) {
     FinishRpc(reactor, "GetObject", start, s);

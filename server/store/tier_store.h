@@ -114,6 +114,9 @@ class TierStore final : public EvictionSink {
 
   TierStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
   const TierOptions& options() const { return options_; }
+  // Waits until no promotion, prefetch, object read or disk write is queued or running (their
+  // callbacks have returned). The daemon calls it on shutdown before destroying the RPC server.
+  void Quiesce() ABSL_LOCKS_EXCLUDED(mu_) { WaitIdleForTesting(); }
   // Runs `hook` on the writer thread in every flush after the host tier is written and before
   // the device blocks are copied: where a concurrent eviction hurts most (tests).
   void SetFlushHookForTesting(std::function<void()> hook) { flush_hook_for_testing_ = std::move(hook); }
