@@ -254,7 +254,10 @@ int Events(Kvd::Stub& stub, bool json, uint64_t after, bool follow) {
   while (reader->Read(&batch)) {
     if (batch.resync()) {
       std::cout << (json ? "{\"resync\": true}" : "resync: events before this point are no longer buffered") << "\n";
-      if (!follow) break;
+      if (!follow) {
+        ctx.TryCancel();
+        return 0;
+      }
     }
     uint64_t last = 0;
     for (const auto& e : batch.events()) {
@@ -262,10 +265,14 @@ int Events(Kvd::Stub& stub, bool json, uint64_t after, bool follow) {
       last = e.sequence();
     }
     std::cout.flush();
-    if (!follow && last >= until) break;
+    if (!follow && last >= until) {
+      ctx.TryCancel();
+      return 0;
+    }
   }
-  ctx.TryCancel();
-  return 0;
+  // The stream ended on its own: say why unless it ended well.
+  const grpc::Status s = reader->Finish();
+  return s.ok() ? 0 : Fail(s);
 }
 
 }  // namespace

@@ -95,6 +95,17 @@ TEST_CASE("The allow-list refuses other users on gRPC and the side socket, and a
   INFO(worker.out);
   REQUIRE(worker.exit_code == 0);
   REQUIRE(JsonInt(worker.out, "mismatches") == 0);
+  // An allowed user is a worker, not an operator: what sees across tenants or changes the node is
+  // refused (every request's handle, the event stream with its tokens, gc, drain); the worker's
+  // own RPCs and the aggregate report are not.
+  for (const char* op : {"requests", "events", "gc", "drain"}) {
+    ProcessResult ctl = RunAs(KVDCTL_BINARY, {"--target=" + d.target(), op});
+    INFO(op << ": " << ctl.out);
+    REQUIRE(ctl.exit_code != 0);
+    REQUIRE(ctl.out.find("is for operators") != std::string::npos);
+  }
+  REQUIRE(RunAs(KVDCTL_BINARY, {"--target=" + d.target(), "status"}).exit_code == 0);
+  REQUIRE(RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "requests"}).exit_code == 0);  // root
 }
 
 }  // namespace

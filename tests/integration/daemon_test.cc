@@ -11,6 +11,7 @@
 #include "gpu/fd_passing.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "tests/integration/harness.h"
+#include "tests/integration/raw_attachment.h"
 
 namespace kvd {
 namespace {
@@ -29,27 +30,6 @@ std::vector<std::string> WorkerArgs(const DaemonProcess& d, std::vector<std::str
   std::vector<std::string> args = {"--target=" + d.target()};
   args.insert(args.end(), more.begin(), more.end());
   return args;
-}
-
-// An attachment made by hand over a raw stub (the client library hides these details).
-struct RawAttachment {
-  grpc::ClientContext ctx;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> stream;
-  v1::Attached attached;
-  ~RawAttachment() { ctx.TryCancel(); }
-};
-
-std::unique_ptr<RawAttachment> AttachByHand(v1::Kvd::Stub& stub, const std::string& event_handle = "") {
-  auto a = std::make_unique<RawAttachment>();
-  a->stream = stub.Attach(&a->ctx);
-  v1::AttachRequest hello;
-  hello.mutable_hello()->set_pid(getpid());
-  hello.mutable_hello()->set_cuda_event_handle(event_handle);
-  v1::AttachResponse resp;
-  REQUIRE(a->stream->Write(hello));
-  REQUIRE(a->stream->Read(&resp));
-  a->attached = resp.attached();
-  return a;
 }
 
 TEST_CASE("Two workers share a prefix through their own mappings", "[integration]") {
