@@ -1,6 +1,7 @@
 // kvd: flags, config file and environment -> Options -> Daemon; runs until SIGTERM or SIGINT,
 // then drains (new work gets UNAVAILABLE, running requests may finish) and exits 0.
 #include <signal.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -15,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "server/daemon.h"
+#include "server/store/remote_tier.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -116,7 +118,13 @@ int main(int argc, char** argv) {
   if (!tls_key.empty()) options.server.tls_key_file = tls_key;
   if (!tls_client_ca.empty()) options.server.tls_client_ca_file = tls_client_ca;
   if (host_tier_bytes >= 0) options.tiers.host_bytes = host_tier_bytes;
-  if (!redis_url.empty()) options.tiers.remote.url = redis_url;
+  if (!redis_url.empty()) {
+    options.tiers.remote.url = redis_url;
+    if (kvd::RedactUrl(redis_url) != redis_url) {
+      spdlog::warn("--redis-url carries a password, which every local user can read in /proc/{}/cmdline; "
+                   "pass it in $KVD_REDIS_PASSWORD or tiers.redis_password_file instead", getpid());
+    }
+  }
   if (!router_events.empty()) options.router_events.endpoint = router_events;
   if (!router_replay.empty()) options.router_events.replay_endpoint = router_replay;
 

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/core/status_macros.h"
 #include "server/default_paths.h"
+#include "server/store/remote_tier.h"
 
 namespace kvd {
 namespace {
@@ -74,7 +75,7 @@ absl::Status CheckKeys(const YAML::Node& node, const std::string& where,
 absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOptions* t) {
   KVD_RETURN_IF_ERROR(CheckKeys(node, where,
                                 {"host_bytes", "disk_dir", "disk_bytes", "codec", "segment_bytes",
-                                 "idle_demote_after_s", "read_threads", "flush_on_drain", "redis_url",
+                                 "idle_demote_after_s", "read_threads", "flush_on_drain", "redis_url", "redis_password_file",
                                  "redis_key_prefix", "redis_ttl_s", "redis_connect_timeout_s", "redis_timeout_s",
                                  "redis_retry_after_s", "redis_write_through", "redis_max_pending_uploads"}));
   KVD_RETURN_IF_ERROR(Read(node, "host_bytes", &t->host_bytes, where));
@@ -91,6 +92,7 @@ absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOpt
   KVD_RETURN_IF_ERROR(Read(node, "flush_on_drain", &t->flush_on_drain, where));
   RemoteTierOptions& r = t->remote;
   KVD_RETURN_IF_ERROR(Read(node, "redis_url", &r.url, where));
+  KVD_RETURN_IF_ERROR(Read(node, "redis_password_file", &r.password_file, where));
   KVD_RETURN_IF_ERROR(Read(node, "redis_key_prefix", &r.key_prefix, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(node, "redis_ttl_s", &r.ttl, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(node, "redis_connect_timeout_s", &r.connect_timeout, where));
@@ -206,7 +208,7 @@ absl::Status Options::Validate() const {
   if (g4.enabled()) {
     if (!absl::StartsWith(g4.url, "redis://") && !absl::StartsWith(g4.url, "unix:///")) {
       return absl::InvalidArgumentError(
-          absl::StrCat("tiers.redis_url must be redis://host:port[/db] or unix:///path, not '", g4.url, "'"));
+          absl::StrCat("tiers.redis_url must be redis://host:port[/db] or unix:///path, not '", RedactUrl(g4.url), "'"));
     }
     if (g4.key_prefix.empty()) return absl::InvalidArgumentError("tiers.redis_key_prefix is empty");
     if (g4.ttl < absl::Seconds(1)) return absl::InvalidArgumentError("tiers.redis_ttl_s must be >= 1");
@@ -367,7 +369,8 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "idle_demote_after_s" << YAML::Value << absl::ToDoubleSeconds(t.idle_demote_after);
   out << YAML::Key << "read_threads" << YAML::Value << t.read_threads;
   out << YAML::Key << "flush_on_drain" << YAML::Value << t.flush_on_drain;
-  out << YAML::Key << "redis_url" << YAML::Value << t.remote.url;
+  out << YAML::Key << "redis_url" << YAML::Value << RedactUrl(t.remote.url);
+  out << YAML::Key << "redis_password_file" << YAML::Value << t.remote.password_file;
   out << YAML::Key << "redis_key_prefix" << YAML::Value << t.remote.key_prefix;
   out << YAML::Key << "redis_ttl_s" << YAML::Value << absl::ToDoubleSeconds(t.remote.ttl);
   out << YAML::Key << "redis_connect_timeout_s" << YAML::Value << absl::ToDoubleSeconds(t.remote.connect_timeout);

@@ -1,5 +1,8 @@
 #include "server/store/remote_tier.h"
 
+#include <cstdlib>
+#include <fstream>
+
 #include <hiredis/hiredis.h>
 #include <sys/time.h>
 #include <xxhash.h>
@@ -21,7 +24,6 @@ struct ReplyDeleter {
 using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
 
 
-int64_t NowNs() { return absl::GetCurrentTimeNanos(); }
 
 }  // namespace
 
@@ -65,16 +67,29 @@ class RemoteTier::Connection {
   redisContext* c_;
 };
 
+std::string RedactUrl(absl::string_view url) {
+  if (!absl::StartsWith(url, "redis://")) return std::string(url);
+  const absl::string_view rest = url.substr(8);
+  const size_t at = rest.rfind('@');
+  if (at == absl::string_view::npos) return std::string(url);
+  const absl::string_view auth = rest.substr(0, at);
+  const size_t colon = auth.find(':');
+  const absl::string_view user = colon == absl::string_view::npos ? "" : auth.substr(0, colon);
+  return absl::StrCat("redis://", user, ":***@", rest.substr(at + 1));
+}
+
 absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions options) {
+  if (options.clock == nullptr) options.clock = SystemClock::Get();
   std::unique_ptr<RemoteTier> t(new RemoteTier(options));
-  const std::string& url = t->options_.url;
-  if (absl::StartsWith(url, "unix://")) {
-    t->unix_path_ = url.substr(7);
+  const std::string url = RedactUrl(t->options_.url);  // for messages; parsing reads options_.url
+  const std::string& raw = t->options_.url;
+  if (absl::StartsWith(raw, "unix://")) {
+    t->unix_path_ = raw.substr(7);
     if (t->unix_path_.empty() || t->unix_path_[0] != '/') {
       return absl::InvalidArgumentError(absl::StrCat("tiers.redis_url: want unix:///absolute/path, not '", url, "'"));
     }
-  } else if (absl::StartsWith(url, "redis://")) {
-    std::string rest = url.substr(8);
+  } else if (absl::StartsWith(raw, "redis://")) {
+    std::string rest = raw.substr(8);
     if (size_t at = rest.rfind('@'); at != std::string::npos) {
       std::string auth = rest.substr(0, at);
       rest = rest.substr(at + 1);
@@ -104,6 +119,17 @@ absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions o
     return absl::InvalidArgumentError(
         absl::StrCat("tiers.redis_url: want redis://host:port[/db] or unix:///path, not '", url, "'"));
   }
+  if (!t->options_.password_file.empty()) {
+    std::ifstream in(t->options_.password_file);
+    std::string line;
+    if (!in || !std::getline(in, line)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tiers.redis_password_file: cannot read ", t->options_.password_file));
+    }
+    t->password_ = line;
+  } else if (const char* env = std::getenv("KVD_REDIS_PASSWORD"); env != nullptr && *env != '\0') {
+    t->password_ = env;
+  }
   if (t->options_.key_prefix.empty()) return absl::InvalidArgumentError("tiers.redis_key_prefix is empty");
   if (t->options_.ttl < absl::Seconds(1)) return absl::InvalidArgumentError("tiers.redis_ttl_s must be >= 1");
   {
@@ -116,12 +142,7 @@ absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions o
 RemoteTier::RemoteTier(RemoteTierOptions options) : options_(std::move(options)) {}
 RemoteTier::~RemoteTier() = default;
 
-std::string RemoteTier::display_url() const {
-  if (password_.empty()) return options_.url;
-  const std::string where = unix_path_.empty() ? absl::StrCat(host_, ":", port_, db_ != 0 ? absl::StrCat("/", db_) : "")
-                                               : unix_path_;
-  return absl::StrCat("redis://", username_, ":***@", where);
-}
+std::string RemoteTier::display_url() const { return RedactUrl(options_.url); }
 
 std::string RemoteTier::KeyName(const Namespace& ns, const BlockKey& key) const {
   const std::string salt =
@@ -129,10 +150,10 @@ std::string RemoteTier::KeyName(const Namespace& ns, const BlockKey& key) const 
   return absl::StrCat(options_.key_prefix, ":", ns.pool, ":", salt, ":", key.ToHex());
 }
 
-bool RemoteTier::available() const { return NowNs() >= down_until_ns_.load(std::memory_order_relaxed); }
+bool RemoteTier::available() const { return absl::ToUnixNanos(options_.clock->Now()) >= down_until_ns_.load(std::memory_order_relaxed); }
 
 absl::Status RemoteTier::Fail(const std::string& what) {
-  down_until_ns_.store(NowNs() + absl::ToInt64Nanoseconds(options_.retry_after), std::memory_order_relaxed);
+  down_until_ns_.store(absl::ToUnixNanos(options_.clock->Now()) + absl::ToInt64Nanoseconds(options_.retry_after), std::memory_order_relaxed);
   absl::MutexLock lock(&mu_);
   ++stats_.errors;
   if (stats_.last_error != what) {

@@ -34,10 +34,16 @@ struct redisContext;
 
 namespace kvd {
 
+// `url` with the password of a redis://user:password@host URL replaced by "***" (any other URL
+// as it is): the only form of a Redis URL kvd prints or logs.
+std::string RedactUrl(absl::string_view url);
+
 class RemoteTier {
  public:
   // Parses the URL (INVALID_ARGUMENT naming what is wrong); connects lazily, so a server that is
   // down at start-up only makes the tier unavailable until it is back.
+  // The password comes from options.password_file, else $KVD_REDIS_PASSWORD, else the URL; no
+  // error message names it.
   static absl::StatusOr<std::unique_ptr<RemoteTier>> Open(RemoteTierOptions options);
   ~RemoteTier();
 

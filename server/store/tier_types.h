@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/time/time.h"
+#include "server/core/clock.h"
 #include "server/core/block_key.h"
 #include "server/core/cache_types.h"
 #include "server/store/codec.h"
@@ -16,7 +17,12 @@ namespace kvd {
 // G4: a Redis or Valkey server shared by daemons (remote_tier.h).
 struct RemoteTierOptions {
   // redis://[[user]:password@]host:port[/db] or unix:///path/to/redis.sock. Empty disables G4.
+  // A password in the URL is visible in /proc/<pid>/cmdline when passed as --redis-url: prefer
+  // password_file or $KVD_REDIS_PASSWORD (which override it). Every URL kvd prints or logs has
+  // its password masked (RedactUrl).
   std::string url;
+  // A file holding the password (its first line). Read at start-up.
+  std::string password_file;
   std::string key_prefix = "kvd";
   // Lifetime of a stored block, refreshed whenever a daemon stores or reuses it. Default 1 day.
   absl::Duration ttl = absl::Hours(24);
@@ -29,6 +35,8 @@ struct RemoteTierOptions {
   bool write_through = true;
   // Most blocks waiting for upload; more are dropped (counted).
   int64_t max_pending_uploads = 4096;
+  // Time for the back-off (borrowed; null: SystemClock). Tests step a FakeClock.
+  const Clock* clock = nullptr;
 
   bool enabled() const { return !url.empty(); }
 };

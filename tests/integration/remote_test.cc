@@ -209,7 +209,8 @@ TEST_CASE("Killing Redis mid-run keeps every daemon serving; the tier returns wi
 
   // The server comes back (empty): after the back-off, uploads and lookups resume.
   redis.Start();
-  absl::SleepFor(absl::Milliseconds(300));
+  WaitForMetric(a, "kvd_remote_available", 1);  // the back-off is over: the next call tries again
+  WaitForMetric(b, "kvd_remote_available", 1);
   const int64_t before = Metric(a, kUploaded);
   Work(a, "a3", 5000, 41);
   WaitForMetric(a, kUploaded, before + 10);

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/time/clock.h"
+#include "server/core/clock.h"
 #include "server/store/remote_tier.h"
 #include "tests/util/free_port.h"
 
@@ -31,6 +32,30 @@ TEST_CASE("RemoteTier URLs: redis://, unix://; anything else is INVALID_ARGUMENT
   }
 }
 
+TEST_CASE("Redis passwords never appear in messages or printed URLs", "[store][remote]") {
+  REQUIRE(RedactUrl("redis://:hunter2@cache:7000/3") == "redis://:***@cache:7000/3");
+  REQUIRE(RedactUrl("redis://ops:hunter2@cache") == "redis://ops:***@cache");
+  REQUIRE(RedactUrl("redis://hunter2@cache") == "redis://:***@cache");
+  REQUIRE(RedactUrl("redis://cache:6379") == "redis://cache:6379");
+  REQUIRE(RedactUrl("unix:///run/redis.sock") == "unix:///run/redis.sock");
+  for (const char* bad : {"redis://:hunter2@cache:99999", "redis://ops:hunter2@cache:1/x", "redis://:hunter2@"}) {
+    INFO(bad);
+    absl::StatusOr<std::unique_ptr<RemoteTier>> t = OpenUrl(bad);
+    REQUIRE(t.status().code() == absl::StatusCode::kInvalidArgument);
+    REQUIRE(t.status().message().find("hunter2") == absl::string_view::npos);
+    REQUIRE(t.status().message().find("***") != absl::string_view::npos);
+  }
+  auto t = OpenUrl("redis://:hunter2@cache:7000");
+  REQUIRE(t.ok());
+  REQUIRE((*t)->display_url() == "redis://:***@cache:7000");
+  RemoteTierOptions o;
+  o.url = "redis://cache:7000";
+  o.password_file = "/nonexistent/kvd-redis-password";
+  auto missing = RemoteTier::Open(o);
+  REQUIRE(missing.status().code() == absl::StatusCode::kInvalidArgument);
+  REQUIRE(missing.status().message().find("redis_password_file") != absl::string_view::npos);
+}
+
 TEST_CASE("RemoteTier keys name the pool and a tag of the salt, never the salt", "[store][remote]") {
   auto t = *OpenUrl("redis://127.0.0.1:6379");
   Namespace ns;
@@ -51,6 +76,8 @@ TEST_CASE("A refused connection fails fast, then the tier is skipped until retry
   REQUIRE(port > 0);
   o.url = "redis://127.0.0.1:" + std::to_string(port);
   o.retry_after = absl::Milliseconds(300);
+  FakeClock clock;
+  o.clock = &clock;
   auto t = *RemoteTier::Open(o);
   REQUIRE(t->available());
   const std::vector<std::string> keys = {"a", "b"};
@@ -70,7 +97,9 @@ TEST_CASE("A refused connection fails fast, then the tier is skipped until retry
   REQUIRE(s.errors == 1);
   REQUIRE(s.skipped == 3);
   // After it: tried again (and fails again: nothing listens).
-  absl::SleepFor(absl::Milliseconds(350));
+  clock.Advance(absl::Milliseconds(299));
+  REQUIRE_FALSE(t->available());
+  clock.Advance(absl::Milliseconds(2));
   REQUIRE(t->available());
   REQUIRE_FALSE(t->RunLength(keys).ok());
   REQUIRE(t->Stats().errors == 2);
