@@ -34,6 +34,15 @@ TEST_CASE("--backend=auto falls back to host memory with a warning and serves", 
   ProcessResult w = RunWorker({"--target=" + d.target(), "--id=a", "--prompt-range=0:9"});
   INFO(w.out);
   REQUIRE(w.exit_code == 0);
+  // Without a GPU here the fallback is said once, as a warning naming why.
+  const std::string log = d.Log();
+  INFO(log);
+#if KVD_TEST_HAVE_CUDA
+  REQUIRE(log.find("[warning] no usable GPU (") != std::string::npos);
+#else
+  REQUIRE(log.find("[warning] --backend=auto: built without CUDA; using host memory") != std::string::npos);
+#endif
+  REQUIRE((log.find("falls back to host memory") != std::string::npos || log.find("using host memory") != std::string::npos));
 }
 
 TEST_CASE("A pool sharded over several host shards keeps block indices aligned", "[integration][shards]") {

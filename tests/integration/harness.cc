@@ -68,6 +68,8 @@ TempDir::~TempDir() {
   std::filesystem::remove_all(path_, ec);
 }
 
+std::string DaemonProcess::Log() const { return ReadFile(log_path()); }
+
 DaemonProcess::DaemonProcess(const std::string& config_yaml, std::vector<std::string> extra_flags) {
   socket_ = dir_.path() + "/kvd.sock";
   side_socket_ = socket_ + ".slabs";
@@ -80,7 +82,10 @@ DaemonProcess::DaemonProcess(const std::string& config_yaml, std::vector<std::st
                                    "--ready-file=" + ready, "--log-level=warn"};
   if (!own_listen) args.push_back("--listen=unix://" + socket_);
   args.insert(args.end(), extra_flags.begin(), extra_flags.end());
-  pid_ = Spawn(KVD_BINARY, args, -1);
+  // Its log goes to a file the tests can read (Log()), not to the test's terminal.
+  const int log_fd = open(log_path().c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
+  pid_ = Spawn(KVD_BINARY, args, log_fd, /*also_stderr=*/true);
+  if (log_fd >= 0) close(log_fd);
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   while (absl::Now() < deadline) {
     const std::string json = ReadFile(ready);

@@ -37,6 +37,9 @@ class DaemonProcess {
   int metrics_port() const { return metrics_port_; }
   pid_t pid() const { return pid_; }
   const std::string& dir() const { return dir_.path(); }
+  // Everything the daemon wrote to stdout and stderr so far.
+  std::string Log() const;
+  std::string log_path() const { return dir_.path() + "/kvd.log"; }
   // Sends `signal`; with wait, returns the exit code (-signal when killed by one).
   void Signal(int signal);
   absl::StatusOr<int> WaitExit(absl::Duration timeout);

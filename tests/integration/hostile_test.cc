@@ -117,6 +117,7 @@ TEST_CASE("Idle gRPC connections are closed; descriptors run out and come back",
     if (!served) std::this_thread::sleep_for(std::chrono::milliseconds(500));
   }
   REQUIRE(served);
+  REQUIRE(d->Log().find("out of file descriptors") != std::string::npos);
   ProcessResult worker = RunWorker({"--target=" + d->target(), "--id=after", "--prompt-range=0:9"});
   INFO(worker.out);
   REQUIRE(worker.exit_code == 0);
