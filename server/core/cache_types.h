@@ -128,6 +128,7 @@ struct CacheReport {
   int64_t budget_bytes = 0;
   int64_t reserved_bytes = 0;
   int64_t checkpoint_bytes = 0;   // part of reserved_bytes pinned by orphaned checkpoints
+  int64_t checkpoint_state_bytes = 0;  // daemon memory held by checkpoints (engine state + tokens)
   uint64_t lookups = 0;
   uint64_t hit_tokens = 0;
   uint64_t miss_tokens = 0;

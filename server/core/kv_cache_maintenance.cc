@@ -310,6 +310,7 @@ CacheReport KvCache::Report() const {
   r.budget_bytes = ledger_.budget_bytes();
   r.reserved_bytes = ledger_.reserved_bytes();
   r.checkpoint_bytes = orphan_blocks_bytes_;
+  r.checkpoint_state_bytes = checkpoint_state_bytes_;
   r.live_requests = static_cast<int64_t>(requests_.size());
   r.orphaned_checkpoints = static_cast<int64_t>(orphans_.size());
   r.sessions = static_cast<int64_t>(sessions_.size());

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/core/kv_cache.h"
 #include "server/events/router_event_publisher.h"
+#include "server/obs/process_stats.h"
 #include "server/rpc/attachments.h"
 #include "server/store/tier_store.h"
 
@@ -92,6 +93,14 @@ class CacheCollector final : public prometheus::Collectable {
     }
     add(family("kvd_checkpoint_bytes", "KV bytes pinned by checkpoints awaiting resume.", MetricType::Gauge),
         r.checkpoint_bytes);
+    add(family("kvd_checkpoint_state_bytes", "Daemon memory held by checkpoints (engine state and tokens).", MetricType::Gauge),
+        r.checkpoint_state_bytes);
+    const ProcessStats proc = ReadProcessStats();
+    add(family("process_resident_memory_bytes", "Resident memory of the kvd process.", MetricType::Gauge), proc.resident_bytes);
+    add(family("process_virtual_memory_bytes", "Virtual memory of the kvd process.", MetricType::Gauge), proc.virtual_bytes);
+    add(family("process_open_fds", "Open file descriptors.", MetricType::Gauge), proc.open_fds);
+    add(family("process_max_fds", "Limit on open file descriptors.", MetricType::Gauge), proc.max_fds);
+    add(family("process_cpu_seconds_total", "User and system CPU time.", MetricType::Counter), proc.cpu_seconds);
     add(family("kvd_published_blocks_total", "Blocks kept by Publish.", MetricType::Counter), r.published_blocks);
     add(family("kvd_duplicate_blocks_total", "Published blocks dropped as duplicates.", MetricType::Counter),
         r.duplicate_blocks);
@@ -127,6 +136,8 @@ class CacheCollector final : public prometheus::Collectable {
     add(family("kvd_promoted_tokens_total", "Prompt tokens served by promotion from a lower tier.", MetricType::Counter), t.promoted_tokens);
     add(family("kvd_tier_dropped_total", "Records dropped for lack of room in every tier.", MetricType::Counter), t.dropped);
     add(family("kvd_tier_checksum_failures_total", "Stored records that failed verification (never served).", MetricType::Counter), t.checksum_failures);
+    add(family("kvd_tier_read_errors_total", "Disk-tier reads that failed without proof of damage (records kept).", MetricType::Counter), t.read_errors);
+    add(family("kvd_tier_quarantined_segments_total", "Damaged segments moved to quarantine/ at start-up.", MetricType::Counter), t.quarantined_segments);
     add(family("kvd_tier_write_failures_total", "Disk-tier writes (segments, manifest) that failed.", MetricType::Counter), t.write_failures);
     MetricFamily& flushes = family("kvd_flushes_total", "Flushes by result.", MetricType::Counter);
     add(flushes, t.flushes - t.flush_failures, {{"result", "durable"}});

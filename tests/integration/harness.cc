@@ -14,6 +14,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -66,6 +67,22 @@ TempDir::TempDir() {
 TempDir::~TempDir() {
   std::error_code ec;
   std::filesystem::remove_all(path_, ec);
+}
+
+int64_t MetricValue(const std::string& body, const std::string& series) {
+  for (absl::string_view line : absl::StrSplit(body, '\n')) {
+    if (absl::StartsWith(line, series + " ")) {
+      double v = -1;
+      (void)absl::SimpleAtod(line.substr(series.size() + 1), &v);
+      return static_cast<int64_t>(v);
+    }
+  }
+  return -1;
+}
+
+int64_t Metric(const DaemonProcess& d, const std::string& series) {
+  absl::StatusOr<std::string> body = HttpGet(d.metrics_port(), "/metrics");
+  return body.ok() ? MetricValue(*body, series) : -1;
 }
 
 std::string DaemonProcess::Log() const { return ReadFile(log_path()); }

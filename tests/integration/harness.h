@@ -89,6 +89,11 @@ bool JsonBool(const std::string& json, const std::string& key);
 
 // GET http://127.0.0.1:port/path over loopback; the body.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
+// The value of the Prometheus sample `series` (name and labels as printed) in a /metrics body;
+// -1 when absent.
+int64_t MetricValue(const std::string& body, const std::string& series);
+// The same, scraped from the daemon now.
+int64_t Metric(const DaemonProcess& d, const std::string& series);
 
 // Tokens [start, start + n).
 std::vector<Token> Range(Token start, int n);

@@ -251,6 +251,58 @@ TEST_CASE("A worker id acts only for the process that attached it", "[integratio
   victim.Kill(SIGKILL);
 }
 
+TEST_CASE("Checkpoint state cannot grow the daemon past its bounds", "[integration][hostile]") {
+  // 2 MiB per process (a quarter of 8 MiB); each request checkpoints 64 KiB of engine state.
+  DaemonProcess d(SmallPoolConfig(512, "checkpoint_state_bytes: 8388608\n"));
+  auto stub = NewStub(d);
+  auto me = AttachByHand(*stub);
+  const std::string worker = me->attached.worker_id();
+  const std::string state(64 << 10, 's');
+  int kept = 0, refused = 0;
+  for (int i = 0; i < 100; ++i) {
+    const std::string id = absl::StrCat("c", i);
+    v1::AdmitRequest admit;
+    admit.set_worker_id(worker);
+    admit.set_request_id(id);
+    admit.mutable_namespace_()->set_pool("default");
+    for (int t = 0; t < 4; ++t) admit.add_prompt(i * 10 + t);
+    {
+      grpc::ClientContext ctx;
+      v1::AdmitResponse resp;
+      REQUIRE(stub->Admit(&ctx, admit, &resp).ok());
+      REQUIRE(resp.admitted());
+    }
+    {
+      grpc::ClientContext ctx;
+      v1::AcquireRequest acq;
+      acq.set_worker_id(worker);
+      acq.set_request_id(id);
+      v1::AcquireResponse resp;
+      REQUIRE(stub->Acquire(&ctx, acq, &resp).ok());
+    }
+    grpc::ClientContext ctx;
+    v1::CheckpointRequest ck;
+    ck.set_worker_id(worker);
+    ck.set_request_id(id);
+    for (int t = 0; t < 4; ++t) ck.add_tokens(i * 10 + t);
+    ck.set_engine_state(state);
+    v1::CheckpointResponse resp;
+    const grpc::Status s = stub->Checkpoint(&ctx, ck, &resp);
+    if (s.ok()) {
+      ++kept;
+    } else {
+      REQUIRE(s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+      REQUIRE(s.error_message().find("max_checkpoint_state_bytes_per_worker") != std::string::npos);
+      ++refused;
+    }
+  }
+  REQUIRE(kept == 31);  // 31 x (64 KiB + 16 B) fits 2 MiB; the 32nd would not
+  REQUIRE(refused == 69);
+  REQUIRE(Metric(d, "kvd_checkpoint_state_bytes") == 31 * ((64 << 10) + 16));
+  REQUIRE(Metric(d, "process_resident_memory_bytes") > 0);
+  REQUIRE(Metric(d, "process_open_fds") > 0);
+}
+
 TEST_CASE("Worker names are bounded and printable", "[integration][hostile]") {
   DaemonProcess d(SmallPoolConfig());
   auto stub = NewStub(d);

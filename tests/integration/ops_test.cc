@@ -195,17 +195,6 @@ TEST_CASE("kvdctl reports what the daemon holds, as tables and as JSON", "[integ
   REQUIRE(unreachable.exit_code == 1);
 }
 
-int64_t Metric(const std::string& body, const std::string& line_prefix) {
-  for (absl::string_view line : absl::StrSplit(body, '\n')) {
-    if (absl::StartsWith(line, line_prefix + " ")) {
-      double v = -1;
-      (void)absl::SimpleAtod(line.substr(line_prefix.size() + 1), &v);
-      return static_cast<int64_t>(v);
-    }
-  }
-  return -1;
-}
-
 TEST_CASE("Metric counters match a scripted workload exactly", "[integration][ops]") {
   DaemonProcess d(SmallPoolConfig(64));
   const std::string t = "--target=" + d.target();
@@ -219,19 +208,19 @@ TEST_CASE("Metric counters match a scripted workload exactly", "[integration][op
   auto body = HttpGet(d.metrics_port(), "/metrics");
   REQUIRE(body.ok());
   INFO(*body);
-  REQUIRE(Metric(*body, "kvd_lookups_total") == 3);
-  REQUIRE(Metric(*body, "kvd_hit_tokens_total") == 8);
-  REQUIRE(Metric(*body, "kvd_miss_tokens_total") == 10 + 5 + 5);
-  REQUIRE(Metric(*body, "kvd_published_blocks_total") == 5);
-  REQUIRE(Metric(*body, "kvd_admissions_total{result=\"admitted\"}") == 3);
-  REQUIRE(Metric(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Acquire\"}") == 3);
-  REQUIRE(Metric(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Extend\"}") == 2);
-  REQUIRE(Metric(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Release\"}") == 3);
-  REQUIRE(Metric(*body, "kvd_blocks{pool=\"default\",state=\"cached_evictable\"}") == 5);
-  REQUIRE(Metric(*body, "kvd_blocks{pool=\"default\",state=\"free\"}") == 59);
-  REQUIRE(Metric(*body, "kvd_bytes{pool=\"default\",tier=\"device\",state=\"cached\"}") == 5 * 128);
-  REQUIRE(Metric(*body, "kvd_live_requests") == 0);
-  REQUIRE(Metric(*body, "kvd_build_info{backend=\"host\",version=\"" KVD_VERSION "\"}") == 1);
+  REQUIRE(MetricValue(*body, "kvd_lookups_total") == 3);
+  REQUIRE(MetricValue(*body, "kvd_hit_tokens_total") == 8);
+  REQUIRE(MetricValue(*body, "kvd_miss_tokens_total") == 10 + 5 + 5);
+  REQUIRE(MetricValue(*body, "kvd_published_blocks_total") == 5);
+  REQUIRE(MetricValue(*body, "kvd_admissions_total{result=\"admitted\"}") == 3);
+  REQUIRE(MetricValue(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Acquire\"}") == 3);
+  REQUIRE(MetricValue(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Extend\"}") == 2);
+  REQUIRE(MetricValue(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Release\"}") == 3);
+  REQUIRE(MetricValue(*body, "kvd_blocks{pool=\"default\",state=\"cached_evictable\"}") == 5);
+  REQUIRE(MetricValue(*body, "kvd_blocks{pool=\"default\",state=\"free\"}") == 59);
+  REQUIRE(MetricValue(*body, "kvd_bytes{pool=\"default\",tier=\"device\",state=\"cached\"}") == 5 * 128);
+  REQUIRE(MetricValue(*body, "kvd_live_requests") == 0);
+  REQUIRE(MetricValue(*body, "kvd_build_info{backend=\"host\",version=\"" KVD_VERSION "\"}") == 1);
 }
 
 }  // namespace

@@ -77,19 +77,6 @@ std::string Config(const std::string& redis_url, const std::string& disk_dir) {
 }
 
 // The value of the first metric line starting with `series` (name plus labels), or -1.
-int64_t Metric(const DaemonProcess& d, const std::string& series) {
-  absl::StatusOr<std::string> body = HttpGet(d.metrics_port(), "/metrics");
-  REQUIRE(body.ok());
-  for (absl::string_view line : absl::StrSplit(*body, '\n')) {
-    if (absl::StartsWith(line, series + " ")) {
-      double v = -1;
-      (void)absl::SimpleAtod(line.substr(series.size() + 1), &v);
-      return static_cast<int64_t>(v);
-    }
-  }
-  return -1;
-}
-
 void WaitForMetric(const DaemonProcess& d, const std::string& series, int64_t at_least) {
   for (int i = 0; i < 400 && Metric(d, series) < at_least; ++i) absl::SleepFor(absl::Milliseconds(10));
   REQUIRE(Metric(d, series) >= at_least);

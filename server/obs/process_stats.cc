@@ -1,0 +1,46 @@
+#include "server/obs/process_stats.h"
+
+#include <dirent.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace kvd {
+
+ProcessStats ReadProcessStats() {
+  ProcessStats s;
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  if (std::ifstream statm("/proc/self/statm"); statm) {
+    int64_t size = 0, resident = 0;
+    statm >> size >> resident;
+    s.virtual_bytes = size * page;
+    s.resident_bytes = resident * page;
+  }
+  if (std::ifstream stat("/proc/self/stat"); stat) {
+    std::string line;
+    std::getline(stat, line);
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    std::istringstream rest(line.substr(line.rfind(')') + 2));
+    std::string field;
+    unsigned long long utime = 0, stime = 0;
+    for (int i = 3; i <= 15 && rest >> field; ++i) {
+      if (i == 14) utime = std::stoull(field);
+      if (i == 15) stime = std::stoull(field);
+    }
+    s.cpu_seconds = static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+  }
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (dirent* e = readdir(d)) {
+      if (e->d_name[0] != '.') ++s.open_fds;
+    }
+    closedir(d);
+    --s.open_fds;  // the directory's own descriptor
+  }
+  if (rlimit r{}; getrlimit(RLIMIT_NOFILE, &r) == 0) s.max_fds = static_cast<int64_t>(r.rlim_cur);
+  return s;
+}
+
+}  // namespace kvd

@@ -1,0 +1,20 @@
+// What the daemon's own process uses, read from /proc/self at scrape time: the standard
+// Prometheus process_* metrics, so that memory kvd holds outside the KV budget is visible.
+#pragma once
+
+#include <cstdint>
+
+namespace kvd {
+
+struct ProcessStats {
+  int64_t resident_bytes = 0;
+  int64_t virtual_bytes = 0;
+  int64_t open_fds = 0;
+  int64_t max_fds = 0;
+  double cpu_seconds = 0;
+};
+
+// Fields that cannot be read stay 0.
+ProcessStats ReadProcessStats();
+
+}  // namespace kvd
