@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 
+#include <grpcpp/create_channel.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
@@ -22,6 +23,7 @@
 #include "gpu/cuda_arena.h"
 #endif
 #include "server/core/status_macros.h"
+#include "server/rpc/access_interceptor.h"
 #include "spdlog/spdlog.h"
 
 namespace kvd {
@@ -129,10 +131,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   const bool unix_socket = absl::StartsWith(so.listen, "unix://");
   if (unix_socket) KVD_RETURN_IF_ERROR(EnsureParentDir(so.listen.substr(7)));
   grpc::EnableDefaultHealthCheckService(true);
-  // Reflection answers anyone who reaches the port, so it is offered only where every such peer
-  // is trusted: no allow-list (only the 0660 socket's user and group get in) . With an allow-list,
-  // only health and the Kvd service (which checks every caller) are served.
-  if (!d->access_.enabled()) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   // Connections that hold descriptors without working: idle ones are closed (clients reconnect
   // on their next call) and dead peers are found by keepalive pings.
@@ -154,6 +153,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(so.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(so.max_message_bytes));
   builder.RegisterService(d->service_.get());
+  // Reflection answers only peers the allow-list admits; health answers everyone (probes).
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<AccessInterceptorFactory>(d->service_.get()));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   // Create the socket file without world access from the start (no window before
   // the chmod below); umask is process-wide, and nothing else creates files during start-up.
   const mode_t old_umask = ::umask(0117);
@@ -196,6 +199,20 @@ void Daemon::ReapLapsedLeases() {
       tiers_->DemoteIdle();
     }
   }
+}
+
+absl::Status Daemon::Probe(absl::Duration timeout) const {
+  (void)cache_->Report();
+  if (!absl::StartsWith(options_.server.listen, "unix://")) return absl::OkStatus();
+  auto stub = v1::Kvd::NewStub(grpc::CreateChannel(options_.server.listen, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout));
+  v1::PingResponse resp;
+  const grpc::Status s = stub->Ping(&ctx, v1::PingRequest(), &resp);
+  if (!s.ok()) {
+    return absl::UnavailableError(absl::StrCat("Ping through ", options_.server.listen, " failed: ", s.error_message()));
+  }
+  return absl::OkStatus();
 }
 
 void Daemon::StartDrain() { service_->StartDraining(); }

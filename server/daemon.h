@@ -41,6 +41,10 @@ class Daemon {
   int64_t Drain(absl::Duration timeout, const std::function<bool()>& interrupted = nullptr);
 
   const Options& options() const { return options_; }
+  // Whether kvd still works, for the systemd watchdog: the engine answers (this blocks while its
+  // lock is wedged, which is the point: no answer, no watchdog ping) and, on a Unix socket, a
+  // Ping through the real listener succeeds within `timeout`. UNAVAILABLE naming what failed.
+  absl::Status Probe(absl::Duration timeout) const;
   const std::string& grpc_address() const { return options_.server.listen; }
   const std::string& side_socket() const { return options_.server.side_socket; }
   int metrics_port() const { return metrics_->port(); }

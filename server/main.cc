@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <thread>
 
 #include <CLI/CLI.hpp>
 #if KVD_HAVE_SYSTEMD
@@ -15,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "server/daemon.h"
 #include "server/store/remote_tier.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
@@ -29,6 +31,15 @@ void NotifySystemd(const char* state) {
 #else
   (void)state;
 #endif
+}
+
+// A third of the systemd watchdog's interval (WATCHDOG_USEC), or zero when it is off.
+absl::Duration WatchdogPeriod() {
+#if KVD_HAVE_SYSTEMD
+  uint64_t usec = 0;
+  if (sd_watchdog_enabled(0, &usec) > 0 && usec > 0) return absl::Microseconds(static_cast<int64_t>(usec / 3));
+#endif
+  return absl::ZeroDuration();
 }
 
 void WriteReadyFile(const std::string& path, const kvd::Daemon& d) {
@@ -163,6 +174,26 @@ int main(int argc, char** argv) {
   if (!options.server.ready_file.empty()) WriteReadyFile(options.server.ready_file, **daemon);
 
   NotifySystemd("READY=1");
+  // With WatchdogSec= in the unit, systemd restarts kvd unless it hears WATCHDOG=1 in time: sent
+  // only while the engine answers and the listener serves a Ping (Daemon::Probe).
+  absl::Notification stop_watchdog;
+  std::thread watchdog;
+  if (absl::Duration period = WatchdogPeriod(); period > absl::ZeroDuration()) {
+    watchdog = std::thread([&stop_watchdog, period, d = daemon->get()] {
+      bool failing = false;
+      do {
+        if (absl::Status s = d->Probe(period); s.ok()) {
+          NotifySystemd("WATCHDOG=1");
+          if (failing) spdlog::info("watchdog: kvd answers again");
+          failing = false;
+        } else if (!failing) {
+          spdlog::error("watchdog: {}; not telling systemd kvd is alive (it restarts kvd after WatchdogSec)",
+                        s.ToString());
+          failing = true;
+        }
+      } while (!stop_watchdog.WaitForNotificationWithTimeout(period));
+    });
+  }
 
   int sig = 0;
   sigwait(&signals, &sig);
@@ -173,6 +204,8 @@ int main(int argc, char** argv) {
     timespec zero{0, 0};
     return sigtimedwait(&signals, nullptr, &zero) > 0;
   });
+  stop_watchdog.Notify();
+  if (watchdog.joinable()) watchdog.join();
   daemon->reset();
   spdlog::info("kvd stopped");
   return 0;

@@ -37,15 +37,15 @@ KvdService::KvdService(KvCache* cache, AttachmentRegistry* workers, const Device
       side_socket_(std::move(side_socket)),
       lease_ttl_(lease_ttl) {}
 
-absl::StatusOr<KvdService::Caller> KvdService::Identify(const grpc::CallbackServerContext* ctx) const {
+absl::StatusOr<KvdService::Caller> KvdService::Identify(const std::string& grpc_peer) const {
   Caller caller;
   if (peers_ == nullptr) {
     // TCP (or an in-process channel): whoever passed the transport's security is an operator.
-    caller.key = ctx->peer();
+    caller.key = grpc_peer;
     caller.role = Role::kOperator;
     return caller;
   }
-  std::optional<PeerCredentials> peer = peers_->PeerOf(ctx->peer());
+  std::optional<PeerCredentials> peer = peers_->PeerOf(grpc_peer);
   if (!peer.has_value()) return absl::PermissionDeniedError("kvd cannot tell who is calling");
   if (policy_ != nullptr) KVD_RETURN_IF_ERROR(policy_->Check(*peer));
   caller.key = absl::StrCat("pid:", peer->pid);

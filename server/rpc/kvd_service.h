@@ -51,7 +51,9 @@ class KvdService final : public v1::Kvd::CallbackService {
     Role role = Role::kWorker;
   };
   // PERMISSION_DENIED when the allow-list refuses the caller or kvd cannot tell who it is.
-  absl::StatusOr<Caller> Identify(const grpc::CallbackServerContext* ctx) const;
+  absl::StatusOr<Caller> Identify(const grpc::CallbackServerContext* ctx) const { return Identify(ctx->peer()); }
+  // The same from ServerContext::peer() (for services other than Kvd: reflection).
+  absl::StatusOr<Caller> Identify(const std::string& grpc_peer) const;
   // OK when the caller may call `method` (roles.h); PERMISSION_DENIED naming what is missing.
   absl::Status Authorize(const grpc::CallbackServerContext* ctx, absl::string_view method) const;
   bool draining() const { return draining_.load(); }

@@ -79,6 +79,21 @@ TEST_CASE("The allow-list refuses other users on gRPC and the side socket, and a
     INFO(side.out);
     REQUIRE(side.out.find("ERR") != std::string::npos);
     REQUIRE(side.out.find("not in kvd") != std::string::npos);
+    // gRPC's own services: reflection is cancelled for the refused peer, health answers it
+    // (probes). Raw bytes: a ServerReflectionRequest{list_services: ""} and an empty request.
+    ProcessResult grpc_services = RunAs("/usr/bin/python3", {"-c",
+        "import grpc,sys\n"
+        "ch=grpc.insecure_channel(sys.argv[1])\n"
+        "try:\n"
+        "  r=list(ch.stream_stream('/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo')(iter([b'\\x3a\\x00']),timeout=10))\n"
+        "  print('REFLECTION answered', len(r))\n"
+        "except grpc.RpcError as e:\n"
+        "  print('REFLECTION', e.code().name)\n"
+        "ch.unary_unary('/grpc.health.v1.Health/Check')(b'',timeout=10)\n"
+        "print('HEALTH OK')\n", d.target()});
+    INFO(grpc_services.out);
+    REQUIRE(grpc_services.out.find("REFLECTION CANCELLED") != std::string::npos);
+    REQUIRE(grpc_services.out.find("HEALTH OK") != std::string::npos);
     // Root still gets through.
     REQUIRE(RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "status"}).exit_code == 0);
   }

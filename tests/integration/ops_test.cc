@@ -1,5 +1,7 @@
 // Operations: health, reflection, configuration errors, --print-config, kvdctl, exact metrics.
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
 #include <filesystem>
 #include <fstream>
@@ -14,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
+#include "gpu/unique_fd.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvd/v1/kvd.pb.h"
 #include "reflection.grpc.pb.h"
@@ -76,6 +79,44 @@ TEST_CASE("Server reflection lists the kvd service", "[integration][ops]") {
   REQUIRE(std::find(names.begin(), names.end(), "kvd.v1.Kvd") != names.end());
   stream->WritesDone();
   stream->Finish();
+}
+
+TEST_CASE("The systemd watchdog hears from kvd while it serves, and not once its socket is gone",
+          "[integration][ops]") {
+  TempDir dir;
+  const std::string notify = dir.path() + "/notify";
+  auto sock = UniqueFd(socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", notify.c_str());
+  REQUIRE(bind(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  const timeval tv{0, 100'000};
+  setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  // What systemd would set: notifications go to our socket; a watchdog of 0.6 s (kvd probes and
+  // pings every 0.2 s).
+  setenv("NOTIFY_SOCKET", notify.c_str(), 1);
+  setenv("WATCHDOG_USEC", "600000", 1);
+  DaemonProcess d(SmallPoolConfig());
+  unsetenv("NOTIFY_SOCKET");
+  unsetenv("WATCHDOG_USEC");
+  // Counts WATCHDOG=1 messages received within `window`.
+  const auto pings = [&](absl::Duration window) {
+    int n = 0;
+    const absl::Time end = absl::Now() + window;
+    char buf[512];
+    while (absl::Now() < end) {
+      const ssize_t got = recv(sock.get(), buf, sizeof(buf) - 1, 0);
+      if (got > 0 && std::string(buf, static_cast<size_t>(got)).find("WATCHDOG=1") != std::string::npos) ++n;
+    }
+    return n;
+  };
+  REQUIRE(pings(absl::Seconds(3)) >= 2);
+  // An operator's slip: the socket file is deleted. kvd can no longer be reached; the watchdog
+  // must stop hearing from it (systemd would restart it) and the log says why.
+  REQUIRE(std::filesystem::remove(d.target().substr(7)));
+  pings(absl::Seconds(2));  // probes already under way may still succeed
+  REQUIRE(pings(absl::Seconds(2)) == 0);
+  REQUIRE(d.Log().find("watchdog: UNAVAILABLE") != std::string::npos);
 }
 
 TEST_CASE("Every configuration error exits non-zero naming the field", "[integration][ops]") {
