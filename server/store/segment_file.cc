@@ -45,10 +45,10 @@ T Load(const char* p) {
   return v;
 }
 
-absl::Status WriteAll(int fd, absl::string_view data, const std::string& path) {
+absl::Status WriteAll(FileSystem* fs, int fd, absl::string_view data, const std::string& path) {
   size_t done = 0;
   while (done < data.size()) {
-    const ssize_t n = write(fd, data.data() + done, data.size() - done);
+    const ssize_t n = fs->Write(fd, data.data() + done, data.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return Errno(absl::StrCat("write ", path), errno);
     done += static_cast<size_t>(n);
@@ -56,10 +56,10 @@ absl::Status WriteAll(int fd, absl::string_view data, const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::Status PreadAll(int fd, char* out, size_t size, int64_t offset, const std::string& path) {
+absl::Status PreadAll(FileSystem* fs, int fd, char* out, size_t size, int64_t offset, const std::string& path) {
   size_t done = 0;
   while (done < size) {
-    const ssize_t n = pread(fd, out + done, size - done, offset + static_cast<int64_t>(done));
+    const ssize_t n = fs->Pread(fd, out + done, size - done, offset + static_cast<int64_t>(done));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return Errno(absl::StrCat("read ", path), errno);
     if (n == 0) return absl::DataLossError(absl::StrCat(path, " is shorter than its headers say"));
@@ -71,34 +71,35 @@ absl::Status PreadAll(int fd, char* out, size_t size, int64_t offset, const std:
 }  // namespace
 
 absl::Status WriteFileDurably(const std::string& dir, const std::string& name,
-                              absl::string_view data) {
-  return WriteFileDurably(dir, name, std::vector<absl::string_view>{data});
+                              absl::string_view data, FileSystem* fs) {
+  return WriteFileDurably(dir, name, std::vector<absl::string_view>{data}, fs);
 }
 
 absl::Status WriteFileDurably(const std::string& dir, const std::string& name,
-                              const std::vector<absl::string_view>& pieces) {
+                              const std::vector<absl::string_view>& pieces, FileSystem* fs) {
   const std::string path = absl::StrCat(dir, "/", name);
   const std::string tmp = absl::StrCat(path, ".tmp");
   {
-    UniqueFd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640));
+    UniqueFd fd(fs->Open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640));
     if (!fd.valid()) return Errno(absl::StrCat("open ", tmp), errno);
-    absl::Cleanup remove_tmp = [&] { unlink(tmp.c_str()); };
+    absl::Cleanup remove_tmp = [&] { fs->Unlink(tmp.c_str()); };
     for (absl::string_view piece : pieces) {
-      if (absl::Status s = WriteAll(fd.get(), piece, tmp); !s.ok()) return s;
+      if (absl::Status s = WriteAll(fs, fd.get(), piece, tmp); !s.ok()) return s;
     }
-    if (fsync(fd.get()) != 0) return Errno(absl::StrCat("fsync ", tmp), errno);
-    if (rename(tmp.c_str(), path.c_str()) != 0) return Errno(absl::StrCat("rename ", tmp), errno);
+    if (fs->Fsync(fd.get()) != 0) return Errno(absl::StrCat("fsync ", tmp), errno);
+    if (fs->Rename(tmp.c_str(), path.c_str()) != 0) return Errno(absl::StrCat("rename ", tmp), errno);
     std::move(remove_tmp).Cancel();
   }
-  UniqueFd dfd(open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  UniqueFd dfd(fs->Open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0));
   if (!dfd.valid()) return Errno(absl::StrCat("open ", dir), errno);
-  if (fsync(dfd.get()) != 0) return Errno(absl::StrCat("fsync ", dir), errno);
+  if (fs->Fsync(dfd.get()) != 0) return Errno(absl::StrCat("fsync ", dir), errno);
   return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> WriteSegment(const std::string& dir, const std::string& name,
                                      std::vector<RecordHeader>& headers,
-                                     const std::vector<absl::string_view>& payloads) {
+                                     const std::vector<absl::string_view>& payloads,
+                                     FileSystem* fs) {
   // Offsets depend on the header section's size, which does not depend on the offsets' values.
   std::string section;
   for (const RecordHeader& h : headers) EncodeRecordHeader(h, &section);
@@ -118,22 +119,23 @@ absl::StatusOr<int64_t> WriteSegment(const std::string& dir, const std::string& 
   head += section;
   std::vector<absl::string_view> pieces{head};
   pieces.insert(pieces.end(), payloads.begin(), payloads.end());
-  if (absl::Status s = WriteFileDurably(dir, name, pieces); !s.ok()) return s;
+  if (absl::Status s = WriteFileDurably(dir, name, pieces, fs); !s.ok()) return s;
   return offset;
 }
 
 absl::StatusOr<std::vector<RecordHeader>> ReadSegmentHeaders(const std::string& path,
                                                              int64_t* file_size,
-                                                             int64_t* truncated_records) {
+                                                             int64_t* truncated_records,
+                                                             FileSystem* fs) {
   if (truncated_records != nullptr) *truncated_records = 0;
-  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  UniqueFd fd(fs->Open(path.c_str(), O_RDONLY | O_CLOEXEC, 0));
   if (!fd.valid()) return Errno(absl::StrCat("open ", path), errno);
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return Errno(absl::StrCat("stat ", path), errno);
   *file_size = st.st_size;
   char pre[kSegmentPreamble];
   if (st.st_size < kSegmentPreamble) return absl::DataLossError(absl::StrCat(path, ": too short"));
-  if (absl::Status s = PreadAll(fd.get(), pre, sizeof(pre), 0, path); !s.ok()) return s;
+  if (absl::Status s = PreadAll(fs, fd.get(), pre, sizeof(pre), 0, path); !s.ok()) return s;
   if (std::memcmp(pre, kSegmentMagic, sizeof(kSegmentMagic)) != 0) {
     return absl::DataLossError(absl::StrCat(path, ": not a kvd segment"));
   }
@@ -150,7 +152,7 @@ absl::StatusOr<std::vector<RecordHeader>> ReadSegmentHeaders(const std::string& 
     return absl::DataLossError(absl::StrCat(path, ": record count ", count, " does not fit the header section"));
   }
   std::string section(hbytes, '\0');
-  if (absl::Status s = PreadAll(fd.get(), section.data(), hbytes, kSegmentPreamble, path); !s.ok()) {
+  if (absl::Status s = PreadAll(fs, fd.get(), section.data(), hbytes, kSegmentPreamble, path); !s.ok()) {
     return s;
   }
   if (Checksum(section.data(), section.size()) != hsum) {
@@ -176,11 +178,12 @@ absl::StatusOr<std::vector<RecordHeader>> ReadSegmentHeaders(const std::string& 
   return out;
 }
 
-absl::Status ReadRecordBytes(const std::string& path, const RecordHeader& h, std::string* stored) {
-  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+absl::Status ReadRecordBytes(const std::string& path, const RecordHeader& h, std::string* stored,
+                             FileSystem* fs) {
+  UniqueFd fd(fs->Open(path.c_str(), O_RDONLY | O_CLOEXEC, 0));
   if (!fd.valid()) return Errno(absl::StrCat("open ", path), errno);
   stored->resize(static_cast<size_t>(h.stored_length));
-  if (absl::Status s = PreadAll(fd.get(), stored->data(), stored->size(),
+  if (absl::Status s = PreadAll(fs, fd.get(), stored->data(), stored->size(),
                                 static_cast<int64_t>(h.offset), path);
       !s.ok()) {
     return s;
@@ -204,7 +207,7 @@ std::optional<uint64_t> ParseSegmentName(absl::string_view name) {
   return static_cast<uint64_t>(num);
 }
 
-absl::Status WriteManifest(const std::string& dir, const Manifest& m) {
+absl::Status WriteManifest(const std::string& dir, const Manifest& m, FileSystem* fs) {
   std::string out(kManifestMagic, sizeof(kManifestMagic));
   Put<uint64_t>(&out, m.generation);
   Put<uint64_t>(&out, m.next_segment);
@@ -217,17 +220,17 @@ absl::Status WriteManifest(const std::string& dir, const Manifest& m) {
     Put(&out, t.segment);
   }
   Put<uint64_t>(&out, Checksum(out.data(), out.size()));
-  return WriteFileDurably(dir, kManifestName, out);
+  return WriteFileDurably(dir, kManifestName, out, fs);
 }
 
-absl::StatusOr<Manifest> ReadManifest(const std::string& dir) {
+absl::StatusOr<Manifest> ReadManifest(const std::string& dir, FileSystem* fs) {
   const std::string path = absl::StrCat(dir, "/", kManifestName);
-  UniqueFd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  UniqueFd fd(fs->Open(path.c_str(), O_RDONLY | O_CLOEXEC, 0));
   if (!fd.valid()) return Errno(absl::StrCat("open ", path), errno);
   std::string data;
   char buf[1 << 16];
   for (;;) {
-    const ssize_t n = read(fd.get(), buf, sizeof(buf));
+    const ssize_t n = fs->Pread(fd.get(), buf, sizeof(buf), static_cast<off_t>(data.size()));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return Errno(absl::StrCat("read ", path), errno);
     if (n == 0) break;

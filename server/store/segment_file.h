@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "server/core/block_key.h"
+#include "server/store/file_system.h"
 #include "server/store/record_header.h"
 
 namespace kvd {
@@ -33,16 +34,18 @@ namespace kvd {
 // Writes `data` as dir/name durably (see above). The errno of the failing call is named;
 // RESOURCE_EXHAUSTED for ENOSPC/EDQUOT.
 absl::Status WriteFileDurably(const std::string& dir, const std::string& name,
-                              absl::string_view data);
+                              absl::string_view data, FileSystem* fs = FileSystem::Default());
 // The same for a file made of `pieces` written in order (no concatenated copy).
 absl::Status WriteFileDurably(const std::string& dir, const std::string& name,
-                              const std::vector<absl::string_view>& pieces);
+                              const std::vector<absl::string_view>& pieces,
+                              FileSystem* fs = FileSystem::Default());
 
 // Writes a segment durably; fills each header's offset. `payloads[i]` are the stored bytes of
 // `headers[i]` (whose stored_length and checksum must match). Returns the file size.
 absl::StatusOr<int64_t> WriteSegment(const std::string& dir, const std::string& name,
                                      std::vector<RecordHeader>& headers,
-                                     const std::vector<absl::string_view>& payloads);
+                                     const std::vector<absl::string_view>& payloads,
+                                     FileSystem* fs = FileSystem::Default());
 // The headers of a segment, reading only its header section. DATA_LOSS for a bad magic, a
 // checksum mismatch or a record count that does not match the section; the failing call named
 // (INTERNAL, NOT_FOUND, ...) when the file cannot be opened or read, which is no proof of damage.
@@ -50,9 +53,11 @@ absl::StatusOr<int64_t> WriteSegment(const std::string& dir, const std::string& 
 // in `*truncated_records` when given; the intact ones are returned.
 absl::StatusOr<std::vector<RecordHeader>> ReadSegmentHeaders(const std::string& path,
                                                              int64_t* file_size,
-                                                             int64_t* truncated_records = nullptr);
+                                                             int64_t* truncated_records = nullptr,
+                                                             FileSystem* fs = FileSystem::Default());
 // The stored bytes of one record, verified against its checksum: DATA_LOSS when they do not match.
-absl::Status ReadRecordBytes(const std::string& path, const RecordHeader& h, std::string* stored);
+absl::Status ReadRecordBytes(const std::string& path, const RecordHeader& h, std::string* stored,
+                             FileSystem* fs = FileSystem::Default());
 
 struct Tombstone {
   BlockKey key;
@@ -68,9 +73,9 @@ struct Manifest {
 std::string SegmentName(uint64_t number);
 // The number of a segment file's name; nullopt for any other name.
 std::optional<uint64_t> ParseSegmentName(absl::string_view name);
-absl::Status WriteManifest(const std::string& dir, const Manifest& m);
+absl::Status WriteManifest(const std::string& dir, const Manifest& m, FileSystem* fs = FileSystem::Default());
 // NOT_FOUND when there is none (a fresh directory); DATA_LOSS when it is damaged.
-absl::StatusOr<Manifest> ReadManifest(const std::string& dir);
+absl::StatusOr<Manifest> ReadManifest(const std::string& dir, FileSystem* fs = FileSystem::Default());
 
 inline constexpr char kManifestName[] = "MANIFEST";
 inline constexpr int64_t kSegmentPreambleBytes = 32;

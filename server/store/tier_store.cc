@@ -35,7 +35,9 @@ absl::StatusOr<std::unique_ptr<TierStore>> TierStore::Open(TierOptions options,
 }
 
 TierStore::TierStore(TierOptions options, const DeviceArena* arena, KvCache* cache)
-    : options_(std::move(options)), arena_(arena), cache_(cache), pools_(cache->pools()),
+    : options_(std::move(options)),
+      fs_(options_.file_system != nullptr ? options_.file_system : FileSystem::Default()),
+      arena_(arena), cache_(cache), pools_(cache->pools()),
       readers_(std::make_unique<Executor>(options_.read_threads)),
       writer_(std::make_unique<Executor>(1)),
       uploader_(std::make_unique<Executor>(1)) {
@@ -241,7 +243,7 @@ absl::Status TierStore::ReadRaw(const ReadSource& src, uint8_t* out) {
   }
   if (src.segment_path.empty()) return absl::NotFoundError("the record has no bytes anywhere");
   std::string stored;
-  KVD_RETURN_IF_ERROR(ReadRecordBytes(src.segment_path, src.header, &stored));
+  KVD_RETURN_IF_ERROR(ReadRecordBytes(src.segment_path, src.header, &stored, fs_));
   return Decompress(src.header.codec,
                     absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(stored.data()), stored.size()),
                     out, src.header.raw_length);

@@ -36,6 +36,7 @@
 #include "gpu/device_arena.h"
 #include "server/core/kv_cache.h"
 #include "server/store/executor.h"
+#include "server/store/file_system.h"
 #include "server/store/host_tier.h"
 #include "server/store/record_header.h"
 #include "server/store/remote_tier.h"
@@ -219,6 +220,7 @@ class TierStore final : public EvictionSink {
   absl::Status CheckLoadedLocked(const RecordHeader& h) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const TierOptions options_;
+  FileSystem* const fs_;  // options_.file_system or the real one
   const DeviceArena* const arena_;
   KvCache* const cache_;
   const std::vector<PoolGeometry> pools_;

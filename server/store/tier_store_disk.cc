@@ -104,11 +104,11 @@ absl::Status TierStore::Load() {
   // A .tmp file is a write a crash interrupted before its rename: never part of the tier.
   for (const std::string& name : tmp_files) {
     spdlog::warn("tiers: deleting {}/{}: an unfinished write left by a crash", dir, name);
-    unlink(absl::StrCat(dir, "/", name).c_str());
+    fs_->Unlink(absl::StrCat(dir, "/", name).c_str());
   }
   Manifest manifest;
   bool rebuilt = false;
-  if (absl::StatusOr<Manifest> m = ReadManifest(dir); m.ok()) {
+  if (absl::StatusOr<Manifest> m = ReadManifest(dir, fs_); m.ok()) {
     manifest = *std::move(m);
   } else if (absl::IsNotFound(m.status()) || absl::IsDataLoss(m.status())) {
     // Lost or damaged: the segments carry their own checksums, so rebuild the list from them.
@@ -117,7 +117,7 @@ absl::Status TierStore::Load() {
     rebuilt = !on_disk.empty();
     if (absl::IsDataLoss(m.status())) {
       const std::string kept = absl::StrCat(dir, "/", kManifestName, ".damaged");
-      rename(absl::StrCat(dir, "/", kManifestName).c_str(), kept.c_str());
+      fs_->Rename(absl::StrCat(dir, "/", kManifestName).c_str(), kept.c_str());
       spdlog::error("tiers: {}; kept as {}", m.status().ToString(), kept);
     } else if (rebuilt) {
       spdlog::error("tiers: {}/{} is missing", dir, kManifestName);
@@ -153,7 +153,7 @@ absl::Status TierStore::Load() {
       manifest.next_segment = std::max(manifest.next_segment, num + 1);
     } else {
       spdlog::info("tiers: deleting {}: the manifest no longer lists it (evicted or replaced)", SegmentName(num));
-      unlink(absl::StrCat(dir, "/", SegmentName(num)).c_str());
+      fs_->Unlink(absl::StrCat(dir, "/", SegmentName(num)).c_str());
     }
   }
   absl::flat_hash_set<std::pair<uint64_t, uint64_t>> dead;
@@ -183,7 +183,7 @@ absl::Status TierStore::Load() {
   for (const ToLoad& t : to_load) {
     const std::string path = absl::StrCat(dir, "/", SegmentName(t.num));
     int64_t size = 0, truncated = 0;
-    auto headers = ReadSegmentHeaders(path, &size, &truncated);
+    auto headers = ReadSegmentHeaders(path, &size, &truncated, fs_);
     if (headers.ok()) {
       total += headers->size();
       if (truncated > 0) {
@@ -280,7 +280,7 @@ absl::Status TierStore::Quarantine(const std::string& name) const {
   if (mkdir(qdir.c_str(), 0750) != 0 && errno != EEXIST) {
     return absl::InternalError(absl::StrCat("mkdir ", qdir, ": ", std::strerror(errno), "; left in place"));
   }
-  if (rename(absl::StrCat(options_.disk_dir, "/", name).c_str(), absl::StrCat(qdir, "/", name).c_str()) != 0) {
+  if (fs_->Rename(absl::StrCat(options_.disk_dir, "/", name).c_str(), absl::StrCat(qdir, "/", name).c_str()) != 0) {
     return absl::InternalError(absl::StrCat("rename to ", qdir, ": ", std::strerror(errno), "; left in place"));
   }
   return absl::OkStatus();
@@ -530,7 +530,7 @@ absl::Status TierStore::WriteSegmentOf(std::vector<RecordHeader> headers,
     evicted = EvictSegmentsLocked(file_bytes);
   }
   const absl::StatusOr<int64_t> size =
-      WriteSegment(options_.disk_dir, SegmentName(number), headers, payloads);
+      WriteSegment(options_.disk_dir, SegmentName(number), headers, payloads, fs_);
   if (!size.ok()) {
     absl::MutexLock lock(&mu_);
     ++stats_.write_failures;
@@ -614,7 +614,7 @@ absl::Status TierStore::WriteManifestNow(const std::vector<uint64_t>& unlink_aft
     m.deleted = manifest_.deleted;
     manifest_dirty_ = false;
   }
-  absl::Status s = WriteManifest(options_.disk_dir, m);
+  absl::Status s = WriteManifest(options_.disk_dir, m, fs_);
   if (!s.ok()) {
     absl::MutexLock lock(&mu_);
     manifest_dirty_ = true;
@@ -622,7 +622,7 @@ absl::Status TierStore::WriteManifestNow(const std::vector<uint64_t>& unlink_aft
     return s;
   }
   for (uint64_t number : unlink_after) {
-    unlink(absl::StrCat(options_.disk_dir, "/", SegmentName(number)).c_str());
+    fs_->Unlink(absl::StrCat(options_.disk_dir, "/", SegmentName(number)).c_str());
   }
   return absl::OkStatus();
 }
@@ -773,6 +773,16 @@ FlushResult TierStore::FlushNow() {
     }
   }
   FlushCheckpoints(&result);
+  // A manifest write that failed earlier (after its segment was written) must succeed before the
+  // answer can say durable: the manifest is what a restart trusts.
+  bool manifest_dirty = false;
+  {
+    absl::MutexLock lock(&mu_);
+    manifest_dirty = manifest_dirty_;
+  }
+  if (manifest_dirty && result.error.empty()) {
+    if (absl::Status s = WriteManifestNow({}); !s.ok()) fail(s, 1);
+  }
   result.durable = result.failed_blocks == 0;
   result.seconds = SecondsSince(start);
   absl::MutexLock lock(&mu_);

@@ -14,6 +14,8 @@
 
 namespace kvd {
 
+class FileSystem;
+
 // G4: a Redis or Valkey server shared by daemons (remote_tier.h).
 struct RemoteTierOptions {
   // redis://[[user]:password@]host:port[/db] or unix:///path/to/redis.sock. Empty disables G4.
@@ -75,6 +77,8 @@ struct TierOptions {
 
   // G4 (off unless remote.url is set).
   RemoteTierOptions remote;
+  // The disk tier's system calls (borrowed; null: FileSystem::Default()). Tests inject failures.
+  FileSystem* file_system = nullptr;
 
   bool enabled() const { return host_bytes > 0 || !disk_dir.empty() || remote.enabled(); }
 };
