@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole test run on a clean checkout: install what is missing, build, run every test.
 # With KVD_SANITIZE=1 (as CI runs it), also builds the tests with AddressSanitizer and
-# UndefinedBehaviorSanitizer in build-asan/ and runs them there, then runs each libFuzzer target
-# for KVD_FUZZ_SECONDS (default 60) over its seed corpus (scripts/fuzz.sh).
+# UndefinedBehaviorSanitizer in build-asan/ and runs them there, then the core, store and events
+# tests under ThreadSanitizer against an Abseil built from Debian's source with TSan
+# (scripts/tsan.sh, build-tsan/), then runs each libFuzzer target for KVD_FUZZ_SECONDS (default
+# 60) over its seed corpus (scripts/fuzz.sh).
 # Usage: scripts/test.sh [extra cmake -D options]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
@@ -20,5 +22,6 @@ if [ "${KVD_SANITIZE:-0}" = 1 ]; then
      ctest --output-on-failure -j "$KVD_JOBS" --timeout 900)
 fi
 if [ "${KVD_SANITIZE:-0}" = 1 ]; then
+  bash "$KVD_ROOT/scripts/tsan.sh"
   bash "$KVD_ROOT/scripts/fuzz.sh" "${KVD_FUZZ_SECONDS:-60}"
 fi
