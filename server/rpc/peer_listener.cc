@@ -24,7 +24,7 @@ absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Bind(const std::stri
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
   auto listener = std::unique_ptr<PeerListener>(
       new PeerListener(std::move(*fd), UniqueFd(pipe_fds[0]), UniqueFd(pipe_fds[1])));
-  listener->spare_fd_ = UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  for (UniqueFd& spare : listener->spare_fds_) spare = UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   return listener;
 }
 
@@ -68,18 +68,20 @@ void PeerListener::Loop(grpc::Server* server) {
 
 void PeerListener::ShedOneConnection() {
   // Out of descriptors: the pending connection would keep poll() ready and this loop spinning.
-  // Close the spare descriptor, accept the connection into it and close that (the peer sees its
-  // connection closed and may retry), then take the spare back and pause briefly.
+  // Give up the spare descriptors, accept the connection into one and close it (the peer sees
+  // its connection closed and may retry), log while a descriptor is still free (writing a log
+  // line may need one), then take the spares back and pause briefly.
+  const std::string why = std::strerror(errno);
+  for (UniqueFd& spare : spare_fds_) spare.Reset();
+  UniqueFd(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  ++shed_connections_;
   const auto now = std::chrono::steady_clock::now();
   if (now - last_shed_log_ > std::chrono::seconds(10)) {
     spdlog::warn("grpc socket: out of file descriptors ({}); closing new connections until some "
-                 "are released (raise LimitNOFILE?)", std::strerror(errno));
+                 "are released (raise LimitNOFILE?)", why);
     last_shed_log_ = now;
   }
-  ++shed_connections_;
-  spare_fd_.Reset();
-  UniqueFd(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-  spare_fd_ = UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  for (UniqueFd& spare : spare_fds_) spare = UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   ::poll(nullptr, 0, 10);
 }
 

@@ -5,7 +5,7 @@
 // peers its AccessPolicy refuses. Used on every Unix socket.
 //
 // Out of descriptors (EMFILE), accept fails and leaves the connection pending; the listener then
-// sheds it with a spare descriptor kept for the purpose (accept into it, close) and pauses 10 ms,
+// sheds it with spare descriptors kept for the purpose (accept into one, close) and pauses 10 ms,
 // so it neither spins nor stops: it serves again as soon as descriptors are free.
 #pragma once
 
@@ -47,7 +47,9 @@ class PeerListener {
   UniqueFd listen_fd_;
   UniqueFd wake_read_;
   UniqueFd wake_write_;
-  UniqueFd spare_fd_;  // /dev/null, given up to shed a connection when out of descriptors
+  // /dev/null twice, given up to shed a connection when out of descriptors (one to accept it
+  // into, one for whatever logging it needs).
+  UniqueFd spare_fds_[2];
   std::chrono::steady_clock::time_point last_shed_log_;  // accept thread only
   int64_t shed_connections_ = 0;                         // accept thread only
   std::thread thread_;

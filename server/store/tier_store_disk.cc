@@ -519,25 +519,24 @@ absl::Status TierStore::WriteSegmentOf(std::vector<RecordHeader> headers,
     raw_total += static_cast<int64_t>(raw.size());
     total += headers[i].stored_length;
   }
-  std::string encoded;  // only to size the file before making room for it
-  for (const RecordHeader& h : headers) EncodeRecordHeader(h, &encoded);
-  const int64_t file_bytes = kSegmentPreambleBytes + static_cast<int64_t>(encoded.size()) + total;
   uint64_t number = 0;
-  std::vector<uint64_t> evicted;
   {
     absl::MutexLock lock(&mu_);
     number = manifest_.next_segment++;
-    evicted = EvictSegmentsLocked(file_bytes);
   }
   const absl::StatusOr<int64_t> size =
       WriteSegment(options_.disk_dir, SegmentName(number), headers, payloads, fs_);
   if (!size.ok()) {
     absl::MutexLock lock(&mu_);
     ++stats_.write_failures;
-    return size.status();
+    return size.status();  // nothing was evicted for it: the index is as it was
   }
+  std::vector<uint64_t> evicted;
   {
     absl::MutexLock lock(&mu_);
+    // Room for the new segment is made once it exists: a failed write never costs the index the
+    // segments it would have replaced (their files go after the next manifest write).
+    evicted = EvictSegmentsLocked(*size);
     Segment& seg = segments_[number];
     seg.file_bytes = *size;
     seg.last_use = ++tick_;

@@ -116,6 +116,7 @@ TEST_CASE("Idle gRPC connections are closed; descriptors run out and come back",
     served = Ping(*stub).ok();
     if (!served) std::this_thread::sleep_for(std::chrono::milliseconds(500));
   }
+  INFO(d->Log());
   REQUIRE(served);
   REQUIRE(d->Log().find("out of file descriptors") != std::string::npos);
   ProcessResult worker = RunWorker({"--target=" + d->target(), "--id=after", "--prompt-range=0:9"});

@@ -188,6 +188,39 @@ TEST_CASE("Warm restart: a failed read loses nothing; the next restart serves ev
   }
 }
 
+TEST_CASE("A segment write that fails under disk pressure evicts nothing", "[store][faults]") {
+  const ScopedDir dir;
+  FaultyFileSystem fs;
+  TierOptions t = Tiers(dir);
+  t.file_system = &fs;
+  t.segment_bytes = 64 * testing::kBlockBytes;
+  {
+    Node node(t, 16);
+    node.Publish("a", kPrompts[0]);
+    REQUIRE(node.store->Flush()->durable);
+  }
+  {
+    // Room for one and a half segments: the next one needs the first one's room, and its write
+    // fails.
+    TierOptions tight = t;
+    tight.disk_bytes = std::filesystem::file_size(dir.path + "/" + SegmentName(1)) * 3 / 2;
+    Node node(tight, 16);
+    REQUIRE(node.store->Stats().reloaded_records == 3);
+    node.Publish("b", kPrompts[1]);
+    fs.FailNth(Op::kFsync, 0, EIO);  // the new segment's fsync
+    auto r = node.store->Flush();
+    fs.Disarm();
+    REQUIRE(r.ok());
+    REQUIRE_FALSE(r->durable);
+    // The first prompt's segment is still indexed and on disk.
+    REQUIRE(node.store->Stats().disk_segments == 1);
+    REQUIRE(node.store->Stats().disk_records == 3);
+  }
+  Node node(Tiers(dir));
+  REQUIRE(node.store->Stats().reloaded_records == 3);
+  REQUIRE(node.Serve("r", kPrompts[0]) == 12);
+}
+
 TEST_CASE("Serving: a failed read of a stored block is a miss, never a drop", "[store][faults]") {
   const ScopedDir dir;
   FaultyFileSystem fs;
