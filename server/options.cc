@@ -75,7 +75,7 @@ absl::Status CheckKeys(const YAML::Node& node, const std::string& where,
 absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOptions* t) {
   KVD_RETURN_IF_ERROR(CheckKeys(node, where,
                                 {"host_bytes", "disk_dir", "disk_bytes", "codec", "segment_bytes",
-                                 "idle_demote_after_s", "read_threads", "flush_on_drain", "redis_url", "redis_password_file",
+                                 "idle_demote_after_s", "read_threads", "flush_on_drain", "max_prefetch_handles_per_worker", "redis_url", "redis_password_file",
                                  "redis_key_prefix", "redis_ttl_s", "redis_connect_timeout_s", "redis_timeout_s",
                                  "redis_retry_after_s", "redis_write_through", "redis_max_pending_uploads"}));
   KVD_RETURN_IF_ERROR(Read(node, "host_bytes", &t->host_bytes, where));
@@ -90,6 +90,7 @@ absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOpt
   KVD_RETURN_IF_ERROR(ReadSeconds(node, "idle_demote_after_s", &t->idle_demote_after, where));
   KVD_RETURN_IF_ERROR(Read(node, "read_threads", &t->read_threads, where));
   KVD_RETURN_IF_ERROR(Read(node, "flush_on_drain", &t->flush_on_drain, where));
+  KVD_RETURN_IF_ERROR(Read(node, "max_prefetch_handles_per_worker", &t->max_prefetch_handles_per_worker, where));
   RemoteTierOptions& r = t->remote;
   KVD_RETURN_IF_ERROR(Read(node, "redis_url", &r.url, where));
   KVD_RETURN_IF_ERROR(Read(node, "redis_password_file", &r.password_file, where));
@@ -369,6 +370,7 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "idle_demote_after_s" << YAML::Value << absl::ToDoubleSeconds(t.idle_demote_after);
   out << YAML::Key << "read_threads" << YAML::Value << t.read_threads;
   out << YAML::Key << "flush_on_drain" << YAML::Value << t.flush_on_drain;
+  out << YAML::Key << "max_prefetch_handles_per_worker" << YAML::Value << t.max_prefetch_handles_per_worker;
   out << YAML::Key << "redis_url" << YAML::Value << RedactUrl(t.remote.url);
   out << YAML::Key << "redis_password_file" << YAML::Value << t.remote.password_file;
   out << YAML::Key << "redis_key_prefix" << YAML::Value << t.remote.key_prefix;

@@ -13,6 +13,9 @@ namespace kvd {
 absl::StatusOr<std::unique_ptr<TierStore>> TierStore::Open(TierOptions options,
                                                           const DeviceArena* arena, KvCache* cache) {
   if (options.segment_bytes <= 0) return absl::InvalidArgumentError("tiers.segment_bytes must be > 0");
+  if (options.max_prefetch_handles_per_worker < 1) {
+    return absl::InvalidArgumentError("tiers.max_prefetch_handles_per_worker must be >= 1");
+  }
   if (options.disk_bytes <= 0) return absl::InvalidArgumentError("tiers.disk_bytes must be > 0");
   if (options.read_threads <= 0) return absl::InvalidArgumentError("tiers.read_threads must be > 0");
   std::unique_ptr<TierStore> store(new TierStore(std::move(options), arena, cache));
@@ -359,6 +362,12 @@ absl::StatusOr<PrefetchInfo> TierStore::Prefetch(const Namespace& ns, absl::Span
   PrefetchInfo info;
   std::vector<ReadSource> to_load;
   absl::MutexLock lock(&mu_);
+  int64_t& held = prefetches_of_[owner];
+  if (held >= options_.max_prefetch_handles_per_worker) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "worker '", owner.value(), "' holds ", held, " prefetch handles (max_prefetch_handles_per_worker); release some"));
+  }
+  ++held;
   Prefetched p;
   p.owner = owner;
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -397,6 +406,11 @@ absl::StatusOr<PrefetchInfo> TierStore::Prefetch(const Namespace& ns, absl::Span
   return info;
 }
 
+void TierStore::ForgetPrefetchLocked(const WorkerId& owner) {
+  auto it = prefetches_of_.find(owner);
+  if (it != prefetches_of_.end() && --it->second <= 0) prefetches_of_.erase(it);
+}
+
 absl::Status TierStore::ReleasePrefetch(uint64_t handle, const WorkerId& owner) {
   absl::MutexLock lock(&mu_);
   auto it = prefetches_.find(handle);
@@ -405,6 +419,7 @@ absl::Status TierStore::ReleasePrefetch(uint64_t handle, const WorkerId& owner) 
     return absl::PermissionDeniedError(absl::StrCat("prefetch handle ", handle, " is another worker's"));
   }
   for (const BlockKey& k : it->second.keys) UnpinLocked(k);
+  ForgetPrefetchLocked(owner);
   prefetches_.erase(it);
   return absl::OkStatus();
 }
@@ -414,6 +429,7 @@ void TierStore::ReleasePrefetchesOf(const WorkerId& owner) {
   for (auto it = prefetches_.begin(); it != prefetches_.end();) {
     if (it->second.owner == owner) {
       for (const BlockKey& k : it->second.keys) UnpinLocked(k);
+      ForgetPrefetchLocked(owner);
       prefetches_.erase(it++);
     } else {
       ++it;

@@ -86,6 +86,7 @@ class TierStore final : public EvictionSink {
   // NOT_FOUND for an unknown handle; PERMISSION_DENIED for another worker's.
   absl::Status ReleasePrefetch(uint64_t handle, const WorkerId& owner) ABSL_LOCKS_EXCLUDED(mu_);
   void ReleasePrefetchesOf(const WorkerId& owner) ABSL_LOCKS_EXCLUDED(mu_);
+  // RESOURCE_EXHAUSTED from Prefetch past options().max_prefetch_handles_per_worker.
 
   // Makes every cached prefix (G1 and G2) durable on G3. Runs on the writer thread; `done` is
   // called there. FAILED_PRECONDITION without a disk tier.
@@ -171,6 +172,7 @@ class TierStore final : public EvictionSink {
   bool SpillLocked(const BlockKey& key, Entry& e, std::shared_ptr<const std::string> raw)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseIfEmptyLocked(const BlockKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ForgetPrefetchLocked(const WorkerId& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ReadSource PinForReadLocked(const BlockKey& key, Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnpinLocked(const BlockKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The raw bytes of a pinned source into `out` (raw_length bytes). DATA_LOSS: the G3 copy failed
@@ -241,6 +243,7 @@ class TierStore final : public EvictionSink {
   Manifest manifest_ ABSL_GUARDED_BY(mu_);  // next_segment and tombstones; segments from segments_
   bool manifest_dirty_ ABSL_GUARDED_BY(mu_) = false;  // tombstones not yet in the file
   absl::flat_hash_map<uint64_t, Prefetched> prefetches_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<WorkerId, int64_t> prefetches_of_ ABSL_GUARDED_BY(mu_);  // handles per owner
   uint64_t next_prefetch_ ABSL_GUARDED_BY(mu_) = 1;
   TierStats stats_ ABSL_GUARDED_BY(mu_);  // counters; gauges are filled by Stats()
 

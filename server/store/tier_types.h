@@ -72,6 +72,8 @@ struct TierOptions {
   absl::Duration idle_demote_after = absl::ZeroDuration();
   // Reader threads (promotion, prefetch, object gets from disk).
   int read_threads = 2;
+  // Prefetch handles one worker may hold at once (each pins blocks in G2). Default 1024.
+  int64_t max_prefetch_handles_per_worker = 1024;
   // SIGTERM drain flushes to G3 before exit (when G3 is configured).
   bool flush_on_drain = true;
 

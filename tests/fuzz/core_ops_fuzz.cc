@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,17 @@
 #include "server/core/kv_cache.h"
 
 namespace {
+
+// Mostly a small value in [lo, hi]; sometimes one at the edge of int64 (sums of wire values must
+// be checked before they are added).
+int64_t Extreme(FuzzedDataProvider& in, int64_t lo, int64_t hi) {
+  switch (in.ConsumeIntegralInRange<int>(0, 7)) {
+    case 0: return std::numeric_limits<int64_t>::max();
+    case 1: return std::numeric_limits<int64_t>::max() - in.ConsumeIntegralInRange<int64_t>(0, 300);
+    case 2: return std::numeric_limits<int64_t>::min();
+    default: return in.ConsumeIntegralInRange<int64_t>(lo, hi);
+  }
+}
 
 using namespace kvd;
 
@@ -67,7 +79,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         s.ns.pool = in.ConsumeBool() ? "m" : "x";
         s.ns.cache_salt = in.ConsumeBool() ? "" : "t";
         s.prompt = Tokens(in, 40);
-        s.max_new_tokens = in.ConsumeIntegralInRange<int64_t>(-1, 40);
+        s.max_new_tokens = Extreme(in, -1, 40);
         if (in.ConsumeBool()) s.session = SessionId("s" + std::to_string(in.ConsumeIntegralInRange<int>(0, 2)));
         if (in.ConsumeBool()) s.resume_from = id();
         s.owner = worker();
@@ -75,7 +87,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         break;
       }
       case 1: (void)c.Acquire(id()); break;
-      case 2: (void)c.Extend(id(), in.ConsumeIntegralInRange<int64_t>(-2, 20)); break;
+      case 2: (void)c.Extend(id(), Extreme(in, -2, 20)); break;
       case 3:
       case 4: {
         const RequestId r = id();

@@ -195,6 +195,28 @@ TEST_CASE("Objects: put, get, delete, across tiers and a restart", "[store]") {
   REQUIRE(get(*node.store, ns, "img-3").status().code() == absl::StatusCode::kNotFound);
 }
 
+TEST_CASE("Prefetch handles are bounded per worker", "[store]") {
+  const ScopedDir dir;
+  TierOptions t = Tiers(dir);
+  t.max_prefetch_handles_per_worker = 2;
+  Node node(t);
+  const std::vector<Token> prompt = Seq(40, 13);
+  const Namespace ns = Spec("x", prompt).ns;
+  auto a = node.store->Prefetch(ns, prompt, WorkerId("w0"));
+  auto b = node.store->Prefetch(ns, prompt, WorkerId("w0"));
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  auto c = node.store->Prefetch(ns, prompt, WorkerId("w0"));
+  REQUIRE(c.status().code() == absl::StatusCode::kResourceExhausted);
+  REQUIRE(c.status().message().find("max_prefetch_handles_per_worker") != absl::string_view::npos);
+  REQUIRE(node.store->Prefetch(ns, prompt, WorkerId("w1")).ok());  // another worker's own
+  REQUIRE(node.store->ReleasePrefetch(a->handle, WorkerId("w0")).ok());
+  REQUIRE(node.store->Prefetch(ns, prompt, WorkerId("w0")).ok());
+  node.store->ReleasePrefetchesOf(WorkerId("w0"));
+  REQUIRE(node.store->Stats().prefetch_handles == 1);
+  REQUIRE(node.store->Prefetch(ns, prompt, WorkerId("w0")).ok());
+}
+
 TEST_CASE("Prefetch brings saved blocks up to host memory and holds them until released",
           "[store]") {
   const ScopedDir dir;
@@ -212,6 +234,7 @@ TEST_CASE("Prefetch brings saved blocks up to host memory and holds them until r
   REQUIRE(node.store->Stats().host_records == 3);
   REQUIRE(node.store->ReleasePrefetch(info->handle, WorkerId("w1")).code() ==
           absl::StatusCode::kPermissionDenied);
+
   REQUIRE(node.Serve("b", prompt) == 12);
   REQUIRE(node.store->Stats().promotions[1] == 3);  // served from host memory, not disk
   REQUIRE(node.store->ReleasePrefetch(info->handle, WorkerId("w0")).ok());
