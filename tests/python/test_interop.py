@@ -17,7 +17,7 @@ from kvd_testlib import SMALL_POOL, Daemon, check, finish, run_worker, slot_byte
 
 def touch(client, req, tokens, start, end, verify):
     """Writes (or verifies) the pattern for positions [start, end); returns mismatching bytes."""
-    pool = client.pools[req.pool]
+    pool = client.pool(req.pool)
     bad = 0
     for pos in range(start, end):
         block = req.blocks[pos // pool.block_tokens]
@@ -50,7 +50,7 @@ def main():
                 check(r.publish(prompt).kept == 5, "python published 5 blocks")
                 # numpy views alias the same slab bytes (no copy).
                 arr = c.block_array(r.pool, r.blocks[1])
-                pool = c.pools[r.pool]
+                pool = c.pool(r.pool)
                 check(arr.shape == (pool.num_layers, pool.block_tokens, pool.bytes_per_token_per_layer) and
                       bytes(arr[1, 2]) == slot_bytes(prompt[6], 6, 1, pool.bytes_per_token_per_layer),
                       "numpy block view shows the written KV")

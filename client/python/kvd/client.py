@@ -86,7 +86,8 @@ class Request:
     def __init__(self, client, request_id, resp):
         self._client = client
         self.id = request_id
-        self.pool = resp.pool_id
+        self.pool_id = resp.pool_id
+        self.pool = client.pool(resp.pool_id).name  # the name, like the argument request() took
         self.blocks = list(resp.blocks)
         self.num_tokens = resp.num_tokens
         self.cached_tokens = resp.cached_tokens
@@ -102,7 +103,7 @@ class Request:
         self.num_tokens += n
 
     def publish(self, tokens):
-        bt = self._client.pools[self.pool].block_tokens
+        bt = self._client.pool(self.pool_id).block_tokens
         full = min(len(tokens) // bt, len(self.blocks))
         return self._client._rpc("Publish", kvd_pb2.PublishRequest(
             worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, blocks=self.blocks[:full]))
@@ -183,9 +184,18 @@ class Client:
     def _rpc(self, method, req):
         return _call(getattr(self._stub, method), req)
 
+    def pool(self, pool):
+        """The Pool named `pool` (or with that id)."""
+        if isinstance(pool, str):
+            for p in self.pools:
+                if p.name == pool:
+                    return p
+            raise KvdError(grpc.StatusCode.NOT_FOUND, f"no pool '{pool}'")
+        return self.pools[pool]
+
     def layer_view(self, pool, block, layer, shard=0):
         """A writable memoryview of `layer` of `block`: block_tokens * bytes_per_token_per_layer bytes."""
-        p = self.pools[pool]
+        p = self.pool(pool)
         if p.maps[shard] is None:
             raise KvdError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of pool {pool} is not mapped")
         start = p.offset(block, layer)
@@ -193,7 +203,7 @@ class Client:
 
     def layer_address(self, pool, block, layer, shard=0):
         """Device address of `layer` of `block` in a mapped CUDA slab."""
-        p = self.pools[pool]
+        p = self.pool(pool)
         if p.devices[shard] is None:
             raise KvdError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of pool {pool} is not mapped on a GPU")
         return p.devices[shard].address(p.offset(block, layer))
@@ -203,7 +213,7 @@ class Client:
         pools or (blocks, layers, bytes) for block-major ones. Needs numpy; no copy."""
         if numpy is None:
             raise ImportError("numpy is not installed (apt-get install python3-numpy)")
-        p = self.pools[pool]
+        p = self.pool(pool)
         if p.maps[shard] is None:
             raise KvdError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of pool {pool} is not mapped")
         used = p.capacity_blocks * p.num_layers * p.layer_block_bytes
@@ -212,9 +222,32 @@ class Client:
             return flat.reshape(p.num_layers, p.capacity_blocks, p.layer_block_bytes)
         return flat.reshape(p.capacity_blocks, p.num_layers, p.layer_block_bytes)
 
+    def kv_tensor(self, pool, dtype, inner_shape, shard=0):
+        """The whole host slab as a torch tensor view [layers][blocks][block_tokens][*inner_shape]
+        of `dtype`, whatever the pool's layout (a block-major slab comes back permuted, still a
+        view). `inner_shape` is what one token of one layer holds, e.g. (2, kv_heads, head_dim)
+        for K and V: its bytes must equal the pool's bytes_per_token_per_layer, else ValueError.
+        No copy: writes land in kvd's memory. Needs torch."""
+        import torch
+        p = self.pool(pool)
+        if p.maps[shard] is None:
+            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of pool {p.name} is not mapped")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_token = itemsize
+        for d in inner_shape:
+            per_token *= d
+        if per_token != p.bytes_per_token_per_layer:
+            raise ValueError(f"pool {p.name} holds {p.bytes_per_token_per_layer} bytes per token and layer; "
+                             f"{tuple(inner_shape)} of {dtype} is {per_token}")
+        count = p.capacity_blocks * p.num_layers * p.layer_block_bytes // itemsize
+        flat = torch.frombuffer(p.maps[shard], dtype=dtype, count=count)
+        if p.layer_major:
+            return flat.view(p.num_layers, p.capacity_blocks, p.block_tokens, *inner_shape)
+        return flat.view(p.capacity_blocks, p.num_layers, p.block_tokens, *inner_shape).transpose(0, 1)
+
     def block_array(self, pool, block, shard=0):
         """One block's KV as a numpy array (layers, block_tokens, bytes_per_token_per_layer): a view."""
-        p = self.pools[pool]
+        p = self.pool(pool)
         slab = self.slab_array(pool, shard)
         per_layer = slab[:, block, :] if p.layer_major else slab[block]
         return per_layer.reshape(p.num_layers, p.block_tokens, -1)
@@ -231,7 +264,17 @@ class Client:
             if time.monotonic() > deadline:
                 raise KvdError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{request_id} was not admitted in {wait_s}s")
             time.sleep(0.01)
-        resp = self._rpc("Acquire", kvd_pb2.AcquireRequest(worker_id=self.worker_id, request_id=request_id))
+        try:
+            resp = self._rpc("Acquire", kvd_pb2.AcquireRequest(worker_id=self.worker_id, request_id=request_id))
+        except KvdError:
+            # Admitted but not acquired (e.g. a resume whose prompt does not extend the
+            # checkpoint): give the reservation back, or the id stays taken until we detach.
+            try:
+                self._rpc("Release", kvd_pb2.ReleaseRequest(
+                    worker_id=self.worker_id, request_id=request_id, completed=False))
+            except KvdError:
+                pass
+            raise
         return Request(self, request_id, resp)
 
     def report(self):

@@ -1,0 +1,4 @@
+"""The smallest honest engine on kvd's memory: a decoder-only transformer (model.py) whose paged
+KV cache is kvd's slabs (paged_kv.py), driven through kvd's protocol (engine.py), wrapped in a
+worker process (worker.py: python3 -m kvd.engine.worker). It is the reference integration and the
+end-to-end proof that reuse is exact (tests/python/test_engine.py; docs/integration.md)."""

@@ -1,0 +1,38 @@
+"""python3 -m kvd.engine.worker --target unix:///run/kvd/kvd.sock [--pool default] [--prompts FILE]
+
+Serves prompts from FILE (or stdin), one JSON object a line:
+  {"id": "r1", "prompt": [1, 2, 3], "max_new": 4, "adapter": "", "salt": "", "checkpoint_every": 0}
+and prints one JSON line per request: {"id", "cached_tokens", "tokens", "digest"} (digest: SHA-256
+of every float32 logit row it sampled from). Several workers can run at once against one kvd."""
+import argparse
+import json
+import sys
+
+from kvd.client import Client
+from kvd.engine.engine import Engine
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="kvd.engine.worker")
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--pool", default="default")
+    ap.add_argument("--prompts", help="JSON lines file (default: stdin)")
+    ap.add_argument("--name", default="engine")
+    ap.add_argument("--wrong-layer-stride", action="store_true",
+                    help="read reused KV from the wrong layer (proves the exactness check can fail)")
+    args = ap.parse_args(argv)
+    src = open(args.prompts) if args.prompts else sys.stdin
+    with Client(args.target, worker_name=args.name) as client:
+        engine = Engine(client, args.pool, wrong_layer_stride=args.wrong_layer_stride)
+        for line in src:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            out = engine.generate(r["id"], r["prompt"], r.get("max_new", 4), r.get("adapter", ""),
+                                  r.get("salt", ""), r.get("checkpoint_every", 0))
+            print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
