@@ -15,9 +15,9 @@ kvd_packages=(
   libzmq3-dev libmsgpack-cxx-dev libssl-dev libhiredis-dev
 )
 # Only the tests need these: manifest and unit-file checks, the Python client and router-event
-# subscriber, and a real redis-server for the shared tier.
+# subscriber, a real redis-server for the shared tier, and PyTorch (CPU) for the engine proof.
 kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd prometheus clang
-                   python3-zmq python3-msgpack python3-cbor2 python3-numpy redis-server)
+                   python3-zmq python3-msgpack python3-cbor2 python3-numpy redis-server python3-torch)
 
 kvd_install_missing() {
   local missing=()
