@@ -42,6 +42,37 @@ bool ClosedByPeer(int fd, absl::Duration limit) {
   }
 }
 
+// An Admit of tokens [start, start + n) in the default pool.
+v1::AdmitRequest AdmitOf(const std::string& worker, const std::string& id, Token start, int n,
+                         int64_t max_new = 0) {
+  v1::AdmitRequest req;
+  req.set_worker_id(worker);
+  req.set_request_id(id);
+  req.mutable_namespace_()->set_pool("default");
+  for (int t = 0; t < n; ++t) req.add_prompt(start + t);
+  req.set_max_new_tokens(max_new);
+  return req;
+}
+
+grpc::Status Admit(v1::Kvd::Stub& stub, const v1::AdmitRequest& req, v1::AdmitResponse* resp = nullptr) {
+  grpc::ClientContext ctx;
+  v1::AdmitResponse ignored;
+  return stub.Admit(&ctx, req, resp != nullptr ? resp : &ignored);
+}
+
+// Admits and acquires `req`; REQUIREs both.
+void Start(v1::Kvd::Stub& stub, const v1::AdmitRequest& req) {
+  v1::AdmitResponse admitted;
+  REQUIRE(Admit(stub, req, &admitted).ok());
+  REQUIRE(admitted.admitted());
+  grpc::ClientContext ctx;
+  v1::AcquireRequest acq;
+  acq.set_worker_id(req.worker_id());
+  acq.set_request_id(req.request_id());
+  v1::AcquireResponse resp;
+  REQUIRE(stub.Acquire(&ctx, acq, &resp).ok());
+}
+
 grpc::Status Ping(v1::Kvd::Stub& stub) {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -129,34 +160,12 @@ TEST_CASE("Wire values near INT64_MAX are OUT_OF_RANGE and change nothing", "[in
   auto stub = NewStub(d);
   auto me = AttachByHand(*stub);
   const std::string worker = me->attached.worker_id();
-  v1::AdmitRequest admit;
-  admit.set_worker_id(worker);
-  admit.set_request_id("r");
-  admit.mutable_namespace_()->set_pool("default");
-  for (int t = 0; t < 9; ++t) admit.add_prompt(t);
-  admit.set_max_new_tokens(std::numeric_limits<int64_t>::max());
-  {
-    grpc::ClientContext ctx;
-    v1::AdmitResponse resp;
-    const grpc::Status s = stub->Admit(&ctx, admit, &resp);
-    REQUIRE(s.error_code() == grpc::StatusCode::OUT_OF_RANGE);
-    REQUIRE(s.error_message().find("max_new_tokens") != std::string::npos);
-  }
+  v1::AdmitRequest admit = AdmitOf(worker, "r", 0, 9, std::numeric_limits<int64_t>::max());
+  const grpc::Status huge = Admit(*stub, admit);
+  REQUIRE(huge.error_code() == grpc::StatusCode::OUT_OF_RANGE);
+  REQUIRE(huge.error_message().find("max_new_tokens") != std::string::npos);
   admit.set_max_new_tokens(4);
-  {
-    grpc::ClientContext ctx;
-    v1::AdmitResponse resp;
-    REQUIRE(stub->Admit(&ctx, admit, &resp).ok());
-    REQUIRE(resp.admitted());
-  }
-  {
-    grpc::ClientContext ctx;
-    v1::AcquireRequest acq;
-    acq.set_worker_id(worker);
-    acq.set_request_id("r");
-    v1::AcquireResponse resp;
-    REQUIRE(stub->Acquire(&ctx, acq, &resp).ok());
-  }
+  Start(*stub, admit);
   for (int64_t more : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max() - 8}) {
     grpc::ClientContext ctx;
     v1::ExtendRequest ext;
@@ -227,18 +236,8 @@ TEST_CASE("A worker id acts only for the process that attached it", "[integratio
   // Attaching twice does not double the per-worker limits: they count per process.
   auto first = AttachByHand(*stub);
   auto second = AttachByHand(*stub);
-  const auto admit = [&](const std::string& worker, const std::string& id, Token start) {
-    grpc::ClientContext ctx;
-    v1::AdmitRequest req;
-    req.set_worker_id(worker);
-    req.set_request_id(id);
-    req.mutable_namespace_()->set_pool("default");
-    for (int t = 0; t < 5; ++t) req.add_prompt(start + t);
-    v1::AdmitResponse resp;
-    return stub->Admit(&ctx, req, &resp);
-  };
-  REQUIRE(admit(first->attached.worker_id(), "one", 100).ok());
-  const grpc::Status again = admit(second->attached.worker_id(), "two", 200);
+  REQUIRE(Admit(*stub, AdmitOf(first->attached.worker_id(), "one", 100, 5)).ok());
+  const grpc::Status again = Admit(*stub, AdmitOf(second->attached.worker_id(), "two", 200, 5));
   REQUIRE(again.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
   REQUIRE(again.error_message().find("max_requests_per_worker") != std::string::npos);
   // A hello claiming another pid is bound to the caller's real pid: its token works from here.
@@ -262,25 +261,7 @@ TEST_CASE("Checkpoint state cannot grow the daemon past its bounds", "[integrati
   int kept = 0, refused = 0;
   for (int i = 0; i < 100; ++i) {
     const std::string id = absl::StrCat("c", i);
-    v1::AdmitRequest admit;
-    admit.set_worker_id(worker);
-    admit.set_request_id(id);
-    admit.mutable_namespace_()->set_pool("default");
-    for (int t = 0; t < 4; ++t) admit.add_prompt(i * 10 + t);
-    {
-      grpc::ClientContext ctx;
-      v1::AdmitResponse resp;
-      REQUIRE(stub->Admit(&ctx, admit, &resp).ok());
-      REQUIRE(resp.admitted());
-    }
-    {
-      grpc::ClientContext ctx;
-      v1::AcquireRequest acq;
-      acq.set_worker_id(worker);
-      acq.set_request_id(id);
-      v1::AcquireResponse resp;
-      REQUIRE(stub->Acquire(&ctx, acq, &resp).ok());
-    }
+    Start(*stub, AdmitOf(worker, id, i * 10, 4));
     grpc::ClientContext ctx;
     v1::CheckpointRequest ck;
     ck.set_worker_id(worker);
