@@ -1,8 +1,10 @@
 """The engine proof: a real attention model (kvd.engine) whose paged KV cache is kvd's slab memory,
-run as real worker processes against a real daemon. Reuse must be exact: the float32 logits (bit
+run as real worker processes against real daemons. Reuse must be exact: the float32 logits (bit
 for bit) and greedy tokens of a worker that hits kvd's cache equal those of the same prompts with
-an empty cache; adapters and salts never share KV; a layout bug is caught; and the Python client
-gives back what an Acquire failure would otherwise leak.
+an empty cache — for hits of one block, many blocks and the capped case, under eviction pressure,
+from the host tier and from the disk tier after a restart; adapters and salts never share KV; a
+worker SIGKILLed after a checkpoint is resumed by another to the same sequence; a layout bug is
+caught; and the Python client gives back what an Acquire failure would otherwise leak.
 
 Usage: test_engine.py KVD_BINARY   (PYTHONPATH = the build's python/ directory)"""
 import json
@@ -15,6 +17,7 @@ from kvd_testlib import Daemon, check, finish
 
 import grpc
 from kvd.client import Client, KvdError
+from kvd.v1 import kvd_pb2
 
 # block_tokens 4; per token and layer K and V of 2 kv heads x 8 dims, float32 (the model's Config).
 POOL = ("pools:\n  - name: default\n    block_tokens: 4\n    num_layers: 2\n"
@@ -48,6 +51,77 @@ def run_worker(target, requests, *flags):
     if out.returncode != 0:
         print(out.stderr)
     return {r["id"]: r for r in map(json.loads, out.stdout.split("\n")[:-1])} if out.returncode == 0 else {}
+
+
+def prove_resume(kvd, tmp):
+    """A worker SIGKILLed right after a checkpoint; another resumes: the same sequence."""
+    d = Daemon(kvd, tmp, POOL.format(cap=128), name="resume")
+    try:
+        req = {"id": "gen", "prompt": base(10, 5), "max_new": 9, "checkpoint_every": 3}
+        full = run_worker(d.target, [dict(req, id="gen-whole")]).get("gen-whole", {})
+        dead = subprocess.run([sys.executable, "-m", "kvd.engine.worker", "--target", d.target,
+                               "--die-after-checkpoints", "2"], input=json.dumps(req) + "\n",
+                              capture_output=True, text=True, timeout=300)
+        check(dead.returncode == -9 and "died_after_checkpoints" in dead.stdout,
+              "the first worker dies (SIGKILL) right after its second checkpoint")
+        resumed = run_worker(d.target, [dict(req, resume=True)]).get("gen", {})
+        check(resumed.get("resumed") is True, "the second worker resumes the checkpoint")
+        check(len(full.get("tokens", [])) == 9 and resumed.get("tokens") == full.get("tokens"),
+              f"the resumed sequence equals an uninterrupted run's ({resumed.get('tokens')})")
+    finally:
+        d.stop()
+
+
+def prove_pressure(kvd, tmp):
+    """A pool too small for the work: blocks are evicted and reused all along, outputs stay exact."""
+    d = Daemon(kvd, tmp, POOL.format(cap=24), name="small")
+    try:
+        reqs = [{"id": f"p{i}-{k}", "prompt": base(4 * (i % 3) + 12, 11 * i % 97), "max_new": 4}
+                for k in range(2) for i in range(8)]
+        hot = run_worker(d.target, reqs)
+        cold = run_worker(d.target, [dict(r, id=r["id"] + "-cold", salt="cold-" + r["id"]) for r in reqs])
+        reused = sum(1 for r in reqs if hot.get(r["id"], {}).get("cached_tokens", 0) > 0)
+        check(reused > 0, f"requests reuse blocks under pressure ({reused} of {len(reqs)})")
+        check(len(hot) == len(reqs) and all(hot[r["id"]]["digest"] == cold.get(r["id"] + "-cold", {}).get("digest")
+                                            for r in reqs),
+              "every output under eviction equals a cold run's, bit for bit")
+    finally:
+        d.stop()
+
+
+def prove_tiers(kvd, tmp):
+    """The prefix comes back from the host tier, then from the disk tier after a restart."""
+    disk = os.path.join(tmp, "disk")
+    config = POOL.format(cap=128) + f"tiers:\n  host_bytes: 1048576\n  disk_dir: {disk}\n"
+    want = run_worker_cold(kvd, tmp, SECOND[1])
+    d = Daemon(kvd, tmp, config, name="tiers")
+    try:
+        run_worker(d.target, FIRST)
+        with Client(d.target, worker_name="ops") as c:
+            freed = c._rpc("Gc", kvd_pb2.GcRequest()).blocks_freed  # device -> host tier
+        check(freed > 0, f"gc moves the prefix to the host tier ({freed} blocks)")
+        got = run_worker(d.target, [dict(SECOND[1], id="from-host")]).get("from-host", {})
+        check(got.get("cached_tokens") == 20 and got.get("digest") == want,
+              "a prefix promoted from the host tier gives the same logits, bit for bit")
+        with Client(d.target, worker_name="ops") as c:
+            check(c.flush().durable, "the flush is durable")
+    finally:
+        d.stop()
+    d = Daemon(kvd, tmp, config, name="tiers2")
+    try:
+        got = run_worker(d.target, [dict(SECOND[1], id="from-disk")]).get("from-disk", {})
+        check(got.get("cached_tokens") == 20 and got.get("digest") == want,
+              "after a restart, a prefix read back from the disk tier gives the same logits, bit for bit")
+    finally:
+        d.stop()
+
+
+def run_worker_cold(kvd, tmp, req):
+    d = Daemon(kvd, tmp, POOL.format(cap=128), name="reference")
+    try:
+        return run_worker(d.target, [dict(req, id="reference")]).get("reference", {}).get("digest")
+    finally:
+        d.stop()
 
 
 def main():
@@ -112,6 +186,9 @@ def main():
         finally:
             warm.stop()
             cold.stop()
+        prove_resume(kvd, tmp)
+        prove_pressure(kvd, tmp)
+        prove_tiers(kvd, tmp)
     return finish()
 
 

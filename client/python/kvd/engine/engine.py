@@ -10,8 +10,12 @@ Greedy sampling; the result carries the generated tokens and a SHA-256 of every 
 row it sampled from, so two runs can be compared bit for bit."""
 import hashlib
 import struct
+import time
 
+import grpc
 import torch
+
+from kvd.client import KvdError
 
 from kvd.engine.model import TinyDecoder
 from kvd.engine.paged_kv import PagedKv
@@ -32,31 +36,57 @@ class Engine:
             self.models[adapter] = TinyDecoder(self.cfg, adapter)
         return self.models[adapter]
 
-    def generate(self, request_id, prompt, max_new=4, adapter="", salt="", checkpoint_every=0):
+    def generate(self, request_id, prompt, max_new=4, adapter="", salt="", checkpoint_every=0, resume=False,
+                 on_checkpoint=None):
+        """Generates `max_new` tokens greedily. With `resume`, continues request_id's checkpoint
+        (left by a worker that died): the full sequence equals an uninterrupted run's.
+        `on_checkpoint()` runs after each checkpoint (the worker's crash hook)."""
         model = self.model(adapter)
         digest = hashlib.sha256()
         generated = []
-        with self.client.request(request_id, self.pool, list(prompt), max_new_tokens=max_new,
-                                 cache_salt=salt, adapter=adapter) as req:
+        req = self._request(request_id, prompt, max_new, adapter, salt, resume)
+        with req:
             cached = req.cached_tokens
             kv = PagedKv(self.kv, req.blocks, self.block_tokens,
                          wrong_layer_below=cached if self.wrong_layer_stride else 0)
-            tokens = list(prompt)
-            logits = model.forward(kv, tokens, cached, len(tokens))[-1]
-            req.publish(tokens)
-            for i in range(max_new):
+            if req.resumed:
+                # Positions with KV, then the token the dead worker sampled next (engine_state).
+                tokens = list(req.resumed_tokens)
+                generated = tokens[len(prompt):] + [struct.unpack("<I", req.engine_state)[0]]
+                if cached < len(tokens):  # kvd handed back a fresh tail block: recompute it
+                    model.forward(kv, tokens, cached, len(tokens))
+            else:
+                tokens = list(prompt)
+                logits = model.forward(kv, tokens, cached, len(tokens))[-1]
+                req.publish(tokens)
                 digest.update(logits.numpy().tobytes())
-                nxt = int(torch.argmax(logits))
-                generated.append(nxt)
-                if i + 1 == max_new:
-                    break
-                # The sampled token needs a position of its own before its KV can be computed.
+                generated.append(int(torch.argmax(logits)))
+            while len(generated) < max_new:
+                # The last sampled token needs a position of its own before its KV is computed.
                 req.extend(1)
                 kv.table = req.blocks
-                tokens.append(nxt)
+                tokens.append(generated[-1])
                 logits = model.forward(kv, tokens, len(tokens) - 1, len(tokens))[-1]
-                if checkpoint_every and (i + 1) % checkpoint_every == 0:
-                    # Positions 0..len(tokens)-1 have KV; the token sampled from `logits` next
-                    # is the engine's state.
-                    req.checkpoint(tokens, struct.pack("<I", int(torch.argmax(logits))))
-        return {"id": request_id, "cached_tokens": cached, "tokens": generated, "digest": digest.hexdigest()}
+                digest.update(logits.numpy().tobytes())
+                generated.append(int(torch.argmax(logits)))
+                if checkpoint_every and len(generated) < max_new and len(generated) % checkpoint_every == 0:
+                    # Positions 0..len(tokens)-1 have KV; the token just sampled is the state.
+                    req.checkpoint(tokens, struct.pack("<I", generated[-1]))
+                    if on_checkpoint is not None:
+                        on_checkpoint()
+        return {"id": request_id, "cached_tokens": cached, "resumed": req.resumed, "tokens": generated,
+                "digest": digest.hexdigest()}
+
+    def _request(self, request_id, prompt, max_new, adapter, salt, resume, wait_s=5.0):
+        """Client.request; a resume right after the previous worker died may find the request
+        still live for a moment (ALREADY_EXISTS): retried for up to wait_s."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.client.request(request_id, self.pool, list(prompt), max_new_tokens=max_new,
+                                           cache_salt=salt, adapter=adapter,
+                                           resume_from=request_id if resume else "")
+            except KvdError as e:
+                if not (resume and e.code == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() < deadline):
+                    raise
+                time.sleep(0.02)
