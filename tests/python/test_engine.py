@@ -2,16 +2,19 @@
 run as real worker processes against real daemons. Reuse must be exact: the float32 logits (bit
 for bit) and greedy tokens of a worker that hits kvd's cache equal those of the same prompts with
 an empty cache — for hits of one block, many blocks and the capped case, under eviction pressure,
-from the host tier and from the disk tier after a restart; adapters and salts never share KV; a
+from the host tier, from the disk tier after a restart and from Redis on a second daemon; adapters and salts never share KV; a
 worker SIGKILLed after a checkpoint is resumed by another to the same sequence; a layout bug is
 caught; and the Python client gives back what an Acquire failure would otherwise leak.
 
 Usage: test_engine.py KVD_BINARY   (PYTHONPATH = the build's python/ directory)"""
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 from kvd_testlib import Daemon, check, finish
 
@@ -116,6 +119,36 @@ def prove_tiers(kvd, tmp):
         d.stop()
 
 
+def prove_redis(kvd, tmp):
+    """The prefix comes from Redis (G4) on a second daemon that never saw it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    redis = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                              "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
+    want = run_worker_cold(kvd, tmp, SECOND[1])
+    config = POOL.format(cap=128) + f"tiers:\n  redis_url: redis://127.0.0.1:{port}\n"
+    a = Daemon(kvd, tmp, config, name="node-a")
+    b = Daemon(kvd, tmp, config, name="node-b")
+    try:
+        run_worker(a.target, FIRST)
+        got = {}
+        for _ in range(100):  # uploads are write-behind: wait until node B finds the prefix
+            got = run_worker(b.target, [dict(SECOND[1], id="from-redis")]).get("from-redis", {})
+            if got.get("cached_tokens") == 20:
+                break
+            with Client(b.target, worker_name="ops") as c:  # forget what this try computed
+                c._rpc("Gc", kvd_pb2.GcRequest())
+            time.sleep(0.1)
+        check(got.get("cached_tokens") == 20 and got.get("digest") == want,
+              "on a second daemon, a prefix fetched from Redis gives the same logits, bit for bit")
+    finally:
+        a.stop()
+        b.stop()
+        redis.terminate()
+        redis.wait(timeout=10)
+
+
 def run_worker_cold(kvd, tmp, req):
     d = Daemon(kvd, tmp, POOL.format(cap=128), name="reference")
     try:
@@ -189,6 +222,10 @@ def main():
         prove_resume(kvd, tmp)
         prove_pressure(kvd, tmp)
         prove_tiers(kvd, tmp)
+        if shutil.which("redis-server"):
+            prove_redis(kvd, tmp)
+        else:
+            check(False, "redis-server is installed (scripts/test.sh installs it)")
     return finish()
 
 
