@@ -59,8 +59,7 @@ class KvCache {
 
   const std::vector<PoolGeometry>& pools() const { return pool_geometries_; }
   const CacheOptions& options() const { return options_; }
-  // The clock every TTL and recency reads (the tiers below share it).
-  const Clock* clock() const { return clock_; }
+  const Clock* clock() const { return clock_; }  // every TTL and recency (the tiers share it)
   // NOT_FOUND for an unknown pool name.
   absl::StatusOr<PoolId> FindPool(absl::string_view name) const;
 
