@@ -153,10 +153,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   builder.SetMaxReceiveMessageSize(static_cast<int>(so.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(so.max_message_bytes));
   builder.RegisterService(d->service_.get());
-  // Reflection answers only peers the allow-list admits; health answers everyone (probes).
-  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(std::make_unique<AccessInterceptorFactory>(d->service_.get()));
-  builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  // With an allow-list, reflection answers only peers it admits; health answers everyone
+  // (probes). Without one every peer that can open the 0660 socket is trusted, and the
+  // interceptor, which costs every RPC (docs/performance.md), is left out.
+  if (d->access_.enabled()) {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(std::make_unique<AccessInterceptorFactory>(d->service_.get()));
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  }
   // Create the socket file without world access from the start (no window before
   // the chmod below); umask is process-wide, and nothing else creates files during start-up.
   const mode_t old_umask = ::umask(0117);
