@@ -74,7 +74,6 @@ void PeerListener::ShedOneConnection() {
   const std::string why = std::strerror(errno);
   for (UniqueFd& spare : spare_fds_) spare.Reset();
   UniqueFd(::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-  ++shed_connections_;
   const auto now = std::chrono::steady_clock::now();
   if (now - last_shed_log_ > std::chrono::seconds(10)) {
     spdlog::warn("grpc socket: out of file descriptors ({}); closing new connections until some "

@@ -51,7 +51,6 @@ class PeerListener {
   // into, one for whatever logging it needs).
   UniqueFd spare_fds_[2];
   std::chrono::steady_clock::time_point last_shed_log_;  // accept thread only
-  int64_t shed_connections_ = 0;                         // accept thread only
   std::thread thread_;
   mutable absl::Mutex mu_;
   // By fd number: a number is reused only after gRPC closed the old connection, and the new
