@@ -20,6 +20,7 @@
 
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "server/daemon.h"
+#include "tests/util/small_pool.h"
 #include "spdlog/spdlog.h"
 
 namespace {
@@ -44,13 +45,7 @@ World* Start() {
   o.server.listen = "unix://" + dir + "/kvd.sock";
   o.server.metrics_listen = "";
   o.server.max_message_bytes = 1 << 20;
-  PoolGeometry g;
-  g.name = "default";
-  g.block_tokens = 4;
-  g.num_layers = 2;
-  g.bytes_per_token_per_layer = 16;
-  g.capacity_blocks = 64;
-  g.max_model_len = 256;
+  const PoolGeometry g = testing::SmallPool();
   o.cache.pools.push_back(g);
   o.tiers.host_bytes = 16 * g.block_bytes_all_shards();
   o.tiers.disk_dir = dir + "/disk";

@@ -8,6 +8,7 @@
 
 #include "server/daemon.h"
 #include "tests/integration/harness.h"
+#include "tests/util/small_pool.h"
 
 namespace kvd {
 namespace {
@@ -21,14 +22,7 @@ TEST_CASE("A daemon torn down while /metrics is scraped stops cleanly", "[integr
     o.server.listen = "unix://" + dir.path() + "/kvd.sock";
     o.server.side_socket = dir.path() + "/kvd.sock.slabs";
     o.server.metrics_listen = "127.0.0.1:0";
-    PoolGeometry g;
-    g.name = "default";
-    g.block_tokens = 4;
-    g.num_layers = 2;
-    g.bytes_per_token_per_layer = 16;
-    g.capacity_blocks = 64;
-    g.max_model_len = 256;
-    o.cache.pools.push_back(g);
+    o.cache.pools.push_back(SmallPool());
     o.tiers.host_bytes = 1 << 20;
     o.tiers.disk_dir = dir.path() + "/disk";
     o.router_events.endpoint = "ipc://" + dir.path() + "/events";
