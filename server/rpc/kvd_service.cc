@@ -64,13 +64,14 @@ absl::Status KvdService::Authorize(const grpc::CallbackServerContext* ctx, absl:
   return absl::OkStatus();
 }
 
-absl::Status KvdService::CheckWorker(const grpc::CallbackServerContext* ctx, const std::string& worker_id,
-                                     const std::string& request_id) const {
+absl::StatusOr<KvdService::Caller> KvdService::CheckWorker(const grpc::CallbackServerContext* ctx,
+                                                          const std::string& worker_id,
+                                                          const std::string& request_id) const {
   KVD_RETURN_IF_ERROR(RequireId("worker_id", worker_id));
   KVD_ASSIGN_OR_RETURN(Caller caller, Identify(ctx));
   KVD_RETURN_IF_ERROR(workers_->Check(WorkerId(worker_id), caller.key));
-  if (request_id.empty()) return absl::OkStatus();
-  return cache_->CheckOwner(RequestId(request_id), WorkerId(worker_id));
+  if (!request_id.empty()) KVD_RETURN_IF_ERROR(cache_->CheckOwner(RequestId(request_id), WorkerId(worker_id)));
+  return caller;
 }
 
 void KvdService::StartDraining() {
@@ -112,8 +113,7 @@ grpc::ServerUnaryReactor* KvdService::Admit(grpc::CallbackServerContext* ctx,
                                             const v1::AdmitRequest* req, v1::AdmitResponse* resp) {
   return Unary(ctx, "Admit", [&]() -> absl::Status {
     if (draining()) return Draining();
-    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), ""));
-    KVD_ASSIGN_OR_RETURN(Caller caller, Identify(ctx));
+    KVD_ASSIGN_OR_RETURN(Caller caller, CheckWorker(ctx, req->worker_id(), ""));
     RequestSpec spec = SpecFromProto(*req);
     spec.principal = WorkerId(caller.key);  // limits count per process, however often it attached
     KVD_ASSIGN_OR_RETURN(AdmitResult r, cache_->Admit(spec));
@@ -140,7 +140,7 @@ grpc::ServerUnaryReactor* KvdService::Acquire(grpc::CallbackServerContext* ctx,
   bool promoting = false;
   const absl::Status status = [&]() -> absl::Status {
     KVD_RETURN_IF_ERROR(Authorize(ctx, "Acquire"));
-    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()).status());
     const RequestId id(req->request_id());
     KVD_ASSIGN_OR_RETURN(AcquireResult r, cache_->Acquire(id));
     for (const WorkerId& w : r.publishers) {
@@ -174,7 +174,7 @@ grpc::ServerUnaryReactor* KvdService::Extend(grpc::CallbackServerContext* ctx,
                                              const v1::ExtendRequest* req,
                                              v1::ExtendResponse* resp) {
   return Unary(ctx, "Extend", [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()).status());
     KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> blocks,
                          cache_->Extend(RequestId(req->request_id()), req->additional_tokens()));
     resp->mutable_new_blocks()->Add(blocks.begin(), blocks.end());
@@ -187,7 +187,7 @@ grpc::ServerUnaryReactor* KvdService::PublishOrKeeps(grpc::CallbackServerContext
                                                      const v1::PublishRequest* req,
                                                      v1::PublishResponse* resp, bool dry_run) {
   return Unary(ctx, method, [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()).status());
     const RequestId id(req->request_id());
     const std::vector<Token> tokens = TokensFromProto(req->tokens());
     const std::vector<BlockIndex> blocks(req->blocks().begin(), req->blocks().end());
@@ -214,7 +214,7 @@ grpc::ServerUnaryReactor* KvdService::Release(grpc::CallbackServerContext* ctx,
                                               const v1::ReleaseRequest* req,
                                               v1::ReleaseResponse*) {
   return Unary(ctx, "Release", [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()).status());
     return cache_->Release(RequestId(req->request_id()), req->completed());
   });
 }
@@ -223,7 +223,7 @@ grpc::ServerUnaryReactor* KvdService::Checkpoint(grpc::CallbackServerContext* ct
                                                  const v1::CheckpointRequest* req,
                                                  v1::CheckpointResponse*) {
   return Unary(ctx, "Checkpoint", [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()).status());
     return cache_->Checkpoint(RequestId(req->request_id()), TokensFromProto(req->tokens()),
                               req->engine_state());
   });

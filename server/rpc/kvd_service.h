@@ -164,8 +164,9 @@ class KvdService final : public v1::Kvd::CallbackService {
                                            const v1::PublishRequest* req,
                                            v1::PublishResponse* resp, bool dry_run);
   // The worker is attached by this caller and, when `request_id` is set, holds that request.
-  absl::Status CheckWorker(const grpc::CallbackServerContext* ctx, const std::string& worker_id,
-                           const std::string& request_id) const;
+  // Returns the caller.
+  absl::StatusOr<Caller> CheckWorker(const grpc::CallbackServerContext* ctx, const std::string& worker_id,
+                                     const std::string& request_id) const;
 
   KvCache* const cache_;
   TierStore* const tiers_;

@@ -108,13 +108,18 @@ void SlabSideChannel::Loop() {
       }
       continue;
     }
-    absl::MutexLock lock(&mu_);
-    if (connections_.size() >= static_cast<size_t>(kMaxConnections)) {
+    bool busy = false;
+    {
+      absl::MutexLock lock(&mu_);
+      busy = connections_.size() >= static_cast<size_t>(kMaxConnections);
+    }
+    if (busy) {  // only this thread adds connections: the count cannot grow meanwhile
       const timeval brief{0, 100'000};
       setsockopt(conn.get(), SOL_SOCKET, SO_SNDTIMEO, &brief, sizeof(brief));
       (void)SendMessage(conn.get(), "ERR busy: too many side-socket connections at once; retry", {});
       continue;
     }
+    absl::MutexLock lock(&mu_);
     auto c = std::make_unique<Connection>();
     c->fd = std::move(conn);
     c->deadline = SystemClock::Get()->Now() + kConnectionDeadline;

@@ -103,7 +103,7 @@ grpc::ServerUnaryReactor* KvdService::Prefetch(grpc::CallbackServerContext* ctx,
                                                v1::PrefetchResponse* resp) {
   return Unary(ctx, "Prefetch", [&]() -> absl::Status {
     KVD_RETURN_IF_ERROR(RequireTiers(false));
-    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), ""));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), "").status());
     if (req->tokens().empty()) return absl::InvalidArgumentError("tokens are required");
     KVD_ASSIGN_OR_RETURN(PrefetchInfo info,
                          tiers_->Prefetch(FromProto(req->namespace_()), TokensFromProto(req->tokens()),
@@ -120,7 +120,7 @@ grpc::ServerUnaryReactor* KvdService::ReleasePrefetch(grpc::CallbackServerContex
                                                       v1::ReleasePrefetchResponse*) {
   return Unary(ctx, "ReleasePrefetch", [&]() -> absl::Status {
     KVD_RETURN_IF_ERROR(RequireTiers(false));
-    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), ""));
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), "").status());
     return tiers_->ReleasePrefetch(req->handle(), WorkerId(req->worker_id()));
   });
 }
