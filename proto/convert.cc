@@ -379,6 +379,10 @@ void ToProto(PoolId id, const PoolGeometry& g, v1::PoolInfo* p) {
   p->set_layout(g.layout == PoolLayout::kLayerMajor ? v1::LAYOUT_LAYER_MAJOR : v1::LAYOUT_BLOCK_MAJOR);
   p->set_block_bytes(g.block_bytes());
   p->set_layer_block_bytes(g.layer_block_bytes());
+  p->set_dtype(g.kv.dtype);
+  p->set_kv_heads(g.kv.kv_heads);
+  p->set_head_dim(g.kv.head_dim);
+  p->set_kv_arrangement(g.kv.arrangement);
 }
 
 PoolGeometry GeometryFromProto(const v1::PoolInfo& p) {
@@ -391,6 +395,10 @@ PoolGeometry GeometryFromProto(const v1::PoolInfo& p) {
   g.max_model_len = p.max_model_len();
   g.num_shards = std::max(1, p.slabs_size());
   g.layout = p.layout() == v1::LAYOUT_BLOCK_MAJOR ? PoolLayout::kBlockMajor : PoolLayout::kLayerMajor;
+  g.kv.dtype = p.dtype();
+  g.kv.kv_heads = p.kv_heads();
+  g.kv.head_dim = p.head_dim();
+  g.kv.arrangement = p.kv_arrangement();
   return g;
 }
 

@@ -179,13 +179,18 @@ int Pools(Kvd::Stub& stub, bool json) {
     return 0;
   }
   std::vector<std::vector<std::string>> rows = {
-      {"POOL", "BLOCK", "LAYERS", "BLOCK BYTES", "LAYOUT", "SHARDS", "CAPACITY", "FREE", "OWNED", "CACHED", "EVICTABLE"}};
+      {"POOL", "BLOCK", "LAYERS", "BLOCK BYTES", "LAYOUT", "FORMAT", "SHARDS", "CAPACITY", "FREE", "OWNED", "CACHED",
+       "EVICTABLE"}};
   for (int i = 0; i < pools.pools_size(); ++i) {
     const auto& p = pools.pools(i);
     const auto& s = r.pools(i);
     rows.push_back({p.name(), absl::StrCat(p.block_tokens(), " tok"), absl::StrCat(p.num_layers()),
                     Bytes(p.block_bytes()),
                     p.layout() == kvd::v1::LAYOUT_LAYER_MAJOR ? "layer_major" : "block_major",
+                    p.dtype().empty() ? "-"
+                    : p.kv_arrangement().empty()
+                        ? p.dtype()
+                        : absl::StrCat(p.dtype(), " ", p.kv_heads(), "x", p.head_dim(), " ", p.kv_arrangement()),
                     absl::StrCat(p.slabs_size()), absl::StrCat(p.capacity_blocks()),
                     absl::StrCat(s.free_blocks()), absl::StrCat(s.owned_blocks()),
                     absl::StrCat(s.cached_blocks()), absl::StrCat(s.evictable_blocks())});

@@ -34,7 +34,14 @@ absl::Status ReadSeconds(const YAML::Node& node, const char* key, absl::Duration
   return absl::OkStatus();
 }
 
+absl::Status CheckKeys(const YAML::Node& node, const std::string& where,
+                       std::initializer_list<const char*> known);
+
 absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeometry* g) {
+  KVD_RETURN_IF_ERROR(CheckKeys(node, where,
+                                {"name", "block_tokens", "num_layers", "bytes_per_token_per_layer",
+                                 "capacity_blocks", "max_model_len", "shards", "devices", "layout", "dtype",
+                                 "kv_heads", "head_dim", "kv_arrangement"}));
   *g = DefaultPool();
   g->name.clear();
   KVD_RETURN_IF_ERROR(Read(node, "name", &g->name, where));
@@ -46,6 +53,10 @@ absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeom
   KVD_RETURN_IF_ERROR(Read(node, "shards", &g->num_shards, where));
   KVD_RETURN_IF_ERROR(Read(node, "devices", &g->devices, where));
   if (!g->devices.empty() && !node["shards"]) g->num_shards = static_cast<int32_t>(g->devices.size());
+  KVD_RETURN_IF_ERROR(Read(node, "dtype", &g->kv.dtype, where));
+  KVD_RETURN_IF_ERROR(Read(node, "kv_heads", &g->kv.kv_heads, where));
+  KVD_RETURN_IF_ERROR(Read(node, "head_dim", &g->kv.head_dim, where));
+  KVD_RETURN_IF_ERROR(Read(node, "kv_arrangement", &g->kv.arrangement, where));
   std::string layout = PoolLayoutName(g->layout);
   KVD_RETURN_IF_ERROR(Read(node, "layout", &layout, where));
   if (layout == "layer_major") {
@@ -357,6 +368,10 @@ std::string FormatConfig(const Options& o) {
     out << YAML::Key << "layout" << YAML::Value << PoolLayoutName(g.layout);
     out << YAML::Key << "shards" << YAML::Value << g.num_shards;
     if (!g.devices.empty()) out << YAML::Key << "devices" << YAML::Value << YAML::Flow << g.devices;
+    if (!g.kv.dtype.empty()) out << YAML::Key << "dtype" << YAML::Value << g.kv.dtype;
+    if (g.kv.kv_heads != 0) out << YAML::Key << "kv_heads" << YAML::Value << g.kv.kv_heads;
+    if (g.kv.head_dim != 0) out << YAML::Key << "head_dim" << YAML::Value << g.kv.head_dim;
+    if (!g.kv.arrangement.empty()) out << YAML::Key << "kv_arrangement" << YAML::Value << g.kv.arrangement;
     out << YAML::EndMap;
   }
   out << YAML::EndSeq;

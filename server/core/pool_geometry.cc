@@ -25,6 +25,7 @@ absl::Status PoolGeometry::Validate() const {
   for (int32_t d : devices) {
     if (d < 0) return bad("device ordinals must be >= 0");
   }
+  if (absl::Status s = kv.Validate(bytes_per_token_per_layer); !s.ok()) return bad(s.message());
   return absl::OkStatus();
 }
 

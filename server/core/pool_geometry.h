@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "server/core/kv_format.h"
 
 namespace kvd {
 
@@ -32,6 +33,7 @@ struct PoolGeometry {
   // CUDA device ordinal of each shard; empty means shard i on device i. Size num_shards if set.
   std::vector<int32_t> devices;
   PoolLayout layout = PoolLayout::kLayerMajor;
+  KvFormat kv;  // what the bytes mean (dtype, heads, arrangement); optional, see kv_format.h
 
   // Bytes of one block on one shard (one device).
   int64_t block_bytes() const { return int64_t{block_tokens} * num_layers * bytes_per_token_per_layer; }

@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "proto/convert.h"
 #include "proto/grpc_status.h"
+#include "server/core/status_macros.h"
 #include "server/obs/log_safe.h"
 #include "server/rpc/kvd_service.h"
 #include "spdlog/spdlog.h"
@@ -46,6 +47,11 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
         return;
       }
       if (absl::Status bad = CheckWorkerName(hello.worker_name()); !bad.ok()) {
+        FinishLocked(ToGrpcStatus(bad));
+        return;
+      }
+      if (absl::Status bad = CheckExpectations(hello, service_->cache()->pools()); !bad.ok()) {
+        spdlog::warn("worker '{}' refused: {}", LogSafe(hello.worker_name()), LogSafe(bad.message()));
         FinishLocked(ToGrpcStatus(bad));
         return;
       }
@@ -111,6 +117,35 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
     for (unsigned char c : name) {
       if (c < 0x20 || c == 0x7f) {
         return absl::InvalidArgumentError("worker_name contains a control character");
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Each pool the worker expects exists and has the format, block size and layout it assumes.
+  static absl::Status CheckExpectations(const v1::Hello& hello, const std::vector<PoolGeometry>& pools) {
+    constexpr int kMaxExpectations = 64;
+    if (hello.expect_pools_size() > kMaxExpectations) {
+      return absl::InvalidArgumentError(absl::StrCat("expect_pools has ", hello.expect_pools_size(),
+                                                     " entries; at most ", kMaxExpectations, " are allowed"));
+    }
+    for (const v1::PoolExpectation& e : hello.expect_pools()) {
+      if (e.pool().empty()) return absl::InvalidArgumentError("expect_pools[].pool is required");
+      const PoolGeometry* g = nullptr;
+      for (const PoolGeometry& p : pools) {
+        if (p.name == e.pool()) g = &p;
+      }
+      if (g == nullptr) return absl::NotFoundError(absl::StrCat("expected pool '", e.pool(), "' does not exist"));
+      KVD_RETURN_IF_ERROR(CheckKvFormat(
+          g->name, g->kv, KvFormat{e.dtype().substr(0, 64), e.kv_heads(), e.head_dim(), e.kv_arrangement().substr(0, 64)}));
+      if (e.block_tokens() != 0 && e.block_tokens() != g->block_tokens) {
+        return absl::FailedPreconditionError(absl::StrCat("pool '", g->name, "' holds block_tokens ",
+                                                          g->block_tokens, ", the worker expects ", e.block_tokens()));
+      }
+      if (!e.layout().empty() && e.layout() != PoolLayoutName(g->layout)) {
+        return absl::FailedPreconditionError(absl::StrCat("pool '", g->name, "' has layout ",
+                                                          PoolLayoutName(g->layout), ", the worker expects ",
+                                                          e.layout().substr(0, 64)));
       }
     }
     return absl::OkStatus();

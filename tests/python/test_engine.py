@@ -24,7 +24,8 @@ from kvd.v1 import kvd_pb2
 
 # block_tokens 4; per token and layer K and V of 2 kv heads x 8 dims, float32 (the model's Config).
 POOL = ("pools:\n  - name: default\n    block_tokens: 4\n    num_layers: 2\n"
-        "    bytes_per_token_per_layer: 128\n    capacity_blocks: {cap}\n    max_model_len: 256\n")
+        "    bytes_per_token_per_layer: 128\n    capacity_blocks: {cap}\n    max_model_len: 256\n"
+        "    dtype: float32\n    kv_heads: 2\n    head_dim: 8\n    kv_arrangement: token_kv_head_dim\n")
 
 
 def base(n, start=1):
@@ -149,6 +150,59 @@ def prove_redis(kvd, tmp):
         redis.wait(timeout=10)
 
 
+def prove_format(kvd, tmp):
+    """The pool declares what its bytes mean; a worker that assumes otherwise cannot attach, and
+    neither can an operator's config whose numbers do not add up."""
+    d = Daemon(kvd, tmp, POOL.format(cap=16), name="format")
+    try:
+        with Client(d.target, worker_name="format") as c:
+            p = c.pool("default")
+            check((p.dtype, p.kv_heads, p.head_dim, p.kv_arrangement) == ("float32", 2, 8, "token_kv_head_dim"),
+                  "ListPools shows the declared dtype, heads and arrangement")
+            t = c.kv_tensor("default")
+            check(tuple(t.shape) == (2, 16, 4, 2, 2, 8) and str(t.dtype) == "torch.float32",
+                  f"kv_tensor() takes dtype and shape from the declaration ({tuple(t.shape)})")
+            del t
+        good = {"pool": "default", "dtype": "float32", "kv_heads": 2, "head_dim": 8,
+                "kv_arrangement": "token_kv_head_dim", "block_tokens": 4, "layout": "layer_major"}
+        wrong = [({"dtype": "bfloat16"}, grpc.StatusCode.FAILED_PRECONDITION, "dtype"),
+                 ({"kv_heads": 8}, grpc.StatusCode.FAILED_PRECONDITION, "kv_heads"),
+                 ({"head_dim": 128}, grpc.StatusCode.FAILED_PRECONDITION, "head_dim"),
+                 ({"kv_arrangement": "kv_token_head_dim"}, grpc.StatusCode.FAILED_PRECONDITION, "kv_arrangement"),
+                 ({"block_tokens": 16}, grpc.StatusCode.FAILED_PRECONDITION, "block_tokens"),
+                 ({"layout": "block_major"}, grpc.StatusCode.FAILED_PRECONDITION, "layout"),
+                 ({"pool": "llama-70b"}, grpc.StatusCode.NOT_FOUND, "llama-70b"),
+                 ({"pool": ""}, grpc.StatusCode.INVALID_ARGUMENT, "pool")]
+        for change, code, word in wrong:
+            try:
+                with Client(d.target, worker_name="mismatch", expect=[dict(good, **change)]):
+                    check(False, f"a worker expecting {change} is refused")
+            except KvdError as e:
+                check(e.code == code and word in e.details, f"expecting {change}: {e.code.name} naming {word}")
+        with Client(d.target, worker_name="matching", expect=[good]) as c:
+            check(c.report().live_requests == 0, "a worker whose expectation matches attaches; refusals left nothing")
+    finally:
+        d.stop()
+    # A pool that declares nothing meets no expectation: the reference worker refuses to run on it.
+    bare = POOL.format(cap=16).split("    dtype:")[0]
+    d = Daemon(kvd, tmp, bare, name="undeclared")
+    try:
+        out = subprocess.run([sys.executable, "-m", "kvd.engine.worker", "--target", d.target],
+                             input=json.dumps(FIRST[0]) + "\n", capture_output=True, text=True, timeout=120)
+        check(out.returncode != 0 and "(undeclared)" in out.stderr,
+              "the engine worker refuses a pool that does not declare its format")
+    finally:
+        d.stop()
+    # Operator typos: numbers that do not add up, an unknown dtype, a misspelt key.
+    for bad, word in (("kv_heads: 2", "kv_heads: 3"), ("float32", "float31"), ("head_dim: 8", "head_dims: 8")):
+        path = os.path.join(tmp, "typo.yaml")
+        with open(path, "w") as f:
+            f.write(POOL.format(cap=16).replace(bad, word))
+        out = subprocess.run([kvd, "--config=" + path, "--print-config"], capture_output=True, text=True, timeout=30)
+        check(out.returncode == 2 and ("pools[0]" in out.stderr or "pool 'default'" in out.stderr),
+              f"a config with '{word}' is refused, naming the pool ({out.stderr.strip()})")
+
+
 def run_worker_cold(kvd, tmp, req):
     d = Daemon(kvd, tmp, POOL.format(cap=128), name="reference")
     try:
@@ -219,6 +273,7 @@ def main():
         finally:
             warm.stop()
             cold.stop()
+        prove_format(kvd, tmp)
         prove_resume(kvd, tmp)
         prove_pressure(kvd, tmp)
         prove_tiers(kvd, tmp)

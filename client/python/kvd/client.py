@@ -24,6 +24,7 @@ class KvdError(Exception):
     def __init__(self, code, message):
         super().__init__(f"{code.name}: {message}")
         self.code = code
+        self.details = message
 
 
 def _call(fn, req):
@@ -66,10 +67,24 @@ class Pool:
         self.capacity_blocks = info.capacity_blocks
         self.layer_major = info.layout == kvd_pb2.LAYOUT_LAYER_MAJOR
         self.layer_block_bytes = info.layer_block_bytes
+        # The declared format (empty / 0 when the operator declared none): see PoolInfo.
+        self.dtype = info.dtype
+        self.kv_heads = info.kv_heads
+        self.head_dim = info.head_dim
+        self.kv_arrangement = info.kv_arrangement
         self.slab_sizes = [s.size_bytes for s in info.slabs]
         self.slabs = list(info.slabs)
         self.maps = [None] * len(info.slabs)     # host: mmap per shard
         self.devices = [None] * len(info.slabs)  # cuda: DeviceSlab per shard
+
+    def token_shape(self):
+        """What one token of one layer holds under the declared arrangement, e.g. (2, heads, dim)
+        for token_kv_head_dim; None when the pool declares no arrangement."""
+        if self.kv_arrangement == "token_kv_head_dim":
+            return (2, self.kv_heads, self.head_dim)
+        if self.kv_arrangement == "token_latent":
+            return (self.kv_heads, self.head_dim)
+        return None
 
     def offset(self, block, layer):
         """Byte offset of `layer` of `block` in a slab (gpu/slab_layout.h)."""
@@ -128,15 +143,27 @@ class Request:
 class Client:
     """Attaches to kvd (with a background heartbeat), lists pools and maps host slabs once."""
 
-    def __init__(self, target, worker_name="python", map_slabs=True, heartbeat_s=1.0, cuda_runtime=None):
+    def __init__(self, target, worker_name="python", map_slabs=True, heartbeat_s=1.0, cuda_runtime=None,
+                 expect=()):
+        """`expect`: dicts of kvd_pb2.PoolExpectation fields ({"pool": "llama", "dtype": "bfloat16",
+        "kv_heads": 8, ...}); the daemon refuses to attach (FAILED_PRECONDITION, KvdError) when a
+        pool differs, so the worker never reads KV laid out for another model."""
         self._channel = grpc.insecure_channel(target)
         grpc.channel_ready_future(self._channel).result(timeout=5)
         self._stub = kvd_pb2_grpc.KvdStub(self._channel)
         self._outbox = queue.Queue()
-        self._outbox.put(kvd_pb2.AttachRequest(hello=kvd_pb2.Hello(worker_name=worker_name, pid=os.getpid())))
+        self._outbox.put(kvd_pb2.AttachRequest(hello=kvd_pb2.Hello(
+            worker_name=worker_name, pid=os.getpid(),
+            expect_pools=[kvd_pb2.PoolExpectation(**e) for e in expect])))
         self._closed = threading.Event()
         self._stream = self._stub.Attach(self._requests())
-        attached = next(self._stream).attached
+        try:
+            attached = next(self._stream).attached
+        except grpc.RpcError as e:
+            self._closed.set()
+            self._outbox.put(None)
+            self._channel.close()
+            raise KvdError(e.code(), e.details()) from None
         self.worker_id = attached.worker_id
         self.backend = attached.backend
         self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True)
@@ -222,14 +249,23 @@ class Client:
             return flat.reshape(p.num_layers, p.capacity_blocks, p.layer_block_bytes)
         return flat.reshape(p.capacity_blocks, p.num_layers, p.layer_block_bytes)
 
-    def kv_tensor(self, pool, dtype, inner_shape, shard=0):
+    def kv_tensor(self, pool, dtype=None, inner_shape=None, shard=0):
         """The whole host slab as a torch tensor view [layers][blocks][block_tokens][*inner_shape]
         of `dtype`, whatever the pool's layout (a block-major slab comes back permuted, still a
         view). `inner_shape` is what one token of one layer holds, e.g. (2, kv_heads, head_dim)
         for K and V: its bytes must equal the pool's bytes_per_token_per_layer, else ValueError.
+        Both default to the pool's declared format (ValueError when it declares none).
         No copy: writes land in kvd's memory. Needs torch."""
         import torch
         p = self.pool(pool)
+        if dtype is None:
+            if not p.dtype:
+                raise ValueError(f"pool {p.name} declares no dtype: pass one")
+            dtype = getattr(torch, p.dtype)
+        if inner_shape is None:
+            inner_shape = p.token_shape()
+            if inner_shape is None:
+                raise ValueError(f"pool {p.name} declares no token-major arrangement: pass inner_shape")
         if p.maps[shard] is None:
             raise KvdError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of pool {p.name} is not mapped")
         itemsize = torch.empty((), dtype=dtype).element_size()

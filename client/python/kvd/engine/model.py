@@ -38,6 +38,12 @@ class Config:
     def bytes_per_token_per_layer(self):
         return 2 * self.kv_heads * self.head_dim * 4  # float32
 
+    def expectation(self, pool):
+        """What this model's kernels assume about `pool` (a kvd_pb2.PoolExpectation's fields):
+        kvd refuses the worker's Attach when the pool was declared otherwise."""
+        return {"pool": pool, "dtype": "float32", "kv_heads": self.kv_heads, "head_dim": self.head_dim,
+                "kv_arrangement": "token_kv_head_dim"}
+
 
 class TinyDecoder:
     def __init__(self, cfg=Config(), adapter=""):

@@ -14,6 +14,7 @@ import sys
 
 from kvd.client import Client
 from kvd.engine.engine import Engine
+from kvd.engine.model import Config
 
 
 def main(argv=None):
@@ -28,7 +29,8 @@ def main(argv=None):
                     help="read reused KV from the wrong layer (proves the exactness check can fail)")
     args = ap.parse_args(argv)
     src = open(args.prompts) if args.prompts else sys.stdin
-    with Client(args.target, worker_name=args.name) as client:
+    # The pool must hold KV the way this model reads it; kvd refuses the Attach otherwise.
+    with Client(args.target, worker_name=args.name, expect=[Config().expectation(args.pool)]) as client:
         engine = Engine(client, args.pool, wrong_layer_stride=args.wrong_layer_stride)
         checkpoints = 0
 
