@@ -116,10 +116,39 @@ grpc::ServerUnaryReactor* KvdService::Admit(grpc::CallbackServerContext* ctx,
     KVD_ASSIGN_OR_RETURN(Caller caller, CheckWorker(ctx, req->worker_id(), ""));
     RequestSpec spec = SpecFromProto(*req);
     spec.principal = WorkerId(caller.key);  // limits count per process, however often it attached
-    KVD_ASSIGN_OR_RETURN(AdmitResult r, cache_->Admit(spec));
-    ToProto(r, resp);
+    absl::StatusOr<AdmitResult> r = cache_->Admit(spec);
+    if (absl::IsAlreadyExists(r.status()) && !spec.resume_from.empty()) r = AdmitAfterOwnerGone(ctx, spec);
+    KVD_RETURN_IF_ERROR(r.status());
+    ToProto(*r, resp);
     return absl::OkStatus();
   });
+}
+
+absl::StatusOr<AdmitResult> KvdService::AdmitAfterOwnerGone(const grpc::CallbackServerContext* ctx,
+                                                            const RequestSpec& spec) {
+  absl::StatusOr<AdmitResult> r = cache_->Admit(spec);
+  // Only a request live under another worker is worth waiting for; the caller's own is its bug.
+  if (!absl::IsAlreadyExists(r.status()) || !absl::IsPermissionDenied(cache_->CheckOwner(spec.id, spec.owner))) {
+    return r;
+  }
+  if (resume_waiters_.fetch_add(1) >= kMaxResumeWaiters) {
+    resume_waiters_.fetch_sub(1);
+    return r;
+  }
+  absl::Time deadline = absl::Now() + kResumeWait;
+  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
+    deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
+  }
+  while (absl::IsAlreadyExists(r.status()) && absl::Now() < deadline && !ctx->IsCancelled() && !draining()) {
+    absl::SleepFor(absl::Milliseconds(5));
+    r = cache_->Admit(spec);
+  }
+  resume_waiters_.fetch_sub(1);
+  if (absl::IsAlreadyExists(r.status())) {
+    return absl::AlreadyExistsError(absl::StrCat(r.status().message(), " under another worker, still after waiting up to ",
+                                                 absl::FormatDuration(kResumeWait), " for it to end"));
+  }
+  return r;
 }
 
 grpc::ServerUnaryReactor* KvdService::Fits(grpc::CallbackServerContext* ctx,

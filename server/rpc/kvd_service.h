@@ -163,6 +163,15 @@ class KvdService final : public v1::Kvd::CallbackService {
   grpc::ServerUnaryReactor* PublishOrKeeps(grpc::CallbackServerContext* ctx, const char* method,
                                            const v1::PublishRequest* req,
                                            v1::PublishResponse* resp, bool dry_run);
+  // Admit of a resume whose request id is still live under another worker, which is usually one
+  // that just died and whose death kvd has not processed yet: retries until that request ends,
+  // for up to kResumeWait or the client's deadline, then answers what Admit answers. At most
+  // kMaxResumeWaiters calls wait at once (each holds a callback thread); the rest answer at once.
+  absl::StatusOr<AdmitResult> AdmitAfterOwnerGone(const grpc::CallbackServerContext* ctx,
+                                                  const RequestSpec& spec);
+  static constexpr absl::Duration kResumeWait = absl::Seconds(2);
+  static constexpr int kMaxResumeWaiters = 16;
+
   // The worker is attached by this caller and, when `request_id` is set, holds that request.
   // Returns the caller.
   absl::StatusOr<Caller> CheckWorker(const grpc::CallbackServerContext* ctx, const std::string& worker_id,
@@ -176,6 +185,7 @@ class KvdService final : public v1::Kvd::CallbackService {
   const std::string side_socket_;
   const absl::Duration lease_ttl_;
   std::atomic<bool> draining_{false};
+  std::atomic<int> resume_waiters_{0};
   const AccessPolicy* policy_ = nullptr;
   const PeerListener* peers_ = nullptr;
   std::function<void()> on_drain_;

@@ -76,6 +76,53 @@ def prove_resume(kvd, tmp):
         d.stop()
 
 
+def prove_resume_wait(kvd, tmp):
+    """A resume while the previous worker's request is still live: Admit waits for it to end
+    instead of answering ALREADY_EXISTS. The first worker hangs (SIGSTOP) after a checkpoint, so
+    its request lives until its 1 s lease lapses; the resume, sent at once, still succeeds."""
+    d = Daemon(kvd, tmp, POOL.format(cap=128), name="resume-wait", extra=["--lease-ttl=1"])
+    hung = None
+    try:
+        req = {"id": "hang", "prompt": base(10, 9), "max_new": 9, "checkpoint_every": 2}
+        full = run_worker(d.target, [dict(req, id="hang-whole")]).get("hang-whole", {})
+        hung = subprocess.Popen([sys.executable, "-m", "kvd.engine.worker", "--target", d.target,
+                                 "--stop-after-checkpoints", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+        hung.stdin.write(json.dumps(req) + "\n")
+        hung.stdin.close()
+        check("stopped_after_checkpoints" in hung.stdout.readline(), "the first worker hangs after a checkpoint")
+        with Client(d.target, worker_name="probe") as c:
+            check(c.report().live_requests == 1, "its request is still live")
+            start = time.monotonic()
+            admit = c._rpc("Admit", kvd_pb2.AdmitRequest(
+                worker_id=c.worker_id, request_id="hang", namespace=kvd_pb2.Namespace(pool="default"),
+                prompt=req["prompt"], max_new_tokens=9, resume_from="hang"))
+            check(admit.admitted, f"a resume sent while it is live is admitted once the lease lapses "
+                                  f"(waited {time.monotonic() - start:.2f} s) instead of ALREADY_EXISTS")
+            # Admitted, not acquired: giving it back leaves the checkpoint for the engine worker.
+            c._rpc("Release", kvd_pb2.ReleaseRequest(worker_id=c.worker_id, request_id="hang", completed=False))
+        resumed = run_worker(d.target, [dict(req, resume=True)]).get("hang", {})
+        check(resumed.get("resumed") is True and resumed.get("tokens") == full.get("tokens"),
+              f"then the engine worker continues the checkpoint exactly ({resumed.get('tokens')})")
+        # A live owner that never lets go: the wait ends (bounded) with ALREADY_EXISTS, and a
+        # worker resuming its own live request is told at once.
+        with Client(d.target, worker_name="owner") as a, Client(d.target, worker_name="other") as b:
+            with a.request("held", "default", base(8, 2), max_new_tokens=2):
+                for who, client in (("another worker", b), ("the owner", a)):
+                    try:
+                        client.request("held", "default", base(8, 2), resume_from="held")
+                        check(False, f"{who} cannot resume a request that stays live")
+                    except KvdError as e:
+                        check(e.code == grpc.StatusCode.ALREADY_EXISTS,
+                              f"{who} resuming a live request: ALREADY_EXISTS ({e.details})")
+            check(a.report().live_requests == 0, "nothing is left live")
+    finally:
+        if hung is not None:
+            hung.kill()
+            hung.wait()
+        d.stop()
+
+
 def prove_pressure(kvd, tmp):
     """A pool too small for the work: blocks are evicted and reused all along, outputs stay exact."""
     d = Daemon(kvd, tmp, POOL.format(cap=24), name="small")
@@ -275,6 +322,7 @@ def main():
             cold.stop()
         prove_format(kvd, tmp)
         prove_resume(kvd, tmp)
+        prove_resume_wait(kvd, tmp)
         prove_pressure(kvd, tmp)
         prove_tiers(kvd, tmp)
         if shutil.which("redis-server"):

@@ -10,12 +10,9 @@ Greedy sampling; the result carries the generated tokens and a SHA-256 of every 
 row it sampled from, so two runs can be compared bit for bit."""
 import hashlib
 import struct
-import time
 
-import grpc
 import torch
 
-from kvd.client import KvdError
 
 from kvd.engine.model import TinyDecoder
 from kvd.engine.paged_kv import PagedKv
@@ -77,16 +74,8 @@ class Engine:
         return {"id": request_id, "cached_tokens": cached, "resumed": req.resumed, "tokens": generated,
                 "digest": digest.hexdigest()}
 
-    def _request(self, request_id, prompt, max_new, adapter, salt, resume, wait_s=5.0):
-        """Client.request; a resume right after the previous worker died may find the request
-        still live for a moment (ALREADY_EXISTS): retried for up to wait_s."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return self.client.request(request_id, self.pool, list(prompt), max_new_tokens=max_new,
-                                           cache_salt=salt, adapter=adapter,
-                                           resume_from=request_id if resume else "")
-            except KvdError as e:
-                if not (resume and e.code == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() < deadline):
-                    raise
-                time.sleep(0.02)
+    def _request(self, request_id, prompt, max_new, adapter, salt, resume):
+        """Client.request. A resume right after the previous worker died needs no retry: kvd's
+        Admit waits (bounded) for the dead worker's request to end."""
+        return self.client.request(request_id, self.pool, list(prompt), max_new_tokens=max_new,
+                                   cache_salt=salt, adapter=adapter, resume_from=request_id if resume else "")

@@ -25,6 +25,8 @@ def main(argv=None):
     ap.add_argument("--name", default="engine")
     ap.add_argument("--die-after-checkpoints", type=int, default=0,
                     help="SIGKILL this process right after its Nth checkpoint (a crash, for tests)")
+    ap.add_argument("--stop-after-checkpoints", type=int, default=0,
+                    help="SIGSTOP this process right after its Nth checkpoint (a hung worker, for tests)")
     ap.add_argument("--wrong-layer-stride", action="store_true",
                     help="read reused KV from the wrong layer (proves the exactness check can fail)")
     args = ap.parse_args(argv)
@@ -40,6 +42,9 @@ def main(argv=None):
             if checkpoints == args.die_after_checkpoints:
                 print(json.dumps({"died_after_checkpoints": checkpoints}), flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+            if checkpoints == args.stop_after_checkpoints:
+                print(json.dumps({"stopped_after_checkpoints": checkpoints}), flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
 
         for line in src:
             if not line.strip():
