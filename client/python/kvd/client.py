@@ -151,6 +151,8 @@ class Client:
         self._channel = grpc.insecure_channel(target)
         grpc.channel_ready_future(self._channel).result(timeout=5)
         self._stub = kvd_pb2_grpc.KvdStub(self._channel)
+        self.rpc_seconds = 0.0  # wall time spent in unary RPCs, for the engine benchmark
+        self.rpc_calls = 0
         self._outbox = queue.Queue()
         self._outbox.put(kvd_pb2.AttachRequest(hello=kvd_pb2.Hello(
             worker_name=worker_name, pid=os.getpid(),
@@ -209,7 +211,12 @@ class Client:
                 os.close(fds[0])
 
     def _rpc(self, method, req):
-        return _call(getattr(self._stub, method), req)
+        start = time.perf_counter()
+        try:
+            return _call(getattr(self._stub, method), req)
+        finally:
+            self.rpc_seconds += time.perf_counter() - start
+            self.rpc_calls += 1
 
     def pool(self, pool):
         """The Pool named `pool` (or with that id)."""

@@ -10,6 +10,7 @@ Greedy sampling; the result carries the generated tokens and a SHA-256 of every 
 row it sampled from, so two runs can be compared bit for bit."""
 import hashlib
 import struct
+import time
 
 import torch
 
@@ -41,6 +42,8 @@ class Engine:
         model = self.model(adapter)
         digest = hashlib.sha256()
         generated = []
+        start, rpc_before = time.perf_counter(), self.client.rpc_seconds
+        ttft = None
         req = self._request(request_id, prompt, max_new, adapter, salt, resume)
         with req:
             cached = req.cached_tokens
@@ -58,6 +61,7 @@ class Engine:
                 req.publish(tokens)
                 digest.update(logits.numpy().tobytes())
                 generated.append(int(torch.argmax(logits)))
+            ttft = time.perf_counter() - start
             while len(generated) < max_new:
                 # The last sampled token needs a position of its own before its KV is computed.
                 req.extend(1)
@@ -72,7 +76,8 @@ class Engine:
                     if on_checkpoint is not None:
                         on_checkpoint()
         return {"id": request_id, "cached_tokens": cached, "resumed": req.resumed, "tokens": generated,
-                "digest": digest.hexdigest()}
+                "digest": digest.hexdigest(), "prompt_tokens": len(prompt), "ttft_s": ttft,
+                "wall_s": time.perf_counter() - start, "rpc_s": self.client.rpc_seconds - rpc_before}
 
     def _request(self, request_id, prompt, max_new, adapter, salt, resume):
         """Client.request. A resume right after the previous worker died needs no retry: kvd's
