@@ -55,6 +55,19 @@ def _recv_frame(sock, max_fds):
     return _recv_exact(sock, length), fds
 
 
+class _CudaArray:
+    """The first `nbytes` of a mapped CUDA slab as __cuda_array_interface__ (version 3, bytes), for
+    torch.as_tensor. kvd synchronizes nothing here: stream ordering across processes is the
+    publisher events' job (docs/api.md)."""
+
+    def __init__(self, slab, nbytes):
+        if nbytes > slab.size:
+            raise ValueError(f"{nbytes} bytes do not fit the {slab.size}-byte slab")
+        self.slab = slab  # keeps the mapping referenced while the tensor is built
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (slab.ptr, False),
+                                         "version": 3, "strides": None}
+
+
 class Pool:
     """A pool's geometry and, per shard, its slab: an mmap (host backend) or a DeviceSlab (CUDA)."""
 
@@ -262,6 +275,7 @@ class Client:
         view). `inner_shape` is what one token of one layer holds, e.g. (2, kv_heads, head_dim)
         for K and V: its bytes must equal the pool's bytes_per_token_per_layer, else ValueError.
         Both default to the pool's declared format (ValueError when it declares none).
+        On the CUDA backend the view is a CUDA tensor over the mapped slab (__cuda_array_interface__).
         No copy: writes land in kvd's memory. Needs torch."""
         import torch
         p = self.pool(pool)
@@ -273,7 +287,7 @@ class Client:
             inner_shape = p.token_shape()
             if inner_shape is None:
                 raise ValueError(f"pool {p.name} declares no token-major arrangement: pass inner_shape")
-        if p.maps[shard] is None:
+        if p.maps[shard] is None and p.devices[shard] is None:
             raise KvdError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of pool {p.name} is not mapped")
         itemsize = torch.empty((), dtype=dtype).element_size()
         per_token = itemsize
@@ -283,7 +297,12 @@ class Client:
             raise ValueError(f"pool {p.name} holds {p.bytes_per_token_per_layer} bytes per token and layer; "
                              f"{tuple(inner_shape)} of {dtype} is {per_token}")
         count = p.capacity_blocks * p.num_layers * p.layer_block_bytes // itemsize
-        flat = torch.frombuffer(p.maps[shard], dtype=dtype, count=count)
+        if p.maps[shard] is not None:
+            flat = torch.frombuffer(p.maps[shard], dtype=dtype, count=count)
+        else:
+            raw = torch.as_tensor(_CudaArray(p.devices[shard], count * itemsize),
+                                  device=f"cuda:{p.devices[shard].device}")
+            flat = raw.view(dtype)  # bytes reinterpreted: bfloat16 has no array-interface type string
         if p.layer_major:
             return flat.view(p.num_layers, p.capacity_blocks, p.block_tokens, *inner_shape)
         return flat.view(p.capacity_blocks, p.num_layers, p.block_tokens, *inner_shape).transpose(0, 1)

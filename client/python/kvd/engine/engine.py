@@ -26,12 +26,13 @@ class Engine:
         self.models = {}
         self.cfg = cfg or TinyDecoder().cfg
         self.kv = client.kv_tensor(pool, torch.float32, self.cfg.kv_inner_shape)
+        self.device = str(self.kv.device)  # cpu on the host backend, cuda:N on CUDA slabs
         self.block_tokens = client.pool(pool).block_tokens
         self.wrong_layer_stride = wrong_layer_stride
 
     def model(self, adapter):
         if adapter not in self.models:
-            self.models[adapter] = TinyDecoder(self.cfg, adapter)
+            self.models[adapter] = TinyDecoder(self.cfg, adapter, self.device)
         return self.models[adapter]
 
     def generate(self, request_id, prompt, max_new=4, adapter="", salt="", checkpoint_every=0, resume=False,
@@ -58,8 +59,9 @@ class Engine:
             else:
                 tokens = list(prompt)
                 logits = model.forward(kv, tokens, cached, len(tokens))[-1]
+                self._written()
                 req.publish(tokens)
-                digest.update(logits.numpy().tobytes())
+                digest.update(logits.cpu().numpy().tobytes())
                 generated.append(int(torch.argmax(logits)))
             ttft = time.perf_counter() - start
             while len(generated) < max_new:
@@ -68,16 +70,24 @@ class Engine:
                 kv.table = req.blocks
                 tokens.append(generated[-1])
                 logits = model.forward(kv, tokens, len(tokens) - 1, len(tokens))[-1]
-                digest.update(logits.numpy().tobytes())
+                digest.update(logits.cpu().numpy().tobytes())
                 generated.append(int(torch.argmax(logits)))
                 if checkpoint_every and len(generated) < max_new and len(generated) % checkpoint_every == 0:
                     # Positions 0..len(tokens)-1 have KV; the token just sampled is the state.
+                    self._written()
                     req.checkpoint(tokens, struct.pack("<I", generated[-1]))
                     if on_checkpoint is not None:
                         on_checkpoint()
         return {"id": request_id, "cached_tokens": cached, "resumed": req.resumed, "tokens": generated,
                 "digest": digest.hexdigest(), "prompt_tokens": len(prompt), "ttft_s": ttft,
                 "wall_s": time.perf_counter() - start, "rpc_s": self.client.rpc_seconds - rpc_before}
+
+    def _written(self):
+        """Before other processes may read what this one wrote (publish, checkpoint): on a GPU the
+        writes must have landed. A host slab is coherent already. (An engine that must not stall
+        records its IPC event instead, see docs/api.md.)"""
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
 
     def _request(self, request_id, prompt, max_new, adapter, salt, resume):
         """Client.request. A resume right after the previous worker died needs no retry: kvd's

@@ -46,8 +46,11 @@ class Config:
 
 
 class TinyDecoder:
-    def __init__(self, cfg=Config(), adapter=""):
+    def __init__(self, cfg=Config(), adapter="", device="cpu"):
+        """Weights drawn on the CPU from the seed (the same on every device), then moved to
+        `device` ("cuda:N" when the pool's slabs are on a GPU)."""
         self.cfg = cfg
+        self.device = device
         g = torch.Generator().manual_seed(cfg.seed)
         d, kvd = cfg.dim, cfg.kv_heads * cfg.head_dim
 
@@ -66,6 +69,10 @@ class TinyDecoder:
             self.bias = torch.randn(d, generator=torch.Generator().manual_seed(seed), dtype=torch.float32) * 0.5
         half = cfg.head_dim // 2
         self.inv_freq = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+        if device != "cpu":
+            self.embed, self.head, self.bias, self.inv_freq = (
+                t.to(device) for t in (self.embed, self.head, self.bias, self.inv_freq))
+            self.layers = [{k: v.to(device) for k, v in p.items()} for p in self.layers]
 
     def _rope(self, x, pos):
         """Rotary position embedding of x [heads][head_dim] at position pos."""
@@ -106,4 +113,4 @@ class TinyDecoder:
                 h = h + torch.cat(heads) @ p["wo"]
                 h = h + torch.nn.functional.gelu(self._norm(h) @ p["w1"]) @ p["w2"]
             out.append(self._norm(h) @ self.head)
-        return torch.stack(out) if out else torch.empty(0, cfg.vocab)
+        return torch.stack(out) if out else torch.empty(0, cfg.vocab, device=self.device)
