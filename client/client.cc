@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <thread>
@@ -52,9 +53,9 @@ struct Client::Impl {
   std::thread heartbeat;
 
   template <typename Resp, typename Fn>
-  absl::StatusOr<Resp> Call(Fn&& fn) {
+  absl::StatusOr<Resp> Call(Fn&& fn, absl::Duration timeout = absl::Seconds(30)) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
     Resp resp;
     grpc::Status s = fn(&ctx, &resp);
     if (!s.ok()) return FromGrpcStatus(s);
@@ -485,25 +486,38 @@ absl::StatusOr<std::unique_ptr<EventWatcher>> Client::WatchEvents(uint64_t after
 
 absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl::Duration wait) {
   KVD_ASSIGN_OR_RETURN(const PoolView* pool, FindPool(spec.ns.pool));
-  const absl::Time deadline = absl::Now() + wait;
-  absl::Duration backoff = absl::Milliseconds(1);
-  for (;;) {
-    KVD_ASSIGN_OR_RETURN(AdmitResult admitted, Admit(spec));
-    if (admitted.decision == AdmitDecision::kAdmitted) break;
-    if (absl::Now() + backoff > deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("request '", spec.id.value(),
-                                                      "' was not admitted within ", absl::FormatDuration(wait)));
+  if (wait < absl::Milliseconds(1)) wait = absl::Milliseconds(1);
+  spec.owner = impl_->worker;
+  v1::StartRequest req;
+  ToProto(spec, req.mutable_admit());
+  req.set_max_wait_ms(absl::ToInt64Milliseconds(wait));
+  // The daemon waits for admission (first come, first served) and answers RESOURCE_EXHAUSTED
+  // when `wait` passes; the call's own deadline leaves room for the Acquire after it.
+  absl::StatusOr<v1::StartResponse> r = impl_->Call<v1::StartResponse>(
+      [&](auto* ctx, auto* resp) { return impl_->stub->Start(ctx, req, resp); }, wait + absl::Seconds(30));
+  if (!r.ok()) {
+    if (absl::IsResourceExhausted(r.status()) && absl::StrContains(r.status().message(), "not admitted within")) {
+      return absl::DeadlineExceededError(absl::StrCat("request '", spec.id.value(), "' was not admitted within ",
+                                                      absl::FormatDuration(wait), ": ", r.status().message()));
     }
-    absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, absl::Milliseconds(100));
-  }
-  absl::StatusOr<AcquireResult> acquired = Acquire(spec.id);
-  if (!acquired.ok()) {
-    (void)Release(spec.id, /*completed=*/false);
-    return acquired.status();
+    return r.status();
   }
   return std::unique_ptr<KvRequest>(
-      new KvRequest(this, spec.id, std::move(*acquired), pool->geometry.block_tokens));
+      new KvRequest(this, spec.id, FromProto(r->acquired()), pool->geometry.block_tokens));
+}
+
+absl::StatusOr<PublishResult> Client::End(const RequestId& id, int64_t publish_blocks,
+                                          absl::Span<const Token> more_tokens, bool completed) {
+  v1::EndRequest req;
+  req.set_worker_id(impl_->worker.value());
+  req.set_request_id(id.value());
+  req.set_publish_blocks(static_cast<int32_t>(std::clamp<int64_t>(publish_blocks, -1, INT32_MAX)));
+  req.mutable_more_tokens()->Add(more_tokens.begin(), more_tokens.end());
+  req.set_completed(completed);
+  KVD_ASSIGN_OR_RETURN(v1::EndResponse r, impl_->Call<v1::EndResponse>([&](auto* ctx, auto* resp) {
+    return impl_->stub->End(ctx, req, resp);
+  }));
+  return FromProto(r.published());
 }
 
 KvRequest::~KvRequest() {
@@ -524,6 +538,13 @@ absl::StatusOr<PublishResult> KvRequest::Publish(absl::Span<const Token> tokens)
 
 absl::Status KvRequest::Checkpoint(absl::Span<const Token> tokens, const std::string& engine_state) {
   return client_->Checkpoint(id_, tokens, engine_state);
+}
+
+absl::StatusOr<PublishResult> KvRequest::End(int64_t publish_blocks, absl::Span<const Token> more_tokens,
+                                              bool completed) {
+  KVD_ASSIGN_OR_RETURN(PublishResult r, client_->End(id_, publish_blocks, more_tokens, completed));
+  released_ = true;
+  return r;
 }
 
 absl::Status KvRequest::Release(bool completed) {

@@ -101,6 +101,10 @@ class Client {
   absl::Status Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
                           const std::string& engine_state);
   absl::Status Release(const RequestId& id, bool completed);
+  // Publish of the request's first `publish_blocks` blocks (over the tokens the daemon knows,
+  // then `more_tokens`) and Release, in one round trip (the End RPC).
+  absl::StatusOr<PublishResult> End(const RequestId& id, int64_t publish_blocks,
+                                    absl::Span<const Token> more_tokens, bool completed);
   absl::StatusOr<int64_t> PeekPrefixLen(const Namespace& ns, absl::Span<const Token> tokens);
   absl::Status CloseSession(const SessionId& session);
   absl::StatusOr<SessionInfo> GetSession(const SessionId& session);
@@ -113,8 +117,9 @@ class Client {
   // Streams index events with sequence > after_sequence (see EventWatcher).
   absl::StatusOr<std::unique_ptr<EventWatcher>> WatchEvents(uint64_t after_sequence);
 
-  // Admit (retrying while the answer is "wait", up to `wait`; DEADLINE_EXCEEDED after) then
-  // Acquire, as a request that releases itself (interrupted) if dropped unreleased.
+  // Admit + Acquire in one round trip (the Start RPC): the daemon waits for room in the budget,
+  // first come first served, up to `wait` (DEADLINE_EXCEEDED after). The request releases itself
+  // (interrupted) if dropped unreleased.
   absl::StatusOr<std::unique_ptr<KvRequest>> Start(RequestSpec spec,
                                                    absl::Duration wait = absl::Seconds(10));
 
@@ -150,6 +155,10 @@ class KvRequest {
   absl::StatusOr<PublishResult> Publish(absl::Span<const Token> tokens);
   absl::Status Checkpoint(absl::Span<const Token> tokens, const std::string& engine_state);
   absl::Status Release(bool completed);
+  // Publishes the first `publish_blocks` blocks and releases, in one round trip: the daemon has
+  // the prompt already; `more_tokens` are generated tokens past it that those blocks cover.
+  absl::StatusOr<PublishResult> End(int64_t publish_blocks, absl::Span<const Token> more_tokens,
+                                    bool completed);
 
  private:
   friend class Client;

@@ -92,6 +92,13 @@ class KvCache {
   // opaque engine bytes. Replaces the request's previous checkpoint.
   absl::Status Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
                           std::string engine_state) ABSL_LOCKS_EXCLUDED(mu_);
+  // Publish of the request's first `publish_blocks` table blocks over its known tokens (prompt,
+  // then tokens learned from Publish/Checkpoint) followed by `more_tokens`, then Release — under
+  // one lock, all or nothing: on error the request is still live and unchanged.
+  // INVALID_ARGUMENT (publish_blocks < 0 or past the table, tokens too short) and Publish's.
+  absl::StatusOr<PublishResult> End(const RequestId& id, int64_t publish_blocks,
+                                    absl::Span<const Token> more_tokens, bool completed)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the request. completed: its checkpoint is removed; interrupted: the checkpoint is kept for
   // resume (within the checkpoint budget). NOT_FOUND when the id is not live (e.g. a double release).
   absl::Status Release(const RequestId& id, bool completed) ABSL_LOCKS_EXCLUDED(mu_);
@@ -209,6 +216,9 @@ class KvCache {
   // kv_cache_publish.cc: publish and checkpoints.
   absl::StatusOr<PublishResult> PlanPublishLocked(const Request& req, absl::Span<const Token> tokens,
                                                   absl::Span<const BlockIndex> blocks) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<PublishResult> EndLocked(const RequestId& id, int64_t publish_blocks,
+                                          absl::Span<const Token> more_tokens, bool completed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<PublishResult> PublishLocked(const RequestId& id, absl::Span<const Token> tokens,
                                               absl::Span<const BlockIndex> blocks)

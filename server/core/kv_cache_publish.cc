@@ -110,6 +110,44 @@ absl::StatusOr<PublishResult> KvCache::Publish(const RequestId& id, absl::Span<c
   return result;
 }
 
+absl::StatusOr<PublishResult> KvCache::End(const RequestId& id, int64_t publish_blocks,
+                                           absl::Span<const Token> more_tokens, bool completed) {
+  absl::StatusOr<PublishResult> result;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    result = EndLocked(id, publish_blocks, more_tokens, completed);
+  }
+  Deliver();  // also what expiry queued when End failed
+  return result;
+}
+
+absl::StatusOr<PublishResult> KvCache::EndLocked(const RequestId& id, int64_t publish_blocks,
+                                                 absl::Span<const Token> more_tokens, bool completed) {
+  KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
+  if (publish_blocks < 0 || publish_blocks > static_cast<int64_t>(req->table.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("publish_blocks is ", publish_blocks, "; the request holds ", req->table.size(), " blocks"));
+  }
+  PublishResult published;
+  if (publish_blocks > 0) {
+    // The request's own tokens; copied only when the caller adds some (decode past the prompt).
+    std::vector<Token> joined;
+    absl::Span<const Token> tokens = req->known_tokens;
+    if (!more_tokens.empty()) {
+      joined.reserve(req->known_tokens.size() + more_tokens.size());
+      joined.assign(req->known_tokens.begin(), req->known_tokens.end());
+      joined.insert(joined.end(), more_tokens.begin(), more_tokens.end());
+      tokens = joined;
+    }
+    const std::vector<BlockIndex> blocks(req->table.begin(), req->table.begin() + publish_blocks);
+    KVD_ASSIGN_OR_RETURN(published, PublishLocked(id, tokens, blocks));
+  }
+  ReleaseLocked(*req, completed);
+  requests_.erase(id);
+  return published;
+}
+
 absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
                                                      absl::Span<const Token> tokens,
                                                      absl::Span<const BlockIndex> blocks) {

@@ -35,7 +35,10 @@ KvdService::KvdService(KvCache* cache, AttachmentRegistry* workers, const Device
       arena_(arena),
       metrics_(metrics),
       side_socket_(std::move(side_socket)),
-      lease_ttl_(lease_ttl) {}
+      lease_ttl_(lease_ttl),
+      admission_(std::make_unique<AdmissionQueue>(cache)) {}
+
+KvdService::~KvdService() = default;
 
 absl::StatusOr<KvdService::Caller> KvdService::Identify(const std::string& grpc_peer) const {
   Caller caller;
@@ -77,6 +80,7 @@ absl::StatusOr<KvdService::Caller> KvdService::CheckWorker(const grpc::CallbackS
 void KvdService::StartDraining() {
   if (draining_.exchange(true)) return;
   spdlog::info("draining: no new work is admitted");
+  admission_->Close(Draining());
   if (on_drain_) on_drain_();
 }
 
@@ -84,6 +88,7 @@ void KvdService::WorkerGone(const WorkerId& worker, absl::string_view why) {
   workers_->Remove(worker);
   if (tiers_ != nullptr) tiers_->ReleasePrefetchesOf(worker);
   const int64_t released = cache_->ReleaseWorker(worker);
+  admission_->Poke();
   spdlog::info("worker {} gone ({}): released {} requests as interrupted", worker.value(), std::string(why),
                released);
 }
@@ -126,29 +131,31 @@ grpc::ServerUnaryReactor* KvdService::Admit(grpc::CallbackServerContext* ctx,
 
 absl::StatusOr<AdmitResult> KvdService::AdmitAfterOwnerGone(const grpc::CallbackServerContext* ctx,
                                                             const RequestSpec& spec) {
+  WaitOwnerGone(ctx, spec);
   absl::StatusOr<AdmitResult> r = cache_->Admit(spec);
-  // Only a request live under another worker is worth waiting for; the caller's own is its bug.
-  if (!absl::IsAlreadyExists(r.status()) || !absl::IsPermissionDenied(cache_->CheckOwner(spec.id, spec.owner))) {
-    return r;
+  if (absl::IsAlreadyExists(r.status()) && absl::IsPermissionDenied(cache_->CheckOwner(spec.id, spec.owner))) {
+    return absl::AlreadyExistsError(absl::StrCat(r.status().message(), " under another worker, still after waiting up to ",
+                                                 absl::FormatDuration(kResumeWait), " for it to end"));
   }
+  return r;
+}
+
+void KvdService::WaitOwnerGone(const grpc::CallbackServerContext* ctx, const RequestSpec& spec) {
+  // Only a request live under another worker is worth waiting for; the caller's own is its bug.
+  if (!absl::IsPermissionDenied(cache_->CheckOwner(spec.id, spec.owner))) return;
   if (resume_waiters_.fetch_add(1) >= kMaxResumeWaiters) {
     resume_waiters_.fetch_sub(1);
-    return r;
+    return;
   }
   absl::Time deadline = absl::Now() + kResumeWait;
   if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
     deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
   }
-  while (absl::IsAlreadyExists(r.status()) && absl::Now() < deadline && !ctx->IsCancelled() && !draining()) {
+  while (absl::IsPermissionDenied(cache_->CheckOwner(spec.id, spec.owner)) && absl::Now() < deadline &&
+         !ctx->IsCancelled() && !draining()) {
     absl::SleepFor(absl::Milliseconds(5));
-    r = cache_->Admit(spec);
   }
   resume_waiters_.fetch_sub(1);
-  if (absl::IsAlreadyExists(r.status())) {
-    return absl::AlreadyExistsError(absl::StrCat(r.status().message(), " under another worker, still after waiting up to ",
-                                                 absl::FormatDuration(kResumeWait), " for it to end"));
-  }
-  return r;
 }
 
 grpc::ServerUnaryReactor* KvdService::Fits(grpc::CallbackServerContext* ctx,
@@ -161,42 +168,118 @@ grpc::ServerUnaryReactor* KvdService::Fits(grpc::CallbackServerContext* ctx,
   });
 }
 
+void KvdService::AcquireThen(const RequestId& id, v1::AcquireResponse* resp,
+                             std::function<void(absl::Status)> done) {
+  absl::StatusOr<AcquireResult> r = cache_->Acquire(id);
+  if (!r.ok()) return done(r.status());
+  for (const WorkerId& w : r->publishers) {
+    if (std::string e = workers_->EventHandle(w); !e.empty()) r->publisher_events.push_back(std::move(e));
+  }
+  ToProto(*r, resp);
+  if (tiers_ == nullptr) return done(absl::OkStatus());
+  // Lower tiers may hold more of the prefix: the answer waits (off this thread) until those
+  // blocks are copied into the request's table and published.
+  absl::StatusOr<RequestSpec> spec = cache_->SpecOf(id);
+  if (!spec.ok()) return done(absl::OkStatus());
+  auto finish = std::make_shared<std::function<void(absl::Status)>>(std::move(done));
+  const bool promoting = tiers_->Promote(id, *spec, *r, [resp, id, finish](absl::StatusOr<int64_t> cached) {
+    // The request is acquired whatever the promotion did: a failed promotion leaves it as
+    // Acquire served it from the device tier, so the answer is that (never an error that would
+    // tell the worker nothing was acquired).
+    if (cached.ok()) {
+      resp->set_cached_tokens(*cached);
+    } else {
+      spdlog::warn("promotion for request {} failed: {}; served from the device tier only",
+                   LogSafe(id.value()), LogSafe(cached.status().ToString(), 256));
+    }
+    (*finish)(absl::OkStatus());
+  });
+  if (!promoting) (*finish)(absl::OkStatus());
+}
+
 grpc::ServerUnaryReactor* KvdService::Acquire(grpc::CallbackServerContext* ctx,
                                               const v1::AcquireRequest* req,
                                               v1::AcquireResponse* resp) {
   const auto start = std::chrono::steady_clock::now();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  bool promoting = false;
-  const absl::Status status = [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(Authorize(ctx, "Acquire"));
-    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()).status());
-    const RequestId id(req->request_id());
-    KVD_ASSIGN_OR_RETURN(AcquireResult r, cache_->Acquire(id));
-    for (const WorkerId& w : r.publishers) {
-      if (std::string e = workers_->EventHandle(w); !e.empty()) r.publisher_events.push_back(std::move(e));
-    }
-    ToProto(r, resp);
-    if (tiers_ == nullptr) return absl::OkStatus();
-    // Lower tiers may hold more of the prefix: the answer waits (off this thread) until those
-    // blocks are copied into the request's table and published.
-    absl::StatusOr<RequestSpec> spec = cache_->SpecOf(id);
-    if (!spec.ok()) return absl::OkStatus();
-    promoting = tiers_->Promote(id, *spec, r, [this, reactor, resp, start, id](absl::StatusOr<int64_t> cached) {
-      // The request is acquired whatever the promotion did: a failed promotion leaves it as
-      // Acquire served it from the device tier, so the answer is that (never an error that would
-      // tell the worker nothing was acquired).
-      if (cached.ok()) {
-        resp->set_cached_tokens(*cached);
-      } else {
-        spdlog::warn("promotion for request {} failed: {}; served from the device tier only",
-                     LogSafe(id.value()), LogSafe(cached.status().ToString(), 256));
-      }
-      FinishRpc(reactor, "Acquire", start, absl::OkStatus());
-    });
-    return absl::OkStatus();
-  }();
-  if (!promoting) FinishRpc(reactor, "Acquire", start, status);
+  absl::Status status = Authorize(ctx, "Acquire");
+  if (status.ok()) status = CheckWorker(ctx, req->worker_id(), req->request_id()).status();
+  if (!status.ok()) {
+    FinishRpc(reactor, "Acquire", start, status);
+    return reactor;
+  }
+  AcquireThen(RequestId(req->request_id()), resp,
+              [this, reactor, start](absl::Status s) { FinishRpc(reactor, "Acquire", start, s); });
   return reactor;
+}
+
+grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, const v1::StartRequest* req,
+                                            v1::StartResponse* resp) {
+  const auto start = std::chrono::steady_clock::now();
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  absl::StatusOr<Caller> caller = [&]() -> absl::StatusOr<Caller> {
+    KVD_RETURN_IF_ERROR(Authorize(ctx, "Start"));
+    if (draining()) return Draining();
+    if (req->max_wait_ms() < 0) return absl::InvalidArgumentError("max_wait_ms must be >= 0");
+    return CheckWorker(ctx, req->admit().worker_id(), "");
+  }();
+  if (!caller.ok()) {
+    FinishRpc(reactor, "Start", start, caller.status());
+    return reactor;
+  }
+  RequestSpec spec = SpecFromProto(req->admit());
+  spec.principal = WorkerId(caller->key);
+  if (!spec.resume_from.empty()) {
+    // The request may still be live under a worker that just died (see AdmitAfterOwnerGone).
+    absl::StatusOr<AdmitResult> fits = cache_->Fits(spec);
+    if (absl::IsAlreadyExists(fits.status())) WaitOwnerGone(ctx, spec);
+  }
+  absl::Time deadline =
+      absl::Now() + (req->max_wait_ms() > 0 ? absl::Milliseconds(req->max_wait_ms()) : kDefaultStartWait);
+  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
+    deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
+  }
+  const RequestId id = spec.id;
+  const WorkerId worker = spec.owner;
+  admission_->Admit(
+      std::move(spec), deadline, [ctx] { return ctx->IsCancelled(); },
+      [this, reactor, resp, start, id, worker, key = caller->key](absl::StatusOr<AdmitResult> admitted,
+                                                                  absl::Duration waited) {
+        resp->set_waited(waited > absl::ZeroDuration());
+        resp->set_waited_us(absl::ToInt64Microseconds(waited));
+        if (!admitted.ok()) return FinishRpc(reactor, "Start", start, admitted.status());
+        // The worker may have detached while it waited; its requests were released then, but
+        // not this one, admitted after: give it back.
+        if (absl::Status attached = workers_->Check(worker, key); !attached.ok()) {
+          (void)cache_->Release(id, /*completed=*/false);
+          admission_->Poke();
+          return FinishRpc(reactor, "Start", start,
+                           absl::FailedPreconditionError(absl::StrCat(
+                               "worker ", worker.value(), " detached while request '", id.value(),
+                               "' waited for admission")));
+        }
+        AcquireThen(id, resp->mutable_acquired(), [this, reactor, start, id](absl::Status s) {
+          if (!s.ok()) {  // admitted but not acquired: the reservation goes back (Client::Start does the same)
+            (void)cache_->Release(id, /*completed=*/false);
+            admission_->Poke();
+          }
+          FinishRpc(reactor, "Start", start, s);
+        });
+      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* KvdService::End(grpc::CallbackServerContext* ctx, const v1::EndRequest* req,
+                                          v1::EndResponse* resp) {
+  return Unary(ctx, "End", [&]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()).status());
+    const std::vector<Token> more = TokensFromProto(req->more_tokens());
+    KVD_ASSIGN_OR_RETURN(PublishResult r, cache_->End(RequestId(req->request_id()), req->publish_blocks(), more,
+                                                      req->completed()));
+    admission_->Poke();
+    ToProto(r, resp->mutable_published());
+    return absl::OkStatus();
+  });
 }
 
 grpc::ServerUnaryReactor* KvdService::Extend(grpc::CallbackServerContext* ctx,
@@ -244,7 +327,9 @@ grpc::ServerUnaryReactor* KvdService::Release(grpc::CallbackServerContext* ctx,
                                               v1::ReleaseResponse*) {
   return Unary(ctx, "Release", [&]() -> absl::Status {
     KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()).status());
-    return cache_->Release(RequestId(req->request_id()), req->completed());
+    KVD_RETURN_IF_ERROR(cache_->Release(RequestId(req->request_id()), req->completed()));
+    admission_->Poke();
+    return absl::OkStatus();
   });
 }
 
@@ -321,6 +406,7 @@ grpc::ServerUnaryReactor* KvdService::Gc(grpc::CallbackServerContext* ctx,
   return Unary(ctx, "Gc", [&]() -> absl::Status {
     if (req->max_idle_ms() < 0) return absl::InvalidArgumentError("max_idle_ms must be >= 0");
     GcStats s = cache_->Gc(absl::Milliseconds(req->max_idle_ms()));
+    admission_->Poke();
     resp->set_blocks_freed(s.blocks_freed);
     resp->set_bytes_freed(s.bytes_freed);
     resp->set_checkpoints_dropped(s.checkpoints_dropped);
@@ -334,6 +420,7 @@ grpc::ServerUnaryReactor* KvdService::Report(grpc::CallbackServerContext* ctx,
   return Unary(ctx, "Report", [&] {
     ToProto(cache_->Report(), resp);
     resp->set_attached_workers(workers_->size());
+    resp->set_admission_waiting(admission_->waiting());
     if (tiers_ != nullptr) ToProto(tiers_->Stats(), resp->mutable_tiers());
     return absl::OkStatus();
   });

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -17,6 +18,7 @@
 #include "server/core/kv_cache.h"
 #include "server/obs/metrics.h"
 #include "server/rpc/access_policy.h"
+#include "server/rpc/admission_queue.h"
 #include "server/rpc/attachments.h"
 #include "server/rpc/peer_listener.h"
 #include "server/rpc/roles.h"
@@ -31,6 +33,7 @@ class KvdService final : public v1::Kvd::CallbackService {
   KvdService(KvCache* cache, AttachmentRegistry* workers, const DeviceArena* arena,
              Metrics* metrics, std::string side_socket, absl::Duration lease_ttl,
              TierStore* tiers = nullptr);
+  ~KvdService() override;  // ends Start's waits (UNAVAILABLE) before anything it borrows goes
 
   // After this, Admit, Fits and Attach answer UNAVAILABLE; running requests continue. Calls
   // `on_drain` (set by the Daemon: health NOT_SERVING) once.
@@ -71,6 +74,10 @@ class KvdService final : public v1::Kvd::CallbackService {
   grpc::ServerUnaryReactor* ListPools(grpc::CallbackServerContext* ctx,
                                       const v1::ListPoolsRequest* req,
                                       v1::ListPoolsResponse* resp) override;
+  grpc::ServerUnaryReactor* Start(grpc::CallbackServerContext* ctx, const v1::StartRequest* req,
+                                  v1::StartResponse* resp) override;
+  grpc::ServerUnaryReactor* End(grpc::CallbackServerContext* ctx, const v1::EndRequest* req,
+                                v1::EndResponse* resp) override;
   grpc::ServerUnaryReactor* Admit(grpc::CallbackServerContext* ctx, const v1::AdmitRequest* req,
                                   v1::AdmitResponse* resp) override;
   grpc::ServerUnaryReactor* Fits(grpc::CallbackServerContext* ctx, const v1::AdmitRequest* req,
@@ -169,6 +176,12 @@ class KvdService final : public v1::Kvd::CallbackService {
   // kMaxResumeWaiters calls wait at once (each holds a callback thread); the rest answer at once.
   absl::StatusOr<AdmitResult> AdmitAfterOwnerGone(const grpc::CallbackServerContext* ctx,
                                                   const RequestSpec& spec);
+  // The wait of AdmitAfterOwnerGone alone (Start queues its admission afterwards).
+  void WaitOwnerGone(const grpc::CallbackServerContext* ctx, const RequestSpec& spec);
+  // Acquire, with promotion from lower tiers; fills `resp` and calls `done` exactly once, maybe
+  // on another thread (a promotion's).
+  void AcquireThen(const RequestId& id, v1::AcquireResponse* resp, std::function<void(absl::Status)> done);
+  static constexpr absl::Duration kDefaultStartWait = absl::Seconds(30);
   static constexpr absl::Duration kResumeWait = absl::Seconds(2);
   static constexpr int kMaxResumeWaiters = 16;
 
@@ -186,6 +199,7 @@ class KvdService final : public v1::Kvd::CallbackService {
   const absl::Duration lease_ttl_;
   std::atomic<bool> draining_{false};
   std::atomic<int> resume_waiters_{0};
+  std::unique_ptr<AdmissionQueue> admission_;  // Start's waits
   const AccessPolicy* policy_ = nullptr;
   const PeerListener* peers_ = nullptr;
   std::function<void()> on_drain_;

@@ -27,9 +27,9 @@ class KvdError(Exception):
         self.details = message
 
 
-def _call(fn, req):
+def _call(fn, req, timeout=30):
     try:
-        return fn(req, timeout=30)
+        return fn(req, timeout=timeout)
     except grpc.RpcError as e:  # pylint: disable=no-member
         raise KvdError(e.code(), e.details()) from None
 
@@ -140,6 +140,16 @@ class Request:
         self._client._rpc("Checkpoint", kvd_pb2.CheckpointRequest(
             worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, engine_state=engine_state))
 
+    def end(self, publish_blocks=0, more_tokens=(), completed=True):
+        """Publishes the first `publish_blocks` blocks and releases, in one round trip (the daemon
+        has the prompt; `more_tokens` are generated tokens past what it knows). Returns the
+        PublishResponse."""
+        resp = self._client._rpc("End", kvd_pb2.EndRequest(
+            worker_id=self._client.worker_id, request_id=self.id, publish_blocks=publish_blocks,
+            more_tokens=list(more_tokens), completed=completed))
+        self._released = True
+        return resp.published
+
     def release(self, completed=True):
         if not self._released:
             self._client._rpc("Release", kvd_pb2.ReleaseRequest(
@@ -223,10 +233,10 @@ class Client:
                                                          mmap.PROT_READ | mmap.PROT_WRITE)
                 os.close(fds[0])
 
-    def _rpc(self, method, req):
+    def _rpc(self, method, req, timeout=30):
         start = time.perf_counter()
         try:
-            return _call(getattr(self._stub, method), req)
+            return _call(getattr(self._stub, method), req, timeout)
         finally:
             self.rpc_seconds += time.perf_counter() - start
             self.rpc_calls += 1
@@ -316,26 +326,20 @@ class Client:
 
     def request(self, request_id, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="",
                 adapter="", media_keys=(), wait_s=10.0):
-        """Admit (waiting while the budget is full) and acquire: a Request context manager."""
+        """Admit (the daemon waits while the budget is full, up to wait_s) and acquire, in one
+        round trip (Start): a Request context manager."""
         ns = kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt, adapter=adapter, media_keys=list(media_keys))
         admit = kvd_pb2.AdmitRequest(
             worker_id=self.worker_id, request_id=request_id, namespace=ns,
             prompt=prompt, max_new_tokens=max_new_tokens, session_id=session, resume_from=resume_from)
-        deadline = time.monotonic() + wait_s
-        while not self._rpc("Admit", admit).admitted:
-            if time.monotonic() > deadline:
-                raise KvdError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{request_id} was not admitted in {wait_s}s")
-            time.sleep(0.01)
+        # One round trip: the daemon waits for room (first come, first served) up to wait_s, and
+        # gives the admission back itself if the Acquire after it fails.
         try:
-            resp = self._rpc("Acquire", kvd_pb2.AcquireRequest(worker_id=self.worker_id, request_id=request_id))
-        except KvdError:
-            # Admitted but not acquired (e.g. a resume whose prompt does not extend the
-            # checkpoint): give the reservation back, or the id stays taken until we detach.
-            try:
-                self._rpc("Release", kvd_pb2.ReleaseRequest(
-                    worker_id=self.worker_id, request_id=request_id, completed=False))
-            except KvdError:
-                pass
+            resp = self._rpc("Start", kvd_pb2.StartRequest(admit=admit, max_wait_ms=max(1, int(wait_s * 1000))),
+                             timeout=wait_s + 30).acquired
+        except KvdError as e:
+            if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "not admitted within" in e.details:
+                raise KvdError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{request_id} was not admitted in {wait_s}s") from None
             raise
         return Request(self, request_id, resp)
 

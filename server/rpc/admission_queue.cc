@@ -1,0 +1,117 @@
+#include "server/rpc/admission_queue.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvd {
+
+AdmissionQueue::AdmissionQueue(KvCache* cache) : cache_(cache), thread_([this] { Run(); }) {}
+
+AdmissionQueue::~AdmissionQueue() {
+  Close();
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+void AdmissionQueue::Admit(RequestSpec spec, absl::Time deadline, std::function<bool()> cancelled, Done done) {
+  absl::StatusOr<AdmitResult> now;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!closed_.ok()) {
+      now = closed_;
+    } else {
+      std::deque<Waiter>& queue = queues_[spec.ns.pool];
+      if (queue.empty()) now = cache_->Admit(spec);
+      if (!queue.empty() || (now.ok() && now->decision == AdmitDecision::kWait)) {
+        queue.push_back(Waiter{std::move(spec), absl::Now(), deadline, std::move(cancelled), std::move(done)});
+        ++waiting_;
+        return;
+      }
+    }
+  }
+  done(std::move(now), absl::ZeroDuration());
+}
+
+void AdmissionQueue::Poke() {
+  absl::MutexLock lock(&mu_);
+  poked_ = true;
+}
+
+void AdmissionQueue::Close(absl::Status why) {
+  std::vector<Waiter> ended;
+  absl::Status closed;
+  {
+    absl::MutexLock lock(&mu_);
+    if (closed_.ok()) closed_ = why.ok() ? absl::UnavailableError("kvd is draining") : why;
+    closed = closed_;
+    for (auto& [pool, queue] : queues_) {
+      for (Waiter& w : queue) ended.push_back(std::move(w));
+      queue.clear();
+    }
+    waiting_ = 0;
+  }
+  const absl::Time now = absl::Now();
+  for (Waiter& w : ended) w.done(closed, now - w.queued_at);
+}
+
+int64_t AdmissionQueue::waiting() const {
+  absl::MutexLock lock(&mu_);
+  return waiting_;
+}
+
+void AdmissionQueue::SweepLocked(absl::Time now, std::vector<Answer>* out) {
+  for (auto& [pool, queue] : queues_) {
+    // Expired or abandoned waits leave from anywhere in the queue; only the head may be admitted.
+    for (auto it = queue.begin(); it != queue.end();) {
+      if (now >= it->deadline) {
+        const absl::Duration waited = now - it->queued_at;
+        out->emplace_back(std::move(*it), absl::ResourceExhaustedError(absl::StrCat(
+                                              "not admitted within ", absl::FormatDuration(waited),
+                                              ": the KV budget stayed full (", queue.size() - 1,
+                                              " others waiting for pool '", pool, "')")));
+        it = queue.erase(it);
+      } else if (it->cancelled && it->cancelled()) {
+        out->emplace_back(std::move(*it), absl::CancelledError("the caller gave up waiting"));
+        it = queue.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    while (!queue.empty()) {
+      absl::StatusOr<AdmitResult> r = cache_->Admit(queue.front().spec);
+      if (r.ok() && r->decision == AdmitDecision::kWait) break;  // first come, first served
+      out->emplace_back(std::move(queue.front()), std::move(r));
+      queue.pop_front();
+    }
+  }
+  for (auto it = queues_.begin(); it != queues_.end();) {
+    if (it->second.empty()) {
+      queues_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void AdmissionQueue::Run() {
+  std::vector<Answer> answers;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(this, &AdmissionQueue::Woken), kRetryInterval);
+      if (stop_) return;
+      poked_ = false;
+      if (waiting_ > 0) SweepLocked(absl::Now(), &answers);
+      waiting_ -= static_cast<int64_t>(answers.size());
+    }
+    const absl::Time now = absl::Now();
+    for (auto& [w, r] : answers) w.done(std::move(r), now - w.queued_at);
+    answers.clear();
+  }
+}
+
+}  // namespace kvd
