@@ -3,11 +3,14 @@
 // Starts kvd in-process (host backend) on a temporary socket, then measures, in the same run:
 //   - Ping (an empty RPC: the transport floor),
 //   - Acquire of a 4,096-token prompt whose prefix is cached (255 of 256 blocks hit),
-//   - a full request cycle: Admit, Acquire, Publish, Release,
-// as p50/p99 over --iterations calls from one client; then cycles per second with 1, 4 and 16
-// concurrent worker processes (this binary re-executed with --child), each its own attachment.
+//   - a full request cycle step by step: Admit, Acquire, Publish, Release (4 round trips),
+//   - the same cycle on the fast path: Start, End publishing the prompt's blocks (2 round trips),
+//     on a hit (all but the last block cached) and cold (nothing cached),
+// as p50/p99 over --iterations calls from one client; then fast-path cycles per second with 1, 4
+// and 16 concurrent worker processes (this binary re-executed with --child), each its own
+// attachment.
 //
-//   kvd_daemon_bench [--iterations=2000] [--workers=1,4,16] [--seconds=3]
+//   kvd_daemon_bench [--iterations=2000] [--workers=1,4,16] [--seconds=3] [--prompt-tokens=4096]
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,20 +32,23 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr int kPromptTokens = 4096;
+int kPromptTokens = 4096;  // --prompt-tokens, a multiple of 16
 
-std::vector<kvd::Token> Prompt(uint32_t tail) {
+// The shared prompt with a last token of its own; `cold` changes the first token too, so that
+// nothing of it is cached.
+std::vector<kvd::Token> Prompt(uint32_t tail, bool cold = false) {
   std::vector<kvd::Token> p(kPromptTokens);
   for (int i = 0; i < kPromptTokens; ++i) p[i] = static_cast<kvd::Token>(i * 7 + 3);
   p.back() = 1'000'000 + tail;  // the last block differs, so every cycle publishes one new block
+  if (cold) p.front() = 2'000'000'000u + tail;
   return p;
 }
 
-kvd::RequestSpec Spec(const std::string& id, uint32_t tail) {
+kvd::RequestSpec Spec(const std::string& id, uint32_t tail, bool cold = false) {
   kvd::RequestSpec s;
   s.id = kvd::RequestId(id);
   s.ns.pool = "bench";
-  s.prompt = Prompt(tail);
+  s.prompt = Prompt(tail, cold);
   s.max_new_tokens = 16;
   return s;
 }
@@ -58,15 +64,26 @@ Percentiles Summarize(std::vector<double>& us) {
 
 double Micros(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 
-// One full cycle; returns false on error.
-bool Cycle(kvd::client::Client& c, const std::string& id, uint32_t tail) {
-  kvd::RequestSpec s = Spec(id, tail);
+// One full cycle on the fast path (Start, End publishing every full block); false on error.
+bool Cycle(kvd::client::Client& c, const std::string& id, uint32_t tail, bool cold = false) {
+  kvd::RequestSpec s = Spec(id, tail, cold);
   auto req = c.Start(s);
   if (!req.ok()) {
     std::fprintf(stderr, "cycle: %s\n", req.status().ToString().c_str());
     return false;
   }
-  return (*req)->Publish(s.prompt).ok() && (*req)->Release(true).ok();
+  return (*req)->End(kPromptTokens / 16, {}, /*completed=*/true).ok();
+}
+
+// The same cycle step by step: Admit, Acquire, Publish, Release.
+bool StepCycle(kvd::client::Client& c, const std::string& id, uint32_t tail) {
+  kvd::RequestSpec s = Spec(id, tail);
+  auto admitted = c.Admit(s);
+  if (!admitted.ok() || admitted->decision != kvd::AdmitDecision::kAdmitted) return false;
+  auto got = c.Acquire(s.id);
+  if (!got.ok()) return false;
+  return c.Publish(s.id, s.prompt, absl::MakeConstSpan(got->blocks).subspan(0, kPromptTokens / 16)).ok() &&
+         c.Release(s.id, true).ok();
 }
 
 int Child(const std::string& target, int index, double seconds) {
@@ -96,6 +113,7 @@ int main(int argc, char** argv) {
     const std::string v = kv.size() > 1 ? kv[1] : "";
     if (kv[0] == "--iterations") (void)absl::SimpleAtoi(v, &iterations);
     else if (kv[0] == "--seconds") (void)absl::SimpleAtod(v, &seconds);
+    else if (kv[0] == "--prompt-tokens") (void)absl::SimpleAtoi(v, &kPromptTokens);
     else if (kv[0] == "--child-target") child_target = v;
     else if (kv[0] == "--child-index") (void)absl::SimpleAtoi(v, &child_index);
     else if (kv[0] == "--workers") {
@@ -105,6 +123,10 @@ int main(int argc, char** argv) {
         if (absl::SimpleAtoi(w, &n)) workers.push_back(n);
       }
     }
+  }
+  if (kPromptTokens < 32 || kPromptTokens % 16 != 0 || kPromptTokens > 65536) {
+    std::fprintf(stderr, "--prompt-tokens must be a multiple of 16 in [32, 65536]\n");
+    return 2;
   }
   if (!child_target.empty()) return Child(child_target, child_index, seconds);
 
@@ -120,7 +142,7 @@ int main(int argc, char** argv) {
   g.num_layers = 32;
   g.bytes_per_token_per_layer = 64;  // 32 KiB blocks: the control plane does not touch bytes
   g.capacity_blocks = 16384;
-  g.max_model_len = 8192;
+  g.max_model_len = 65536 + 16;
   options.cache.pools.push_back(g);
   auto daemon = kvd::Daemon::Start(options);
   if (!daemon.ok()) {
@@ -135,7 +157,7 @@ int main(int argc, char** argv) {
   // Prime: the shared 4,095-token prefix is cached.
   if (!Cycle(c, "prime", 0)) return 1;
 
-  std::vector<double> ping, acquire, cycle;
+  std::vector<double> ping, acquire, step, cycle, cold;
   for (int i = 0; i < iterations; ++i) {
     auto t0 = Clock::now();
     if (!c.Ping().ok()) return 1;
@@ -150,16 +172,29 @@ int main(int argc, char** argv) {
     if (!c.Release(s.id, true).ok()) return 1;
 
     t0 = Clock::now();
+    if (!StepCycle(c, absl::StrCat("s", i), 2'000'000 + i)) return 1;
+    step.push_back(Micros(Clock::now() - t0));
+
+    t0 = Clock::now();
     if (!Cycle(c, absl::StrCat("f", i), 1'000'000 + i)) return 1;
     cycle.push_back(Micros(Clock::now() - t0));
+
+    t0 = Clock::now();
+    if (!Cycle(c, absl::StrCat("k", i), 3'000'000 + i, /*cold=*/true)) return 1;
+    cold.push_back(Micros(Clock::now() - t0));
   }
-  Percentiles pp = Summarize(ping), pa = Summarize(acquire), pc = Summarize(cycle);
+  Percentiles pp = Summarize(ping), pa = Summarize(acquire), ps = Summarize(step), pc = Summarize(cycle),
+              pk = Summarize(cold);
   std::printf("| call | p50 (us) | p99 (us) | p50 / Ping p50 |\n|---|---|---|---|\n");
   std::printf("| Ping (empty RPC) | %.1f | %.1f | 1.0 |\n", pp.p50_us, pp.p99_us);
-  std::printf("| Acquire, 4096-token prompt, 4080 tokens hit | %.1f | %.1f | %.1f |\n", pa.p50_us,
-              pa.p99_us, pa.p50_us / pp.p50_us);
-  std::printf("| cycle: Admit+Acquire+Publish+Release | %.1f | %.1f | %.1f |\n", pc.p50_us, pc.p99_us,
+  std::printf("| Acquire, %d-token prompt, %d tokens hit | %.1f | %.1f | %.1f |\n", kPromptTokens,
+              kPromptTokens - 16, pa.p50_us, pa.p99_us, pa.p50_us / pp.p50_us);
+  std::printf("| hit cycle step by step: Admit+Acquire+Publish+Release | %.1f | %.1f | %.1f |\n", ps.p50_us,
+              ps.p99_us, ps.p50_us / pp.p50_us);
+  std::printf("| hit cycle, fast path: Start+End | %.1f | %.1f | %.1f |\n", pc.p50_us, pc.p99_us,
               pc.p50_us / pp.p50_us);
+  std::printf("| cold cycle, fast path: Start+End | %.1f | %.1f | %.1f |\n", pk.p50_us, pk.p99_us,
+              pk.p50_us / pp.p50_us);
 
   std::printf("\n| worker processes | cycles/s | per worker |\n|---|---|---|\n");
   for (int n : workers) {

@@ -297,7 +297,7 @@ TEST_CASE("Metrics expose RPC latency, blocks by state and attached workers", "[
   auto body = HttpGet(d.metrics_port(), "/metrics");
   REQUIRE(body.ok());
   INFO(*body);
-  REQUIRE(body->find("kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Admit\"} 1") != std::string::npos);
+  REQUIRE(body->find("kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Start\"} 1") != std::string::npos);
   REQUIRE(body->find("kvd_blocks{pool=\"default\",state=\"cached_evictable\"} 2") != std::string::npos);
   REQUIRE(body->find("kvd_attached_workers 1") != std::string::npos);
   REQUIRE(body->find("kvd_miss_tokens_total 9") != std::string::npos);

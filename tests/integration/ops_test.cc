@@ -254,7 +254,7 @@ TEST_CASE("Metric counters match a scripted workload exactly", "[integration][op
   REQUIRE(MetricValue(*body, "kvd_miss_tokens_total") == 10 + 5 + 5);
   REQUIRE(MetricValue(*body, "kvd_published_blocks_total") == 5);
   REQUIRE(MetricValue(*body, "kvd_admissions_total{result=\"admitted\"}") == 3);
-  REQUIRE(MetricValue(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Acquire\"}") == 3);
+  REQUIRE(MetricValue(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Start\"}") == 3);  // Admit + Acquire
   REQUIRE(MetricValue(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Extend\"}") == 2);
   REQUIRE(MetricValue(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Release\"}") == 3);
   REQUIRE(MetricValue(*body, "kvd_blocks{pool=\"default\",state=\"cached_evictable\"}") == 5);
