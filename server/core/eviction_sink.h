@@ -1,11 +1,13 @@
 // EvictionSink lets a lower tier catch blocks as they leave the device pool (G1), so that they are
-// demoted (copied down) instead of dropped. KvCache calls it under its mutex, after the block has
-// left the eviction order and before its index is freed: the block's bytes are still intact and
-// nothing can write them. The sink must copy what it needs and return; it must not call back into
-// KvCache.
+// demoted (copied down) instead of dropped. KvCache calls it *without* its mutex, on the thread of
+// the operation that evicted, before that operation returns: the block has left the index and is
+// held (pinned, owned by nobody or by the request the operation handed it to, whose worker learns
+// of it only when the operation returns), so its bytes are intact and nothing writes them until
+// OnEvict returns. The sink copies what it needs; it must not call back into KvCache.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/types/span.h"
 #include "server/core/block_key.h"
@@ -30,6 +32,28 @@ struct CachedBlockView {
 
 // The view of an index node. REQUIRES: `block` is in the index.
 CachedBlockView ViewOf(const CachedBlock& block);
+
+// A block's identity and tokens, owned: a CachedBlockView that outlives the cache's mutex (the
+// block itself stays held while the view is in use).
+struct HeldBlock {
+  PoolId pool = 0;
+  BlockIndex index = 0;
+  Namespace ns;
+  BlockKey root_key;
+  BlockKey key;
+  BlockKey parent_key;
+  bool has_parent = false;
+  std::vector<Token> tokens;
+  EvictReason reason = EvictReason::kCapacity;  // for demotions
+
+  explicit HeldBlock(const CachedBlockView& v)
+      : pool(v.pool), index(v.index), ns(*v.ns), root_key(v.root_key), key(v.key),
+        parent_key(v.parent_key), has_parent(v.has_parent), tokens(v.tokens.begin(), v.tokens.end()) {}
+  // Valid while this HeldBlock lives.
+  CachedBlockView view() const {
+    return CachedBlockView{pool, index, &ns, root_key, key, parent_key, has_parent, tokens};
+  }
+};
 
 class EvictionSink {
  public:

@@ -11,9 +11,12 @@
 // request's orphaned checkpoint), or *cached* (immutable, in the index, shared by reference).
 // Every operation that fails returns a status and changes nothing.
 //
-// Thread-safe: one mutex guards all state. Listeners (events, pressure) run after the mutex is
-// released, in order, on the thread that caused them; they must not block and must not call back
-// into KvCache.
+// Thread-safe: one mutex (mu_) guards all state. Nothing runs under it but bookkeeping: no block
+// bytes, no I/O, no callbacks. Listeners (events, pressure) run after it is released, in order, on
+// the thread that caused them; they must not block and must not call back into KvCache. The
+// eviction sink's copies (demotions) run after it is released too, on the evicting thread, before
+// the evicting call returns: an evicted block is held until its copy is done (eviction_sink.h).
+// VisitCached calls its function without the mutex, with the visited blocks held.
 #pragma once
 
 #include <atomic>
@@ -149,12 +152,12 @@ class KvCache {
   absl::Status PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks)
       ABSL_LOCKS_EXCLUDED(mu_);
   void UnpinBlocks(PoolId pool, absl::Span<const BlockIndex> blocks) ABSL_LOCKS_EXCLUDED(mu_);
-  // Every cached block now, and fn(view) under the cache mutex for those of `refs` still cached
-  // (same key): fn must only copy. Returns how many were visited.
+  // Every cached block now, and fn(view) for those of `refs` still cached (same key), called
+  // without the cache mutex while those blocks (and their prefixes) are held, so their bytes stay
+  // put and may be copied; recency is left as it was. Returns how many were visited.
   std::vector<CachedBlockRef> SnapshotCached() const ABSL_LOCKS_EXCLUDED(mu_);
   int64_t VisitCached(absl::Span<const CachedBlockRef> refs,
-                      const std::function<void(const CachedBlockView&)>& fn) const
-      ABSL_LOCKS_EXCLUDED(mu_);
+                      const std::function<void(const CachedBlockView&)>& fn) ABSL_LOCKS_EXCLUDED(mu_);
   // Every checkpoint now. With `pin`, each one's blocks are pinned (release them with UnpinBlocks)
   // so that their bytes can be copied outside the lock.
   std::vector<CheckpointSnapshot> SnapshotCheckpoints(bool pin) ABSL_LOCKS_EXCLUDED(mu_);
@@ -269,8 +272,17 @@ class KvCache {
   HandleInfo HandleOfLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionInfo SessionInfoLocked(const SessionId& id, const Session& s) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Delivers queued notifications in order. Call after releasing mu_.
+  // Runs this thread's demotions (the sink's copies of blocks this operation evicted), then
+  // delivers queued notifications in order. Every operation that can evict calls it after
+  // releasing mu_ and before returning.
   void Deliver() ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
+  // The demotion half of Deliver: OnEvict for each block this thread's last operation evicted
+  // with a sink set, without mu_; then lets the blocks go.
+  void RunDemotions() ABSL_LOCKS_EXCLUDED(mu_);
+  // A reference that holds a block (and counts as a pin) without touching its recency; Unhold
+  // gives it back (a block left unreferenced is freed if owned, queued again if cached).
+  void HoldLocked(PoolId pool, BlockIndex index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnholdLocked(PoolId pool, BlockIndex index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CacheOptions options_;
   const Clock* const clock_;
@@ -305,6 +317,7 @@ class KvCache {
   std::vector<std::pair<int, EventListener>> event_listeners_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<int, PressureListener>> pressure_listeners_ ABSL_GUARDED_BY(mu_);
   EvictionSink* sink_ ABSL_GUARDED_BY(mu_) = nullptr;
+  int demotions_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // RunDemotions calls using sink_ now
 };
 
 }  // namespace kvd

@@ -46,6 +46,37 @@ void KvCache::UnrefLocked(PoolId pool_id, BlockIndex index) {
   if (s.node->num_children == 0) pool.queue.Push(s.node);
 }
 
+void KvCache::HoldLocked(PoolId pool_id, BlockIndex index) {
+  Pool& pool = *pools_[pool_id];
+  BlockState& s = pool.blocks[index];
+  KVD_CHECK(s.kind != BlockState::Kind::kFree);
+  if (s.kind == BlockState::Kind::kCached && s.refs == 0) {
+    pool.queue.Remove(s.node);
+    --pool.num_cached_unreferenced;
+  }
+  ++s.refs;
+  ++pool.pins[index];
+}
+
+void KvCache::UnholdLocked(PoolId pool_id, BlockIndex index) {
+  Pool& pool = *pools_[pool_id];
+  auto pin = pool.pins.find(index);
+  KVD_CHECK(pin != pool.pins.end());
+  if (--pin->second == 0) pool.pins.erase(pin);
+  BlockState& s = pool.blocks[index];
+  KVD_CHECK(s.kind != BlockState::Kind::kFree && s.refs > 0);
+  if (--s.refs > 0) return;
+  if (s.kind == BlockState::Kind::kOwned) {
+    s.kind = BlockState::Kind::kFree;
+    s.owner = 0;
+    --pool.num_owned;
+    pool.allocator.Free(index);
+    return;
+  }
+  ++pool.num_cached_unreferenced;  // recency as it was: the hold was not a use
+  if (s.node->num_children == 0) pool.queue.Push(s.node);
+}
+
 void KvCache::UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table) {
   for (auto it = table.rbegin(); it != table.rend(); ++it) UnrefLocked(pool, *it);
 }
@@ -59,14 +90,20 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool
                      pool.allocator.num_free() + pool.num_cached_unreferenced,
                      " free or reclaimable blocks, need ", count));
   }
-  while (pool.allocator.num_free() < count) {
+  // Victims the sink copies stay held (owned by nobody, pinned) until their copy is done: this
+  // request takes them as they are, so they leave no free block another thread could take.
+  std::vector<BlockIndex> held;
+  while (pool.allocator.num_free() + static_cast<int64_t>(held.size()) < count) {
     // Every unreferenced cached block has only unreferenced descendants (a reader of a block
     // holds its whole prefix), so some unreferenced leaf is always queued here.
     CachedBlock* victim = pool.queue.Peek();
     KVD_CHECK(victim != nullptr);
+    const BlockIndex index = victim->address.index;
     EvictOneLocked(pool, victim, EvictReason::kCapacity);
+    if (pool.blocks[index].kind == BlockState::Kind::kOwned) held.push_back(index);
   }
-  absl::StatusOr<std::vector<BlockIndex>> out = pool.allocator.Allocate(count);
+  absl::StatusOr<std::vector<BlockIndex>> out =
+      pool.allocator.Allocate(count - static_cast<int64_t>(held.size()));
   KVD_CHECK(out.ok());
   for (BlockIndex b : *out) {
     BlockState& s = pool.blocks[b];
@@ -74,7 +111,13 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool
     s.refs = 1;
     s.owner = owner;
   }
-  pool.num_owned += count;
+  pool.num_owned += static_cast<int64_t>(out->size());
+  for (BlockIndex b : held) {  // already owned (by nobody) and pinned: now also this owner's
+    BlockState& s = pool.blocks[b];
+    s.owner = owner;
+    ++s.refs;
+    out->push_back(b);
+  }
   return out;
 }
 
@@ -105,16 +148,28 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
     e.medium.clear();
     EmitLocked();
   }
-  if (sink_ != nullptr && reason != EvictReason::kClear) {
-    const CachedBlockView view = ViewOf(*victim);
-    sink_->OnEvict(view, reason);
+  const bool demote = sink_ != nullptr && reason != EvictReason::kClear;
+  if (demote) {
+    cache_state::PendingDemotion d{this, HeldBlock(ViewOf(*victim))};
+    d.block.reason = reason;
+    cache_state::ThreadDemotions().push_back(std::move(d));
   }
   index_.Erase(victim);
-  s.kind = BlockState::Kind::kFree;
   s.node = nullptr;
   --pool.num_cached;
   --pool.num_cached_unreferenced;
-  pool.allocator.Free(index);
+  if (demote) {
+    // Held for the sink's copy, which runs after mu_ is released (RunDemotions): owned by
+    // nobody, pinned, not free.
+    s.kind = BlockState::Kind::kOwned;
+    s.owner = 0;
+    s.refs = 1;
+    ++pool.pins[index];
+    ++pool.num_owned;
+  } else {
+    s.kind = BlockState::Kind::kFree;
+    pool.allocator.Free(index);
+  }
   ++counters_.evictions[static_cast<int>(reason)];
   if (parent != nullptr && parent->num_children == 0 &&
       pool.blocks[parent->address.index].refs == 0) {

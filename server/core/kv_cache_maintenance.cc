@@ -197,6 +197,7 @@ void KvCache::EmitLocked() {
 }
 
 void KvCache::Deliver() {
+  RunDemotions();
   // Cheap exit for the common case: nothing to deliver and no listener work.
   if (!outbox_pending_.load(std::memory_order_relaxed)) return;
   absl::MutexLock deliver_lock(&deliver_mu_);

@@ -13,6 +13,7 @@
 #include "server/core/block_allocator.h"
 #include "server/core/cache_types.h"
 #include "server/core/event_log.h"
+#include "server/core/eviction_sink.h"
 #include "server/core/eviction_queue.h"
 #include "server/core/ghost_list.h"
 #include "server/core/pool_geometry.h"
@@ -82,4 +83,12 @@ struct Outbox {
   double available = 1.0;
   bool empty() const { return events.empty() && !pressure_changed; }
 };
+// A block an operation evicted while a sink was set: held (pinned) until RunDemotions, on the same
+// thread, has handed it to the sink. Kept per thread, so that each operation copies exactly the
+// blocks it evicted before it returns (and no other thread can hand them out meanwhile).
+struct PendingDemotion {
+  const void* cache;  // the KvCache that evicted it (tests run several in one thread)
+  HeldBlock block;
+};
+std::vector<PendingDemotion>& ThreadDemotions();
 }  // namespace kvd::cache_state

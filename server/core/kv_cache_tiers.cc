@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/container/flat_hash_set.h"
 #include "server/core/kv_cache.h"
 #include "server/core/status_macros.h"
 
@@ -21,9 +22,48 @@ CachedBlockView ViewOf(const CachedBlock& block) {
   return v;
 }
 
+namespace cache_state {
+std::vector<PendingDemotion>& ThreadDemotions() {
+  thread_local std::vector<PendingDemotion> pending;
+  return pending;
+}
+}  // namespace cache_state
+
 void KvCache::SetEvictionSink(EvictionSink* sink) {
   absl::MutexLock lock(&mu_);
+  // A demotion running now uses the old sink: it must be done before the caller may destroy it.
+  mu_.Await(absl::Condition(
+      +[](int* in_flight) { return *in_flight == 0; }, &demotions_in_flight_));
   sink_ = sink;
+}
+
+void KvCache::RunDemotions() {
+  std::vector<cache_state::PendingDemotion>& all = cache_state::ThreadDemotions();
+  std::vector<HeldBlock> mine;
+  for (auto it = all.begin(); it != all.end();) {
+    if (it->cache == this) {
+      mine.push_back(std::move(it->block));
+      it = all.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (mine.empty()) return;
+  EvictionSink* sink;
+  {
+    absl::MutexLock lock(&mu_);
+    sink = sink_;
+    ++demotions_in_flight_;
+  }
+  if (sink != nullptr) {
+    for (const HeldBlock& b : mine) sink->OnEvict(b.view(), b.reason);  // copies, without mu_
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    for (const HeldBlock& b : mine) UnholdLocked(b.pool, b.index);
+    --demotions_in_flight_;
+    UpdatePressureLocked();
+  }
 }
 
 absl::Status KvCache::AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) {
@@ -114,19 +154,36 @@ std::vector<CachedBlockRef> KvCache::SnapshotCached() const {
 }
 
 int64_t KvCache::VisitCached(absl::Span<const CachedBlockRef> refs,
-                             const std::function<void(const CachedBlockView&)>& fn) const {
-  absl::MutexLock lock(&mu_);
-  int64_t visited = 0;
-  for (const CachedBlockRef& ref : refs) {
-    if (ref.pool >= pools_.size()) continue;
-    const Pool& pool = *pools_[ref.pool];
-    if (ref.index >= pool.blocks.size()) continue;
-    const BlockState& s = pool.blocks[ref.index];
-    if (s.kind != BlockState::Kind::kCached || s.node == nullptr || s.node->key != ref.key) continue;
-    fn(ViewOf(*s.node));
-    ++visited;
+                             const std::function<void(const CachedBlockView&)>& fn) {
+  std::vector<HeldBlock> visits;
+  std::vector<std::pair<PoolId, BlockIndex>> holds;  // the visited blocks and their prefixes
+  absl::flat_hash_set<std::pair<PoolId, BlockIndex>> held;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const CachedBlockRef& ref : refs) {
+      if (ref.pool >= pools_.size()) continue;
+      const Pool& pool = *pools_[ref.pool];
+      if (ref.index >= pool.blocks.size()) continue;
+      const BlockState& s = pool.blocks[ref.index];
+      if (s.kind != BlockState::Kind::kCached || s.node == nullptr || s.node->key != ref.key) continue;
+      visits.emplace_back(ViewOf(*s.node));
+      // A referenced block's prefix must be referenced too (eviction goes leaf first).
+      // Each block once, up to the first already held.
+      for (const CachedBlock* n = s.node; n != nullptr && held.insert({ref.pool, n->address.index}).second;
+           n = n->parent) {
+        HoldLocked(ref.pool, n->address.index);
+        holds.emplace_back(ref.pool, n->address.index);
+      }
+    }
   }
-  return visited;
+  for (const HeldBlock& v : visits) fn(v.view());  // copies, without mu_
+  if (!holds.empty()) {
+    absl::MutexLock lock(&mu_);
+    for (auto it = holds.rbegin(); it != holds.rend(); ++it) UnholdLocked(it->first, it->second);
+    UpdatePressureLocked();
+  }
+  Deliver();
+  return static_cast<int64_t>(visits.size());
 }
 
 std::vector<CheckpointSnapshot> KvCache::SnapshotCheckpoints(bool pin) {
