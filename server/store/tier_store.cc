@@ -169,40 +169,64 @@ std::optional<std::vector<uint32_t>> TierStore::AllocateSlotsLocked(int64_t n) {
 }
 
 void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
-  absl::MutexLock lock(&mu_);
+  // Three steps, so that no block bytes move under mu_ either: claim a destination (a host slot,
+  // or a spill buffer) and pin the entry; copy without mu_; install the copy. A reader meanwhile
+  // finds the entry without bytes below G1 (a miss there), never a half-written slot.
   const int64_t raw_bytes = pools_[block.pool].block_bytes_all_shards();
-  auto [it, inserted] = entries_.try_emplace(block.key);
-  Entry* e = &it->second;
-  if (!inserted) {
-    e = FindBlockLocked(block.key, block.parent_key, block.has_parent, block.tokens);
-    if (e == nullptr) return;  // a collision with another record: keep that one
-    TouchLocked(block.key, *e);
-    if (!e->slots.empty() || e->spill != nullptr) return;  // already in memory below G1
-  } else {
-    e->header = BlockHeader(block);
-    e->last_use = cache_->clock()->Now();
-  }
   const int r = static_cast<int>(reason);
-  if (std::optional<std::vector<uint32_t>> slots = AllocateSlotsLocked(1)) {
-    e = &entries_.at(block.key);  // slot allocation may have erased other entries (not this one)
-    absl::Status s = arena_->ReadBlock(block.pool, block.index, host_->slot((*slots)[0]));
-    if (s.ok()) {
-      e->slots = *std::move(slots);
+  std::optional<std::vector<uint32_t>> slots;
+  bool spill = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = entries_.try_emplace(block.key);
+    Entry* e = &it->second;
+    if (!inserted) {
+      e = FindBlockLocked(block.key, block.parent_key, block.has_parent, block.tokens);
+      if (e == nullptr) return;  // a collision with another record: keep that one
       TouchLocked(block.key, *e);
+      if (!e->slots.empty() || e->spill != nullptr) return;  // already in memory below G1
+    } else {
+      e->header = BlockHeader(block);
+      e->last_use = cache_->clock()->Now();
+    }
+    slots = AllocateSlotsLocked(1);
+    e = &entries_.at(block.key);  // slot allocation may have erased other entries (not this one)
+    if (!slots.has_value()) {
+      spill = e->segment == 0 && !options_.disk_dir.empty();
+      if (!spill) {
+        if (e->segment == 0) ++stats_.dropped;
+        EraseIfEmptyLocked(block.key);
+        return;
+      }
+    }
+    ++e->pins;  // kept while the copy runs
+  }
+  absl::Status copied;
+  std::shared_ptr<std::string> raw;
+  if (slots.has_value()) {
+    copied = arena_->ReadBlock(block.pool, block.index, host_->slot((*slots)[0]));
+  } else {
+    raw = std::make_shared<std::string>(static_cast<size_t>(raw_bytes), '\0');
+    copied = arena_->ReadBlock(block.pool, block.index, reinterpret_cast<uint8_t*>(raw->data()));
+  }
+  absl::MutexLock lock(&mu_);
+  Entry& e = entries_.at(block.key);
+  --e.pins;
+  const bool taken = !e.slots.empty() || e.spill != nullptr;  // another demotion of this key won
+  if (slots.has_value()) {
+    if (copied.ok() && !taken) {
+      e.slots = *std::move(slots);
+      TouchLocked(block.key, e);
       ++stats_.demotions[r][1];
       return;
     }
     host_->Free(*slots);
-    spdlog::warn("demotion of block {} to host memory failed: {}", block.key.ToHex(), s.ToString());
-  } else if (e->segment == 0 && !options_.disk_dir.empty()) {
-    auto raw = std::make_shared<std::string>(static_cast<size_t>(raw_bytes), '\0');
-    if (arena_->ReadBlock(block.pool, block.index, reinterpret_cast<uint8_t*>(raw->data())).ok() &&
-        SpillLocked(block.key, entries_.at(block.key), std::move(raw))) {
-      ++stats_.demotions[r][2];
-      return;
+    if (!copied.ok()) {
+      spdlog::warn("demotion of block {} to host memory failed: {}", block.key.ToHex(), copied.ToString());
     }
-  } else if (e->segment == 0) {
-    ++stats_.dropped;
+  } else if (copied.ok() && !taken && e.segment == 0 && SpillLocked(block.key, e, std::move(raw))) {
+    ++stats_.demotions[r][2];
+    return;
   }
   EraseIfEmptyLocked(block.key);
 }
@@ -285,7 +309,7 @@ bool TierStore::Promote(const RequestId& id, const RequestSpec& spec, const Acqu
     for (int64_t i = first; i < max_blocks; ++i) {
       const absl::Span<const Token> tokens = absl::MakeConstSpan(spec.prompt).subspan(i * bt, bt);
       Entry* e = FindBlockLocked(keys[i], i > 0 ? keys[i - 1] : BlockKey{}, i > 0, tokens);
-      if (e == nullptr || e->header.layout_tag != layout_tags_[acquired.pool] ||
+      if (e == nullptr || !HasBytes(*e) || e->header.layout_tag != layout_tags_[acquired.pool] ||
           e->header.raw_length != g.block_bytes_all_shards()) {
         break;
       }
@@ -373,7 +397,7 @@ absl::StatusOr<PrefetchInfo> TierStore::Prefetch(const Namespace& ns, absl::Span
   for (size_t i = 0; i < keys.size(); ++i) {
     Entry* e = FindBlockLocked(keys[i], i > 0 ? keys[i - 1] : BlockKey{}, i > 0,
                                tokens.subspan(i * bt, bt));
-    if (e == nullptr) continue;
+    if (e == nullptr || !HasBytes(*e)) continue;  // absent, or a demotion still copying it
     ++info.found_blocks;
     ++e->pins;
     TouchLocked(keys[i], *e);

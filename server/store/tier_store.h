@@ -133,8 +133,10 @@ class TierStore final : public EvictionSink {
     uint64_t segment = 0;                      // G3 segment number; 0: not on G3
     uint64_t lru_tick = 0;                     // key of g2_lru_ while in G2
     absl::Time last_use;
-    int32_t pins = 0;                          // readers copying from it, prefetch handles
+    int32_t pins = 0;                          // readers copying from it, prefetch handles, a demotion filling it
   };
+  // Bytes to read somewhere below G1 (an entry a demotion is still filling has none yet).
+  static bool HasBytes(const Entry& e) { return !e.slots.empty() || e.spill != nullptr || e.segment != 0; }
   struct Segment {
     int64_t file_bytes = 0;
     int64_t records = 0;      // live records

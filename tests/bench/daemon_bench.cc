@@ -10,10 +10,17 @@
 // and 16 concurrent worker processes (this binary re-executed with --child), each its own
 // attachment.
 //
+// With --demote, then: Ping and the hit cycle, p50/p99, without and with a second client that
+// keeps a pool of 2 MiB blocks full, so that each of its Starts evicts 8 blocks that the host
+// tier copies down (16 MiB per call) — the copies run outside the engine's lock.
+//
 //   kvd_daemon_bench [--iterations=2000] [--workers=1,4,16] [--seconds=3] [--prompt-tokens=4096]
+//                    [--demote]
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -108,12 +115,14 @@ int main(int argc, char** argv) {
   std::vector<int> workers = {1, 4, 16};
   std::string child_target;
   int child_index = -1;
+  bool demote = false;
   for (int i = 1; i < argc; ++i) {
     std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
     const std::string v = kv.size() > 1 ? kv[1] : "";
     if (kv[0] == "--iterations") (void)absl::SimpleAtoi(v, &iterations);
     else if (kv[0] == "--seconds") (void)absl::SimpleAtod(v, &seconds);
     else if (kv[0] == "--prompt-tokens") (void)absl::SimpleAtoi(v, &kPromptTokens);
+    else if (kv[0] == "--demote") demote = true;
     else if (kv[0] == "--child-target") child_target = v;
     else if (kv[0] == "--child-index") (void)absl::SimpleAtoi(v, &child_index);
     else if (kv[0] == "--workers") {
@@ -144,6 +153,17 @@ int main(int argc, char** argv) {
   g.capacity_blocks = 16384;
   g.max_model_len = 65536 + 16;
   options.cache.pools.push_back(g);
+  if (demote) {
+    kvd::PoolGeometry big;
+    big.name = "big";
+    big.block_tokens = 16;
+    big.num_layers = 32;
+    big.bytes_per_token_per_layer = 4096;  // 2 MiB blocks
+    big.capacity_blocks = 64;
+    big.max_model_len = 4096;
+    options.cache.pools.push_back(big);
+    options.tiers.host_bytes = int64_t{512} << 20;
+  }
   auto daemon = kvd::Daemon::Start(options);
   if (!daemon.ok()) {
     std::fprintf(stderr, "%s\n", daemon.status().ToString().c_str());
@@ -195,6 +215,50 @@ int main(int argc, char** argv) {
               pc.p50_us / pp.p50_us);
   std::printf("| cold cycle, fast path: Start+End | %.1f | %.1f | %.1f |\n", pk.p50_us, pk.p99_us,
               pk.p50_us / pp.p50_us);
+
+  if (demote) {
+    // Ping and the hit cycle, without and then with a client that demotes 2 MiB blocks nonstop.
+    auto measure = [&](const char* label) -> bool {
+      std::vector<double> p, cy;
+      for (int i = 0; i < iterations; ++i) {
+        auto t0 = Clock::now();
+        if (!c.Ping().ok()) return false;
+        p.push_back(Micros(Clock::now() - t0));
+        t0 = Clock::now();
+        if (!Cycle(c, absl::StrCat(label, i), 5'000'000 + i + (label[0] == 'w' ? 500'000 : 0))) return false;
+        cy.push_back(Micros(Clock::now() - t0));
+      }
+      Percentiles pp2 = Summarize(p), pc2 = Summarize(cy);
+      std::printf("| %s | %.1f | %.1f | %.1f | %.1f |\n", label, pp2.p50_us, pp2.p99_us, pc2.p50_us, pc2.p99_us);
+      return true;
+    };
+    std::printf("\n| 2 MiB demotions | Ping p50 | Ping p99 | hit cycle p50 | hit cycle p99 |\n|---|---|---|---|---|\n");
+    if (!measure("none")) return 1;
+    std::atomic<bool> stop{false};
+    std::atomic<int64_t> demoting_calls{0};
+    std::thread mover([&] {
+      auto m = kvd::client::Client::Connect({.target = target, .worker_name = "mover", .map_slabs = false});
+      if (!m.ok()) return;
+      for (int64_t n = 0; !stop.load(); ++n) {
+        kvd::RequestSpec s;
+        s.id = kvd::RequestId(absl::StrCat("m", n));
+        s.ns.pool = "big";
+        for (int t = 0; t < 128; ++t) s.prompt.push_back(static_cast<kvd::Token>(n * 1000 + t));
+        auto r = (*m)->Start(s);
+        if (!r.ok() || !(*r)->End(8, {}, true).ok()) return;
+        demoting_calls.fetch_add(1);
+      }
+    });
+    while (demoting_calls.load() < 16) absl::SleepFor(absl::Milliseconds(10));  // the pool is full
+    const int64_t before = demoting_calls.load();
+    const bool ok = measure("while demoting");
+    const int64_t during = demoting_calls.load() - before;
+    stop = true;
+    mover.join();
+    if (!ok) return 1;
+    std::printf("(%lld mover calls during the second run, each evicting and demoting 8 x 2 MiB)\n",
+                static_cast<long long>(during));
+  }
 
   std::printf("\n| worker processes | cycles/s | per worker |\n|---|---|---|\n");
   for (int n : workers) {
