@@ -27,7 +27,7 @@
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "proto/convert.h"
 #include "proto/grpc_status.h"
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 
 namespace kvd::client {
 

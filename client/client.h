@@ -20,9 +20,9 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "gpu/slab_layout.h"
-#include "server/core/cache_types.h"
-#include "server/core/event_log.h"
-#include "server/core/pool_geometry.h"
+#include "proto/vocab/cache_types.h"
+#include "proto/vocab/cache_event.h"
+#include "proto/vocab/pool_geometry.h"
 
 namespace kvd::client {
 

@@ -17,7 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "gpu/device_arena.h"
-#include "server/core/pool_geometry.h"
+#include "proto/vocab/pool_geometry.h"
 
 namespace kvd {
 

@@ -14,7 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "gpu/slab_layout.h"
-#include "server/core/types.h"
+#include "proto/vocab/types.h"
 
 namespace kvd {
 

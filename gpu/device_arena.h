@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "server/core/pool_geometry.h"
-#include "server/core/types.h"
+#include "proto/vocab/pool_geometry.h"
+#include "proto/vocab/types.h"
 
 namespace kvd {
 

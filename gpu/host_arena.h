@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "gpu/device_arena.h"
 #include "gpu/unique_fd.h"
-#include "server/core/pool_geometry.h"
+#include "proto/vocab/pool_geometry.h"
 
 namespace kvd {
 

@@ -16,7 +16,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
-#include "server/core/pool_geometry.h"
+#include "proto/vocab/pool_geometry.h"
 
 namespace kvd {
 

@@ -6,10 +6,10 @@
 #include <vector>
 
 #include "kvd/v1/kvd.pb.h"
-#include "server/core/cache_types.h"
-#include "server/core/event_log.h"
-#include "server/core/pool_geometry.h"
-#include "server/store/tier_types.h"
+#include "proto/vocab/cache_types.h"
+#include "proto/vocab/cache_event.h"
+#include "proto/vocab/pool_geometry.h"
+#include "proto/vocab/tier_results.h"
 
 namespace kvd {
 

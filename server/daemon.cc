@@ -22,7 +22,7 @@
 #if KVD_HAVE_CUDA
 #include "gpu/cuda_arena.h"
 #endif
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 #include "server/rpc/access_interceptor.h"
 #include "spdlog/spdlog.h"
 

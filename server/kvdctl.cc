@@ -29,7 +29,7 @@
 #include "absl/strings/str_join.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvd/v1/kvd.grpc.pb.h"
-#include "server/default_paths.h"
+#include "proto/vocab/default_paths.h"
 
 namespace {
 

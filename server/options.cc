@@ -7,8 +7,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "server/core/status_macros.h"
-#include "server/default_paths.h"
+#include "proto/vocab/status_macros.h"
+#include "proto/vocab/default_paths.h"
 #include "server/store/remote_tier.h"
 
 namespace kvd {

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "server/core/types.h"
+#include "proto/vocab/types.h"
 
 namespace kvd::example {
 

@@ -39,7 +39,7 @@
 #include "client/tools/self_spawn.h"
 #include "client/tools/trace.h"
 #include "client/tools/trace_bounds.h"
-#include "server/default_paths.h"
+#include "proto/vocab/default_paths.h"
 
 namespace {
 

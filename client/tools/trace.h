@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/core/types.h"
+#include "proto/vocab/types.h"
 
 namespace kvd::bench {
 

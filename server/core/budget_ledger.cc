@@ -1,7 +1,7 @@
 #include "server/core/budget_ledger.h"
 
 #include "absl/strings/str_cat.h"
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 
 namespace kvd {
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "server/core/types.h"
+#include "proto/vocab/types.h"
 
 namespace kvd {
 

@@ -7,7 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "server/core/pool_geometry.h"
+#include "proto/vocab/pool_geometry.h"
 #include "server/core/pressure_monitor.h"
 
 namespace kvd {

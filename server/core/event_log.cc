@@ -2,14 +2,6 @@
 
 namespace kvd {
 
-std::string CacheEventKindName(CacheEventKind kind) {
-  switch (kind) {
-    case CacheEventKind::kStored: return "stored";
-    case CacheEventKind::kRemoved: return "removed";
-    case CacheEventKind::kCleared: return "cleared";
-  }
-  return "unknown";
-}
 
 uint64_t EventLog::Append(const CacheEvent& event) {
   absl::MutexLock lock(&mu_);

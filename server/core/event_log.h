@@ -12,35 +12,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/core/block_key.h"
-#include "server/core/types.h"
+#include "proto/vocab/cache_event.h"
 
 namespace kvd {
-
-enum class CacheEventKind { kStored, kRemoved, kCleared };
-std::string CacheEventKindName(CacheEventKind kind);
-
-struct CacheEvent {
-  uint64_t sequence = 0;  // assigned by EventLog::Append; first event is 1
-  CacheEventKind kind = CacheEventKind::kStored;
-  absl::Time time;
-  std::string pool;        // empty for kCleared (all pools)
-  std::string adapter;     // the namespace's adapter, for routers that key by LoRA
-  BlockKey key;            // kStored, kRemoved
-  BlockKey parent_key;     // kStored; zero for the first block of a prefix
-  bool has_parent = false;
-  BlockIndex block = 0;    // kStored, kRemoved
-  int32_t block_tokens = 0;
-  std::vector<Token> tokens;  // kStored
-  // kStored: the rest of the namespace, for router block hashes (server/events/router_hash.h).
-  // Internal: never sent on the WatchEvents stream.
-  std::vector<std::string> media_keys;
-  std::string method;
-  std::string cache_salt;
-  // Where the block is: empty for the device pool (G1), "disk" for blocks a warm restart reloaded
-  // onto G3 (their `block` index means nothing then).
-  std::string medium;
-};
 
 class EventLog {
  public:

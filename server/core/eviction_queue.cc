@@ -1,6 +1,6 @@
 #include "server/core/eviction_queue.h"
 
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 
 namespace kvd {
 

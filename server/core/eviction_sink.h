@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "server/core/block_key.h"
-#include "server/core/cache_types.h"
-#include "server/core/types.h"
+#include "proto/vocab/block_key.h"
+#include "proto/vocab/cache_types.h"
+#include "proto/vocab/types.h"
 
 namespace kvd {
 

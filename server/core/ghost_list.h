@@ -7,7 +7,7 @@
 #include <deque>
 
 #include "absl/container/flat_hash_set.h"
-#include "server/core/block_key.h"
+#include "proto/vocab/block_key.h"
 
 namespace kvd {
 

@@ -5,7 +5,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 
 namespace kvd {
 namespace {
@@ -68,16 +68,6 @@ std::string PublishOutcomeName(PublishOutcome outcome) {
     case PublishOutcome::kAlreadyCached: return "already_cached";
     case PublishOutcome::kDuplicate: return "duplicate";
     case PublishOutcome::kNoParent: return "no_parent";
-  }
-  return "unknown";
-}
-
-std::string EvictReasonName(EvictReason reason) {
-  switch (reason) {
-    case EvictReason::kCapacity: return "capacity";
-    case EvictReason::kBoundary: return "boundary";
-    case EvictReason::kGc: return "gc";
-    case EvictReason::kClear: return "clear";
   }
   return "unknown";
 }

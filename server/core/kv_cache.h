@@ -36,7 +36,7 @@
 #include "server/core/block_allocator.h"
 #include "server/core/budget_ledger.h"
 #include "server/core/cache_options.h"
-#include "server/core/cache_types.h"
+#include "proto/vocab/cache_types.h"
 #include "server/core/clock.h"
 #include "server/core/event_log.h"
 #include "server/core/eviction_sink.h"

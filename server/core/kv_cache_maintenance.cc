@@ -2,7 +2,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/kv_cache.h"
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 
 namespace kvd {
 

@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/container/flat_hash_set.h"
 #include "server/core/kv_cache.h"
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 
 namespace kvd {
 

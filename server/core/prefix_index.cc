@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 
 namespace kvd {
 namespace {

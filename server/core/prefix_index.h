@@ -16,8 +16,8 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/types/span.h"
-#include "server/core/block_key.h"
-#include "server/core/types.h"
+#include "proto/vocab/block_key.h"
+#include "proto/vocab/types.h"
 
 namespace kvd {
 

@@ -2,14 +2,6 @@
 
 namespace kvd {
 
-std::string PressureLevelName(PressureLevel level) {
-  switch (level) {
-    case PressureLevel::kNormal: return "normal";
-    case PressureLevel::kHigh: return "high";
-    case PressureLevel::kCritical: return "critical";
-  }
-  return "unknown";
-}
 
 absl::Status PressureOptions::Validate() const {
   if (!(0 < critical_enter && critical_enter <= critical_exit && critical_exit <= high_enter &&

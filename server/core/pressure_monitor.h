@@ -11,11 +11,9 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "proto/vocab/pressure_level.h"
 
 namespace kvd {
-
-enum class PressureLevel { kNormal = 0, kHigh = 1, kCritical = 2 };
-std::string PressureLevelName(PressureLevel level);
 
 struct PressureOptions {
   double high_enter = 0.15;      // enter kHigh when available fraction drops below this

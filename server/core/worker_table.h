@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "server/core/types.h"
+#include "proto/vocab/types.h"
 
 namespace kvd {
 

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "absl/types/span.h"
-#include "server/core/block_key.h"
-#include "server/core/types.h"
+#include "proto/vocab/block_key.h"
+#include "proto/vocab/types.h"
 
 namespace kvd {
 

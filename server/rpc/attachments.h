@@ -17,7 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "gpu/fd_passing.h"
 #include "server/core/clock.h"
-#include "server/core/types.h"
+#include "proto/vocab/types.h"
 
 namespace kvd {
 

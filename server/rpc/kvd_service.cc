@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "proto/convert.h"
 #include "proto/grpc_status.h"
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 #include "server/obs/log_safe.h"
 #include "server/rpc/kvd_service_unary.h"
 #include "spdlog/spdlog.h"

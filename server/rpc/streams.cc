@@ -11,7 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "proto/convert.h"
 #include "proto/grpc_status.h"
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 #include "server/obs/log_safe.h"
 #include "server/rpc/kvd_service.h"
 #include "spdlog/spdlog.h"

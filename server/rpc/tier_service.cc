@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/convert.h"
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 #include "server/rpc/kvd_service_unary.h"
 
 namespace kvd {

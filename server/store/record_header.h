@@ -14,9 +14,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "server/core/block_key.h"
-#include "server/core/pool_geometry.h"
-#include "server/core/types.h"
+#include "proto/vocab/block_key.h"
+#include "proto/vocab/pool_geometry.h"
+#include "proto/vocab/types.h"
 #include "server/store/codec.h"
 
 namespace kvd {

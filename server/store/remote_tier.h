@@ -27,7 +27,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/core/block_key.h"
+#include "proto/vocab/block_key.h"
 #include "server/store/tier_types.h"
 
 struct redisContext;

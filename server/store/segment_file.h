@@ -25,7 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "server/core/block_key.h"
+#include "proto/vocab/block_key.h"
 #include "server/store/file_system.h"
 #include "server/store/record_header.h"
 

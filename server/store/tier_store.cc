@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace kvd {

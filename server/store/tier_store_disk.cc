@@ -18,7 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 #include "server/store/tier_store.h"
 #include "spdlog/spdlog.h"
 

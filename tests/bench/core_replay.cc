@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/core/clock.h"
 #include "server/core/kv_cache.h"
-#include "server/core/status_macros.h"
+#include "proto/vocab/status_macros.h"
 
 namespace kvd::bench {
 

@@ -12,7 +12,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
-#include "server/core/block_key.h"
+#include "proto/vocab/block_key.h"
 #include "tests/bench/core_replay.h"
 #include "client/tools/trace_bounds.h"
 

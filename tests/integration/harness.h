@@ -9,7 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "server/core/cache_types.h"
+#include "proto/vocab/cache_types.h"
 
 namespace kvd::testing {
 

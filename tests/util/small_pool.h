@@ -2,7 +2,7 @@
 // 16 bytes per token and layer (128-byte blocks), 64 blocks.
 #pragma once
 
-#include "server/core/pool_geometry.h"
+#include "proto/vocab/pool_geometry.h"
 
 namespace kvd::testing {
 

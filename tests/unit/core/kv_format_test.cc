@@ -1,8 +1,8 @@
-#include "server/core/kv_format.h"
+#include "proto/vocab/kv_format.h"
 
 #include <catch2/catch.hpp>
 
-#include "server/core/pool_geometry.h"
+#include "proto/vocab/pool_geometry.h"
 
 namespace kvd {
 namespace {

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "server/core/kv_format.h"
+#include "proto/vocab/kv_format.h"
 
 namespace kvd {
 

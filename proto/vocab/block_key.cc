@@ -1,4 +1,4 @@
-#include "server/core/block_key.h"
+#include "proto/vocab/block_key.h"
 
 #include <cstring>
 

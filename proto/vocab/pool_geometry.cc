@@ -1,4 +1,4 @@
-#include "server/core/pool_geometry.h"
+#include "proto/vocab/pool_geometry.h"
 
 #include "absl/strings/str_cat.h"
 

@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "absl/time/time.h"
-#include "server/core/block_key.h"
-#include "server/core/pressure_monitor.h"
-#include "server/core/types.h"
+#include "proto/vocab/block_key.h"
+#include "proto/vocab/pressure_level.h"
+#include "proto/vocab/types.h"
 
 namespace kvd {
 

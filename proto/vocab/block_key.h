@@ -17,7 +17,7 @@
 
 #include "absl/hash/hash.h"
 #include "absl/types/span.h"
-#include "server/core/types.h"
+#include "proto/vocab/types.h"
 
 namespace kvd {
 

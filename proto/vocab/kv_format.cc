@@ -1,4 +1,4 @@
-#include "server/core/kv_format.h"
+#include "proto/vocab/kv_format.h"
 
 #include <array>
 #include <utility>
