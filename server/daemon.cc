@@ -114,7 +114,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   }
   d->workers_ = std::make_unique<AttachmentRegistry>(SystemClock::Get(), so.lease_ttl);
   KVD_ASSIGN_OR_RETURN(d->metrics_, Metrics::Start(so.metrics_listen, d->cache_.get(),
-                                                   d->workers_.get(), d->arena_->backend(),
+                                                   [w = d->workers_.get()] { return static_cast<int64_t>(w->size()); },
+                                                   d->arena_->backend(),
                                                    d->tiers_.get(), d->router_events_.get()));
   KVD_RETURN_IF_ERROR(EnsureParentDir(so.side_socket));
   d->access_ = AccessPolicy(std::vector<uid_t>(so.allowed_uids.begin(), so.allowed_uids.end()),

@@ -45,13 +45,14 @@
 #include "server/core/kv_cache_state.h"
 #include "server/core/prefix_index.h"
 #include "server/core/pressure_monitor.h"
+#include "server/core/tier_port.h"
 #include "server/core/worker_table.h"
 
 namespace kvd {
 
-class KvCache {
+class KvCache final : public TierPort {
  public:
-  using EventListener = std::function<void(const CacheEvent&)>;
+  using EventListener = TierPort::EventListener;
   using PressureListener = std::function<void(PressureLevel, double available_fraction)>;
 
   // INVALID_ARGUMENT for bad options. `clock` is borrowed and must outlive the cache.
@@ -60,9 +61,10 @@ class KvCache {
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
 
-  const std::vector<PoolGeometry>& pools() const { return pool_geometries_; }
+  const std::vector<PoolGeometry>& pools() const override { return pool_geometries_; }
   const CacheOptions& options() const { return options_; }
-  const Clock* clock() const { return clock_; }  // every TTL and recency (the tiers share it)
+  int64_t max_engine_state_bytes() const override { return options_.max_engine_state_bytes; }
+  const Clock* clock() const override { return clock_; }  // every TTL and recency (the tiers share it)
   // NOT_FOUND for an unknown pool name.
   absl::StatusOr<PoolId> FindPool(absl::string_view name) const;
 
@@ -143,42 +145,42 @@ class KvCache {
   // A lower tier has written the KV of the request's prompt tokens [cached_tokens, new_cached)
   // into its writable blocks: publish them and count them as hit. NOT_FOUND (request gone),
   // FAILED_PRECONDITION (not acquired, resumed, or new_cached not a block boundary in the prompt).
-  absl::Status AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) override ABSL_LOCKS_EXCLUDED(mu_);
   // A copy of a live request's spec. NOT_FOUND when not live.
   absl::StatusOr<RequestSpec> SpecOf(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);
   // Holds a reference on each of `blocks` of the request's table (owned or cached) so that they
   // stay put while a lower tier writes into them, even if the request is released meanwhile.
   // NOT_FOUND (request), INVALID_ARGUMENT (a block not in its table). Undo with UnpinBlocks.
-  absl::Status PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks)
+  absl::Status PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks) override
       ABSL_LOCKS_EXCLUDED(mu_);
-  void UnpinBlocks(PoolId pool, absl::Span<const BlockIndex> blocks) ABSL_LOCKS_EXCLUDED(mu_);
+  void UnpinBlocks(PoolId pool, absl::Span<const BlockIndex> blocks) override ABSL_LOCKS_EXCLUDED(mu_);
   // Every cached block now, and fn(view) for those of `refs` still cached (same key), called
   // without the cache mutex while those blocks (and their prefixes) are held, so their bytes stay
   // put and may be copied; recency is left as it was. Returns how many were visited.
-  std::vector<CachedBlockRef> SnapshotCached() const ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<CachedBlockRef> SnapshotCached() const override ABSL_LOCKS_EXCLUDED(mu_);
   int64_t VisitCached(absl::Span<const CachedBlockRef> refs,
-                      const std::function<void(const CachedBlockView&)>& fn) ABSL_LOCKS_EXCLUDED(mu_);
+                      const std::function<void(const CachedBlockView&)>& fn) override ABSL_LOCKS_EXCLUDED(mu_);
   // Every checkpoint now. With `pin`, each one's blocks are pinned (release them with UnpinBlocks)
   // so that their bytes can be copied outside the lock.
-  std::vector<CheckpointSnapshot> SnapshotCheckpoints(bool pin) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<CheckpointSnapshot> SnapshotCheckpoints(bool pin) override ABSL_LOCKS_EXCLUDED(mu_);
   // Recreates an interrupted generation's checkpoint (a warm restart) with fresh blocks the caller
   // then fills, charged to the checkpoint budget with a full TTL. NOT_FOUND (pool), ALREADY_EXISTS
   // (id), INVALID_ARGUMENT (no tokens, engine state too large, past max_model_len),
   // RESOURCE_EXHAUSTED (checkpoint budget or pool). Changes nothing on error.
   absl::StatusOr<std::vector<BlockIndex>> RestoreCheckpoint(const RequestId& id, const Namespace& ns,
                                                             std::vector<Token> tokens,
-                                                            std::string engine_state)
+                                                            std::string engine_state) override
       ABSL_LOCKS_EXCLUDED(mu_);
   // Records events that happened outside the device index (a warm restart's reload), in order.
-  void EmitExternal(const std::vector<CacheEvent>& events) ABSL_LOCKS_EXCLUDED(mu_);
+  void EmitExternal(const std::vector<CacheEvent>& events) override ABSL_LOCKS_EXCLUDED(mu_);
 
   const EventLog& events() const { return events_; }
-  int AddEventListener(EventListener fn) ABSL_LOCKS_EXCLUDED(mu_);
+  int AddEventListener(EventListener fn) override ABSL_LOCKS_EXCLUDED(mu_);
   int AddPressureListener(PressureListener fn) ABSL_LOCKS_EXCLUDED(mu_);
   void RemoveListener(int handle) ABSL_LOCKS_EXCLUDED(mu_);
   // RemoveListener, then waits for a delivery in progress, so the listener never runs after this
   // returns (for owners that free what it points to). Never call it from a listener.
-  void RemoveListenerAndWait(int handle) ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
+  void RemoveListenerAndWait(int handle) override ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
   PressureLevel pressure_level() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Recomputes every derived count from scratch and compares (refs, free counts, queue membership,

@@ -11,7 +11,6 @@
 #include "server/core/kv_cache.h"
 #include "server/events/router_event_publisher.h"
 #include "server/obs/process_stats.h"
-#include "server/rpc/attachments.h"
 #include "server/store/tier_store.h"
 
 namespace kvd {
@@ -24,9 +23,9 @@ using prometheus::MetricType;
 // Builds metric families from KvCache::Report() at scrape time.
 class CacheCollector final : public prometheus::Collectable {
  public:
-  CacheCollector(const KvCache* cache, const AttachmentRegistry* workers, std::string backend,
+  CacheCollector(const KvCache* cache, std::function<int64_t()> workers, std::string backend,
                  const TierStore* tiers, const RouterEventPublisher* router_events)
-      : cache_(cache), workers_(workers), backend_(std::move(backend)), tiers_(tiers),
+      : cache_(cache), workers_(std::move(workers)), backend_(std::move(backend)), tiers_(tiers),
         router_events_(router_events) {}
 
   std::vector<MetricFamily> Collect() const override {
@@ -80,7 +79,7 @@ class CacheCollector final : public prometheus::Collectable {
     add(family("kvd_sessions", "Sessions with affinity.", MetricType::Gauge), r.sessions);
     add(family("kvd_orphaned_checkpoints", "Checkpoints awaiting resume.", MetricType::Gauge), r.orphaned_checkpoints);
     add(family("kvd_pressure_level", "0 normal, 1 high, 2 critical.", MetricType::Gauge), static_cast<int>(r.pressure));
-    add(family("kvd_attached_workers", "Workers attached.", MetricType::Gauge), workers_->size());
+    add(family("kvd_attached_workers", "Workers attached.", MetricType::Gauge), workers_());
     if (tiers_ != nullptr) CollectTiers(family, add);
     if (router_events_ != nullptr) {
       const RouterEventStats e = router_events_->Stats();
@@ -177,7 +176,7 @@ class CacheCollector final : public prometheus::Collectable {
   }
 
   const KvCache* cache_;
-  const AttachmentRegistry* workers_;
+  const std::function<int64_t()> workers_;
   const std::string backend_;
   const TierStore* tiers_;
   const RouterEventPublisher* router_events_;
@@ -187,7 +186,7 @@ class CacheCollector final : public prometheus::Collectable {
 
 absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& listen,
                                                         const KvCache* cache,
-                                                        const AttachmentRegistry* workers,
+                                                        std::function<int64_t()> workers,
                                                         const std::string& backend,
                                                         const TierStore* tiers,
                                                         const RouterEventPublisher* router_events) {
@@ -197,7 +196,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& liste
                          .Name("kvd_rpc_latency_seconds")
                          .Help("Latency of control-plane RPCs, by method and status code.")
                          .Register(*m->registry_);
-  auto collector = std::make_shared<CacheCollector>(cache, workers, backend, tiers, router_events);
+  auto collector = std::make_shared<CacheCollector>(cache, std::move(workers), backend, tiers, router_events);
   if (!listen.empty()) {
     try {
       m->exposer_ = std::make_unique<prometheus::Exposer>(listen);

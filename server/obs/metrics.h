@@ -4,6 +4,7 @@
 // Thread-safe.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -23,20 +24,20 @@ class Histogram;
 namespace kvd {
 
 class KvCache;
-class AttachmentRegistry;
 class TierStore;
 class RouterEventPublisher;
 
 class Metrics {
  public:
   // Serves /metrics on `listen` (HOST:PORT, port 0 picks a free one); empty serves nothing but
-  // still records. `cache` and `workers` are borrowed and must outlive this. UNAVAILABLE when the
-  // address cannot be bound.
+  // still records. `cache` is borrowed and must outlive this; `attached_workers` counts the live
+  // attachments (the rpc layer's registry, read through this function so that obs does not
+  // depend on rpc). UNAVAILABLE when the address cannot be bound.
   // `backend` labels kvd_build_info. `tiers` and `router_events` (borrowed, may be null) add
   // their families.
   static absl::StatusOr<std::unique_ptr<Metrics>> Start(const std::string& listen,
                                                         const KvCache* cache,
-                                                        const AttachmentRegistry* workers,
+                                                        std::function<int64_t()> attached_workers,
                                                         const std::string& backend,
                                                         const TierStore* tiers = nullptr,
                                                         const RouterEventPublisher* router_events = nullptr);

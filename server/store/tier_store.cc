@@ -11,7 +11,7 @@
 namespace kvd {
 
 absl::StatusOr<std::unique_ptr<TierStore>> TierStore::Open(TierOptions options,
-                                                          const DeviceArena* arena, KvCache* cache) {
+                                                          const DeviceArena* arena, TierPort* cache) {
   if (options.segment_bytes <= 0) return absl::InvalidArgumentError("tiers.segment_bytes must be > 0");
   if (options.max_prefetch_handles_per_worker < 1) {
     return absl::InvalidArgumentError("tiers.max_prefetch_handles_per_worker must be >= 1");
@@ -37,7 +37,7 @@ absl::StatusOr<std::unique_ptr<TierStore>> TierStore::Open(TierOptions options,
   return store;
 }
 
-TierStore::TierStore(TierOptions options, const DeviceArena* arena, KvCache* cache)
+TierStore::TierStore(TierOptions options, const DeviceArena* arena, TierPort* cache)
     : options_(std::move(options)),
       fs_(options_.file_system != nullptr ? options_.file_system : FileSystem::Default()),
       arena_(arena), cache_(cache), pools_(cache->pools()),

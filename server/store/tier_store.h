@@ -14,8 +14,11 @@
 // thread (write-through); a promotion that runs past what G1-G3 hold asks G4 for the rest of the
 // prompt's chain on the reader thread.
 //
-// Threads: OnEvict runs on the caller's thread under KvCache's mutex (lock order: KvCache, then
-// this). Disk writes (spills, flushes, manifest) run on one writer thread, disk reads (promotion,
+// The engine is reached through TierPort (server/core/tier_port.h) only.
+//
+// Threads: OnEvict runs on the evicting call's thread after KvCache has released its mutex (the
+// block held until it returns); it copies without this store's mutex too (claim a slot, copy,
+// install). Lock order where both are held: KvCache's, then this one's. Disk writes (spills, flushes, manifest) run on one writer thread, disk reads (promotion,
 // prefetch, object gets) on reader threads; no gRPC thread ever waits on the disk.
 #pragma once
 
@@ -34,7 +37,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gpu/device_arena.h"
-#include "server/core/kv_cache.h"
+#include "server/core/tier_port.h"
 #include "server/store/executor.h"
 #include "server/store/file_system.h"
 #include "server/store/host_tier.h"
@@ -50,7 +53,7 @@ class TierStore final : public EvictionSink {
   // Creates G2 and the G3 directory (nothing is read yet: call Load). INVALID_ARGUMENT for bad
   // options; the failing call named otherwise. `arena` and `cache` are borrowed.
   static absl::StatusOr<std::unique_ptr<TierStore>> Open(TierOptions options,
-                                                        const DeviceArena* arena, KvCache* cache);
+                                                        const DeviceArena* arena, TierPort* cache);
   ~TierStore() override;
 
   // Reads G3's manifest and every live segment's headers (not the bytes) and indexes what it
@@ -157,7 +160,7 @@ class TierStore final : public EvictionSink {
     std::string segment_path;
   };
 
-  TierStore(TierOptions options, const DeviceArena* arena, KvCache* cache);
+  TierStore(TierOptions options, const DeviceArena* arena, TierPort* cache);
 
   // tier_store.cc: index and memory.
   Entry* FindBlockLocked(const BlockKey& key, const BlockKey& parent, bool has_parent,
@@ -226,7 +229,7 @@ class TierStore final : public EvictionSink {
   const TierOptions options_;
   FileSystem* const fs_;  // options_.file_system or the real one
   const DeviceArena* const arena_;
-  KvCache* const cache_;
+  TierPort* const cache_;  // the engine, as a tier sees it
   const std::vector<PoolGeometry> pools_;
   std::vector<uint64_t> layout_tags_;   // per pool
   std::atomic<bool> idle_demotion_{true};

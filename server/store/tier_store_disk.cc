@@ -304,7 +304,7 @@ absl::Status TierStore::CheckLoadedLocked(const RecordHeader& h) const {
       absl::StatusOr<PoolId> pool = PoolOf(h.ns.pool);
       if (!pool.ok()) return absl::FailedPreconditionError(absl::StrCat("no pool '", h.ns.pool, "'"));
       const PoolGeometry& g = pools_[*pool];
-      const int64_t most = static_cast<int64_t>(sizeof(uint32_t)) + cache_->options().max_engine_state_bytes +
+      const int64_t most = static_cast<int64_t>(sizeof(uint32_t)) + cache_->max_engine_state_bytes() +
                            g.BlocksFor(static_cast<int64_t>(h.tokens.size())) * g.block_bytes_all_shards();
       if (h.raw_length > most) return absl::DataLossError("checkpoint length exceeds what its tokens need");
       return absl::OkStatus();

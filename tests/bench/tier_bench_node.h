@@ -9,6 +9,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "gpu/host_arena.h"
+#include "server/core/kv_cache.h"
 #include "server/store/tier_store.h"
 
 namespace kvd {
