@@ -506,7 +506,7 @@ absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl:
       new KvRequest(this, spec.id, FromProto(r->acquired()), pool->geometry.block_tokens));
 }
 
-absl::StatusOr<PublishResult> Client::End(const RequestId& id, int64_t publish_blocks,
+absl::StatusOr<EndResult> Client::End(const RequestId& id, int64_t publish_blocks,
                                           absl::Span<const Token> more_tokens, bool completed) {
   v1::EndRequest req;
   req.set_worker_id(impl_->worker.value());
@@ -517,7 +517,12 @@ absl::StatusOr<PublishResult> Client::End(const RequestId& id, int64_t publish_b
   KVD_ASSIGN_OR_RETURN(v1::EndResponse r, impl_->Call<v1::EndResponse>([&](auto* ctx, auto* resp) {
     return impl_->stub->End(ctx, req, resp);
   }));
-  return FromProto(r.published());
+  EndResult out;
+  out.kept = r.kept();
+  out.already_cached = r.already_cached();
+  out.duplicates = r.duplicates();
+  out.no_parent = r.no_parent();
+  return out;
 }
 
 KvRequest::~KvRequest() {
@@ -540,9 +545,9 @@ absl::Status KvRequest::Checkpoint(absl::Span<const Token> tokens, const std::st
   return client_->Checkpoint(id_, tokens, engine_state);
 }
 
-absl::StatusOr<PublishResult> KvRequest::End(int64_t publish_blocks, absl::Span<const Token> more_tokens,
-                                              bool completed) {
-  KVD_ASSIGN_OR_RETURN(PublishResult r, client_->End(id_, publish_blocks, more_tokens, completed));
+absl::StatusOr<EndResult> KvRequest::End(int64_t publish_blocks, absl::Span<const Token> more_tokens,
+                                          bool completed) {
+  KVD_ASSIGN_OR_RETURN(EndResult r, client_->End(id_, publish_blocks, more_tokens, completed));
   released_ = true;
   return r;
 }

@@ -26,6 +26,14 @@
 
 namespace kvd::client {
 
+// What End's publish did, counted.
+struct EndResult {
+  int64_t kept = 0;            // blocks now cached
+  int64_t already_cached = 0;  // positions cached already (a prefix hit)
+  int64_t duplicates = 0;      // identical blocks cached first by someone else
+  int64_t no_parent = 0;       // blocks after a position this request did not cache
+};
+
 struct ClientOptions {
   std::string target;                                  // e.g. unix:///run/kvd/kvd.sock
   std::string worker_name;                             // for the daemon's logs
@@ -103,8 +111,8 @@ class Client {
   absl::Status Release(const RequestId& id, bool completed);
   // Publish of the request's first `publish_blocks` blocks (over the tokens the daemon knows,
   // then `more_tokens`) and Release, in one round trip (the End RPC).
-  absl::StatusOr<PublishResult> End(const RequestId& id, int64_t publish_blocks,
-                                    absl::Span<const Token> more_tokens, bool completed);
+  absl::StatusOr<EndResult> End(const RequestId& id, int64_t publish_blocks,
+                                absl::Span<const Token> more_tokens, bool completed);
   absl::StatusOr<int64_t> PeekPrefixLen(const Namespace& ns, absl::Span<const Token> tokens);
   absl::Status CloseSession(const SessionId& session);
   absl::StatusOr<SessionInfo> GetSession(const SessionId& session);
@@ -157,8 +165,8 @@ class KvRequest {
   absl::Status Release(bool completed);
   // Publishes the first `publish_blocks` blocks and releases, in one round trip: the daemon has
   // the prompt already; `more_tokens` are generated tokens past it that those blocks cover.
-  absl::StatusOr<PublishResult> End(int64_t publish_blocks, absl::Span<const Token> more_tokens,
-                                    bool completed);
+  absl::StatusOr<EndResult> End(int64_t publish_blocks, absl::Span<const Token> more_tokens,
+                                bool completed);
 
  private:
   friend class Client;

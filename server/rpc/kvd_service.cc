@@ -277,7 +277,14 @@ grpc::ServerUnaryReactor* KvdService::End(grpc::CallbackServerContext* ctx, cons
     KVD_ASSIGN_OR_RETURN(PublishResult r, cache_->End(RequestId(req->request_id()), req->publish_blocks(), more,
                                                       req->completed()));
     admission_->Poke();
-    ToProto(r, resp->mutable_published());
+    for (PublishOutcome o : r.outcomes) {
+      switch (o) {
+        case PublishOutcome::kKept: resp->set_kept(resp->kept() + 1); break;
+        case PublishOutcome::kAlreadyCached: resp->set_already_cached(resp->already_cached() + 1); break;
+        case PublishOutcome::kDuplicate: resp->set_duplicates(resp->duplicates() + 1); break;
+        case PublishOutcome::kNoParent: resp->set_no_parent(resp->no_parent() + 1); break;
+      }
+    }
     return absl::OkStatus();
   });
 }

@@ -268,7 +268,7 @@ TEST_CASE("End publishes the first N blocks from the tokens the daemon holds, al
 
   v1::EndResponse ended;
   REQUIRE(End(*stub, worker, "first", 4, {900, 901, 902, 903}, &ended).ok());
-  CHECK(ended.published().kept() == 4);
+  CHECK(ended.kept() == 4);
   CHECK(Report(*stub).live_requests() == 0);
   CHECK(End(*stub, worker, "first", 0).error_code() == grpc::StatusCode::NOT_FOUND);  // ended once
 

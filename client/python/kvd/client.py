@@ -143,12 +143,12 @@ class Request:
     def end(self, publish_blocks=0, more_tokens=(), completed=True):
         """Publishes the first `publish_blocks` blocks and releases, in one round trip (the daemon
         has the prompt; `more_tokens` are generated tokens past what it knows). Returns the
-        PublishResponse."""
+        EndResponse (kept, already_cached, duplicates, no_parent)."""
         resp = self._client._rpc("End", kvd_pb2.EndRequest(
             worker_id=self._client.worker_id, request_id=self.id, publish_blocks=publish_blocks,
             more_tokens=list(more_tokens), completed=completed))
         self._released = True
-        return resp.published
+        return resp
 
     def release(self, completed=True):
         if not self._released:
