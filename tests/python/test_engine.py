@@ -317,6 +317,16 @@ def main():
                 with c.request("ck", "default", base(9, 3) + [5], resume_from="ck") as again:
                     check(again.resumed, "the retry with the right prompt resumes (the id was given back)")
                     check(again.pool == "default" and again.pool_id == 0, "Request.pool is the pool's name")
+                # The two-round-trip path: request() is one Start; end() publishes and releases.
+                r = c.request("fast", "default", base(9, 70), max_new_tokens=2)
+                ended = r.end(publish_blocks=2)
+                check(ended.kept == 2 and c.report().live_requests == 0, "Request.end publishes 2 blocks and releases")
+                raised = None
+                try:
+                    r.release()
+                except KvdError as e:
+                    raised = e
+                check(raised is None, f"release after end is a no-op ({raised})")
         finally:
             warm.stop()
             cold.stop()
