@@ -1,5 +1,6 @@
 #include "proto/vocab/block_key.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -59,6 +60,20 @@ BlockKey ChainBlockKey(const BlockKey& parent, const BlockKey& root, absl::Span<
     h = XXH3_128bits_digest(&state);
   }
   return BlockKey{h.high64, h.low64};
+}
+
+std::vector<BlockKey> ChainKeys(const Namespace& ns, absl::Span<const Token> tokens, int32_t block_tokens,
+                                int64_t max_blocks) {
+  const BlockKey root = NamespaceRootKey(ns);
+  const int64_t n = std::min<int64_t>(max_blocks, static_cast<int64_t>(tokens.size()) / block_tokens);
+  std::vector<BlockKey> keys;
+  keys.reserve(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  BlockKey parent;
+  for (int64_t i = 0; i < n; ++i) {
+    parent = ChainBlockKey(parent, root, tokens.subspan(i * block_tokens, block_tokens));
+    keys.push_back(parent);
+  }
+  return keys;
 }
 
 }  // namespace kvd

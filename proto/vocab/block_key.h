@@ -11,6 +11,7 @@
 // and its parent, and compares both, so a hash collision can never serve wrong KV.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -59,5 +60,10 @@ BlockKey NamespaceRootKey(const Namespace& ns);
 
 // The chained key of one full block.
 BlockKey ChainBlockKey(const BlockKey& parent, const BlockKey& root, absl::Span<const Token> tokens);
+
+// The chained keys of the first min(max_blocks, tokens / block_tokens) full blocks of `tokens` in
+// `ns`: what the prefix index files them under. Pure: callers compute them before any lock.
+std::vector<BlockKey> ChainKeys(const Namespace& ns, absl::Span<const Token> tokens, int32_t block_tokens,
+                                int64_t max_blocks = INT64_MAX);
 
 }  // namespace kvd

@@ -192,6 +192,15 @@ absl::StatusOr<AdmitResult> KvCache::DecideLocked(const RequestSpec& spec, PoolI
 }
 
 absl::StatusOr<AdmitResult> KvCache::Admit(const RequestSpec& spec) {
+  // What depends on the request alone is built before the lock: its copies of the prompt and the
+  // chained keys of its full blocks (hashing, the one per-token cost of a lookup).
+  auto prepared = std::make_unique<Request>();
+  if (absl::StatusOr<PoolId> p = FindPool(spec.ns.pool);
+      p.ok() && static_cast<int64_t>(spec.prompt.size()) <= pool_geometries_[*p].max_model_len) {
+    prepared->spec = spec;
+    prepared->known_tokens = spec.prompt;
+    prepared->keys = ChainKeys(spec.ns, spec.prompt, pool_geometries_[*p].block_tokens);
+  }
   absl::StatusOr<AdmitResult> result;
   {
     absl::MutexLock lock(&mu_);
@@ -204,13 +213,15 @@ absl::StatusOr<AdmitResult> KvCache::Admit(const RequestSpec& spec) {
     } else if (result->decision == AdmitDecision::kWait) {
       ++counters_.waited;
     } else {
-      auto req = std::make_unique<Request>();
-      req->spec = spec;
+      std::unique_ptr<Request> req = std::move(prepared);
+      if (req->spec.id.empty()) {  // not prepared above (cannot happen for a valid spec; be safe)
+        req->spec = spec;
+        req->known_tokens = spec.prompt;
+      }
       req->serial = next_serial_++;
       req->pool = *pool;
       req->reserved_blocks = pool_geometries_[*pool].BlocksFor(
           static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens);
-      req->known_tokens = spec.prompt;
       req->admitted_at = clock_->Now();
       KVD_CHECK(ledger_.Reserve(*pool, req->reserved_blocks).ok());
       workers_.AddUsage(spec.limit_key(), 1, ledger_.BytesOf(*pool, req->reserved_blocks));
@@ -264,7 +275,7 @@ absl::StatusOr<AcquireResult> KvCache::AcquirePrefixLocked(Request& req) {
   const int64_t prompt_len = static_cast<int64_t>(req.spec.prompt.size());
   const NamespaceRoot* root = index_.FindRoot(req.spec.ns);
   std::vector<CachedBlock*> hit =
-      index_.Match(root, req.spec.prompt, bt, MaxHitBlocks(pool, prompt_len));
+      index_.Match(root, req.spec.prompt, bt, MaxHitBlocks(pool, prompt_len), req.keys);
   const int64_t total_blocks = pool.geometry.BlocksFor(prompt_len);
   const int64_t fresh = total_blocks - static_cast<int64_t>(hit.size());
   // Hit blocks that are evictable now stop being so once referenced: check room for the fresh
@@ -486,12 +497,15 @@ int64_t KvCache::ReleaseWorker(const WorkerId& worker) {
 
 absl::StatusOr<int64_t> KvCache::PeekPrefixLen(const Namespace& ns,
                                                absl::Span<const Token> tokens) const {
-  absl::MutexLock lock(&mu_);
   KVD_ASSIGN_OR_RETURN(PoolId id, FindPool(ns.pool));
+  const int32_t bt = pool_geometries_[id].block_tokens;
+  const std::vector<BlockKey> keys =
+      ChainKeys(ns, tokens, bt, std::min<int64_t>(static_cast<int64_t>(tokens.size()), pool_geometries_[id].max_model_len) / bt);
+  absl::MutexLock lock(&mu_);
   const Pool& pool = *pools_[id];
   std::vector<CachedBlock*> hit =
       index_.Match(index_.FindRoot(ns), tokens, pool.geometry.block_tokens,
-                   MaxHitBlocks(pool, static_cast<int64_t>(tokens.size())));
+                   MaxHitBlocks(pool, static_cast<int64_t>(tokens.size())), keys);
   return static_cast<int64_t>(hit.size()) * pool.geometry.block_tokens;
 }
 

@@ -255,8 +255,9 @@ class KvCache final : public TierPort {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `key`, when given, is the block's chained key (computed before the lock).
   CachedBlock* CacheBlockLocked(PoolId pool, NamespaceRoot* root, CachedBlock* parent,
-                                BlockIndex index, absl::Span<const Token> tokens)
+                                BlockIndex index, absl::Span<const Token> tokens, const BlockKey* key = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetProtectionLocked(PoolId pool, CachedBlock* node, int delta)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

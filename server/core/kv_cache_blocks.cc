@@ -178,11 +178,11 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
 }
 
 CachedBlock* KvCache::CacheBlockLocked(PoolId pool_id, NamespaceRoot* root, CachedBlock* parent,
-                                       BlockIndex index, absl::Span<const Token> tokens) {
+                                       BlockIndex index, absl::Span<const Token> tokens, const BlockKey* key) {
   Pool& pool = *pools_[pool_id];
   BlockState& s = pool.blocks[index];
   KVD_CHECK(s.kind == BlockState::Kind::kOwned && s.refs > 0);
-  CachedBlock* node = index_.Insert(root, parent, tokens, BlockAddress{pool_id, index});
+  CachedBlock* node = index_.Insert(root, parent, tokens, BlockAddress{pool_id, index}, key);
   if (node == nullptr) return nullptr;
   s.kind = BlockState::Kind::kCached;
   s.owner = 0;

@@ -164,7 +164,9 @@ absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
     if (outcome == PublishOutcome::kAlreadyCached) {
       parent = pool.blocks[blocks[i]].node;
     } else if (outcome == PublishOutcome::kKept && chain_ok) {
-      parent = CacheBlockLocked(req->pool, root, parent, blocks[i], tokens.subspan(i * bt, bt));
+      // The prompt's blocks were keyed before the lock (Admit); generated ones are keyed here.
+      parent = CacheBlockLocked(req->pool, root, parent, blocks[i], tokens.subspan(i * bt, bt),
+                                i < req->keys.size() ? &req->keys[i] : nullptr);
       if (parent != nullptr) parent->publisher = publisher;
       if (parent == nullptr) {  // a 128-bit key collision with a different block
         outcome = PublishOutcome::kDuplicate;

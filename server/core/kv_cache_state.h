@@ -53,6 +53,7 @@ struct Request {
   int64_t num_tokens = 0;
   int64_t cached_tokens = 0;
   std::vector<Token> known_tokens;  // prompt, then generated tokens learned from publish/checkpoint
+  std::vector<BlockKey> keys;       // chained keys of the prompt's full blocks, computed before the lock
   absl::Time admitted_at;
 };
 struct CheckpointRecord {

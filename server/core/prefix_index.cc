@@ -31,14 +31,15 @@ NamespaceRoot* PrefixIndex::GetOrCreateRoot(const Namespace& ns, PoolId pool) {
 
 std::vector<CachedBlock*> PrefixIndex::Match(const NamespaceRoot* root,
                                              absl::Span<const Token> tokens, int32_t block_tokens,
-                                             int64_t max_blocks) const {
+                                             int64_t max_blocks, absl::Span<const BlockKey> keys) const {
   std::vector<CachedBlock*> out;
   if (root == nullptr) return out;
   const int64_t full = static_cast<int64_t>(tokens.size()) / block_tokens;
   const int64_t limit = std::min(full, max_blocks);
   CachedBlock* parent = nullptr;
   for (int64_t i = 0; i < limit; ++i) {
-    CachedBlock* child = FindChild(*root, parent, tokens.subspan(i * block_tokens, block_tokens));
+    CachedBlock* child = FindChild(*root, parent, tokens.subspan(i * block_tokens, block_tokens),
+                                   i < static_cast<int64_t>(keys.size()) ? &keys[i] : nullptr);
     if (child == nullptr) break;
     out.push_back(child);
     parent = child;
@@ -47,9 +48,9 @@ std::vector<CachedBlock*> PrefixIndex::Match(const NamespaceRoot* root,
 }
 
 CachedBlock* PrefixIndex::FindChild(const NamespaceRoot& root, const CachedBlock* parent,
-                                    absl::Span<const Token> tokens) const {
+                                    absl::Span<const Token> tokens, const BlockKey* key) const {
   const BlockKey parent_key = parent == nullptr ? BlockKey{} : parent->key;
-  auto it = root.blocks.find(ChainBlockKey(parent_key, root.key, tokens));
+  auto it = root.blocks.find(key != nullptr ? *key : ChainBlockKey(parent_key, root.key, tokens));
   if (it == root.blocks.end()) return nullptr;
   CachedBlock* node = it->second.get();
   // The key only finds a candidate: verify the chain and the tokens exactly.
@@ -58,9 +59,9 @@ CachedBlock* PrefixIndex::FindChild(const NamespaceRoot& root, const CachedBlock
 }
 
 CachedBlock* PrefixIndex::Insert(NamespaceRoot* root, CachedBlock* parent,
-                                 absl::Span<const Token> tokens, BlockAddress address) {
+                                 absl::Span<const Token> tokens, BlockAddress address, const BlockKey* given) {
   const BlockKey parent_key = parent == nullptr ? BlockKey{} : parent->key;
-  const BlockKey key = ChainBlockKey(parent_key, root->key, tokens);
+  const BlockKey key = given != nullptr ? *given : ChainBlockKey(parent_key, root->key, tokens);
   std::unique_ptr<CachedBlock> node;
   if (spare_nodes_.empty()) {
     node = std::make_unique<CachedBlock>();

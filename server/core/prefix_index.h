@@ -59,17 +59,22 @@ class PrefixIndex {
   NamespaceRoot* GetOrCreateRoot(const Namespace& ns, PoolId pool);
 
   // The longest chain of cached blocks that equals the leading full blocks of `tokens`, at most
-  // `max_blocks` long. `root` may be nullptr (a miss).
+  // `max_blocks` long. `root` may be nullptr (a miss). `keys`, when not empty, are the blocks'
+  // chained keys (ChainKeys of the same namespace and tokens, computed before the caller's lock);
+  // else they are computed here. Either way a candidate is verified by parent and tokens.
   std::vector<CachedBlock*> Match(const NamespaceRoot* root, absl::Span<const Token> tokens,
-                                  int32_t block_tokens, int64_t max_blocks) const;
+                                  int32_t block_tokens, int64_t max_blocks,
+                                  absl::Span<const BlockKey> keys = {}) const;
 
   // The cached child of `parent` (nullptr: first block) holding exactly `tokens`, or nullptr.
+  // `key`, when given, is its chained key.
   CachedBlock* FindChild(const NamespaceRoot& root, const CachedBlock* parent,
-                         absl::Span<const Token> tokens) const;
+                         absl::Span<const Token> tokens, const BlockKey* key = nullptr) const;
 
-  // Inserts a new node. REQUIRES: FindChild(root, parent, tokens) == nullptr.
+  // Inserts a new node. REQUIRES: FindChild(root, parent, tokens) == nullptr. `key`, when given,
+  // is ChainBlockKey(parent's key, root's key, tokens).
   CachedBlock* Insert(NamespaceRoot* root, CachedBlock* parent, absl::Span<const Token> tokens,
-                      BlockAddress address);
+                      BlockAddress address, const BlockKey* key = nullptr);
 
   // Removes `block` and deletes its root if it became empty. REQUIRES: block->num_children == 0.
   void Erase(CachedBlock* block);

@@ -80,19 +80,6 @@ absl::StatusOr<PoolId> TierStore::PoolOf(const std::string& name) const {
   return absl::NotFoundError(absl::StrCat("no pool named '", name, "'"));
 }
 
-std::vector<BlockKey> TierStore::ChainKeys(const Namespace& ns, absl::Span<const Token> tokens,
-                                           int32_t block_tokens, int64_t max_blocks) {
-  const BlockKey root = NamespaceRootKey(ns);
-  std::vector<BlockKey> keys;
-  BlockKey parent;
-  const int64_t n = std::min<int64_t>(max_blocks, static_cast<int64_t>(tokens.size()) / block_tokens);
-  for (int64_t i = 0; i < n; ++i) {
-    parent = ChainBlockKey(parent, root, tokens.subspan(i * block_tokens, block_tokens));
-    keys.push_back(parent);
-  }
-  return keys;
-}
-
 TierStore::Entry* TierStore::FindBlockLocked(const BlockKey& key, const BlockKey& parent,
                                              bool has_parent, absl::Span<const Token> tokens) {
   auto it = entries_.find(key);

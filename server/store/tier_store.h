@@ -165,9 +165,6 @@ class TierStore final : public EvictionSink {
   // tier_store.cc: index and memory.
   Entry* FindBlockLocked(const BlockKey& key, const BlockKey& parent, bool has_parent,
                          absl::Span<const Token> tokens) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Keys of the leading full blocks of `tokens` in `ns`.
-  static std::vector<BlockKey> ChainKeys(const Namespace& ns, absl::Span<const Token> tokens,
-                                         int32_t block_tokens, int64_t max_blocks);
   // Room for `n` G2 slots, demoting unpinned least-recently-used entries (to a spill when they
   // are not on G3). nullopt when not even that frees enough.
   std::optional<std::vector<uint32_t>> AllocateSlotsLocked(int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
