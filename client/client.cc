@@ -176,6 +176,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   }
   impl->worker = WorkerId(resp.attached().worker_id());
   impl->backend = resp.attached().backend();
+  // Beat at least three times per lease, whatever the options say: a lapsed lease releases every
+  // request this worker holds.
+  if (const int64_t lease_ms = resp.attached().lease_ttl_ms(); lease_ms > 0) {
+    impl->options.heartbeat_period = std::min(impl->options.heartbeat_period, absl::Milliseconds(lease_ms) / 3);
+  }
   if (absl::Status s = impl->AttachAndMap(resp.attached()); !s.ok()) {
     impl->attach_ctx.TryCancel();
     return s;

@@ -37,7 +37,7 @@ struct EndResult {
 struct ClientOptions {
   std::string target;                                  // e.g. unix:///run/kvd/kvd.sock
   std::string worker_name;                             // for the daemon's logs
-  absl::Duration heartbeat_period = absl::Seconds(1);  // keep well under the daemon's lease
+  absl::Duration heartbeat_period = absl::Seconds(1);  // at most a third of the daemon's lease is used
   bool map_slabs = true;                               // false: control plane only (admin tools)
   // Tensor-parallel rank: map only this shard of each pool (-1: every shard). On the CUDA backend
   // a rank maps only its own device's slab.

@@ -162,6 +162,7 @@ void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
   const int64_t raw_bytes = pools_[block.pool].block_bytes_all_shards();
   const int r = static_cast<int>(reason);
   std::optional<std::vector<uint32_t>> slots;
+  uint8_t* slot_bytes = nullptr;  // the claimed slot: this call's alone until installed
   bool spill = false;
   {
     absl::MutexLock lock(&mu_);
@@ -178,6 +179,7 @@ void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
     }
     slots = AllocateSlotsLocked(1);
     e = &entries_.at(block.key);  // slot allocation may have erased other entries (not this one)
+    if (slots.has_value()) slot_bytes = host_->slot((*slots)[0]);
     if (!slots.has_value()) {
       spill = e->segment == 0 && !options_.disk_dir.empty();
       if (!spill) {
@@ -191,7 +193,7 @@ void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
   absl::Status copied;
   std::shared_ptr<std::string> raw;
   if (slots.has_value()) {
-    copied = arena_->ReadBlock(block.pool, block.index, host_->slot((*slots)[0]));
+    copied = arena_->ReadBlock(block.pool, block.index, slot_bytes);
   } else {
     raw = std::make_shared<std::string>(static_cast<size_t>(raw_bytes), '\0');
     copied = arena_->ReadBlock(block.pool, block.index, reinterpret_cast<uint8_t*>(raw->data()));

@@ -191,6 +191,8 @@ class Client:
             raise KvdError(e.code(), e.details()) from None
         self.worker_id = attached.worker_id
         self.backend = attached.backend
+        if attached.lease_ttl_ms > 0:  # beat at least three times per lease
+            heartbeat_s = min(heartbeat_s, attached.lease_ttl_ms / 3000.0)
         self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True)
         self._beat.start()
         self.pools = [Pool(p) for p in self._rpc("ListPools", kvd_pb2.ListPoolsRequest()).pools]
