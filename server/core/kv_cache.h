@@ -154,7 +154,8 @@ class KvCache final : public TierPort {
   absl::Status PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks) override
       ABSL_LOCKS_EXCLUDED(mu_);
   void UnpinBlocks(PoolId pool, absl::Span<const BlockIndex> blocks) override ABSL_LOCKS_EXCLUDED(mu_);
-  // Every cached block now, and fn(view) for those of `refs` still cached (same key), called
+  // Every cached block (listed in slices, the lock taken per slice: a block cached or evicted
+  // meanwhile may be missed or stale), and fn(view) for those of `refs` still cached (same key), called
   // without the cache mutex while those blocks (and their prefixes) are held, so their bytes stay
   // put and may be copied; recency is left as it was. Returns how many were visited.
   std::vector<CachedBlockRef> SnapshotCached() const override ABSL_LOCKS_EXCLUDED(mu_);
