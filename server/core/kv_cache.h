@@ -3,9 +3,9 @@
 // affinity, eviction, trimming, pressure and index events. It never touches KV bytes: it hands out
 // block indices, and the data plane (gpu/, client/) turns them into memory.
 //
-// Lifecycle of a request: Admit (reserve projected bytes) -> Acquire (block table: resumed
-// checkpoint, else longest cached prefix, else fresh; plus writable blocks) -> Extend / Publish /
-// Checkpoint while generating -> Release (completed: checkpoints removed; interrupted: kept).
+// A request: Admit (reserve projected bytes) -> Acquire (block table: resumed checkpoint, else
+// longest cached prefix, else fresh; plus writable blocks) -> Extend / Publish / Checkpoint ->
+// Release (completed: checkpoints removed; interrupted: kept), or End (publish + release).
 //
 // Ownership: a block is free, *owned* (writable by exactly one request, or pinned by that
 // request's orphaned checkpoint), or *cached* (immutable, in the index, shared by reference).
@@ -79,22 +79,18 @@ class KvCache final : public TierPort {
   // checkpoint in another namespace or one that does not continue the prompt).
   absl::StatusOr<AcquireResult> Acquire(const RequestId& id) ABSL_LOCKS_EXCLUDED(mu_);
   // Grows the request by `additional_tokens` positions; returns the blocks appended to its table.
-  // OUT_OF_RANGE past max_model_len; RESOURCE_EXHAUSTED when past the reservation and the budget
-  // cannot grow it.
-  absl::StatusOr<std::vector<BlockIndex>> Extend(const RequestId& id, int64_t additional_tokens)
+  // OUT_OF_RANGE past max_model_len; RESOURCE_EXHAUSTED past the reservation and the budget.
+  absl::StatusOr<std::vector<BlockIndex>> Extend(const RequestId& id, int64_t additional)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Offers the request's first blocks.size() blocks for reuse. `blocks` must equal the request's
   // table prefix and `tokens` must cover them fully and agree with the request's known tokens.
   // Kept blocks become cached and immutable; the request keeps reading them.
   absl::StatusOr<PublishResult> Publish(const RequestId& id, absl::Span<const Token> tokens,
-                                        absl::Span<const BlockIndex> blocks)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                        absl::Span<const BlockIndex> blocks) ABSL_LOCKS_EXCLUDED(mu_);
   // What Publish would answer for the same arguments; changes nothing.
   absl::StatusOr<PublishResult> Keeps(const RequestId& id, absl::Span<const Token> tokens,
-                                      absl::Span<const BlockIndex> blocks) const
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // Records a resumable point: the first tokens.size() tokens, the blocks holding them, and
-  // opaque engine bytes. Replaces the request's previous checkpoint.
+                                      absl::Span<const BlockIndex> blocks) const ABSL_LOCKS_EXCLUDED(mu_);
+  // A resumable point: the first tokens.size() tokens, their blocks, opaque engine bytes.
   absl::Status Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
                           std::string engine_state) ABSL_LOCKS_EXCLUDED(mu_);
   // Publish of the request's first `publish_blocks` table blocks over its known tokens (prompt,
@@ -102,8 +98,7 @@ class KvCache final : public TierPort {
   // one lock, all or nothing: on error the request is still live and unchanged.
   // INVALID_ARGUMENT (publish_blocks < 0 or past the table, tokens too short) and Publish's.
   absl::StatusOr<PublishResult> End(const RequestId& id, int64_t publish_blocks,
-                                    absl::Span<const Token> more_tokens, bool completed)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                    absl::Span<const Token> more_tokens, bool completed) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the request. completed: its checkpoint is removed; interrupted: the checkpoint is kept for
   // resume (within the checkpoint budget). NOT_FOUND when the id is not live (e.g. a double release).
   absl::Status Release(const RequestId& id, bool completed) ABSL_LOCKS_EXCLUDED(mu_);
@@ -142,46 +137,27 @@ class KvCache final : public TierPort {
   // Blocks evicted from now on (except by ClearCache) are offered to `sink` first. Borrowed; call
   // before serving, or with nullptr to stop.
   void SetEvictionSink(EvictionSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
-  // A lower tier has written the KV of the request's prompt tokens [cached_tokens, new_cached)
-  // into its writable blocks: publish them and count them as hit. NOT_FOUND (request gone),
-  // FAILED_PRECONDITION (not acquired, resumed, or new_cached not a block boundary in the prompt).
-  absl::Status AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) override ABSL_LOCKS_EXCLUDED(mu_);
   // A copy of a live request's spec. NOT_FOUND when not live.
   absl::StatusOr<RequestSpec> SpecOf(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);
-  // Holds a reference on each of `blocks` of the request's table (owned or cached) so that they
-  // stay put while a lower tier writes into them, even if the request is released meanwhile.
-  // NOT_FOUND (request), INVALID_ARGUMENT (a block not in its table). Undo with UnpinBlocks.
-  absl::Status PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks) override
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // TierPort (tier_port.h states the contracts).
+  absl::Status AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks) override ABSL_LOCKS_EXCLUDED(mu_);
   void UnpinBlocks(PoolId pool, absl::Span<const BlockIndex> blocks) override ABSL_LOCKS_EXCLUDED(mu_);
-  // Every cached block (listed in slices, the lock taken per slice: a block cached or evicted
-  // meanwhile may be missed or stale), and fn(view) for those of `refs` still cached (same key), called
-  // without the cache mutex while those blocks (and their prefixes) are held, so their bytes stay
-  // put and may be copied; recency is left as it was. Returns how many were visited.
   std::vector<CachedBlockRef> SnapshotCached() const override ABSL_LOCKS_EXCLUDED(mu_);
   int64_t VisitCached(absl::Span<const CachedBlockRef> refs,
                       const std::function<void(const CachedBlockView&)>& fn) override ABSL_LOCKS_EXCLUDED(mu_);
-  // Every checkpoint now. With `pin`, each one's blocks are pinned (release them with UnpinBlocks)
-  // so that their bytes can be copied outside the lock.
   std::vector<CheckpointSnapshot> SnapshotCheckpoints(bool pin) override ABSL_LOCKS_EXCLUDED(mu_);
-  // Recreates an interrupted generation's checkpoint (a warm restart) with fresh blocks the caller
-  // then fills, charged to the checkpoint budget with a full TTL. NOT_FOUND (pool), ALREADY_EXISTS
-  // (id), INVALID_ARGUMENT (no tokens, engine state too large, past max_model_len),
-  // RESOURCE_EXHAUSTED (checkpoint budget or pool). Changes nothing on error.
   absl::StatusOr<std::vector<BlockIndex>> RestoreCheckpoint(const RequestId& id, const Namespace& ns,
                                                             std::vector<Token> tokens,
                                                             std::string engine_state) override
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Records events that happened outside the device index (a warm restart's reload), in order.
   void EmitExternal(const std::vector<CacheEvent>& events) override ABSL_LOCKS_EXCLUDED(mu_);
 
   const EventLog& events() const { return events_; }
   int AddEventListener(EventListener fn) override ABSL_LOCKS_EXCLUDED(mu_);
   int AddPressureListener(PressureListener fn) ABSL_LOCKS_EXCLUDED(mu_);
   void RemoveListener(int handle) ABSL_LOCKS_EXCLUDED(mu_);
-  // RemoveListener, then waits for a delivery in progress, so the listener never runs after this
-  // returns (for owners that free what it points to). Never call it from a listener.
-  void RemoveListenerAndWait(int handle) override ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
+  void RemoveListenerAndWait(int handle) override ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);  // tier_port.h
   PressureLevel pressure_level() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Recomputes every derived count from scratch and compares (refs, free counts, queue membership,
@@ -242,10 +218,10 @@ class KvCache final : public TierPort {
   absl::Status MakeCheckpointStateRoomLocked(const WorkerId& owner, int64_t bytes,
                                              const CheckpointRecord* replacing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // kv_cache_blocks.cc: references, allocation, eviction.
-  void RefLocked(PoolId pool, BlockIndex index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops one reference; a block left unreferenced is freed (owned) or becomes evictable (cached).
-  void UnrefLocked(PoolId pool, BlockIndex index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kv_cache_blocks.cc: references, allocation, eviction. Unref: a block left unreferenced is
+  // freed (owned) or becomes evictable (cached). `touch`: the reference is a use (recency).
+  void RefLocked(PoolId pool, BlockIndex index, bool touch = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnrefLocked(PoolId pool, BlockIndex index, bool touch = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unrefs a block table tail first, so the head of a prefix is the most recently used.
   void UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -276,15 +252,12 @@ class KvCache final : public TierPort {
   HandleInfo HandleOfLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionInfo SessionInfoLocked(const SessionId& id, const Session& s) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Runs this thread's demotions (the sink's copies of blocks this operation evicted), then
-  // delivers queued notifications in order. Every operation that can evict calls it after
-  // releasing mu_ and before returning.
+  // RunDemotions (OnEvict, without mu_, for each block this thread's operation evicted with a
+  // sink set; then lets them go), then queued notifications in order. Every operation that can
+  // evict calls it after releasing mu_ and before returning.
   void Deliver() ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
-  // The demotion half of Deliver: OnEvict for each block this thread's last operation evicted
-  // with a sink set, without mu_; then lets the blocks go.
   void RunDemotions() ABSL_LOCKS_EXCLUDED(mu_);
-  // A reference that holds a block (and counts as a pin) without touching its recency; Unhold
-  // gives it back (a block left unreferenced is freed if owned, queued again if cached).
+  // A pinned reference that leaves recency alone (VisitCached, demotions); Unhold drops it.
   void HoldLocked(PoolId pool, BlockIndex index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnholdLocked(PoolId pool, BlockIndex index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

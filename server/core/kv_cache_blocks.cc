@@ -15,7 +15,7 @@ uint64_t KvCache::NextTickLocked() {
   return last_tick_;
 }
 
-void KvCache::RefLocked(PoolId pool_id, BlockIndex index) {
+void KvCache::RefLocked(PoolId pool_id, BlockIndex index, bool touch) {
   Pool& pool = *pools_[pool_id];
   BlockState& s = pool.blocks[index];
   KVD_CHECK(s.kind != BlockState::Kind::kFree);
@@ -24,12 +24,12 @@ void KvCache::RefLocked(PoolId pool_id, BlockIndex index) {
       pool.queue.Remove(s.node);
       --pool.num_cached_unreferenced;
     }
-    s.node->last_use = NextTickLocked();
+    if (touch) s.node->last_use = NextTickLocked();
   }
   ++s.refs;
 }
 
-void KvCache::UnrefLocked(PoolId pool_id, BlockIndex index) {
+void KvCache::UnrefLocked(PoolId pool_id, BlockIndex index, bool touch) {
   Pool& pool = *pools_[pool_id];
   BlockState& s = pool.blocks[index];
   KVD_CHECK(s.kind != BlockState::Kind::kFree && s.refs > 0);
@@ -42,20 +42,13 @@ void KvCache::UnrefLocked(PoolId pool_id, BlockIndex index) {
     return;
   }
   ++pool.num_cached_unreferenced;
-  s.node->last_use = NextTickLocked();
+  if (touch) s.node->last_use = NextTickLocked();
   if (s.node->num_children == 0) pool.queue.Push(s.node);
 }
 
 void KvCache::HoldLocked(PoolId pool_id, BlockIndex index) {
-  Pool& pool = *pools_[pool_id];
-  BlockState& s = pool.blocks[index];
-  KVD_CHECK(s.kind != BlockState::Kind::kFree);
-  if (s.kind == BlockState::Kind::kCached && s.refs == 0) {
-    pool.queue.Remove(s.node);
-    --pool.num_cached_unreferenced;
-  }
-  ++s.refs;
-  ++pool.pins[index];
+  RefLocked(pool_id, index, /*touch=*/false);  // a hold is not a use: recency stays
+  ++pools_[pool_id]->pins[index];
 }
 
 void KvCache::UnholdLocked(PoolId pool_id, BlockIndex index) {
@@ -63,18 +56,7 @@ void KvCache::UnholdLocked(PoolId pool_id, BlockIndex index) {
   auto pin = pool.pins.find(index);
   KVD_CHECK(pin != pool.pins.end());
   if (--pin->second == 0) pool.pins.erase(pin);
-  BlockState& s = pool.blocks[index];
-  KVD_CHECK(s.kind != BlockState::Kind::kFree && s.refs > 0);
-  if (--s.refs > 0) return;
-  if (s.kind == BlockState::Kind::kOwned) {
-    s.kind = BlockState::Kind::kFree;
-    s.owner = 0;
-    --pool.num_owned;
-    pool.allocator.Free(index);
-    return;
-  }
-  ++pool.num_cached_unreferenced;  // recency as it was: the hold was not a use
-  if (s.node->num_children == 0) pool.queue.Push(s.node);
+  UnrefLocked(pool_id, index, /*touch=*/false);
 }
 
 void KvCache::UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table) {

@@ -29,24 +29,41 @@ class TierPort {
   virtual const std::vector<PoolGeometry>& pools() const = 0;
   virtual int64_t max_engine_state_bytes() const = 0;
 
-  // Promotion into a request's writable blocks: hold them, then publish what was written.
+  // Promotion. PinBlocks holds a reference on each of `blocks` of the request's table (owned or
+  // cached) so they stay put while a tier writes into them, even if the request is released
+  // meanwhile: NOT_FOUND (request), INVALID_ARGUMENT (a block not in its table); undo with
+  // UnpinBlocks. AdoptPromoted: the tier has written the KV of the request's prompt tokens
+  // [cached_tokens, new_cached) into its writable blocks — publish them and count them as hit;
+  // NOT_FOUND (request gone), FAILED_PRECONDITION (not acquired, resumed, or new_cached not a
+  // block boundary in the prompt).
   virtual absl::Status PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks) = 0;
   virtual void UnpinBlocks(PoolId pool, absl::Span<const BlockIndex> blocks) = 0;
   virtual absl::Status AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) = 0;
 
-  // Flush and upload: what is cached, and copies of it made without the engine's lock.
+  // Flush and upload. SnapshotCached lists every cached block (in slices, the lock taken per
+  // slice: a block cached or evicted meanwhile may be missed or stale). VisitCached calls fn(view)
+  // for those of `refs` still cached (same key), without the engine's lock, the blocks and their
+  // prefixes held so their bytes stay put; recency is left as it was; returns how many.
+  // SnapshotCheckpoints: every checkpoint now; with `pin`, each one's blocks are pinned (release
+  // them with UnpinBlocks) so their bytes can be copied outside the lock.
   virtual std::vector<CachedBlockRef> SnapshotCached() const = 0;
   virtual int64_t VisitCached(absl::Span<const CachedBlockRef> refs,
                               const std::function<void(const CachedBlockView&)>& fn) = 0;
   virtual std::vector<CheckpointSnapshot> SnapshotCheckpoints(bool pin) = 0;
 
-  // Warm restart: checkpoints and events from what the disk holds.
+  // Warm restart. RestoreCheckpoint recreates an interrupted generation's checkpoint with fresh
+  // blocks the caller then fills, charged to the checkpoint budget with a full TTL: NOT_FOUND
+  // (pool), ALREADY_EXISTS (id), INVALID_ARGUMENT (no tokens, engine state too large, past
+  // max_model_len), RESOURCE_EXHAUSTED (checkpoint budget or pool); changes nothing on error.
+  // EmitExternal records events that happened outside the device index (a reload), in order.
   virtual absl::StatusOr<std::vector<BlockIndex>> RestoreCheckpoint(const RequestId& id, const Namespace& ns,
                                                                     std::vector<Token> tokens,
                                                                     std::string engine_state) = 0;
   virtual void EmitExternal(const std::vector<CacheEvent>& events) = 0;
 
-  // The index's events (write-through uploads).
+  // The index's events (write-through uploads). RemoveListenerAndWait removes a listener, then
+  // waits for a delivery in progress, so it never runs after this returns (for owners that free
+  // what it points to); never call it from a listener.
   virtual int AddEventListener(EventListener fn) = 0;
   virtual void RemoveListenerAndWait(int handle) = 0;
 };
