@@ -66,6 +66,16 @@ v1::ReportResponse Report(v1::Kvd::Stub& stub) {
   return r;
 }
 
+// A daemon whose pool holds `capacity` 4-token blocks, and one worker attached by hand.
+struct Node {
+  explicit Node(int capacity) : d(SmallPoolConfig(capacity)), stub(NewStub(d)), w(AttachByHand(*stub)),
+                                worker(w->attached.worker_id()) {}
+  DaemonProcess d;
+  std::unique_ptr<v1::Kvd::Stub> stub;
+  std::unique_ptr<RawAttachment> w;
+  std::string worker;
+};
+
 // Polls Report until `n` Start calls wait (at most 10 s).
 void AwaitWaiting(v1::Kvd::Stub& stub, int64_t n) {
   for (int i = 0; i < 1000 && Report(stub).admission_waiting() != n; ++i) absl::SleepFor(absl::Milliseconds(10));
@@ -73,10 +83,9 @@ void AwaitWaiting(v1::Kvd::Stub& stub, int64_t n) {
 }
 
 TEST_CASE("Start waits inside the daemon, first come first served per pool", "[integration][start]") {
-  DaemonProcess d(SmallPoolConfig(kCapacity));
-  auto stub = NewStub(d);
-  auto w = AttachByHand(*stub);
-  const std::string worker = w->attached.worker_id();
+  Node node(kCapacity);
+  auto& stub = node.stub;
+  const std::string& worker = node.worker;
 
   v1::StartResponse holder;
   REQUIRE(Start(*stub, StartOf(worker, "holder", 6), &holder).ok());
@@ -119,10 +128,9 @@ TEST_CASE("Start waits inside the daemon, first come first served per pool", "[i
 
 TEST_CASE("A Start that waits past its bound, is abandoned, or outlives its worker leaves nothing",
           "[integration][start]") {
-  DaemonProcess d(SmallPoolConfig(kCapacity));
-  auto stub = NewStub(d);
-  auto w = AttachByHand(*stub);
-  const std::string worker = w->attached.worker_id();
+  Node node(kCapacity);
+  auto& stub = node.stub;
+  const std::string& worker = node.worker;
   v1::StartResponse resp;
   REQUIRE(Start(*stub, StartOf(worker, "holder", 8), &resp).ok());
 
@@ -181,10 +189,9 @@ TEST_CASE("A Start that waits past its bound, is abandoned, or outlives its work
 }
 
 TEST_CASE("Start refuses bad input and gives back an admission whose Acquire fails", "[integration][start]") {
-  DaemonProcess d(SmallPoolConfig(kCapacity));
-  auto stub = NewStub(d);
-  auto w = AttachByHand(*stub);
-  const std::string worker = w->attached.worker_id();
+  Node node(kCapacity);
+  auto& stub = node.stub;
+  const std::string& worker = node.worker;
   v1::StartResponse resp;
 
   v1::StartRequest negative = StartOf(worker, "r", 1);
@@ -237,10 +244,9 @@ TEST_CASE("Start refuses bad input and gives back an admission whose Acquire fai
 
 TEST_CASE("End publishes the first N blocks from the tokens the daemon holds, all or nothing",
           "[integration][start]") {
-  DaemonProcess d(SmallPoolConfig(64));
-  auto stub = NewStub(d);
-  auto w = AttachByHand(*stub);
-  const std::string worker = w->attached.worker_id();
+  Node node(64);
+  auto& stub = node.stub;
+  const std::string& worker = node.worker;
   v1::StartResponse resp;
   v1::StartRequest req = StartOf(worker, "first", 3);  // 12 tokens
   req.mutable_admit()->set_max_new_tokens(4);
