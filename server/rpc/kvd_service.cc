@@ -229,11 +229,9 @@ grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, co
   }
   RequestSpec spec = SpecFromProto(req->admit());
   spec.principal = WorkerId(caller->key);
-  if (!spec.resume_from.empty()) {
-    // The request may still be live under a worker that just died (see AdmitAfterOwnerGone).
-    absl::StatusOr<AdmitResult> fits = cache_->Fits(spec);
-    if (absl::IsAlreadyExists(fits.status())) WaitOwnerGone(ctx, spec);
-  }
+  // The request may still be live under a worker that just died (WaitOwnerGone returns at once
+  // unless another worker holds it).
+  if (!spec.resume_from.empty()) WaitOwnerGone(ctx, spec);
   absl::Time deadline =
       absl::Now() + (req->max_wait_ms() > 0 ? absl::Milliseconds(req->max_wait_ms()) : kDefaultStartWait);
   if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
