@@ -21,6 +21,7 @@
 #include "gpu/host_arena.h"
 #if KVD_HAVE_CUDA
 #include "gpu/cuda_block_copier.h"
+#include "gpu/cuda_device.h"
 #include "gpu/cuda_ipc_event.h"
 #include "gpu/cuda_slab_import.h"
 #endif
@@ -129,12 +130,18 @@ absl::Status Client::Impl::AttachAndMap(const v1::Attached& attached) {
 
 absl::Status Client::Impl::OpenCudaSlabs(const v1::ListPoolsResponse& listed) {
 #if KVD_HAVE_CUDA
+  // The daemon's ordinals are not this process's (a pod granted one GPU sees it as device 0):
+  // each slab names its device by UUID and PCI bus id, resolved here.
+  KVD_ASSIGN_OR_RETURN(std::vector<DeviceIdentity> visible, ListCudaDevices());
   for (const v1::PoolInfo& p : listed.pools()) {
     for (const v1::SlabInfo& s : p.slabs()) {
       if (options.shard >= 0 && static_cast<int32_t>(s.shard()) != options.shard) continue;
+      KVD_ASSIGN_OR_RETURN(int device,
+                           ResolveDevice(visible, s.device_uuid(), s.device_pci_bus_id(), s.device()));
       KVD_ASSIGN_OR_RETURN(ImportedCudaSlab slab,
-                           ImportedCudaSlab::Open(s.device(), s.cuda_ipc_handle(), s.size_bytes()));
+                           ImportedCudaSlab::Open(device, s.cuda_ipc_handle(), s.size_bytes()));
       pools[p.pool_id()].shard_base[s.shard()] = slab.data();
+      pools[p.pool_id()].shard_device[s.shard()] = device;
       cuda_slabs.push_back(std::move(slab));
     }
   }

@@ -3,27 +3,27 @@
 #include <cuda_runtime_api.h>
 
 #include "absl/strings/str_cat.h"
+#include "gpu/cuda_device.h"
 #include "gpu/cuda_status.h"
+#include "proto/vocab/status_macros.h"
 #include "gpu/slab_layout.h"
 
 namespace kvd {
 
-int DeviceOfShard(const PoolGeometry& g, uint32_t shard) {
-  return shard < g.devices.size() ? g.devices[shard] : static_cast<int>(shard);
-}
-
 absl::Status ProbeCuda() {
-  int count = 0;
-  KVD_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
-  if (count == 0) return absl::UnavailableError("the CUDA runtime reports no device");
+  KVD_ASSIGN_OR_RETURN(std::vector<DeviceIdentity> devices, ListCudaDevices());
+  if (devices.empty()) {
+    return absl::UnavailableError(absl::StrCat("the CUDA runtime reports no device (NVIDIA driver ",
+                                               CudaVersionString(CudaDriverVersion()), ")"));
+  }
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<CudaArena>> CudaArena::Create(const std::vector<PoolGeometry>& pools) {
   std::unique_ptr<CudaArena> arena(new CudaArena());
   arena->geometries_ = pools;
-  int count = 0;
-  KVD_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  KVD_ASSIGN_OR_RETURN(std::vector<DeviceIdentity> identities, ListCudaDevices());
+  const int count = static_cast<int>(identities.size());
   for (PoolId p = 0; p < pools.size(); ++p) {
     const SlabLayout layout(pools[p]);
     for (int32_t shard = 0; shard < pools[p].num_shards; ++shard) {
@@ -33,7 +33,7 @@ absl::StatusOr<std::unique_ptr<CudaArena>> CudaArena::Create(const std::vector<P
                                                        " wants device ", device, "; this node has ",
                                                        count));
       }
-      KVD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
+      KVD_CUDA_SCOPED_DEVICE(device);
       void* ptr = nullptr;
       const int64_t size = layout.slab_bytes();
       KVD_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr, size),
@@ -46,17 +46,24 @@ absl::StatusOr<std::unique_ptr<CudaArena>> CudaArena::Create(const std::vector<P
       d.pool = p;
       d.shard = static_cast<uint32_t>(shard);
       d.device = device;
+      d.device_uuid = identities[device].uuid;
+      d.device_pci_bus_id = identities[device].pci_bus_id;
       d.size_bytes = size;
       d.cuda_ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
       arena->descriptors_.push_back(std::move(d));
+      if (!arena->movers_.contains(device)) {
+        KVD_ASSIGN_OR_RETURN(std::unique_ptr<CudaBlockCopier> copier, CudaBlockCopier::Create(device));
+        arena->movers_[device] = Mover{std::make_unique<std::mutex>(), std::move(copier)};
+      }
     }
   }
   return arena;
 }
 
 CudaArena::~CudaArena() {
+  movers_.clear();
   for (size_t i = 0; i < device_ptrs_.size(); ++i) {
-    if (i < descriptors_.size()) cudaSetDevice(descriptors_[i].device);
+    ScopedCudaDevice scope(i < descriptors_.size() ? descriptors_[i].device : 0);
     cudaFree(device_ptrs_[i]);
   }
 }
@@ -75,9 +82,13 @@ absl::Status CudaArena::RegisterHostMemory(void* p, int64_t bytes) const {
 
 void CudaArena::UnregisterHostMemory(void* p) const { cudaHostUnregister(p); }
 
-absl::Status CudaArena::CopyChunk(void* dst, const void* src, int64_t bytes, bool) const {
-  // cudaMemcpyDefault: unified addressing tells the direction; tier copies are synchronous here.
-  return CudaStatus(cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault), "cudaMemcpy");
+absl::Status CudaArena::CopyBlock(uint8_t* slab, int device, const StridedBlock& region,
+                                  uint8_t* buffer, bool to_slab) const {
+  auto it = movers_.find(device);
+  if (it == movers_.end()) return absl::InternalError(absl::StrCat("no mover for device ", device));
+  std::lock_guard<std::mutex> lock(*it->second.mu);
+  KVD_RETURN_IF_ERROR(it->second.copier->Enqueue(slab, region, buffer, to_slab));
+  return it->second.copier->Wait();
 }
 
 }  // namespace kvd

@@ -12,11 +12,15 @@
 // Compiled only when the CUDA toolkit is found (KVD_HAVE_CUDA); links CUDA::cudart_static.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "gpu/cuda_block_copier.h"
 #include "gpu/device_arena.h"
+#include "gpu/device_identity.h"
 #include "proto/vocab/pool_geometry.h"
 
 namespace kvd {
@@ -41,15 +45,21 @@ class CudaArena final : public DeviceArena {
   uint8_t* SlabBase(PoolId pool, uint32_t shard) const override {
     return static_cast<uint8_t*>(DeviceAddress(pool, shard));
   }
-  absl::Status CopyChunk(void* dst, const void* src, int64_t bytes, bool to_slab) const override;
+  // One cudaMemcpy2DAsync on the device's mover stream (CudaBlockCopier), then its wait.
+  absl::Status CopyBlock(uint8_t* slab, int device, const StridedBlock& region, uint8_t* buffer,
+                         bool to_slab) const override;
 
  private:
   CudaArena() = default;
+  // One copier (stream) per device the pools use, each behind its own mutex: tier copies from
+  // several threads (demotion, flush, Redis) queue per device rather than share a stream.
+  struct Mover {
+    std::unique_ptr<std::mutex> mu;
+    std::unique_ptr<CudaBlockCopier> copier;
+  };
+  std::map<int, Mover> movers_;  // by device ordinal; built by Create, read-only after
   std::vector<void*> device_ptrs_;  // parallel to descriptors_
   std::vector<SlabDescriptor> descriptors_;
 };
-
-// The device ordinal of `shard` of a pool.
-int DeviceOfShard(const PoolGeometry& g, uint32_t shard);
 
 }  // namespace kvd

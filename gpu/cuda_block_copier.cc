@@ -5,7 +5,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "gpu/cuda_device.h"
 #include "gpu/cuda_status.h"
+#include "proto/vocab/status_macros.h"
 
 namespace kvd {
 
@@ -37,7 +39,7 @@ PinnedBuffer::~PinnedBuffer() {
 }
 
 absl::StatusOr<std::unique_ptr<CudaBlockCopier>> CudaBlockCopier::Create(int device) {
-  KVD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
+  KVD_CUDA_SCOPED_DEVICE(device);
   cudaStream_t stream = nullptr;
   KVD_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking),
                            "cudaStreamCreateWithFlags");
@@ -45,62 +47,46 @@ absl::StatusOr<std::unique_ptr<CudaBlockCopier>> CudaBlockCopier::Create(int dev
 }
 
 CudaBlockCopier::~CudaBlockCopier() {
-  cudaSetDevice(device_);
+  ScopedCudaDevice scope(device_);
   cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
-absl::Status CudaBlockCopier::Submit(std::vector<void*>& dsts, std::vector<const void*>& srcs,
-                                     std::vector<size_t>& sizes) {
-  if (dsts.empty()) return absl::OkStatus();
-  KVD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+absl::Status CudaBlockCopier::Enqueue(uint8_t* slab, const StridedBlock& region, uint8_t* buffer,
+                                      bool to_slab) {
+  KVD_CUDA_SCOPED_DEVICE(device_);
+  uint8_t* in_slab = slab + region.slab_offset;
+  const auto width = static_cast<size_t>(region.row_bytes);
+  const auto rows = static_cast<size_t>(region.rows);
+  const auto pitch = static_cast<size_t>(region.slab_pitch);
   auto stream = static_cast<cudaStream_t>(stream_);
-  cudaMemcpyAttributes attr = {};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  size_t attr_index = 0;
-  cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr,
-                                         &attr_index, 1, stream);
-  if (err == cudaSuccess) return absl::OkStatus();
-  (void)cudaGetLastError();
-  // Older drivers may not support batched copies: one async copy per chunk, still no host sync.
-  for (size_t i = 0; i < dsts.size(); ++i) {
-    KVD_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, stream),
-                             "cudaMemcpyAsync");
+  KVD_CUDA_RETURN_IF_ERROR(
+      to_slab ? cudaMemcpy2DAsync(in_slab, pitch, buffer, width, width, rows, cudaMemcpyDefault, stream)
+              : cudaMemcpy2DAsync(buffer, width, in_slab, pitch, width, rows, cudaMemcpyDefault, stream),
+      "cudaMemcpy2DAsync");
+  return absl::OkStatus();
+}
+
+absl::Status CudaBlockCopier::Copy(const SlabLayout& layout, uint8_t* slab,
+                                   absl::Span<const BlockIndex> blocks, uint8_t* host, bool to_slab) {
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const StridedBlock region = layout.Block(blocks[i]);
+    KVD_RETURN_IF_ERROR(Enqueue(slab, region, host + static_cast<int64_t>(i) * region.bytes(), to_slab));
   }
   return absl::OkStatus();
 }
 
-absl::Status CudaBlockCopier::Copy(const SlabLayout& layout, int32_t num_layers, uint8_t* slab,
-                                   absl::Span<const BlockIndex> blocks, uint8_t* host,
-                                   bool to_host) {
-  const int64_t chunk = layout.layer_block_bytes();
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    for (int32_t l = 0; l < num_layers; ++l) {
-      uint8_t* device_chunk = slab + layout.OffsetUnchecked(blocks[i], l);
-      uint8_t* host_chunk = host + (static_cast<int64_t>(i) * num_layers + l) * chunk;
-      dsts.push_back(to_host ? host_chunk : device_chunk);
-      srcs.push_back(to_host ? device_chunk : host_chunk);
-      sizes.push_back(static_cast<size_t>(chunk));
-    }
-  }
-  return Submit(dsts, srcs, sizes);
+absl::Status CudaBlockCopier::Gather(const SlabLayout& layout, const uint8_t* slab,
+                                     absl::Span<const BlockIndex> blocks, uint8_t* host) {
+  return Copy(layout, const_cast<uint8_t*>(slab), blocks, host, /*to_slab=*/false);
 }
 
-absl::Status CudaBlockCopier::Gather(const SlabLayout& layout, int32_t num_layers,
-                                     const uint8_t* slab, absl::Span<const BlockIndex> blocks,
-                                     uint8_t* host) {
-  return Copy(layout, num_layers, const_cast<uint8_t*>(slab), blocks, host, /*to_host=*/true);
-}
-
-absl::Status CudaBlockCopier::Scatter(const SlabLayout& layout, int32_t num_layers,
-                                      const uint8_t* host, absl::Span<const BlockIndex> blocks,
-                                      uint8_t* slab) {
-  return Copy(layout, num_layers, slab, blocks, const_cast<uint8_t*>(host), /*to_host=*/false);
+absl::Status CudaBlockCopier::Scatter(const SlabLayout& layout, const uint8_t* host,
+                                      absl::Span<const BlockIndex> blocks, uint8_t* slab) {
+  return Copy(layout, slab, blocks, const_cast<uint8_t*>(host), /*to_slab=*/true);
 }
 
 absl::Status CudaBlockCopier::Wait() {
+  KVD_CUDA_SCOPED_DEVICE(device_);
   return CudaStatus(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)), "cudaStreamSynchronize");
 }
 

@@ -1,15 +1,21 @@
-// CudaBlockCopier moves whole KV blocks between a device slab and pinned host memory (the tier
-// copies of G1 <-> G2) on its own stream: a gather or scatter of many blocks is one batched
-// submission (cudaMemcpyBatchAsync) and one wait, never a host sync per block.
+// CudaBlockCopier moves whole KV blocks between a device slab and host memory (the tier copies of
+// G1 <-> G2) on its own non-blocking stream. It is the one copier of the CUDA path: the daemon's
+// CudaArena moves every tier copy through it, and kvd_cuda_bench measures it.
 //
-// With the layer-major layout a block is `num_layers` separate chunks of layer_block_bytes (one
-// per layer array); the host side keeps each block contiguous: [block][layer][layer_block_bytes].
+// A block of one shard is a strided region (SlabLayout::Block): with the layer-major layout,
+// num_layers rows of layer_block_bytes, capacity * layer_block_bytes apart. Each block is one
+// cudaMemcpy2DAsync (the DMA engine walks the stride), never a copy per layer; a gather or scatter
+// of many blocks is enqueued back to back and waited for once. The host side keeps each block
+// contiguous: [block][layer][layer_block_bytes]; pinned host memory (PinnedBuffer, or the host
+// tier's cudaHostRegister'ed slots) lets the copies run asynchronously.
+//
+// Every call selects the copier's device through ScopedCudaDevice and leaves the caller's current
+// device as it found it.
 // Streams are passed as opaque pointers so that no CUDA type leaves gpu/.
 #pragma once
 
 #include <cstdint>
 #include <memory>
-#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -47,22 +53,20 @@ class CudaBlockCopier {
 
   // Enqueues copies of `blocks` from the device slab at `slab` (laid out by `layout`) into
   // `host`, block i at host + i * block_bytes. REQUIRES: host has blocks.size() * block_bytes.
-  absl::Status Gather(const SlabLayout& layout, int32_t num_layers, const uint8_t* slab,
+  absl::Status Gather(const SlabLayout& layout, const uint8_t* slab,
                       absl::Span<const BlockIndex> blocks, uint8_t* host);
   // The reverse: host block i into `blocks[i]` of the slab.
-  absl::Status Scatter(const SlabLayout& layout, int32_t num_layers, const uint8_t* host,
+  absl::Status Scatter(const SlabLayout& layout, const uint8_t* host,
                        absl::Span<const BlockIndex> blocks, uint8_t* slab);
+  // Enqueues one region: `region` of the slab at `slab` to or from `buffer` (packed rows).
+  absl::Status Enqueue(uint8_t* slab, const StridedBlock& region, uint8_t* buffer, bool to_slab);
   // Waits for everything enqueued so far.
   absl::Status Wait();
 
  private:
   CudaBlockCopier(int device, void* stream) : device_(device), stream_(stream) {}
-  absl::Status Submit(std::vector<void*>& dsts, std::vector<const void*>& srcs,
-                      std::vector<size_t>& sizes);
-  // One chunk per (block, layer), in the direction given; the pointers are only read from on
-  // the source side.
-  absl::Status Copy(const SlabLayout& layout, int32_t num_layers, uint8_t* slab,
-                    absl::Span<const BlockIndex> blocks, uint8_t* host, bool to_host);
+  absl::Status Copy(const SlabLayout& layout, uint8_t* slab, absl::Span<const BlockIndex> blocks,
+                    uint8_t* host, bool to_slab);
   int device_;
   void* stream_;  // cudaStream_t
 };

@@ -6,12 +6,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "gpu/cuda_device.h"
 #include "gpu/cuda_status.h"
 
 namespace kvd {
 
 absl::StatusOr<InterprocessEvent> InterprocessEvent::Create(int device) {
-  KVD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "cudaSetDevice");
+  KVD_CUDA_SCOPED_DEVICE(device);
   cudaEvent_t event = nullptr;
   KVD_CUDA_RETURN_IF_ERROR(
       cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
@@ -31,7 +32,7 @@ absl::StatusOr<InterprocessEvent> InterprocessEvent::Open(int device, const std:
     return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC event handle is ", sizeof(h), " bytes"));
   }
   std::memcpy(&h, handle.data(), sizeof(h));
-  KVD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "cudaSetDevice");
+  KVD_CUDA_SCOPED_DEVICE(device);
   cudaEvent_t event = nullptr;
   KVD_CUDA_RETURN_IF_ERROR(cudaIpcOpenEventHandle(&event, h), "cudaIpcOpenEventHandle");
   return InterprocessEvent(event, device, handle);
@@ -42,7 +43,7 @@ InterprocessEvent::InterprocessEvent(InterprocessEvent&& o) noexcept
 
 InterprocessEvent& InterprocessEvent::operator=(InterprocessEvent&& o) noexcept {
   if (this != &o) {
-    if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+    Destroy();
     event_ = std::exchange(o.event_, nullptr);
     device_ = o.device_;
     handle_ = std::move(o.handle_);
@@ -50,13 +51,24 @@ InterprocessEvent& InterprocessEvent::operator=(InterprocessEvent&& o) noexcept 
   return *this;
 }
 
-InterprocessEvent::~InterprocessEvent() {
-  if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+InterprocessEvent::~InterprocessEvent() { Destroy(); }
+
+void InterprocessEvent::Destroy() {
+  if (event_ == nullptr) return;
+  ScopedCudaDevice scope(device_);
+  cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+  event_ = nullptr;
 }
 
 absl::Status InterprocessEvent::Record(void* stream) {
+  KVD_CUDA_SCOPED_DEVICE(device_);  // an event records only on a stream of its own device
   return CudaStatus(cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream)),
                     "cudaEventRecord");
+}
+
+absl::Status InterprocessEvent::Synchronize() {
+  KVD_CUDA_SCOPED_DEVICE(device_);
+  return CudaStatus(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)), "cudaEventSynchronize");
 }
 
 absl::Status InterprocessEvent::StreamWait(void* stream) {

@@ -1,8 +1,11 @@
 // InterprocessEvent orders GPU work between processes without a host sync.
 //
-// The ordering contract of kvd (docs/architecture.md): a worker makes the KV it wrote visible
-// before it publishes — by synchronizing the stream that wrote it, or by recording an
-// interprocess event on that stream and letting readers wait on the event on their own streams.
+// The ordering contract of kvd (docs/api.md, "Publish is host-synchronized"): when Publish, End
+// or Checkpoint reaches kvd, the bytes it names are in memory. The client library keeps it: a
+// worker records its event on the stream that wrote the KV (Client::RecordWrites), and the
+// library synchronizes the event before it sends the publish. Readers may still wait on a
+// publisher's event on their own stream (no host sync), which costs nothing once it has run.
+// Every call selects the event's device through ScopedCudaDevice.
 // Create() makes a cudaEventInterprocess | cudaEventDisableTiming event and exports its 64-byte
 // handle (cudaIpcGetEventHandle); another process Open()s the handle. Streams are opaque
 // pointers (cudaStream_t) so no CUDA type leaves gpu/.
@@ -30,10 +33,14 @@ class InterprocessEvent {
   absl::Status Record(void* stream);
   // Makes `stream` wait for the last recorded point, without blocking the host.
   absl::Status StreamWait(void* stream);
+  // Blocks the calling thread until the last recorded point has run (the host-synchronized
+  // publish of docs/api.md).
+  absl::Status Synchronize();
 
  private:
   InterprocessEvent(void* event, int device, std::string handle)
       : event_(event), device_(device), handle_(std::move(handle)) {}
+  void Destroy();
   void* event_ = nullptr;  // cudaEvent_t
   int device_ = -1;
   std::string handle_;

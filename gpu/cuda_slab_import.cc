@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "gpu/cuda_device.h"
 #include "gpu/cuda_status.h"
 
 namespace kvd {
@@ -18,7 +19,7 @@ absl::StatusOr<ImportedCudaSlab> ImportedCudaSlab::Open(int device, const std::s
                                                    handle.size()));
   }
   std::memcpy(&h, handle.data(), sizeof(h));
-  KVD_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
+  KVD_CUDA_SCOPED_DEVICE(device);
   void* ptr = nullptr;
   absl::Status s = CudaStatus(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess),
                               absl::StrCat("cudaIpcOpenMemHandle on device ", device));
@@ -47,7 +48,7 @@ ImportedCudaSlab::~ImportedCudaSlab() { Close(); }
 
 void ImportedCudaSlab::Close() {
   if (ptr_ == nullptr) return;
-  cudaSetDevice(device_);
+  ScopedCudaDevice scope(device_);
   cudaIpcCloseMemHandle(ptr_);
   ptr_ = nullptr;
 }

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu/slab_layout.h"
+#include "proto/vocab/status_macros.h"
 
 namespace kvd {
 namespace {
@@ -17,42 +18,26 @@ absl::Status CheckBlock(const std::vector<PoolGeometry>& pools, PoolId pool, Blo
 
 }  // namespace
 
-absl::Status DeviceArena::ReadBlock(PoolId pool, BlockIndex index, uint8_t* dst) const {
+absl::Status DeviceArena::CopyBlockAllShards(PoolId pool, BlockIndex index, uint8_t* buffer,
+                                             bool to_slab) const {
   if (absl::Status s = CheckBlock(geometries_, pool, index); !s.ok()) return s;
   const PoolGeometry& g = geometries_[pool];
-  const SlabLayout layout(g);
-  const int64_t chunk = layout.layer_block_bytes();
+  const StridedBlock region = SlabLayout(g).Block(index);
   for (int32_t shard = 0; shard < g.num_shards; ++shard) {
-    const uint8_t* base = SlabBase(pool, static_cast<uint32_t>(shard));
+    uint8_t* base = SlabBase(pool, static_cast<uint32_t>(shard));
     if (base == nullptr) return absl::InternalError(absl::StrCat("no slab for shard ", shard));
-    for (int32_t layer = 0; layer < g.num_layers; ++layer) {
-      uint8_t* out = dst + (int64_t{shard} * g.num_layers + layer) * chunk;
-      if (absl::Status s = CopyChunk(out, base + layout.OffsetUnchecked(index, layer), chunk, false);
-          !s.ok()) {
-        return s;
-      }
-    }
+    const int device = DeviceOfShard(g, static_cast<uint32_t>(shard));
+    KVD_RETURN_IF_ERROR(CopyBlock(base, device, region, buffer + shard * region.bytes(), to_slab));
   }
   return absl::OkStatus();
 }
 
+absl::Status DeviceArena::ReadBlock(PoolId pool, BlockIndex index, uint8_t* dst) const {
+  return CopyBlockAllShards(pool, index, dst, /*to_slab=*/false);
+}
+
 absl::Status DeviceArena::WriteBlock(PoolId pool, BlockIndex index, const uint8_t* src) const {
-  if (absl::Status s = CheckBlock(geometries_, pool, index); !s.ok()) return s;
-  const PoolGeometry& g = geometries_[pool];
-  const SlabLayout layout(g);
-  const int64_t chunk = layout.layer_block_bytes();
-  for (int32_t shard = 0; shard < g.num_shards; ++shard) {
-    uint8_t* base = SlabBase(pool, static_cast<uint32_t>(shard));
-    if (base == nullptr) return absl::InternalError(absl::StrCat("no slab for shard ", shard));
-    for (int32_t layer = 0; layer < g.num_layers; ++layer) {
-      const uint8_t* in = src + (int64_t{shard} * g.num_layers + layer) * chunk;
-      if (absl::Status s = CopyChunk(base + layout.OffsetUnchecked(index, layer), in, chunk, true);
-          !s.ok()) {
-        return s;
-      }
-    }
-  }
-  return absl::OkStatus();
+  return CopyBlockAllShards(pool, index, const_cast<uint8_t*>(src), /*to_slab=*/true);
 }
 
 }  // namespace kvd

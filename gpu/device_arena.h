@@ -12,15 +12,23 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "gpu/slab_layout.h"
 #include "proto/vocab/pool_geometry.h"
 #include "proto/vocab/types.h"
 
 namespace kvd {
 
+// The device ordinal of `shard` of a pool: PoolGeometry::devices, default shard i on device i.
+inline int DeviceOfShard(const PoolGeometry& g, uint32_t shard) {
+  return shard < g.devices.size() ? g.devices[shard] : static_cast<int>(shard);
+}
+
 struct SlabDescriptor {
   PoolId pool = 0;
   uint32_t shard = 0;
-  int device = -1;               // CUDA ordinal; -1 for host memory
+  int device = -1;               // the daemon's CUDA ordinal; -1 for host memory
+  std::string device_uuid;       // CUDA: "GPU-…" (workers resolve their own ordinal from it)
+  std::string device_pci_bus_id; // CUDA: "0000:17:00.0"
   int64_t size_bytes = 0;        // multiple of 2 MiB
   int fd = -1;                   // host backend: the memfd, owned by the arena
   std::string cuda_ipc_handle;   // CUDA backend: 64 bytes of cudaIpcMemHandle_t
@@ -51,9 +59,14 @@ class DeviceArena {
  protected:
   // The base address of a slab as the backend's copy understands it (host or device pointer).
   virtual uint8_t* SlabBase(PoolId pool, uint32_t shard) const = 0;
-  // Copies `bytes` between the daemon's host memory and a slab; `to_slab` tells the direction.
-  virtual absl::Status CopyChunk(void* dst, const void* src, int64_t bytes, bool to_slab) const = 0;
+  // Copies one shard's block (`region` of the slab at `slab`, on `device`) to or from `buffer`,
+  // packed ([layer][layer block bytes]); `to_slab` tells the direction. Returns when done.
+  virtual absl::Status CopyBlock(uint8_t* slab, int device, const StridedBlock& region,
+                                 uint8_t* buffer, bool to_slab) const = 0;
   std::vector<PoolGeometry> geometries_;  // set by the backend's Create
+
+ private:
+  absl::Status CopyBlockAllShards(PoolId pool, BlockIndex index, uint8_t* buffer, bool to_slab) const;
 };
 
 }  // namespace kvd

@@ -65,8 +65,14 @@ void* HostArena::HostAddress(PoolId pool, uint32_t shard) const {
   return nullptr;
 }
 
-absl::Status HostArena::CopyChunk(void* dst, const void* src, int64_t bytes, bool) const {
-  std::memcpy(dst, src, static_cast<size_t>(bytes));
+absl::Status HostArena::CopyBlock(uint8_t* slab, int, const StridedBlock& region, uint8_t* buffer,
+                                  bool to_slab) const {
+  for (int64_t r = 0; r < region.rows; ++r) {
+    uint8_t* in_slab = slab + region.slab_offset + r * region.slab_pitch;
+    uint8_t* in_buffer = buffer + r * region.row_bytes;
+    std::memcpy(to_slab ? in_slab : in_buffer, to_slab ? in_buffer : in_slab,
+                static_cast<size_t>(region.row_bytes));
+  }
   return absl::OkStatus();
 }
 

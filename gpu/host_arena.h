@@ -30,7 +30,8 @@ class HostArena final : public DeviceArena {
   uint8_t* SlabBase(PoolId pool, uint32_t shard) const override {
     return static_cast<uint8_t*>(HostAddress(pool, shard));
   }
-  absl::Status CopyChunk(void* dst, const void* src, int64_t bytes, bool) const override;
+  absl::Status CopyBlock(uint8_t* slab, int device, const StridedBlock& region, uint8_t* buffer,
+                         bool to_slab) const override;
 
  private:
   struct Slab {

@@ -22,6 +22,17 @@ namespace kvd {
 
 inline constexpr int64_t kSlabAlignment = int64_t{2} << 20;  // 2 MiB
 
+// One block of one shard as a strided region: `rows` rows of `row_bytes`, `slab_pitch` apart in
+// the slab starting at `slab_offset`, packed back to back ([layer][layer block bytes]) in a
+// contiguous buffer. The shape of cudaMemcpy2D; every tier copy of every backend follows it.
+struct StridedBlock {
+  int64_t slab_offset = 0;
+  int64_t slab_pitch = 0;
+  int64_t row_bytes = 0;
+  int64_t rows = 0;
+  int64_t bytes() const { return row_bytes * rows; }
+};
+
 class SlabLayout {
  public:
   explicit SlabLayout(const PoolGeometry& g)
@@ -44,6 +55,16 @@ class SlabLayout {
     return layout_ == PoolLayout::kLayerMajor
                ? (layer * capacity_blocks_ + block) * layer_block_bytes_
                : (block * num_layers_ + layer) * layer_block_bytes_;
+  }
+  // Block `block` (REQUIRES: < capacity) as one strided region: layer-major is num_layers rows
+  // of layer_block_bytes, capacity * layer_block_bytes apart; block-major is one row.
+  StridedBlock Block(int64_t block) const {
+    if (layout_ == PoolLayout::kLayerMajor) {
+      return {block * layer_block_bytes_, capacity_blocks_ * layer_block_bytes_, layer_block_bytes_,
+              num_layers_};
+    }
+    const int64_t row = num_layers_ * layer_block_bytes_;
+    return {block * row, row, row, 1};
   }
 
  private:

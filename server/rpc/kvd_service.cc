@@ -108,6 +108,8 @@ grpc::ServerUnaryReactor* KvdService::ListPools(grpc::CallbackServerContext* ctx
         slab->set_device(s.device);
         slab->set_size_bytes(s.size_bytes);
         slab->set_cuda_ipc_handle(s.cuda_ipc_handle);
+        slab->set_device_uuid(s.device_uuid);
+        slab->set_device_pci_bus_id(s.device_pci_bus_id);
       }
     }
     return absl::OkStatus();

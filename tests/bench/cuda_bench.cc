@@ -108,10 +108,10 @@ int main(int argc, char** argv) {
   const double memcpy_d2h = best([&] { return kvd::CudaCopy(host->data(), slab, bytes).ok(); });
   const double memcpy_h2d = best([&] { return kvd::CudaCopy(slab, host->data(), bytes).ok(); });
   const double gather = best([&] {
-    return (*copier)->Gather(layout, g.num_layers, slab, blocks, host->data()).ok() && (*copier)->Wait().ok();
+    return (*copier)->Gather(layout, slab, blocks, host->data()).ok() && (*copier)->Wait().ok();
   });
   const double scatter = best([&] {
-    return (*copier)->Scatter(layout, g.num_layers, host->data(), blocks, slab).ok() && (*copier)->Wait().ok();
+    return (*copier)->Scatter(layout, host->data(), blocks, slab).ok() && (*copier)->Wait().ok();
   });
   std::printf("\n%d random 2 MiB blocks (%lld MiB, %d chunks each), best of 5:\n", num_blocks,
               static_cast<long long>(bytes >> 20), g.num_layers);

@@ -167,8 +167,8 @@ TEST_CASE("GPU: gather and scatter of blocks round-trip through pinned memory", 
   REQUIRE(back.ok());
   for (int64_t i = 0; i < host->size(); ++i) host->data()[i] = static_cast<uint8_t>(i * 31 + 7);
   auto* slab = static_cast<uint8_t*>((*arena)->DeviceAddress(0, 0));
-  REQUIRE((*copier)->Scatter(layout, g.num_layers, host->data(), blocks, slab).ok());
-  REQUIRE((*copier)->Gather(layout, g.num_layers, slab, blocks, back->data()).ok());
+  REQUIRE((*copier)->Scatter(layout, host->data(), blocks, slab).ok());
+  REQUIRE((*copier)->Gather(layout, slab, blocks, back->data()).ok());
   REQUIRE((*copier)->Wait().ok());
   REQUIRE(std::memcmp(host->data(), back->data(), host->size()) == 0);
 }
