@@ -6,6 +6,7 @@
 #include <cstring>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include <grpcpp/grpcpp.h>
 
@@ -47,6 +48,34 @@ struct Client::Impl {
   absl::flat_hash_map<std::string, std::unique_ptr<InterprocessEvent>> peer_events
       ABSL_GUARDED_BY(events_mu);  // opened once per handle
 #endif
+
+  // Host-synchronized publish (docs/api.md): what must have finished before a Publish, Keeps, End
+  // or Checkpoint is sent. Taken (and cleared) by AwaitWrites.
+  absl::Mutex fences_mu;
+  std::vector<std::function<absl::Status()>> fences ABSL_GUARDED_BY(fences_mu);
+  bool event_recorded ABSL_GUARDED_BY(fences_mu) = false;
+
+  // Runs every pending fence and, when the worker recorded its interprocess event since the last
+  // publish, synchronizes it: the bytes a publish names are in memory before kvd hears of it.
+  absl::Status AwaitWrites() {
+    std::vector<std::function<absl::Status()>> pending;
+    bool sync_event = false;
+    {
+      absl::MutexLock lock(&fences_mu);
+      pending.swap(fences);
+      sync_event = std::exchange(event_recorded, false);
+    }
+    absl::Status status;
+    for (auto& wait : pending) status.Update(wait());
+#if KVD_HAVE_CUDA
+    if (sync_event && own_event.has_value()) status.Update(own_event->Synchronize());
+#endif
+    if (!status.ok()) {
+      return absl::Status(status.code(), absl::StrCat("the engine's writes did not complete, so "
+                                                      "nothing was published: ", status.message()));
+    }
+    return absl::OkStatus();
+  }
 
   grpc::ClientContext attach_ctx;
   std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> attach;
@@ -267,10 +296,18 @@ absl::Status Client::RecordWrites(void* stream) {
   if (!impl_->own_event.has_value()) {
     return absl::FailedPreconditionError("no interprocess event: set ClientOptions::ipc_event_device");
   }
-  return impl_->own_event->Record(stream);
+  KVD_RETURN_IF_ERROR(impl_->own_event->Record(stream));
+  absl::MutexLock lock(&impl_->fences_mu);
+  impl_->event_recorded = true;
+  return absl::OkStatus();
 #else
   return absl::FailedPreconditionError("interprocess events need a client built with CUDA");
 #endif
+}
+
+void Client::AddWriteFence(std::function<absl::Status()> wait) {
+  absl::MutexLock lock(&impl_->fences_mu);
+  impl_->fences.push_back(std::move(wait));
 }
 
 absl::Status Client::WaitForPublishers(const KvRequest& request, void* stream) {
@@ -351,6 +388,7 @@ v1::PublishRequest MakePublish(const WorkerId& w, const RequestId& id, absl::Spa
 
 absl::StatusOr<PublishResult> Client::Publish(const RequestId& id, absl::Span<const Token> tokens,
                                               absl::Span<const BlockIndex> blocks) {
+  KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
   v1::PublishRequest req = MakePublish(impl_->worker, id, tokens, blocks);
   KVD_ASSIGN_OR_RETURN(v1::PublishResponse r, impl_->Call<v1::PublishResponse>([&](auto* ctx, auto* resp) {
     return impl_->stub->Publish(ctx, req, resp);
@@ -360,6 +398,7 @@ absl::StatusOr<PublishResult> Client::Publish(const RequestId& id, absl::Span<co
 
 absl::StatusOr<PublishResult> Client::Keeps(const RequestId& id, absl::Span<const Token> tokens,
                                             absl::Span<const BlockIndex> blocks) {
+  KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
   v1::PublishRequest req = MakePublish(impl_->worker, id, tokens, blocks);
   KVD_ASSIGN_OR_RETURN(v1::PublishResponse r, impl_->Call<v1::PublishResponse>([&](auto* ctx, auto* resp) {
     return impl_->stub->Keeps(ctx, req, resp);
@@ -369,6 +408,7 @@ absl::StatusOr<PublishResult> Client::Keeps(const RequestId& id, absl::Span<cons
 
 absl::Status Client::Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
                                 const std::string& engine_state) {
+  KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
   v1::CheckpointRequest req;
   req.set_worker_id(impl_->worker.value());
   req.set_request_id(id.value());
@@ -520,6 +560,7 @@ absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl:
 
 absl::StatusOr<EndResult> Client::End(const RequestId& id, int64_t publish_blocks,
                                           absl::Span<const Token> more_tokens, bool completed) {
+  if (publish_blocks != 0) KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
   v1::EndRequest req;
   req.set_worker_id(impl_->worker.value());
   req.set_request_id(id.value());

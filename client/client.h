@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -90,11 +91,20 @@ class Client {
   absl::Status ReadLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset, void* dst,
                          int64_t n, uint32_t shard = 0) const;
 
-  // Ordering without a host sync (CUDA backend; docs/architecture.md): the writer records its
-  // interprocess event on the stream that wrote the blocks, before publishing them; a reader
-  // makes its stream wait on the events of the publishers of the blocks it reuses. Streams are
-  // cudaStream_t passed as void*. FAILED_PRECONDITION without CUDA or without an event.
+  // Publish is host-synchronized (docs/api.md): kvd may copy a block (to the host tier, disk,
+  // Redis) the moment its Publish, Keeps, End or Checkpoint arrives, so the bytes must be in
+  // memory by then. This library keeps the rule for writes it is told about: each of those calls
+  // first waits for every fence added and, on the CUDA backend, synchronizes the worker's
+  // interprocess event if RecordWrites was called since the last publish. If a wait fails, the
+  // call returns its error and nothing is published.
+  //  - RecordWrites(stream): records the event on the cudaStream_t (as void*) that wrote the KV.
+  //    FAILED_PRECONDITION without CUDA or without ClientOptions::ipc_event_device.
+  //  - AddWriteFence(wait): any backend; `wait` returns once the engine's writes issued so far are
+  //    complete (a writer thread joined, a stream synchronized). Run once, by the next publish.
+  // Readers may also order after a publisher's event on their own stream (WaitForPublishers); once
+  // publish is host-synchronized that wait has already been satisfied.
   absl::Status RecordWrites(void* stream);
+  void AddWriteFence(std::function<absl::Status()> wait);
   absl::Status WaitForPublishers(const KvRequest& request, void* stream);
 
   // --- RPC wrappers (spec.owner is filled with this worker's id) ---

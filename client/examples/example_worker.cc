@@ -12,9 +12,13 @@
 //   kvd_example_worker --target=unix:///run/kvd/kvd.sock --id=r1 --prompt-range=0:100 --gen=20
 #include <unistd.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <future>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -94,7 +98,7 @@ int main(int argc, char** argv) {
   CLI::App app{"kvd example worker"};
   std::string target, pool = "default", id = "example", prompt_list, prompt_range, resume_from,
               session, salt;
-  int64_t gen = 0, checkpoint_every = 0;
+  int64_t gen = 0, checkpoint_every = 0, async_writer_us = 0;
   bool hang_after_checkpoint = false;
   app.add_option("--target", target, "kvd address, e.g. unix:///run/kvd/kvd.sock")->required();
   app.add_option("--pool", pool, "pool name");
@@ -108,6 +112,9 @@ int main(int argc, char** argv) {
   app.add_option("--salt", salt, "tenant cache salt");
   int32_t shard = -1;
   app.add_option("--shard", shard, "tensor-parallel rank: map only this shard (-1: all)");
+  app.add_option("--async-writer-us", async_writer_us,
+                 "write the prompt's KV on a second thread (as a GPU stream would), this many "
+                 "microseconds per token, and publish at once: the client's write fence orders it");
   app.add_flag("--hang-after-checkpoint", hang_after_checkpoint,
                "after the first checkpoint, print CHECKPOINTED and wait to be killed");
   CLI11_PARSE(app, argc, argv);
@@ -131,7 +138,24 @@ int main(int argc, char** argv) {
   Stats stats;
   // Reused KV must be exactly what the writer of these tokens wrote.
   if (auto s = TouchKv(**client, r, tokens, 0, r.cached_tokens(), /*verify=*/true, &stats); !s.ok()) return Fail(s);
-  if (auto s = TouchKv(**client, r, tokens, r.cached_tokens(), r.num_tokens(), false, &stats); !s.ok()) return Fail(s);
+  std::jthread writer;  // the asynchronous "stream" of --async-writer-us; joined by its fence
+  if (async_writer_us > 0) {
+    auto done = std::make_shared<std::promise<absl::Status>>();
+    std::shared_future<absl::Status> finished = done->get_future().share();
+    writer = std::jthread([&, done] {
+      absl::Status s;
+      for (int64_t pos = r.cached_tokens(); pos < r.num_tokens() && s.ok(); ++pos) {
+        std::this_thread::sleep_for(std::chrono::microseconds(async_writer_us));
+        s = TouchKv(**client, r, tokens, pos, pos + 1, false, &stats);
+      }
+      done->set_value(s);
+    });
+    (*client)->AddWriteFence([finished] { return finished.get(); });
+    std::printf("WRITING\n");
+    std::fflush(stdout);
+  } else if (auto s = TouchKv(**client, r, tokens, r.cached_tokens(), r.num_tokens(), false, &stats); !s.ok()) {
+    return Fail(s);
+  }
   if (auto p = r.Publish(tokens); !p.ok()) return Fail(p.status());
 
   const int64_t generated_before = static_cast<int64_t>(tokens.size() - spec.prompt.size());
@@ -153,6 +177,7 @@ int main(int argc, char** argv) {
   const bool resumed = r.resumed();
   const int64_t cached = r.cached_tokens();
   if (auto s = r.Release(/*completed=*/true); !s.ok()) return Fail(s);
+  if (writer.joinable()) writer.join();
   std::printf(
       "{\"request\": \"%s\", \"worker\": \"%s\", \"resumed\": %s, \"cached_tokens\": %lld, "
       "\"tokens\": %zu, \"verified_bytes\": %lld, \"written_bytes\": %lld, \"mismatches\": %lld}\n",

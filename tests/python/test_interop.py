@@ -8,6 +8,7 @@ other's writes byte for byte.
 """
 import shutil
 import sys
+import threading
 import tempfile
 
 import grpc
@@ -46,8 +47,20 @@ def main():
             prompt = list(range(300, 322))  # 22 tokens: 5 full blocks
             with c.request("py-a", pool="default", prompt=prompt) as r:
                 check(r.cached_tokens == 0, "first python request misses")
-                touch(c, r, prompt, 0, r.num_tokens, verify=False)
+                # The writes run on another thread (as on a GPU stream); the fence orders the
+                # publish after them (host-synchronized publish, docs/api.md).
+                writer = threading.Thread(target=touch, args=(c, r, prompt, 0, r.num_tokens, False))
+                fence_calls = []
+                c.add_write_fence(lambda: fence_calls.append(1) or writer.join())
+                writer.start()
                 check(r.publish(prompt).kept == 5, "python published 5 blocks")
+                check(fence_calls == [1] and not writer.is_alive(), "publish waited for the write fence, once")
+                c.add_write_fence(lambda: (_ for _ in ()).throw(RuntimeError("stream failed")))
+                try:
+                    r.publish(prompt)
+                    check(False, "a failed write fence stops the publish")
+                except RuntimeError:
+                    check(True, "a failed write fence stops the publish (the engine's error)")
                 # numpy views alias the same slab bytes (no copy).
                 arr = c.block_array(r.pool, r.blocks[1])
                 pool = c.pool(r.pool)

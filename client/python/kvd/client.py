@@ -1,6 +1,7 @@
 """A small pythonic layer over the generated kvd.v1 stubs (see __init__.py)."""
 import mmap
 import os
+import sys
 import queue
 import socket
 import struct
@@ -131,12 +132,14 @@ class Request:
         self.num_tokens += n
 
     def publish(self, tokens):
+        self._client._await_writes()
         bt = self._client.pool(self.pool_id).block_tokens
         full = min(len(tokens) // bt, len(self.blocks))
         return self._client._rpc("Publish", kvd_pb2.PublishRequest(
             worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, blocks=self.blocks[:full]))
 
     def checkpoint(self, tokens, engine_state=b""):
+        self._client._await_writes()
         self._client._rpc("Checkpoint", kvd_pb2.CheckpointRequest(
             worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, engine_state=engine_state))
 
@@ -144,6 +147,8 @@ class Request:
         """Publishes the first `publish_blocks` blocks and releases, in one round trip (the daemon
         has the prompt; `more_tokens` are generated tokens past what it knows). Returns the
         EndResponse (kept, already_cached, duplicates, no_parent)."""
+        if publish_blocks:
+            self._client._await_writes()
         resp = self._client._rpc("End", kvd_pb2.EndRequest(
             worker_id=self._client.worker_id, request_id=self.id, publish_blocks=publish_blocks,
             more_tokens=list(more_tokens), completed=completed))
@@ -180,6 +185,8 @@ class Client:
         self._outbox.put(kvd_pb2.AttachRequest(hello=kvd_pb2.Hello(
             worker_name=worker_name, pid=os.getpid(),
             expect_pools=[kvd_pb2.PoolExpectation(**e) for e in expect])))
+        self._fences = []
+        self._fences_lock = threading.Lock()
         self._closed = threading.Event()
         self._stream = self._stub.Attach(self._requests())
         try:
@@ -200,6 +207,25 @@ class Client:
             self._map_slabs(attached.side_socket, attached.slab_token)
         elif map_slabs and self.backend == "cuda":
             self.map_cuda_slabs(cuda_runtime)
+
+    def add_write_fence(self, wait):
+        """Publish is host-synchronized (docs/api.md): kvd may copy a block as soon as its publish
+        arrives. `wait()` is called, once, before the next publish, checkpoint or end that
+        publishes, and must return when the engine's writes issued so far are complete (e.g.
+        `torch.cuda.current_stream().synchronize`). On the CUDA backend, with no fence added,
+        the client synchronizes the current PyTorch device if torch is loaded."""
+        with self._fences_lock:
+            self._fences.append(wait)
+
+    def _await_writes(self):
+        with self._fences_lock:
+            pending, self._fences = self._fences, []
+        for wait in pending:
+            wait()
+        if not pending and self.backend == "cuda" and "torch" in sys.modules:
+            torch = sys.modules["torch"]
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
 
     def map_cuda_slabs(self, runtime=None, ranks=None):
         """Opens the CUDA IPC handle of each slab (of shards `ranks`, default all) once:
