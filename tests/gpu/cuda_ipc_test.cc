@@ -1,12 +1,20 @@
 // GPU tests (hidden tag [.gpu]; registered only when CUDA is found). Each test checks for a usable
-// device first and, without one, says so and returns. Run them with tests/gpu/run.sh.
+// device first and, without one, says so and returns. On a GPU machine they run from the bundle
+// (scripts/gpu-bundle.sh, then its run.sh), which sets KVD_TEST_BIN_DIR to the bundle's binaries.
 #include <signal.h>
+#include <unistd.h>
+
+#include <thread>
 
 #include <catch2/catch.hpp>
+// This suite drives streams itself (a slow writer); only gpu/ and tests/gpu see CUDA types.
+#include <cuda_runtime_api.h>
 
 #include "client/client.h"
+#include "client/examples/kv_pattern.h"
 #include "gpu/cuda_arena.h"
 #include "gpu/cuda_block_copier.h"
+#include "gpu/cuda_device.h"
 #include "tests/integration/harness.h"
 
 namespace kvd {
@@ -73,7 +81,12 @@ TEST_CASE("GPU: a client opens each slab once and gets device pointers", "[.gpu]
   REQUIRE(w.exit_code == 0);
 }
 
-TEST_CASE("GPU: readers wait on the publisher's interprocess event, not on the host", "[.gpu]") {
+// The writer is this process, the reader another (CUDA defines opening an IPC handle only in a
+// process other than the one that exported it). The writer's stream first runs a 300 ms host
+// function, then copies the KV: a slow GPU writer. It records its event and publishes at once;
+// the host-synchronized publish (docs/api.md) holds the publish until the stream has run, so the
+// reader process, started the moment the publish returns, sees every byte.
+TEST_CASE("GPU: a slow writer's publish waits for its stream; another process reads it whole", "[.gpu]") {
   if (!HaveGpu()) return;
   DaemonProcess d(CudaPoolConfig(), {"--backend=cuda"});
   auto writer = client::Client::Connect({.target = d.target(), .ipc_event_device = 0});
@@ -82,24 +95,115 @@ TEST_CASE("GPU: readers wait on the publisher's interprocess event, not on the h
   RequestSpec s = PoolRequest("w", Range(0, 40));
   auto w = (*writer)->Start(s);
   REQUIRE(w.ok());
-  std::vector<uint8_t> bytes(256, 0xAB);
+  const PoolGeometry& g = (*writer)->pools()[(*w)->pool()].geometry;
+  const int64_t n = g.bytes_per_token_per_layer;
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaLaunchHostFunc(stream, [](void*) { usleep(300 * 1000); }, nullptr) == cudaSuccess);
+  std::vector<uint8_t> host(32 * g.num_layers * n);  // pageable: cudaMemcpyAsync stages it
   for (int64_t pos = 0; pos < 32; ++pos) {
-    REQUIRE((*writer)->WriteLayer((*w)->pool(), (*w)->blocks()[pos / 16], 0, (pos % 16) * 256,
-                                  bytes.data(), bytes.size()).ok());
+    for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+      uint8_t* src = host.data() + (pos * g.num_layers + layer) * n;
+      for (int64_t j = 0; j < n; ++j) src[j] = example::KvByte(s.prompt[pos], pos, layer, j);
+      auto dst = (*writer)->LayerPointer((*w)->pool(), (*w)->blocks()[pos / 16], layer);
+      REQUIRE(dst.ok());
+      REQUIRE(cudaMemcpyAsync(*dst + (pos % 16) * n, src, n, cudaMemcpyHostToDevice, stream) == cudaSuccess);
+    }
   }
-  REQUIRE((*writer)->RecordWrites(nullptr).ok());  // on the default stream, after the writes
-  REQUIRE((*w)->Publish(s.prompt).ok());
-  auto reader = client::Client::Connect({.target = d.target()});
-  REQUIRE(reader.ok());
-  s.id = RequestId("r");
-  auto r = (*reader)->Start(s);
-  REQUIRE(r.ok());
-  REQUIRE((*r)->cached_tokens() == 32);
-  REQUIRE((*r)->publisher_events().size() == 1);
-  REQUIRE((*reader)->WaitForPublishers(**r, nullptr).ok());
-  std::vector<uint8_t> got(256);
-  REQUIRE((*reader)->ReadLayer((*r)->pool(), (*r)->blocks()[1], 0, 0, got.data(), got.size()).ok());
-  REQUIRE(got == bytes);
+  REQUIRE((*writer)->RecordWrites(stream).ok());
+  REQUIRE((*w)->Publish(s.prompt).ok());  // waits for the stream (host-synchronized publish)
+  REQUIRE((*w)->Release(/*completed=*/true).ok());
+  ProcessResult r = RunWorker({"--target=" + d.target(), "--id=r", "--prompt-range=0:40"});
+  INFO(r.out);
+  REQUIRE(r.exit_code == 0);
+  REQUIRE(JsonInt(r.out, "cached_tokens") == 32);
+  REQUIRE(JsonInt(r.out, "mismatches") == 0);
+  cudaStreamDestroy(stream);
+}
+
+// Tiers on the CUDA backend: blocks demoted to the host tier under pressure come back byte for
+// byte; flushed ones survive a daemon restart into fresh device memory.
+TEST_CASE("GPU: demote, promote, flush and restart move device blocks whole", "[.gpu]") {
+  if (!HaveGpu()) return;
+  TempDir disk;
+  const std::string config =
+      "pools:\n  - name: default\n    block_tokens: 16\n    num_layers: 4\n"
+      "    bytes_per_token_per_layer: 256\n    capacity_blocks: 16\n    max_model_len: 2048\n"
+      "tiers:\n  host_bytes: 8388608\n  disk_dir: " + disk.path() + "\n";
+  {
+    DaemonProcess d(config, {"--backend=cuda"});
+    const std::string target = "--target=" + d.target();
+    REQUIRE(RunWorker({target, "--id=a", "--prompt-range=0:100"}).exit_code == 0);
+    for (int i = 0; i < 3; ++i) {  // 16 blocks of other prompts: a's 6 blocks are demoted
+      REQUIRE(RunWorker({target, "--id=o" + std::to_string(i),
+                         "--prompt-range=" + std::to_string(5000 + 1000 * i) + ":250"}).exit_code == 0);
+    }
+    ProcessResult back = RunWorker({target, "--id=b", "--prompt-range=0:100"});
+    INFO(back.out);
+    REQUIRE(back.exit_code == 0);
+    REQUIRE(JsonInt(back.out, "cached_tokens") == 96);  // promoted from the host tier
+    REQUIRE(JsonInt(back.out, "mismatches") == 0);
+    d.Signal(SIGTERM);  // drain flushes to disk
+    REQUIRE(d.WaitExit(absl::Seconds(30)).ok());
+  }
+  DaemonProcess restarted(config, {"--backend=cuda"});
+  ProcessResult after = RunWorker({"--target=" + restarted.target(), "--id=c", "--prompt-range=0:100"});
+  INFO(after.out);
+  REQUIRE(after.exit_code == 0);
+  REQUIRE(JsonInt(after.out, "cached_tokens") == 96);  // from disk into the new daemon's memory
+  REQUIRE(JsonInt(after.out, "mismatches") == 0);
+}
+
+// A worker pod granted one GPU sees it as device 0, whatever the daemon calls it. The pool lives
+// on the daemon's last device; the worker sees only that device (CUDA_VISIBLE_DEVICES=<uuid>)
+// and must resolve it by UUID. A worker that sees no GPU fails with a clear error.
+TEST_CASE("GPU: a worker that sees only the pool's device maps it by UUID", "[.gpu]") {
+  if (!HaveGpu()) return;
+  auto devices = ListCudaDevices();
+  REQUIRE(devices.ok());
+  const DeviceIdentity& last = devices->back();
+  DaemonProcess d("pools:\n  - name: far\n    block_tokens: 16\n    num_layers: 2\n"
+                  "    bytes_per_token_per_layer: 64\n    capacity_blocks: 64\n    devices: [" +
+                      std::to_string(last.ordinal) + "]\n",
+                  {"--backend=cuda"});
+  const std::string target = "--target=" + d.target();
+  REQUIRE(RunWorker({target, "--pool=far", "--id=a", "--prompt-range=0:50"}).exit_code == 0);
+  ProcessResult pod = RunProcess("/usr/bin/env", {"CUDA_VISIBLE_DEVICES=" + last.uuid, ExampleWorkerBinary(),
+                                                  target, "--pool=far", "--id=b", "--prompt-range=0:50"});
+  INFO(pod.out);
+  REQUIRE(pod.exit_code == 0);
+  REQUIRE(JsonInt(pod.out, "cached_tokens") == 48);
+  REQUIRE(JsonInt(pod.out, "mismatches") == 0);
+  ProcessResult blind = RunProcess("/usr/bin/env", {"CUDA_VISIBLE_DEVICES=", ExampleWorkerBinary(),
+                                                    target, "--pool=far", "--id=c", "--prompt-range=0:50"});
+  INFO(blind.out);
+  REQUIRE(blind.exit_code != 0);
+  REQUIRE(blind.out.find("CUDA") != std::string::npos);
+  if (devices->size() < 2) WARN("one GPU: the UUID was resolved, but to the same ordinal");
+}
+
+// Library calls leave the caller's current device as they found it.
+TEST_CASE("GPU: connecting and copying leave the engine's current device alone", "[.gpu]") {
+  if (!HaveGpu()) return;
+  auto devices = ListCudaDevices();
+  REQUIRE(devices.ok());
+  const int mine = devices->back().ordinal;  // the engine's device; the pool is on device 0
+  DaemonProcess d(CudaPoolConfig(), {"--backend=cuda"});
+  int after_connect = -1, after_copy = -1;
+  bool ok = false;
+  std::thread engine([&] {
+    cudaSetDevice(mine);
+    auto c = client::Client::Connect({.target = d.target(), .ipc_event_device = 0});
+    if (!c.ok()) return;
+    cudaGetDevice(&after_connect);
+    auto r = (*c)->Start(PoolRequest("x", Range(0, 20)));
+    ok = r.ok() && (*c)->RecordWrites(nullptr).ok() && (*r)->Publish(Range(0, 20)).ok();
+    cudaGetDevice(&after_copy);
+  });
+  engine.join();
+  REQUIRE(ok);
+  REQUIRE(after_connect == mine);
+  REQUIRE(after_copy == mine);
 }
 
 TEST_CASE("GPU: a killed worker's blocks are reclaimed", "[.gpu]") {

@@ -101,7 +101,7 @@ DaemonProcess::DaemonProcess(const std::string& config_yaml, std::vector<std::st
   args.insert(args.end(), extra_flags.begin(), extra_flags.end());
   // Its log goes to a file the tests can read (Log()), not to the test's terminal.
   const int log_fd = open(log_path().c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
-  pid_ = Spawn(KVD_BINARY, args, log_fd, /*also_stderr=*/true);
+  pid_ = Spawn(KvdBinary(), args, log_fd, /*also_stderr=*/true);
   if (log_fd >= 0) close(log_fd);
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   while (absl::Now() < deadline) {
@@ -140,11 +140,20 @@ absl::StatusOr<int> DaemonProcess::WaitExit(absl::Duration timeout) {
   return code;
 }
 
-std::string KvdBinary() { return KVD_BINARY; }
-std::string ExampleWorkerBinary() { return KVD_EXAMPLE_WORKER; }
+namespace {
+// $KVD_TEST_BIN_DIR/<name> when set (the GPU bundle runs the tests far from the build tree), else
+// the path CMake compiled in.
+std::string TestBinary(const char* name, const char* built) {
+  const char* dir = std::getenv("KVD_TEST_BIN_DIR");
+  return dir != nullptr && *dir != '\0' ? absl::StrCat(dir, "/", name) : built;
+}
+}  // namespace
+
+std::string KvdBinary() { return TestBinary("kvd", KVD_BINARY); }
+std::string ExampleWorkerBinary() { return TestBinary("kvd_example_worker", KVD_EXAMPLE_WORKER); }
 
 ProcessResult RunWorker(const std::vector<std::string>& args, absl::Duration timeout) {
-  return RunProcess(KVD_EXAMPLE_WORKER, args, timeout);
+  return RunProcess(ExampleWorkerBinary(), args, timeout);
 }
 
 ProcessResult RunProcess(const std::string& binary, const std::vector<std::string>& args,
@@ -178,7 +187,7 @@ ProcessResult RunProcess(const std::string& binary, const std::vector<std::strin
 WorkerProcess::WorkerProcess(const std::vector<std::string>& args) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return;
-  pid_ = Spawn(KVD_EXAMPLE_WORKER, args, fds[1]);
+  pid_ = Spawn(ExampleWorkerBinary(), args, fds[1]);
   close(fds[1]);
   out_fd_ = fds[0];
 }
