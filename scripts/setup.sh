@@ -44,5 +44,8 @@ kvd_build() {
     rm -rf "$KVD_BUILD_DIR"
   fi
   cmake -S "$KVD_ROOT" -B "$KVD_BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE="${KVD_BUILD_TYPE:-RelWithDebInfo}" "${extra[@]}"
-  cmake --build "$KVD_BUILD_DIR" -j "$KVD_JOBS"
+  # KVD_BUILD_TARGETS (space-separated) builds only those targets.
+  local targets=()
+  for t in ${KVD_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
+  cmake --build "$KVD_BUILD_DIR" -j "$KVD_JOBS" "${targets[@]}"
 }

@@ -12,6 +12,17 @@ kvd_install_missing "${kvd_test_packages[@]}"
 kvd_build -DKVD_BUILD_TESTS=ON "$@"
 (cd "$KVD_BUILD_DIR" && ctest --output-on-failure -j "$KVD_JOBS" --timeout 600)
 
+# The GPU proof bundle, built here and run in a bare Debian 12 root (it must report the missing
+# driver, never a missing library). Needs the CUDA toolkit and root (debootstrap, chroot).
+if [ "$(id -u)" -ne 0 ]; then
+  echo "kvd: not root; the GPU bundle's minimal-root check is skipped"
+elif ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  echo "kvd: no CUDA toolkit; the GPU bundle is not built"
+else
+  bundle="$(bash "$KVD_ROOT/scripts/gpu-bundle.sh" | tail -1)"
+  bash "$KVD_ROOT/tests/gpu/bundle/minimal_root_check.sh" "$bundle"
+fi
+
 if [ "${KVD_SANITIZE:-0}" = 1 ]; then
   echo "kvd: sanitizer run (ASan + UBSan)"
   KVD_BUILD_DIR="$KVD_ROOT/build-asan" KVD_BUILD_TYPE=Debug kvd_build -DKVD_BUILD_TESTS=ON -DKVD_WITH_CUDA=OFF \
