@@ -39,6 +39,9 @@ TEST_CASE("--backend=auto falls back to host memory with a warning and serves", 
   INFO(log);
 #if KVD_TEST_HAVE_CUDA
   REQUIRE(log.find("[warning] no usable GPU (") != std::string::npos);
+  // The driver it found (none here) and the runtime it needs are named, for the operator.
+  REQUIRE(log.find("NVIDIA driver ") != std::string::npos);
+  REQUIRE(log.find("kvd's runtime ") != std::string::npos);
 #else
   REQUIRE(log.find("[warning] --backend=auto: built without CUDA; using host memory") != std::string::npos);
 #endif
