@@ -2,7 +2,8 @@
 //   1. cudaIpcOpenMemHandle per slab size (2 MiB .. 16 GiB), measured in a child process (a
 //      process cannot open its own handle), beside the cudaMalloc of the same size.
 //   2. Block gather/scatter device <-> pinned host through CudaBlockCopier (2 MiB Llama-3-8B
-//      blocks, 32 layer chunks each, layer-major) beside one plain cudaMemcpy of the same bytes.
+//      blocks of 32 layer rows, layer-major: one cudaMemcpy2DAsync per block) and the daemon's
+//      own per-block DeviceArena::ReadBlock, beside one plain cudaMemcpy of the same bytes.
 //
 //   kvd_cuda_bench [--max-gib=16] [--blocks=256]
 #include <algorithm>
@@ -113,11 +114,21 @@ int main(int argc, char** argv) {
   const double scatter = best([&] {
     return (*copier)->Scatter(layout, host->data(), blocks, slab).ok() && (*copier)->Wait().ok();
   });
-  std::printf("\n%d random 2 MiB blocks (%lld MiB, %d chunks each), best of 5:\n", num_blocks,
-              static_cast<long long>(bytes >> 20), g.num_layers);
+  // The daemon's own tier copy: DeviceArena::ReadBlock, one block at a time (one 2D copy and one
+  // wait each), as demotion and flush call it.
+  const double daemon_reads = best([&] {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      if (!(*arena)->ReadBlock(0, blocks[i], host->data() + i * g.block_bytes()).ok()) return false;
+    }
+    return true;
+  });
+  std::printf("\n%d random 2 MiB blocks (%lld MiB, %d layer rows each, one cudaMemcpy2DAsync per "
+              "block), best of 5:\n", num_blocks, static_cast<long long>(bytes >> 20), g.num_layers);
   std::printf("| copy | GB/s | vs plain cudaMemcpy |\n|---|---|---|\n");
   std::printf("| plain cudaMemcpy device->pinned | %.1f | 1.00 |\n", bytes / memcpy_d2h / 1e9);
   std::printf("| gather blocks device->pinned | %.1f | %.2f |\n", bytes / gather / 1e9, memcpy_d2h / gather);
+  std::printf("| daemon ReadBlock per block device->pinned | %.1f | %.2f |\n", bytes / daemon_reads / 1e9,
+              memcpy_d2h / daemon_reads);
   std::printf("| plain cudaMemcpy pinned->device | %.1f | 1.00 |\n", bytes / memcpy_h2d / 1e9);
   std::printf("| scatter blocks pinned->device | %.1f | %.2f |\n", bytes / scatter / 1e9, memcpy_h2d / scatter);
   return 0;
