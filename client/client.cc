@@ -11,6 +11,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/strings/numbers.h"
@@ -18,8 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
-#include "gpu/fd_passing.h"
-#include "gpu/host_arena.h"
+#include "client/slab_maps.h"
 #if KVD_HAVE_CUDA
 #include "gpu/cuda_block_copier.h"
 #include "gpu/cuda_device.h"
@@ -37,12 +37,20 @@ struct Client::Impl {
   ClientOptions options;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Kvd::Stub> stub;
-  WorkerId worker;
+  v1::AttachRequest hello;  // sent again at every re-attach
   std::string backend;
-  std::vector<PoolView> pools;
-  std::vector<MappedSlab> mappings;
+
+  // The attachment. `epoch` counts attachments: a request belongs to the epoch it started in and
+  // is lost (KvdRestarted) once the epoch moves on. `maps` is replaced in place at a remap, so the
+  // PoolViews pools() returned stay valid; shard_base is read under the lock.
+  absl::Mutex mu;
+  absl::CondVar attached_cv;
+  WorkerId worker ABSL_GUARDED_BY(mu);
+  int64_t epoch ABSL_GUARDED_BY(mu) = 1;
+  bool attached ABSL_GUARDED_BY(mu) = true;
+  std::string detached_reason ABSL_GUARDED_BY(mu);
+  std::unique_ptr<SlabMaps> maps ABSL_GUARDED_BY(mu);
 #if KVD_HAVE_CUDA
-  std::vector<ImportedCudaSlab> cuda_slabs;  // opened once, kept for the client's life
   std::optional<InterprocessEvent> own_event;
   absl::Mutex events_mu;
   absl::flat_hash_map<std::string, std::unique_ptr<InterprocessEvent>> peer_events
@@ -77,10 +85,16 @@ struct Client::Impl {
     return absl::OkStatus();
   }
 
-  grpc::ClientContext attach_ctx;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> attach;
+  // The attach stream. The supervisor thread reads it (kvd sends nothing after Attached, so the
+  // read returns only when the stream ends: kvd went away) and re-attaches; the heartbeat thread
+  // writes it. stream_mu guards swapping it and every write.
+  absl::Mutex stream_mu;
+  std::unique_ptr<grpc::ClientContext> attach_ctx ABSL_GUARDED_BY(stream_mu);
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> attach
+      ABSL_GUARDED_BY(stream_mu);
   absl::Notification stop;
   std::thread heartbeat;
+  std::thread supervisor;
 
   template <typename Resp, typename Fn>
   absl::StatusOr<Resp> Call(Fn&& fn, absl::Duration timeout = absl::Seconds(30)) {
@@ -92,93 +106,132 @@ struct Client::Impl {
     return resp;
   }
 
-  absl::Status AttachAndMap(const v1::Attached& attached);
-  absl::Status OpenCudaSlabs(const v1::ListPoolsResponse& listed);
+  WorkerId Worker() {
+    absl::MutexLock lock(&mu);
+    return worker;
+  }
+  int64_t Epoch() {
+    absl::MutexLock lock(&mu);
+    return epoch;
+  }
+
+  // Opens an attach stream and sends the hello; the Attached reply, or why not.
+  absl::StatusOr<v1::Attached> OpenStream(
+      std::unique_ptr<grpc::ClientContext>* ctx,
+      std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>>* stream) {
+    *ctx = std::make_unique<grpc::ClientContext>();
+    *stream = stub->Attach(ctx->get());
+    v1::AttachResponse resp;
+    if (!(*stream)->Write(hello) || !(*stream)->Read(&resp) || !resp.has_attached()) {
+      grpc::Status s = (*stream)->Finish();
+      return s.ok() ? absl::UnavailableError("kvd closed the attach stream") : FromGrpcStatus(s);
+    }
+    return resp.attached();
+  }
+
+  absl::StatusOr<std::unique_ptr<SlabMaps>> ListAndMap(const v1::Attached& a) {
+    KVD_ASSIGN_OR_RETURN(v1::ListPoolsResponse listed,
+                         Call<v1::ListPoolsResponse>([&](grpc::ClientContext* ctx, v1::ListPoolsResponse* r) {
+                           return stub->ListPools(ctx, v1::ListPoolsRequest(), r);
+                         }));
+    if (options.map_slabs && a.backend() == "cuda") {
+      // Opening a CUDA IPC handle is expensive: when kvd kept the same memory, keep the mapping.
+      absl::MutexLock lock(&mu);
+      if (maps != nullptr && maps->identities() == SlabMaps::CudaIdentities(listed, options.shard)) {
+        return SlabMaps::Open(listed, nullptr, options.shard);  // geometry only: memory kept
+      }
+    }
+    return SlabMaps::Open(listed, options.map_slabs ? &a : nullptr, options.shard);
+  }
+
   void Heartbeat() {
-    const absl::Duration period = options.heartbeat_period;
-    while (!stop.WaitForNotificationWithTimeout(period)) {
+    while (!stop.WaitForNotificationWithTimeout(options.heartbeat_period)) {
       v1::AttachRequest beat;
       beat.mutable_heartbeat();
-      if (!attach->Write(beat)) return;  // the daemon ended the attachment
+      absl::MutexLock lock(&stream_mu);
+      (void)attach->Write(beat);  // a broken stream is the supervisor's to notice
     }
   }
+
+  void Supervise();
+  absl::Status Reattach();
 };
 
-absl::Status Client::Impl::AttachAndMap(const v1::Attached& attached) {
-  auto listed = Call<v1::ListPoolsResponse>([&](grpc::ClientContext* ctx, v1::ListPoolsResponse* r) {
-    return stub->ListPools(ctx, v1::ListPoolsRequest(), r);
-  });
-  if (!listed.ok()) return listed.status();
-  for (const v1::PoolInfo& p : listed->pools()) {
-    PoolView view;
-    view.id = p.pool_id();
-    view.geometry = GeometryFromProto(p);
-    view.layout = SlabLayout(view.geometry);
-    view.shard_base.assign(p.slabs_size(), nullptr);
-    for (const v1::SlabInfo& s : p.slabs()) {
-      view.slab_bytes.push_back(s.size_bytes());
-      view.shard_device.push_back(s.device());
+void Client::Impl::Supervise() {
+  for (;;) {
+    // Only this thread replaces the stream (Reattach), so reading it outside the lock is safe;
+    // a read may run beside the heartbeat's writes.
+    grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>* stream = nullptr;
+    {
+      absl::MutexLock lock(&stream_mu);
+      stream = attach.get();
     }
-    pools.push_back(std::move(view));
-  }
-  if (!options.map_slabs) return absl::OkStatus();
-  if (backend == "cuda") return OpenCudaSlabs(*listed);
-  if (backend != "host") {
-    return absl::FailedPreconditionError(
-        absl::StrCat("kvd serves backend '", backend, "', unknown to this client"));
-  }
-
-  KVD_ASSIGN_OR_RETURN(UniqueFd sock, ConnectUnix(attached.side_socket()));
-  KVD_RETURN_IF_ERROR(SendMessage(sock.get(), attached.slab_token(), {}));
-  KVD_ASSIGN_OR_RETURN(ReceivedMessage hello, ReceiveMessage(sock.get(), 4096, 0));
-  if (absl::StartsWith(hello.payload, "ERR ")) {
-    return absl::PermissionDeniedError(absl::StrCat("side socket refused: ", hello.payload.substr(4)));
-  }
-  int64_t count = 0;
-  absl::string_view greeting = hello.payload;
-  if (!absl::ConsumePrefix(&greeting, "OK ") || !absl::SimpleAtoi(greeting, &count)) {
-    return absl::InternalError("side socket: malformed greeting");
-  }
-  for (int64_t i = 0; i < count; ++i) {
-    KVD_ASSIGN_OR_RETURN(ReceivedMessage m, ReceiveMessage(sock.get(), 256, 1));
-    std::vector<std::string> parts = absl::StrSplit(m.payload, ' ');
-    uint32_t pool = 0, shard = 0;
-    int64_t size = 0;
-    if (parts.size() != 3 || m.fds.size() != 1 || !absl::SimpleAtoi(parts[0], &pool) ||
-        !absl::SimpleAtoi(parts[1], &shard) || !absl::SimpleAtoi(parts[2], &size) ||
-        pool >= pools.size() || shard >= pools[pool].shard_base.size()) {
-      return absl::InternalError(absl::StrCat("side socket: malformed slab message '", m.payload, "'"));
+    v1::AttachResponse ignored;
+    while (stream->Read(&ignored)) {
     }
-    if (options.shard >= 0 && static_cast<int32_t>(shard) != options.shard) continue;
-    KVD_ASSIGN_OR_RETURN(MappedSlab slab, MappedSlab::Map(std::move(m.fds[0]), size));
-    pools[pool].shard_base[shard] = slab.data();
-    mappings.push_back(std::move(slab));
+    if (stop.HasBeenNotified()) return;
+    {
+      absl::MutexLock lock(&mu);
+      attached = false;
+      detached_reason = "kvd went away (the attach stream ended); reconnecting";
+    }
+    absl::Duration backoff = absl::Milliseconds(50);
+    for (;;) {
+      absl::Status s = Reattach();
+      if (s.ok()) break;
+      {
+        absl::MutexLock lock(&mu);
+        detached_reason = absl::StrCat("kvd restarting; re-attaching failed: ", s.message());
+      }
+      if (stop.WaitForNotificationWithTimeout(backoff)) return;
+      backoff = std::min(backoff * 2, absl::Seconds(2));
+    }
   }
-  return absl::OkStatus();
 }
 
-absl::Status Client::Impl::OpenCudaSlabs(const v1::ListPoolsResponse& listed) {
-#if KVD_HAVE_CUDA
-  // The daemon's ordinals are not this process's (a pod granted one GPU sees it as device 0):
-  // each slab names its device by UUID and PCI bus id, resolved here.
-  KVD_ASSIGN_OR_RETURN(std::vector<DeviceIdentity> visible, ListCudaDevices());
-  for (const v1::PoolInfo& p : listed.pools()) {
-    for (const v1::SlabInfo& s : p.slabs()) {
-      if (options.shard >= 0 && static_cast<int32_t>(s.shard()) != options.shard) continue;
-      KVD_ASSIGN_OR_RETURN(int device,
-                           ResolveDevice(visible, s.device_uuid(), s.device_pci_bus_id(), s.device()));
-      KVD_ASSIGN_OR_RETURN(ImportedCudaSlab slab,
-                           ImportedCudaSlab::Open(device, s.cuda_ipc_handle(), s.size_bytes()));
-      pools[p.pool_id()].shard_base[s.shard()] = slab.data();
-      pools[p.pool_id()].shard_device[s.shard()] = device;
-      cuda_slabs.push_back(std::move(slab));
+absl::Status Client::Impl::Reattach() {
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> stream;
+  KVD_ASSIGN_OR_RETURN(v1::Attached a, OpenStream(&ctx, &stream));
+  auto fresh = ListAndMap(a);
+  if (fresh.ok() && a.backend() != backend) {
+    fresh = absl::FailedPreconditionError(absl::StrCat("kvd came back with backend '", a.backend(),
+                                                       "', not '", backend, "'"));
+  }
+  std::unique_ptr<SlabMaps> old;
+  bool moved = false;
+  if (fresh.ok()) {
+    absl::MutexLock lock(&mu);
+    if (!maps->SameGeometryAs(**fresh)) {
+      fresh = absl::FailedPreconditionError(
+          "kvd came back with different pools; this client keeps its pools for its life: connect anew");
+    } else if (!(*fresh)->identities().empty() && (*fresh)->identities() != maps->identities()) {
+      old = maps->Adopt(std::move(*fresh));
+      moved = true;
     }
   }
+  if (!fresh.ok()) {
+    ctx->TryCancel();
+    (void)stream->Finish();
+    return fresh.status();
+  }
+  {
+    absl::MutexLock lock(&stream_mu);
+    (void)attach->Finish();  // the old stream ended already
+    attach_ctx = std::move(ctx);
+    attach = std::move(stream);
+  }
+  // The engine's KV tensors moved: say so before any new request can start, then let the old
+  // mappings go.
+  if (moved && options.on_remap) options.on_remap();
+  old.reset();
+  absl::MutexLock lock(&mu);
+  worker = WorkerId(a.worker_id());
+  ++epoch;
+  attached = true;
+  detached_reason.clear();
+  attached_cv.SignalAll();
   return absl::OkStatus();
-#else
-  return absl::FailedPreconditionError(
-      "kvd serves CUDA memory but this client was built without CUDA; rebuild with the toolkit");
-#endif
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
@@ -186,43 +239,55 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   impl->options = options;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
+  // Reconnect quickly after kvd restarts (gRPC's default backoff starts at 1 s, up to 120 s).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   impl->channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
   if (!impl->channel->WaitForConnected(std::chrono::system_clock::now() +
                                        absl::ToChronoMilliseconds(options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat("cannot reach kvd at ", options.target));
   }
   impl->stub = v1::Kvd::NewStub(impl->channel);
-  impl->attach = impl->stub->Attach(&impl->attach_ctx);
-  v1::AttachRequest hello;
-  hello.mutable_hello()->set_worker_name(options.worker_name);
-  hello.mutable_hello()->set_pid(getpid());
+  impl->hello.mutable_hello()->set_worker_name(options.worker_name);
+  impl->hello.mutable_hello()->set_pid(getpid());
   if (options.ipc_event_device >= 0) {
 #if KVD_HAVE_CUDA
     KVD_ASSIGN_OR_RETURN(InterprocessEvent event, InterprocessEvent::Create(options.ipc_event_device));
-    hello.mutable_hello()->set_cuda_event_handle(event.handle());
+    impl->hello.mutable_hello()->set_cuda_event_handle(event.handle());
     impl->own_event.emplace(std::move(event));
 #else
     return absl::FailedPreconditionError("ipc_event_device needs a client built with CUDA");
 #endif
   }
-  v1::AttachResponse resp;
-  if (!impl->attach->Write(hello) || !impl->attach->Read(&resp) || !resp.has_attached()) {
-    grpc::Status s = impl->attach->Finish();
-    return s.ok() ? absl::UnavailableError("kvd closed the attach stream") : FromGrpcStatus(s);
-  }
-  impl->worker = WorkerId(resp.attached().worker_id());
-  impl->backend = resp.attached().backend();
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> stream;
+  KVD_ASSIGN_OR_RETURN(v1::Attached attached, impl->OpenStream(&ctx, &stream));
+  impl->backend = attached.backend();
   // Beat at least three times per lease, whatever the options say: a lapsed lease releases every
   // request this worker holds.
-  if (const int64_t lease_ms = resp.attached().lease_ttl_ms(); lease_ms > 0) {
+  if (const int64_t lease_ms = attached.lease_ttl_ms(); lease_ms > 0) {
     impl->options.heartbeat_period = std::min(impl->options.heartbeat_period, absl::Milliseconds(lease_ms) / 3);
   }
-  if (absl::Status s = impl->AttachAndMap(resp.attached()); !s.ok()) {
-    impl->attach_ctx.TryCancel();
-    return s;
+  auto maps = impl->ListAndMap(attached);
+  if (!maps.ok()) {
+    ctx->TryCancel();
+    (void)stream->Finish();
+    return maps.status();
+  }
+  {
+    absl::MutexLock lock(&impl->mu);
+    impl->worker = WorkerId(attached.worker_id());
+    impl->maps = std::move(*maps);
+  }
+  {
+    absl::MutexLock lock(&impl->stream_mu);
+    impl->attach_ctx = std::move(ctx);
+    impl->attach = std::move(stream);
   }
   Impl* raw = impl.get();
   impl->heartbeat = std::thread([raw] { raw->Heartbeat(); });
+  impl->supervisor = std::thread([raw] { raw->Supervise(); });
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
@@ -230,17 +295,61 @@ Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Client::~Client() {
   impl_->stop.Notify();
+  {
+    // Ends the attachment: kvd releases, as interrupted, whatever this worker still holds, and
+    // closes the stream, which ends the supervisor's read. Cancelling covers a kvd that is gone.
+    absl::MutexLock lock(&impl_->stream_mu);
+    (void)impl_->attach->WritesDone();
+    impl_->attach_ctx->TryCancel();
+  }
+  if (impl_->supervisor.joinable()) impl_->supervisor.join();
   if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
-  impl_->attach->WritesDone();
-  impl_->attach->Finish();
+  absl::MutexLock lock(&impl_->stream_mu);
+  (void)impl_->attach->Finish();
 }
 
-const WorkerId& Client::worker_id() const { return impl_->worker; }
+WorkerId Client::worker_id() const { return impl_->Worker(); }
 const std::string& Client::backend() const { return impl_->backend; }
-const std::vector<PoolView>& Client::pools() const { return impl_->pools; }
+const std::vector<PoolView>& Client::pools() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->maps->pools();
+}
+
+bool Client::attached() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->attached;
+}
+
+absl::Status Client::WaitAttached(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::MutexLock lock(&impl_->mu);
+  while (!impl_->attached) {
+    if (impl_->attached_cv.WaitWithDeadline(&impl_->mu, deadline)) break;
+  }
+  if (impl_->attached) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("not attached to kvd at ", impl_->options.target, ": ",
+                                             impl_->detached_reason));
+}
+
+int64_t Client::epoch() const { return impl_->Epoch(); }
+
+absl::Status Client::LostIfRestarted(const absl::Status& status, int64_t epoch, const RequestId& id) {
+  if (status.ok()) return status;
+  // kvd going away fails calls with UNAVAILABLE (or, once back, says the old worker is not
+  // attached) a moment before the supervisor sees the attach stream end: give it that moment.
+  const bool maybe_gone = status.code() == absl::StatusCode::kUnavailable ||
+                          (status.code() == absl::StatusCode::kFailedPrecondition &&
+                           absl::StrContains(status.message(), "not attached"));
+  absl::MutexLock lock(&impl_->mu);
+  if (maybe_gone && impl_->attached && impl_->epoch == epoch) {
+    impl_->attached_cv.WaitWithTimeout(&impl_->mu, absl::Milliseconds(500));
+  }
+  if (impl_->epoch != epoch || !impl_->attached) return KvdRestartedError(id);
+  return status;
+}
 
 absl::StatusOr<const PoolView*> Client::FindPool(absl::string_view name) const {
-  for (const PoolView& p : impl_->pools) {
+  for (const PoolView& p : pools()) {
     if (p.geometry.name == name) return &p;
   }
   return absl::NotFoundError(absl::StrCat("unknown pool '", name, "'"));
@@ -248,8 +357,10 @@ absl::StatusOr<const PoolView*> Client::FindPool(absl::string_view name) const {
 
 absl::StatusOr<uint8_t*> Client::LayerPointer(PoolId pool, BlockIndex block, int32_t layer,
                                               uint32_t shard) const {
-  if (pool >= impl_->pools.size()) return absl::NotFoundError(absl::StrCat("unknown pool ", pool));
-  const PoolView& p = impl_->pools[pool];
+  absl::MutexLock lock(&impl_->mu);
+  const std::vector<PoolView>& pools = impl_->maps->pools();
+  if (pool >= pools.size()) return absl::NotFoundError(absl::StrCat("unknown pool ", pool));
+  const PoolView& p = pools[pool];
   if (shard >= p.shard_base.size() || p.shard_base[shard] == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("shard ", shard, " of pool ", pool, " is not mapped"));
   }
@@ -276,7 +387,7 @@ absl::Status CopyLayerBytes(bool device, void* dst, const void* src, int64_t n) 
 absl::Status Client::WriteLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset,
                                 const void* src, int64_t n, uint32_t shard) const {
   KVD_ASSIGN_OR_RETURN(uint8_t* base, LayerPointer(pool, block, layer, shard));
-  if (offset < 0 || n < 0 || offset + n > impl_->pools[pool].layout.layer_block_bytes()) {
+  if (offset < 0 || n < 0 || offset + n > pools()[pool].layout.layer_block_bytes()) {
     return absl::OutOfRangeError("write past the layer block");
   }
   return CopyLayerBytes(impl_->backend == "cuda", base + offset, src, n);
@@ -285,7 +396,7 @@ absl::Status Client::WriteLayer(PoolId pool, BlockIndex block, int32_t layer, in
 absl::Status Client::ReadLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset,
                                void* dst, int64_t n, uint32_t shard) const {
   KVD_ASSIGN_OR_RETURN(uint8_t* base, LayerPointer(pool, block, layer, shard));
-  if (offset < 0 || n < 0 || offset + n > impl_->pools[pool].layout.layer_block_bytes()) {
+  if (offset < 0 || n < 0 || offset + n > pools()[pool].layout.layer_block_bytes()) {
     return absl::OutOfRangeError("read past the layer block");
   }
   return CopyLayerBytes(impl_->backend == "cuda", dst, base + offset, n);
@@ -334,7 +445,7 @@ absl::Status Client::WaitForPublishers(const KvRequest& request, void* stream) {
 }
 
 absl::StatusOr<AdmitResult> Client::Admit(RequestSpec spec) {
-  spec.owner = impl_->worker;
+  spec.owner = impl_->Worker();
   v1::AdmitRequest req;
   ToProto(spec, &req);
   KVD_ASSIGN_OR_RETURN(v1::AdmitResponse r, impl_->Call<v1::AdmitResponse>([&](auto* ctx, auto* resp) {
@@ -344,7 +455,7 @@ absl::StatusOr<AdmitResult> Client::Admit(RequestSpec spec) {
 }
 
 absl::StatusOr<AdmitResult> Client::Fits(RequestSpec spec) {
-  spec.owner = impl_->worker;
+  spec.owner = impl_->Worker();
   v1::AdmitRequest req;
   ToProto(spec, &req);
   KVD_ASSIGN_OR_RETURN(v1::AdmitResponse r, impl_->Call<v1::AdmitResponse>([&](auto* ctx, auto* resp) {
@@ -355,7 +466,7 @@ absl::StatusOr<AdmitResult> Client::Fits(RequestSpec spec) {
 
 absl::StatusOr<AcquireResult> Client::Acquire(const RequestId& id) {
   v1::AcquireRequest req;
-  req.set_worker_id(impl_->worker.value());
+  req.set_worker_id(impl_->Worker().value());
   req.set_request_id(id.value());
   KVD_ASSIGN_OR_RETURN(v1::AcquireResponse r, impl_->Call<v1::AcquireResponse>([&](auto* ctx, auto* resp) {
     return impl_->stub->Acquire(ctx, req, resp);
@@ -365,7 +476,7 @@ absl::StatusOr<AcquireResult> Client::Acquire(const RequestId& id) {
 
 absl::StatusOr<std::vector<BlockIndex>> Client::Extend(const RequestId& id, int64_t additional_tokens) {
   v1::ExtendRequest req;
-  req.set_worker_id(impl_->worker.value());
+  req.set_worker_id(impl_->Worker().value());
   req.set_request_id(id.value());
   req.set_additional_tokens(additional_tokens);
   KVD_ASSIGN_OR_RETURN(v1::ExtendResponse r, impl_->Call<v1::ExtendResponse>([&](auto* ctx, auto* resp) {
@@ -389,7 +500,7 @@ v1::PublishRequest MakePublish(const WorkerId& w, const RequestId& id, absl::Spa
 absl::StatusOr<PublishResult> Client::Publish(const RequestId& id, absl::Span<const Token> tokens,
                                               absl::Span<const BlockIndex> blocks) {
   KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
-  v1::PublishRequest req = MakePublish(impl_->worker, id, tokens, blocks);
+  v1::PublishRequest req = MakePublish(impl_->Worker(), id, tokens, blocks);
   KVD_ASSIGN_OR_RETURN(v1::PublishResponse r, impl_->Call<v1::PublishResponse>([&](auto* ctx, auto* resp) {
     return impl_->stub->Publish(ctx, req, resp);
   }));
@@ -399,7 +510,7 @@ absl::StatusOr<PublishResult> Client::Publish(const RequestId& id, absl::Span<co
 absl::StatusOr<PublishResult> Client::Keeps(const RequestId& id, absl::Span<const Token> tokens,
                                             absl::Span<const BlockIndex> blocks) {
   KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
-  v1::PublishRequest req = MakePublish(impl_->worker, id, tokens, blocks);
+  v1::PublishRequest req = MakePublish(impl_->Worker(), id, tokens, blocks);
   KVD_ASSIGN_OR_RETURN(v1::PublishResponse r, impl_->Call<v1::PublishResponse>([&](auto* ctx, auto* resp) {
     return impl_->stub->Keeps(ctx, req, resp);
   }));
@@ -410,7 +521,7 @@ absl::Status Client::Checkpoint(const RequestId& id, absl::Span<const Token> tok
                                 const std::string& engine_state) {
   KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
   v1::CheckpointRequest req;
-  req.set_worker_id(impl_->worker.value());
+  req.set_worker_id(impl_->Worker().value());
   req.set_request_id(id.value());
   req.mutable_tokens()->Add(tokens.begin(), tokens.end());
   req.set_engine_state(engine_state);
@@ -421,7 +532,7 @@ absl::Status Client::Checkpoint(const RequestId& id, absl::Span<const Token> tok
 
 absl::Status Client::Release(const RequestId& id, bool completed) {
   v1::ReleaseRequest req;
-  req.set_worker_id(impl_->worker.value());
+  req.set_worker_id(impl_->Worker().value());
   req.set_request_id(id.value());
   req.set_completed(completed);
   return impl_->Call<v1::ReleaseResponse>([&](auto* ctx, auto* resp) {
@@ -539,30 +650,40 @@ absl::StatusOr<std::unique_ptr<EventWatcher>> Client::WatchEvents(uint64_t after
 absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl::Duration wait) {
   KVD_ASSIGN_OR_RETURN(const PoolView* pool, FindPool(spec.ns.pool));
   if (wait < absl::Milliseconds(1)) wait = absl::Milliseconds(1);
-  spec.owner = impl_->worker;
-  v1::StartRequest req;
-  ToProto(spec, req.mutable_admit());
-  req.set_max_wait_ms(absl::ToInt64Milliseconds(wait));
-  // The daemon waits for admission (first come, first served) and answers RESOURCE_EXHAUSTED
-  // when `wait` passes; the call's own deadline leaves room for the Acquire after it.
-  absl::StatusOr<v1::StartResponse> r = impl_->Call<v1::StartResponse>(
-      [&](auto* ctx, auto* resp) { return impl_->stub->Start(ctx, req, resp); }, wait + absl::Seconds(30));
-  if (!r.ok()) {
+  const absl::Time deadline = absl::Now() + wait;
+  // While kvd restarts, a new request waits (within `wait`) for the client to re-attach.
+  for (;;) {
+    KVD_RETURN_IF_ERROR(WaitAttached(std::max(deadline - absl::Now(), absl::ZeroDuration())));
+    const int64_t epoch = impl_->Epoch();
+    spec.owner = impl_->Worker();
+    v1::StartRequest req;
+    ToProto(spec, req.mutable_admit());
+    req.set_max_wait_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
+    // The daemon waits for admission (first come, first served) and answers RESOURCE_EXHAUSTED
+    // when `wait` passes; the call's own deadline leaves room for the Acquire after it.
+    absl::StatusOr<v1::StartResponse> r = impl_->Call<v1::StartResponse>(
+        [&](auto* ctx, auto* resp) { return impl_->stub->Start(ctx, req, resp); },
+        (deadline - absl::Now()) + absl::Seconds(30));
+    if (r.ok()) {
+      return std::unique_ptr<KvRequest>(
+          new KvRequest(this, spec.id, FromProto(r->acquired()), pool->geometry.block_tokens, epoch));
+    }
+    if (IsKvdRestarted(LostIfRestarted(r.status(), epoch, spec.id)) && absl::Now() < deadline) {
+      continue;  // kvd went away during the call: nothing of this request survived; try again
+    }
     if (absl::IsResourceExhausted(r.status()) && absl::StrContains(r.status().message(), "not admitted within")) {
       return absl::DeadlineExceededError(absl::StrCat("request '", spec.id.value(), "' was not admitted within ",
                                                       absl::FormatDuration(wait), ": ", r.status().message()));
     }
     return r.status();
   }
-  return std::unique_ptr<KvRequest>(
-      new KvRequest(this, spec.id, FromProto(r->acquired()), pool->geometry.block_tokens));
 }
 
 absl::StatusOr<EndResult> Client::End(const RequestId& id, int64_t publish_blocks,
                                           absl::Span<const Token> more_tokens, bool completed) {
   if (publish_blocks != 0) KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
   v1::EndRequest req;
-  req.set_worker_id(impl_->worker.value());
+  req.set_worker_id(impl_->Worker().value());
   req.set_request_id(id.value());
   req.set_publish_blocks(static_cast<int32_t>(std::clamp<int64_t>(publish_blocks, -1, INT32_MAX)));
   req.mutable_more_tokens()->Add(more_tokens.begin(), more_tokens.end());
@@ -578,35 +699,63 @@ absl::StatusOr<EndResult> Client::End(const RequestId& id, int64_t publish_block
   return out;
 }
 
+absl::Status KvdRestartedError(const RequestId& id) {
+  absl::Status s = absl::AbortedError(absl::StrCat(
+      "kvd restarted: request '", id.value(), "' was lost with it; start it again (its last "
+      "checkpoint, if kvd kept one, resumes it)"));
+  s.SetPayload(kKvdRestartedPayload, absl::Cord("1"));
+  return s;
+}
+
+bool IsKvdRestarted(const absl::Status& status) {
+  return status.GetPayload(kKvdRestartedPayload).has_value();
+}
+
 KvRequest::~KvRequest() {
-  if (!released_) (void)client_->Release(id_, /*completed=*/false);
+  if (!released_ && client_->epoch() == epoch_) (void)client_->Release(id_, /*completed=*/false);
+}
+
+absl::Status KvRequest::Check() const {
+  if (released_) return absl::FailedPreconditionError(absl::StrCat("request '", id_.value(), "' was released"));
+  if (client_->epoch() != epoch_) return KvdRestartedError(id_);
+  return absl::OkStatus();
 }
 
 absl::Status KvRequest::Extend(int64_t n) {
-  KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> added, client_->Extend(id_, n));
-  state_.blocks.insert(state_.blocks.end(), added.begin(), added.end());
+  KVD_RETURN_IF_ERROR(Check());
+  absl::StatusOr<std::vector<BlockIndex>> added = client_->Extend(id_, n);
+  KVD_RETURN_IF_ERROR(client_->LostIfRestarted(added.status(), epoch_, id_));
+  state_.blocks.insert(state_.blocks.end(), added->begin(), added->end());
   state_.num_tokens += n;
   return absl::OkStatus();
 }
 
 absl::StatusOr<PublishResult> KvRequest::Publish(absl::Span<const Token> tokens) {
+  KVD_RETURN_IF_ERROR(Check());
   const size_t full = std::min(tokens.size() / block_tokens_, state_.blocks.size());
-  return client_->Publish(id_, tokens, absl::MakeConstSpan(state_.blocks).subspan(0, full));
+  absl::StatusOr<PublishResult> r =
+      client_->Publish(id_, tokens, absl::MakeConstSpan(state_.blocks).subspan(0, full));
+  KVD_RETURN_IF_ERROR(client_->LostIfRestarted(r.status(), epoch_, id_));
+  return r;
 }
 
 absl::Status KvRequest::Checkpoint(absl::Span<const Token> tokens, const std::string& engine_state) {
-  return client_->Checkpoint(id_, tokens, engine_state);
+  KVD_RETURN_IF_ERROR(Check());
+  return client_->LostIfRestarted(client_->Checkpoint(id_, tokens, engine_state), epoch_, id_);
 }
 
 absl::StatusOr<EndResult> KvRequest::End(int64_t publish_blocks, absl::Span<const Token> more_tokens,
                                           bool completed) {
-  KVD_ASSIGN_OR_RETURN(EndResult r, client_->End(id_, publish_blocks, more_tokens, completed));
+  KVD_RETURN_IF_ERROR(Check());
+  absl::StatusOr<EndResult> r = client_->End(id_, publish_blocks, more_tokens, completed);
+  KVD_RETURN_IF_ERROR(client_->LostIfRestarted(r.status(), epoch_, id_));
   released_ = true;
   return r;
 }
 
 absl::Status KvRequest::Release(bool completed) {
-  KVD_RETURN_IF_ERROR(client_->Release(id_, completed));
+  KVD_RETURN_IF_ERROR(Check());
+  KVD_RETURN_IF_ERROR(client_->LostIfRestarted(client_->Release(id_, completed), epoch_, id_));
   released_ = true;
   return absl::OkStatus();
 }

@@ -35,6 +35,12 @@ struct EndResult {
   int64_t no_parent = 0;       // blocks after a position this request did not cache
 };
 
+// kvd restarted while a request was live: the request is gone with the daemon's memory of it
+// (ABORTED, with this payload). Start it again; a checkpoint kvd kept resumes it.
+inline constexpr char kKvdRestartedPayload[] = "kvd.dev/KvdRestarted";
+absl::Status KvdRestartedError(const RequestId& id);
+bool IsKvdRestarted(const absl::Status& status);
+
 struct ClientOptions {
   std::string target;                                  // e.g. unix:///run/kvd/kvd.sock
   std::string worker_name;                             // for the daemon's logs
@@ -48,6 +54,12 @@ struct ClientOptions {
   // (RecordWrites / WaitForPublishers). -1: none.
   int32_t ipc_event_device = -1;
   absl::Duration connect_timeout = absl::Seconds(5);
+  // kvd restarted with different memory (a plain restart: new slabs): every PoolView's shard_base
+  // now points into the new mappings and the engine must rebuild whatever it derived from the old
+  // ones (its KV tensors moved). Called on the client's supervisor thread after the new mappings
+  // are in place; the old ones are unmapped when it returns. Not called when kvd kept the memory
+  // (systemd's fd store, a handoff): then every pointer stays valid.
+  std::function<void()> on_remap;
 };
 
 // A pool as this worker sees it: geometry, layout and the base address of each shard's slab in
@@ -75,7 +87,18 @@ class Client {
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
-  const WorkerId& worker_id() const;
+  // The worker id of the current attachment (it changes when the client re-attaches).
+  WorkerId worker_id() const;
+  // Riding through a kvd restart: when the attach stream ends, the client re-attaches under the
+  // same worker name, with back-off (50 ms doubling to 2 s), and compares the slabs kvd lists with
+  // what it has mapped (same memfd inode / same CUDA allocation: kept; else remapped and
+  // on_remap called). Requests live at the restart fail with KvdRestarted; Start waits for the
+  // re-attachment within its `wait`. attached() says whether the client is attached now;
+  // WaitAttached blocks until it is (UNAVAILABLE with the last reason after `timeout`); epoch()
+  // counts attachments, from 1.
+  bool attached() const;
+  absl::Status WaitAttached(absl::Duration timeout);
+  int64_t epoch() const;
   const std::string& backend() const;
   const std::vector<PoolView>& pools() const;
   absl::StatusOr<const PoolView*> FindPool(absl::string_view name) const;
@@ -144,11 +167,16 @@ class Client {
   struct Impl;
 
  private:
+  friend class KvRequest;
   explicit Client(std::unique_ptr<Impl> impl);
+  // `status` of a call made for a request of attachment `epoch`: KvdRestarted when kvd went away
+  // since (waiting a moment for the supervisor when the error says kvd may be gone), else as is.
+  absl::Status LostIfRestarted(const absl::Status& status, int64_t epoch, const RequestId& id);
   std::unique_ptr<Impl> impl_;
 };
 
 // One acquired request. Destroying it unreleased releases it as interrupted (checkpoints kept).
+// Every call fails with KvdRestarted once kvd has restarted since the request started.
 // Not thread-safe: one engine thread drives a request.
 class KvRequest {
  public:
@@ -180,13 +208,16 @@ class KvRequest {
 
  private:
   friend class Client;
-  KvRequest(Client* client, RequestId id, AcquireResult state, int32_t block_tokens)
-      : client_(client), id_(std::move(id)), state_(std::move(state)), block_tokens_(block_tokens) {}
+  KvRequest(Client* client, RequestId id, AcquireResult state, int32_t block_tokens, int64_t epoch)
+      : client_(client), id_(std::move(id)), state_(std::move(state)), block_tokens_(block_tokens),
+        epoch_(epoch) {}
+  absl::Status Check() const;  // released, or lost with a kvd restart
 
   Client* client_;
   RequestId id_;
   AcquireResult state_;
   int32_t block_tokens_;
+  int64_t epoch_;  // the client's attachment this request belongs to
   bool released_ = false;
 };
 

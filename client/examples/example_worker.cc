@@ -6,12 +6,14 @@
 // blocks, then generates --gen tokens one at a time (Extend, write, checkpoint every
 // --checkpoint-every tokens), publishes again and releases. It prints one JSON line:
 //   {"request": ..., "worker": ..., "resumed": ..., "cached_tokens": ..., "tokens": ...,
-//    "verified_bytes": ..., "written_bytes": ..., "mismatches": ...}
+//    "verified_bytes": ..., "written_bytes": ..., "mismatches": ..., "blocks": [...]}
 // and exits 0, or 3 when a reused byte did not match (wrong KV served).
 //
 //   kvd_example_worker --target=unix:///run/kvd/kvd.sock --id=r1 --prompt-range=0:100 --gen=20
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -24,9 +26,13 @@
 #include <CLI/CLI.hpp>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/examples/kv_pattern.h"
+#include "proto/vocab/status_macros.h"
 
 namespace {
 
@@ -92,97 +98,197 @@ int Fail(const absl::Status& s) {
   return 1;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"kvd example worker"};
-  std::string target, pool = "default", id = "example", prompt_list, prompt_range, resume_from,
-              session, salt;
-  int64_t gen = 0, checkpoint_every = 0, async_writer_us = 0;
+struct Options {
+  int64_t gen = 0;
+  int64_t checkpoint_every = 0;
+  int64_t async_writer_us = 0;
   bool hang_after_checkpoint = false;
-  app.add_option("--target", target, "kvd address, e.g. unix:///run/kvd/kvd.sock")->required();
-  app.add_option("--pool", pool, "pool name");
-  app.add_option("--id", id, "request id");
-  app.add_option("--prompt", prompt_list, "comma-separated prompt tokens");
-  app.add_option("--prompt-range", prompt_range, "START:LEN prompt tokens start..start+len-1, before --prompt");
-  app.add_option("--gen", gen, "tokens to generate");
-  app.add_option("--checkpoint-every", checkpoint_every, "checkpoint every N generated tokens");
-  app.add_option("--resume-from", resume_from, "resume this interrupted request's checkpoint");
-  app.add_option("--session", session, "session id");
-  app.add_option("--salt", salt, "tenant cache salt");
-  int32_t shard = -1;
-  app.add_option("--shard", shard, "tensor-parallel rank: map only this shard (-1: all)");
-  app.add_option("--async-writer-us", async_writer_us,
-                 "write the prompt's KV on a second thread (as a GPU stream would), this many "
-                 "microseconds per token, and publish at once: the client's write fence orders it");
-  app.add_flag("--hang-after-checkpoint", hang_after_checkpoint,
-               "after the first checkpoint, print CHECKPOINTED and wait to be killed");
-  CLI11_PARSE(app, argc, argv);
+};
 
-  auto client = kvd::client::Client::Connect(
-      {.target = target, .worker_name = "example-" + id, .shard = shard});
-  if (!client.ok()) return Fail(client.status());
-  kvd::RequestSpec spec;
-  spec.id = kvd::RequestId(id);
-  spec.ns.pool = pool;
-  spec.ns.cache_salt = salt;
-  spec.prompt = ParsePrompt(prompt_list, prompt_range);
-  spec.max_new_tokens = gen;
-  spec.session = kvd::SessionId(session);
-  spec.resume_from = kvd::RequestId(resume_from);
-  auto req = (*client)->Start(spec);
-  if (!req.ok()) return Fail(req.status());
+// One request, start to release, as an engine would run it; its JSON line, or the first error.
+absl::StatusOr<std::string> RunRequest(kvd::client::Client& client, const kvd::RequestSpec& spec,
+                                       const Options& o, Stats& stats) {
+  auto req = client.Start(spec);
+  if (!req.ok()) return req.status();
   kvd::client::KvRequest& r = **req;
 
   std::vector<Token> tokens = r.resumed() ? r.resumed_tokens() : spec.prompt;
-  Stats stats;
   // Reused KV must be exactly what the writer of these tokens wrote.
-  if (auto s = TouchKv(**client, r, tokens, 0, r.cached_tokens(), /*verify=*/true, &stats); !s.ok()) return Fail(s);
+  KVD_RETURN_IF_ERROR(TouchKv(client, r, tokens, 0, r.cached_tokens(), /*verify=*/true, &stats));
   std::jthread writer;  // the asynchronous "stream" of --async-writer-us; joined by its fence
-  if (async_writer_us > 0) {
+  if (o.async_writer_us > 0) {
     auto done = std::make_shared<std::promise<absl::Status>>();
     std::shared_future<absl::Status> finished = done->get_future().share();
     writer = std::jthread([&, done] {
       absl::Status s;
       for (int64_t pos = r.cached_tokens(); pos < r.num_tokens() && s.ok(); ++pos) {
-        std::this_thread::sleep_for(std::chrono::microseconds(async_writer_us));
-        s = TouchKv(**client, r, tokens, pos, pos + 1, false, &stats);
+        std::this_thread::sleep_for(std::chrono::microseconds(o.async_writer_us));
+        s = TouchKv(client, r, tokens, pos, pos + 1, false, &stats);
       }
       done->set_value(s);
     });
-    (*client)->AddWriteFence([finished] { return finished.get(); });
+    client.AddWriteFence([finished] { return finished.get(); });
     std::printf("WRITING\n");
     std::fflush(stdout);
-  } else if (auto s = TouchKv(**client, r, tokens, r.cached_tokens(), r.num_tokens(), false, &stats); !s.ok()) {
-    return Fail(s);
+  } else {
+    KVD_RETURN_IF_ERROR(TouchKv(client, r, tokens, r.cached_tokens(), r.num_tokens(), false, &stats));
   }
-  if (auto p = r.Publish(tokens); !p.ok()) return Fail(p.status());
+  KVD_RETURN_IF_ERROR(r.Publish(tokens).status());
 
   const int64_t generated_before = static_cast<int64_t>(tokens.size() - spec.prompt.size());
-  for (int64_t i = generated_before; i < gen; ++i) {
-    if (auto s = r.Extend(1); !s.ok()) return Fail(s);
+  for (int64_t i = generated_before; i < o.gen; ++i) {
+    KVD_RETURN_IF_ERROR(r.Extend(1));
     tokens.push_back(kvd::example::NextToken(tokens.back()));
     const int64_t pos = static_cast<int64_t>(tokens.size()) - 1;
-    if (auto s = TouchKv(**client, r, tokens, pos, pos + 1, false, &stats); !s.ok()) return Fail(s);
-    if (checkpoint_every > 0 && (i + 1) % checkpoint_every == 0) {
-      if (auto s = r.Checkpoint(tokens, "generated=" + std::to_string(i + 1)); !s.ok()) return Fail(s);
-      if (hang_after_checkpoint) {
+    KVD_RETURN_IF_ERROR(TouchKv(client, r, tokens, pos, pos + 1, false, &stats));
+    if (o.checkpoint_every > 0 && (i + 1) % o.checkpoint_every == 0) {
+      KVD_RETURN_IF_ERROR(r.Checkpoint(tokens, "generated=" + std::to_string(i + 1)));
+      if (o.hang_after_checkpoint) {
         std::printf("CHECKPOINTED %zu\n", tokens.size());
         std::fflush(stdout);
         for (;;) pause();  // the test kills this process with SIGKILL
       }
     }
   }
-  if (auto p = r.Publish(tokens); !p.ok()) return Fail(p.status());
+  KVD_RETURN_IF_ERROR(r.Publish(tokens).status());
   const bool resumed = r.resumed();
   const int64_t cached = r.cached_tokens();
-  if (auto s = r.Release(/*completed=*/true); !s.ok()) return Fail(s);
+  const std::string blocks = absl::StrJoin(r.blocks(), ", ");  // where its KV lives, for readers
+  KVD_RETURN_IF_ERROR(r.Release(/*completed=*/true));
   if (writer.joinable()) writer.join();
-  std::printf(
-      "{\"request\": \"%s\", \"worker\": \"%s\", \"resumed\": %s, \"cached_tokens\": %lld, "
-      "\"tokens\": %zu, \"verified_bytes\": %lld, \"written_bytes\": %lld, \"mismatches\": %lld}\n",
-      id.c_str(), (*client)->worker_id().value().c_str(), resumed ? "true" : "false",
-      static_cast<long long>(cached), tokens.size(), static_cast<long long>(stats.verified_bytes),
-      static_cast<long long>(stats.written_bytes), static_cast<long long>(stats.mismatches));
+  return absl::StrFormat(
+      "{\"request\": \"%s\", \"worker\": \"%s\", \"resumed\": %s, \"cached_tokens\": %d, "
+      "\"tokens\": %d, \"verified_bytes\": %d, \"written_bytes\": %d, \"mismatches\": %d, "
+      "\"blocks\": [%s]}",
+      spec.id.value(), client.worker_id().value(), resumed ? "true" : "false", cached, tokens.size(),
+      stats.verified_bytes, stats.written_bytes, stats.mismatches, blocks);
+}
+
+// The bytes of one token slot this worker wrote, remembered through its own mapping, so that
+// after kvd restarts it can tell whether the memory was kept (the bytes are still there).
+struct Probe {
+  const uint8_t* at = nullptr;  // in this process's mapping (host backend)
+  std::vector<uint8_t> bytes;
+};
+
+Probe Remember(kvd::client::Client& client, const kvd::RequestSpec& spec, const std::string& json) {
+  Probe p;
+  const size_t at = json.find("\"blocks\": [");
+  if (client.backend() != "host" || at == std::string::npos) return p;
+  uint32_t block = 0;
+  if (!absl::SimpleAtoi(absl::string_view(json).substr(at + 11, json.find_first_of(",]", at + 11) - at - 11),
+                        &block)) {
+    return p;
+  }
+  auto pool = client.FindPool(spec.ns.pool);
+  if (!pool.ok()) return p;
+  auto ptr = client.LayerPointer((*pool)->id, block, 0);
+  if (!ptr.ok()) return p;
+  p.at = *ptr;
+  p.bytes.assign(*ptr, *ptr + (*pool)->geometry.bytes_per_token_per_layer);
+  return p;
+}
+
+// --requests=N: runs N requests one after another, riding through kvd restarts. A request lost
+// to a restart (KvdRestarted) or started while kvd is away (UNAVAILABLE) is started again. Prints
+// each request's JSON line, "LOST <k> <why>" for each loss, and after each re-attachment "KEPT
+// <ok|changed>" (kvd kept its memory: the bytes this worker wrote are still in its old mapping)
+// or "REMAPPED" (new memory; on_remap was called).
+int RunLoop(const std::string& target, const std::string& id, const kvd::RequestSpec& base,
+            int64_t requests, int64_t pause_ms, const Options& o, int32_t shard) {
+  std::atomic<int> remaps{0};
+  auto client = kvd::client::Client::Connect({.target = target, .worker_name = "example-" + id,
+                                              .shard = shard, .on_remap = [&] { ++remaps; }});
+  if (!client.ok()) return Fail(client.status());
+  int64_t epoch = (*client)->epoch();
+  int seen_remaps = 0;
+  Probe probe;
+  for (int64_t k = 0; k < requests;) {
+    if ((*client)->epoch() != epoch) {  // re-attached since the last request
+      epoch = (*client)->epoch();
+      if (remaps.load() != seen_remaps) {
+        seen_remaps = remaps.load();
+        std::printf("REMAPPED %lld\n", static_cast<long long>(epoch));
+      } else if (probe.at != nullptr) {
+        const bool same = std::equal(probe.bytes.begin(), probe.bytes.end(), probe.at);
+        std::printf("KEPT %s %lld\n", same ? "ok" : "changed", static_cast<long long>(epoch));
+      }
+      std::fflush(stdout);
+      probe = Probe();
+    }
+    kvd::RequestSpec spec = base;
+    spec.id = kvd::RequestId(absl::StrCat(id, "-", k));
+    for (Token& t : spec.prompt) t += static_cast<Token>(1000 * (k % 3));  // every third repeats
+    Stats stats;
+    absl::StatusOr<std::string> line = RunRequest(**client, spec, o, stats);
+    if (!line.ok()) {
+      if (kvd::client::IsKvdRestarted(line.status()) || absl::IsUnavailable(line.status())) {
+        std::printf("LOST %lld %s\n", static_cast<long long>(k), std::string(line.status().message()).c_str());
+        std::fflush(stdout);
+        continue;  // start it again
+      }
+      return Fail(line.status());
+    }
+    if (stats.mismatches != 0) {
+      std::printf("%s\n", line->c_str());
+      return 3;
+    }
+    std::printf("%s\n", line->c_str());
+    std::fflush(stdout);
+    probe = Remember(**client, spec, *line);
+    ++k;
+    if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+  }
+  std::printf("DONE %lld\n", static_cast<long long>(requests));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvd example worker"};
+  std::string target, pool = "default", id = "example", prompt_list, prompt_range, resume_from,
+              session, salt;
+  Options o;
+  int64_t requests = 0, pause_ms = 0;
+  app.add_option("--target", target, "kvd address, e.g. unix:///run/kvd/kvd.sock")->required();
+  app.add_option("--pool", pool, "pool name");
+  app.add_option("--id", id, "request id");
+  app.add_option("--prompt", prompt_list, "comma-separated prompt tokens");
+  app.add_option("--prompt-range", prompt_range, "START:LEN prompt tokens start..start+len-1, before --prompt");
+  app.add_option("--gen", o.gen, "tokens to generate");
+  app.add_option("--checkpoint-every", o.checkpoint_every, "checkpoint every N generated tokens");
+  app.add_option("--resume-from", resume_from, "resume this interrupted request's checkpoint");
+  app.add_option("--session", session, "session id");
+  app.add_option("--salt", salt, "tenant cache salt");
+  int32_t shard = -1;
+  app.add_option("--shard", shard, "tensor-parallel rank: map only this shard (-1: all)");
+  app.add_option("--async-writer-us", o.async_writer_us,
+                 "write the prompt's KV on a second thread (as a GPU stream would), this many "
+                 "microseconds per token, and publish at once: the client's write fence orders it");
+  app.add_flag("--hang-after-checkpoint", o.hang_after_checkpoint,
+               "after the first checkpoint, print CHECKPOINTED and wait to be killed");
+  app.add_option("--requests", requests,
+                 "run this many requests (ids ID-0, ID-1, ...) riding through kvd restarts");
+  app.add_option("--pause-ms", pause_ms, "with --requests: pause between requests");
+  CLI11_PARSE(app, argc, argv);
+
+  kvd::RequestSpec spec;
+  spec.id = kvd::RequestId(id);
+  spec.ns.pool = pool;
+  spec.ns.cache_salt = salt;
+  spec.prompt = ParsePrompt(prompt_list, prompt_range);
+  spec.max_new_tokens = o.gen;
+  spec.session = kvd::SessionId(session);
+  spec.resume_from = kvd::RequestId(resume_from);
+  if (requests > 0) return RunLoop(target, id, spec, requests, pause_ms, o, shard);
+
+  auto client = kvd::client::Client::Connect(
+      {.target = target, .worker_name = "example-" + id, .shard = shard});
+  if (!client.ok()) return Fail(client.status());
+  Stats stats;
+  absl::StatusOr<std::string> line = RunRequest(**client, spec, o, stats);
+  if (!line.ok()) return Fail(line.status());
+  std::printf("%s\n", line->c_str());
   return stats.mismatches == 0 ? 0 : 3;
 }

@@ -91,36 +91,50 @@ DaemonProcess::DaemonProcess(const std::string& config_yaml, std::vector<std::st
   socket_ = dir_.path() + "/kvd.sock";
   side_socket_ = socket_ + ".slabs";
   const std::string config = dir_.path() + "/kvd.yaml";
-  const std::string ready = dir_.path() + "/ready.json";
   std::ofstream(config) << config_yaml;
-  bool own_listen = false;
-  for (const std::string& f : extra_flags) own_listen |= f.rfind("--listen=", 0) == 0;
-  std::vector<std::string> args = {"--config=" + config, "--metrics-listen=127.0.0.1:0",
-                                   "--ready-file=" + ready, "--log-level=warn"};
-  if (!own_listen) args.push_back("--listen=unix://" + socket_);
-  args.insert(args.end(), extra_flags.begin(), extra_flags.end());
+  for (const std::string& f : extra_flags) own_listen_ |= f.rfind("--listen=", 0) == 0;
+  args_ = {"--config=" + config, "--metrics-listen=127.0.0.1:0",
+           "--ready-file=" + dir_.path() + "/ready.json", "--log-level=warn"};
+  if (!own_listen_) args_.push_back("--listen=unix://" + socket_);
+  args_.insert(args_.end(), extra_flags.begin(), extra_flags.end());
+  Start();
+}
+
+bool DaemonProcess::Start() {
+  const std::string ready = dir_.path() + "/ready.json";
+  unlink(ready.c_str());
   // Its log goes to a file the tests can read (Log()), not to the test's terminal.
   const int log_fd = open(log_path().c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
-  pid_ = Spawn(KvdBinary(), args, log_fd, /*also_stderr=*/true);
+  pid_ = Spawn(KvdBinary(), args_, log_fd, /*also_stderr=*/true);
   if (log_fd >= 0) close(log_fd);
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   while (absl::Now() < deadline) {
     const std::string json = ReadFile(ready);
     if (!json.empty()) {
       metrics_port_ = static_cast<int>(JsonInt(json, "metrics_port"));
-      if (own_listen) {  // "grpc": "HOST:PORT" as bound
+      if (own_listen_) {  // "grpc": "HOST:PORT" as bound
         const size_t at = json.find("\"grpc\": \"") + 9;
         tcp_target_ = json.substr(at, json.find('"', at) - at);
       }
-      return;
+      return true;
     }
     int status;
     if (waitpid(pid_, &status, WNOHANG) == pid_) {
       pid_ = -1;
-      return;  // died: tests see a connect failure
+      return false;  // died: tests see a connect failure
     }
     absl::SleepFor(absl::Milliseconds(10));
   }
+  return false;
+}
+
+bool DaemonProcess::Restart() {
+  if (pid_ > 0) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+  return Start();
 }
 
 DaemonProcess::~DaemonProcess() {
@@ -218,6 +232,16 @@ absl::StatusOr<std::string> WorkerProcess::WaitForLine(const std::string& prefix
     if (n <= 0) return absl::UnavailableError("worker output ended");
     buffer_.append(buf, n);
   }
+}
+
+bool WorkerProcess::Running() {
+  if (pid_ <= 0) return false;
+  int status;
+  if (waitpid(pid_, &status, WNOHANG) == pid_) {
+    pid_ = -1;
+    return false;
+  }
+  return true;
 }
 
 void WorkerProcess::Kill(int signal) {

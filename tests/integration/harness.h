@@ -42,10 +42,16 @@ class DaemonProcess {
   std::string log_path() const { return dir_.path() + "/kvd.log"; }
   // Sends `signal`; with wait, returns the exit code (-signal when killed by one).
   void Signal(int signal);
+  // SIGKILLs the daemon (if running) and starts it again with the same config, flags, sockets and
+  // directory; waits until it serves. False when it did not come up.
+  bool Restart();
   absl::StatusOr<int> WaitExit(absl::Duration timeout);
 
  private:
+  bool Start();
   TempDir dir_;
+  std::vector<std::string> args_;
+  bool own_listen_ = false;
   std::string socket_;
   std::string side_socket_;
   int metrics_port_ = 0;
@@ -72,8 +78,11 @@ class WorkerProcess {
  public:
   explicit WorkerProcess(const std::vector<std::string>& args);
   ~WorkerProcess();
-  // Reads stdout until a line starting with `prefix` arrives (or timeout/EOF).
+  // Reads stdout until a line starting with `prefix` arrives (or timeout/EOF); lines before it
+  // are dropped. An empty prefix takes the next line.
   absl::StatusOr<std::string> WaitForLine(const std::string& prefix, absl::Duration timeout);
+  // Whether the process is still running (not reaped).
+  bool Running();
   void Kill(int signal);
   pid_t pid() const { return pid_; }
 
