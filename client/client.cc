@@ -35,8 +35,28 @@ namespace kvd::client {
 
 struct Client::Impl {
   ClientOptions options;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::Kvd::Stub> stub;
+  // The channel and stub of the current attachment: a re-attach makes new ones (a channel that
+  // saw kvd go away keeps failing fast for its own back-off, seconds, after kvd is back).
+  absl::Mutex stub_mu;
+  std::shared_ptr<v1::Kvd::Stub> stub_ ABSL_GUARDED_BY(stub_mu);
+  std::shared_ptr<v1::Kvd::Stub> stub() {
+    absl::MutexLock lock(&stub_mu);
+    return stub_;
+  }
+  void NewChannel() {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a fresh connection, not a shared one
+    auto channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+    absl::MutexLock lock(&stub_mu);
+    channel_ = channel;
+    stub_ = v1::Kvd::NewStub(channel);
+  }
+  std::shared_ptr<grpc::Channel> channel() {
+    absl::MutexLock lock(&stub_mu);
+    return channel_;
+  }
+  std::shared_ptr<grpc::Channel> channel_ ABSL_GUARDED_BY(stub_mu);
   v1::AttachRequest hello;  // sent again at every re-attach
   std::string backend;
 
@@ -120,7 +140,7 @@ struct Client::Impl {
       std::unique_ptr<grpc::ClientContext>* ctx,
       std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>>* stream) {
     *ctx = std::make_unique<grpc::ClientContext>();
-    *stream = stub->Attach(ctx->get());
+    *stream = stub()->Attach(ctx->get());
     v1::AttachResponse resp;
     if (!(*stream)->Write(hello) || !(*stream)->Read(&resp) || !resp.has_attached()) {
       grpc::Status s = (*stream)->Finish();
@@ -132,7 +152,7 @@ struct Client::Impl {
   absl::StatusOr<std::unique_ptr<SlabMaps>> ListAndMap(const v1::Attached& a) {
     KVD_ASSIGN_OR_RETURN(v1::ListPoolsResponse listed,
                          Call<v1::ListPoolsResponse>([&](grpc::ClientContext* ctx, v1::ListPoolsResponse* r) {
-                           return stub->ListPools(ctx, v1::ListPoolsRequest(), r);
+                           return stub()->ListPools(ctx, v1::ListPoolsRequest(), r);
                          }));
     if (options.map_slabs && a.backend() == "cuda") {
       // Opening a CUDA IPC handle is expensive: when kvd kept the same memory, keep the mapping.
@@ -190,6 +210,10 @@ void Client::Impl::Supervise() {
 }
 
 absl::Status Client::Impl::Reattach() {
+  NewChannel();
+  if (!channel()->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(1))) {
+    return absl::UnavailableError(absl::StrCat("cannot reach kvd at ", options.target));
+  }
   std::unique_ptr<grpc::ClientContext> ctx;
   std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> stream;
   KVD_ASSIGN_OR_RETURN(v1::Attached a, OpenStream(&ctx, &stream));
@@ -237,18 +261,11 @@ absl::Status Client::Impl::Reattach() {
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);
-  // Reconnect quickly after kvd restarts (gRPC's default backoff starts at 1 s, up to 120 s).
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  impl->channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
-  if (!impl->channel->WaitForConnected(std::chrono::system_clock::now() +
-                                       absl::ToChronoMilliseconds(options.connect_timeout))) {
+  impl->NewChannel();
+  if (!impl->channel()->WaitForConnected(std::chrono::system_clock::now() +
+                                         absl::ToChronoMilliseconds(options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat("cannot reach kvd at ", options.target));
   }
-  impl->stub = v1::Kvd::NewStub(impl->channel);
   impl->hello.mutable_hello()->set_worker_name(options.worker_name);
   impl->hello.mutable_hello()->set_pid(getpid());
   if (options.ipc_event_device >= 0) {
@@ -449,7 +466,7 @@ absl::StatusOr<AdmitResult> Client::Admit(RequestSpec spec) {
   v1::AdmitRequest req;
   ToProto(spec, &req);
   KVD_ASSIGN_OR_RETURN(v1::AdmitResponse r, impl_->Call<v1::AdmitResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->Admit(ctx, req, resp);
+    return impl_->stub()->Admit(ctx, req, resp);
   }));
   return FromProto(r);
 }
@@ -459,7 +476,7 @@ absl::StatusOr<AdmitResult> Client::Fits(RequestSpec spec) {
   v1::AdmitRequest req;
   ToProto(spec, &req);
   KVD_ASSIGN_OR_RETURN(v1::AdmitResponse r, impl_->Call<v1::AdmitResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->Fits(ctx, req, resp);
+    return impl_->stub()->Fits(ctx, req, resp);
   }));
   return FromProto(r);
 }
@@ -469,7 +486,7 @@ absl::StatusOr<AcquireResult> Client::Acquire(const RequestId& id) {
   req.set_worker_id(impl_->Worker().value());
   req.set_request_id(id.value());
   KVD_ASSIGN_OR_RETURN(v1::AcquireResponse r, impl_->Call<v1::AcquireResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->Acquire(ctx, req, resp);
+    return impl_->stub()->Acquire(ctx, req, resp);
   }));
   return FromProto(r);
 }
@@ -480,7 +497,7 @@ absl::StatusOr<std::vector<BlockIndex>> Client::Extend(const RequestId& id, int6
   req.set_request_id(id.value());
   req.set_additional_tokens(additional_tokens);
   KVD_ASSIGN_OR_RETURN(v1::ExtendResponse r, impl_->Call<v1::ExtendResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->Extend(ctx, req, resp);
+    return impl_->stub()->Extend(ctx, req, resp);
   }));
   return std::vector<BlockIndex>(r.new_blocks().begin(), r.new_blocks().end());
 }
@@ -502,7 +519,7 @@ absl::StatusOr<PublishResult> Client::Publish(const RequestId& id, absl::Span<co
   KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
   v1::PublishRequest req = MakePublish(impl_->Worker(), id, tokens, blocks);
   KVD_ASSIGN_OR_RETURN(v1::PublishResponse r, impl_->Call<v1::PublishResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->Publish(ctx, req, resp);
+    return impl_->stub()->Publish(ctx, req, resp);
   }));
   return FromProto(r);
 }
@@ -512,7 +529,7 @@ absl::StatusOr<PublishResult> Client::Keeps(const RequestId& id, absl::Span<cons
   KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
   v1::PublishRequest req = MakePublish(impl_->Worker(), id, tokens, blocks);
   KVD_ASSIGN_OR_RETURN(v1::PublishResponse r, impl_->Call<v1::PublishResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->Keeps(ctx, req, resp);
+    return impl_->stub()->Keeps(ctx, req, resp);
   }));
   return FromProto(r);
 }
@@ -526,7 +543,7 @@ absl::Status Client::Checkpoint(const RequestId& id, absl::Span<const Token> tok
   req.mutable_tokens()->Add(tokens.begin(), tokens.end());
   req.set_engine_state(engine_state);
   return impl_->Call<v1::CheckpointResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->Checkpoint(ctx, req, resp);
+    return impl_->stub()->Checkpoint(ctx, req, resp);
   }).status();
 }
 
@@ -536,7 +553,7 @@ absl::Status Client::Release(const RequestId& id, bool completed) {
   req.set_request_id(id.value());
   req.set_completed(completed);
   return impl_->Call<v1::ReleaseResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->Release(ctx, req, resp);
+    return impl_->stub()->Release(ctx, req, resp);
   }).status();
 }
 
@@ -545,7 +562,7 @@ absl::StatusOr<int64_t> Client::PeekPrefixLen(const Namespace& ns, absl::Span<co
   ToProto(ns, req.mutable_namespace_());
   req.mutable_tokens()->Add(tokens.begin(), tokens.end());
   KVD_ASSIGN_OR_RETURN(v1::PeekPrefixLenResponse r, impl_->Call<v1::PeekPrefixLenResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->PeekPrefixLen(ctx, req, resp);
+    return impl_->stub()->PeekPrefixLen(ctx, req, resp);
   }));
   return r.cached_tokens();
 }
@@ -554,7 +571,7 @@ absl::Status Client::CloseSession(const SessionId& session) {
   v1::CloseSessionRequest req;
   req.set_session_id(session.value());
   return impl_->Call<v1::CloseSessionResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->CloseSession(ctx, req, resp);
+    return impl_->stub()->CloseSession(ctx, req, resp);
   }).status();
 }
 
@@ -562,7 +579,7 @@ absl::StatusOr<SessionInfo> Client::GetSession(const SessionId& session) {
   v1::GetSessionRequest req;
   req.set_session_id(session.value());
   KVD_ASSIGN_OR_RETURN(v1::SessionInfo r, impl_->Call<v1::SessionInfo>([&](auto* ctx, auto* resp) {
-    return impl_->stub->GetSession(ctx, req, resp);
+    return impl_->stub()->GetSession(ctx, req, resp);
   }));
   return FromProto(r);
 }
@@ -571,28 +588,28 @@ absl::StatusOr<GcStats> Client::Gc(absl::Duration max_idle) {
   v1::GcRequest req;
   req.set_max_idle_ms(absl::ToInt64Milliseconds(max_idle));
   KVD_ASSIGN_OR_RETURN(v1::GcResponse r, impl_->Call<v1::GcResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->Gc(ctx, req, resp);
+    return impl_->stub()->Gc(ctx, req, resp);
   }));
   return GcStats{r.blocks_freed(), r.bytes_freed(), r.checkpoints_dropped(), r.sessions_expired()};
 }
 
 absl::StatusOr<int64_t> Client::Boundary() {
   KVD_ASSIGN_OR_RETURN(v1::BoundaryResponse r, impl_->Call<v1::BoundaryResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->Boundary(ctx, v1::BoundaryRequest(), resp);
+    return impl_->stub()->Boundary(ctx, v1::BoundaryRequest(), resp);
   }));
   return r.evicted_blocks();
 }
 
 absl::StatusOr<CacheReport> Client::Report() {
   KVD_ASSIGN_OR_RETURN(v1::ReportResponse r, impl_->Call<v1::ReportResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->Report(ctx, v1::ReportRequest(), resp);
+    return impl_->stub()->Report(ctx, v1::ReportRequest(), resp);
   }));
   return FromProto(r);
 }
 
 absl::StatusOr<std::vector<HandleInfo>> Client::ListHandles() {
   KVD_ASSIGN_OR_RETURN(v1::ListHandlesResponse r, impl_->Call<v1::ListHandlesResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->ListHandles(ctx, v1::ListHandlesRequest(), resp);
+    return impl_->stub()->ListHandles(ctx, v1::ListHandlesRequest(), resp);
   }));
   std::vector<HandleInfo> out;
   for (const v1::Handle& h : r.handles()) out.push_back(FromProto(h));
@@ -603,14 +620,14 @@ absl::StatusOr<HandleInfo> Client::GetHandle(const RequestId& id) {
   v1::GetHandleRequest req;
   req.set_request_id(id.value());
   KVD_ASSIGN_OR_RETURN(v1::Handle r, impl_->Call<v1::Handle>([&](auto* ctx, auto* resp) {
-    return impl_->stub->GetHandle(ctx, req, resp);
+    return impl_->stub()->GetHandle(ctx, req, resp);
   }));
   return FromProto(r);
 }
 
 absl::Status Client::Ping() {
   return impl_->Call<v1::PingResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->Ping(ctx, v1::PingRequest(), resp);
+    return impl_->stub()->Ping(ctx, v1::PingRequest(), resp);
   }).status();
 }
 
@@ -618,10 +635,10 @@ namespace {
 
 class GrpcEventWatcher final : public EventWatcher {
  public:
-  GrpcEventWatcher(v1::Kvd::Stub* stub, uint64_t after) {
+  GrpcEventWatcher(std::shared_ptr<v1::Kvd::Stub> stub, uint64_t after) : stub_(std::move(stub)) {
     v1::WatchEventsRequest req;
     req.set_after_sequence(after);
-    reader_ = stub->WatchEvents(&ctx_, req);
+    reader_ = stub_->WatchEvents(&ctx_, req);
   }
   ~GrpcEventWatcher() override {
     ctx_.TryCancel();
@@ -637,6 +654,7 @@ class GrpcEventWatcher final : public EventWatcher {
   }
 
  private:
+  std::shared_ptr<v1::Kvd::Stub> stub_;  // keeps the channel alive
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientReader<v1::EventBatch>> reader_;
 };
@@ -644,7 +662,7 @@ class GrpcEventWatcher final : public EventWatcher {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<EventWatcher>> Client::WatchEvents(uint64_t after_sequence) {
-  return std::make_unique<GrpcEventWatcher>(impl_->stub.get(), after_sequence);
+  return std::make_unique<GrpcEventWatcher>(impl_->stub(), after_sequence);
 }
 
 absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl::Duration wait) {
@@ -662,7 +680,7 @@ absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl:
     // The daemon waits for admission (first come, first served) and answers RESOURCE_EXHAUSTED
     // when `wait` passes; the call's own deadline leaves room for the Acquire after it.
     absl::StatusOr<v1::StartResponse> r = impl_->Call<v1::StartResponse>(
-        [&](auto* ctx, auto* resp) { return impl_->stub->Start(ctx, req, resp); },
+        [&](auto* ctx, auto* resp) { return impl_->stub()->Start(ctx, req, resp); },
         (deadline - absl::Now()) + absl::Seconds(30));
     if (r.ok()) {
       return std::unique_ptr<KvRequest>(
@@ -689,7 +707,7 @@ absl::StatusOr<EndResult> Client::End(const RequestId& id, int64_t publish_block
   req.mutable_more_tokens()->Add(more_tokens.begin(), more_tokens.end());
   req.set_completed(completed);
   KVD_ASSIGN_OR_RETURN(v1::EndResponse r, impl_->Call<v1::EndResponse>([&](auto* ctx, auto* resp) {
-    return impl_->stub->End(ctx, req, resp);
+    return impl_->stub()->End(ctx, req, resp);
   }));
   EndResult out;
   out.kept = r.kept();
