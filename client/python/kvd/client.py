@@ -28,6 +28,16 @@ class KvdError(Exception):
         self.details = message
 
 
+class KvdRestarted(KvdError):
+    """kvd restarted while this request was live: the request is gone with the daemon's memory of
+    it. Start it again (a checkpoint kvd kept resumes it). Code ABORTED."""
+
+    def __init__(self, request_id):
+        super().__init__(grpc.StatusCode.ABORTED,
+                         f"kvd restarted: request '{request_id}' was lost with it; start it again")
+        self.request_id = request_id
+
+
 def _call(fn, req, timeout=30):
     try:
         return fn(req, timeout=timeout)
@@ -91,6 +101,12 @@ class Pool:
         self.maps = [None] * len(info.slabs)     # host: mmap per shard
         self.devices = [None] * len(info.slabs)  # cuda: DeviceSlab per shard
 
+    def geometry_key(self):
+        """What an engine's kernels assume of this pool; equal across a kvd restart or the pool
+        changed under the engine."""
+        return (self.name, self.block_tokens, self.num_layers, self.bytes_per_token_per_layer,
+                self.capacity_blocks, self.layer_major, tuple(self.slab_sizes))
+
     def token_shape(self):
         """What one token of one layer holds under the declared arrangement, e.g. (2, heads, dim)
         for token_kv_head_dim; None when the pool declares no arrangement."""
@@ -124,9 +140,21 @@ class Request:
         self.resumed_tokens = list(resp.resumed_tokens)
         self.engine_state = resp.engine_state
         self._released = False
+        self._epoch = client.epoch
+
+    def _call(self, method, req):
+        """One RPC for this request; KvdRestarted once kvd has restarted since it started."""
+        if self._client.epoch != self._epoch:
+            raise KvdRestarted(self.id)
+        try:
+            return self._client._rpc(method, req)
+        except KvdError as e:
+            if self._client._lost(e, self._epoch):
+                raise KvdRestarted(self.id) from None
+            raise
 
     def extend(self, n):
-        resp = self._client._rpc("Extend", kvd_pb2.ExtendRequest(
+        resp = self._call("Extend", kvd_pb2.ExtendRequest(
             worker_id=self._client.worker_id, request_id=self.id, additional_tokens=n))
         self.blocks += list(resp.new_blocks)
         self.num_tokens += n
@@ -135,12 +163,12 @@ class Request:
         self._client._await_writes()
         bt = self._client.pool(self.pool_id).block_tokens
         full = min(len(tokens) // bt, len(self.blocks))
-        return self._client._rpc("Publish", kvd_pb2.PublishRequest(
+        return self._call("Publish", kvd_pb2.PublishRequest(
             worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, blocks=self.blocks[:full]))
 
     def checkpoint(self, tokens, engine_state=b""):
         self._client._await_writes()
-        self._client._rpc("Checkpoint", kvd_pb2.CheckpointRequest(
+        self._call("Checkpoint", kvd_pb2.CheckpointRequest(
             worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, engine_state=engine_state))
 
     def end(self, publish_blocks=0, more_tokens=(), completed=True):
@@ -149,7 +177,7 @@ class Request:
         EndResponse (kept, already_cached, duplicates, no_parent)."""
         if publish_blocks:
             self._client._await_writes()
-        resp = self._client._rpc("End", kvd_pb2.EndRequest(
+        resp = self._call("End", kvd_pb2.EndRequest(
             worker_id=self._client.worker_id, request_id=self.id, publish_blocks=publish_blocks,
             more_tokens=list(more_tokens), completed=completed))
         self._released = True
@@ -157,56 +185,173 @@ class Request:
 
     def release(self, completed=True):
         if not self._released:
-            self._client._rpc("Release", kvd_pb2.ReleaseRequest(
-                worker_id=self._client.worker_id, request_id=self.id, completed=completed))
             self._released = True
+            self._call("Release", kvd_pb2.ReleaseRequest(
+                worker_id=self._client.worker_id, request_id=self.id, completed=completed))
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self.release(completed=exc_type is None)
+        try:
+            self.release(completed=exc_type is None)
+        except KvdRestarted:
+            if exc_type is None:
+                raise  # the body finished, but kvd lost the request: the engine must know
 
 
 class Client:
     """Attaches to kvd (with a background heartbeat), lists pools and maps host slabs once."""
 
     def __init__(self, target, worker_name="python", map_slabs=True, heartbeat_s=1.0, cuda_runtime=None,
-                 expect=()):
+                 expect=(), on_remap=None):
         """`expect`: dicts of kvd_pb2.PoolExpectation fields ({"pool": "llama", "dtype": "bfloat16",
         "kv_heads": 8, ...}); the daemon refuses to attach (FAILED_PRECONDITION, KvdError) when a
-        pool differs, so the worker never reads KV laid out for another model."""
-        self._channel = grpc.insecure_channel(target)
-        grpc.channel_ready_future(self._channel).result(timeout=5)
-        self._stub = kvd_pb2_grpc.KvdStub(self._channel)
+        pool differs, so the worker never reads KV laid out for another model.
+
+        Riding through kvd restarts: when the attach stream ends, a background thread re-attaches
+        under the same worker name (back-off 50 ms doubling to 2 s) and compares the slabs kvd
+        lists with its mappings: the same memfd inodes keep every mapping; new memory is mapped,
+        `on_remap()` is called (the engine's KV arrays moved), then the old maps are closed.
+        Requests live at the restart raise KvdRestarted; request() waits for the re-attachment
+        within its wait_s. `epoch` counts attachments from 1; `attached` is an Event."""
+        self.target = target
         self.rpc_seconds = 0.0  # wall time spent in unary RPCs, for the engine benchmark
         self.rpc_calls = 0
-        self._outbox = queue.Queue()
-        self._outbox.put(kvd_pb2.AttachRequest(hello=kvd_pb2.Hello(
+        self._hello = kvd_pb2.AttachRequest(hello=kvd_pb2.Hello(
             worker_name=worker_name, pid=os.getpid(),
-            expect_pools=[kvd_pb2.PoolExpectation(**e) for e in expect])))
+            expect_pools=[kvd_pb2.PoolExpectation(**e) for e in expect]))
+        self._map = map_slabs
+        self._cuda_runtime = cuda_runtime
+        self._on_remap = on_remap
         self._fences = []
         self._fences_lock = threading.Lock()
         self._closed = threading.Event()
-        self._stream = self._stub.Attach(self._requests())
+        self.attached = threading.Event()
+        self.epoch = 1
+        self.detached_reason = ""
+        self._channel = grpc.insecure_channel(target)
         try:
-            attached = next(self._stream).attached
-        except grpc.RpcError as e:
-            self._closed.set()
-            self._outbox.put(None)
+            grpc.channel_ready_future(self._channel).result(timeout=5)
+        except grpc.FutureTimeoutError:
             self._channel.close()
-            raise KvdError(e.code(), e.details()) from None
+            raise KvdError(grpc.StatusCode.UNAVAILABLE, f"cannot reach kvd at {target}") from None
+        self._stub = kvd_pb2_grpc.KvdStub(self._channel)
+        attached = self._open_stream()
         self.worker_id = attached.worker_id
         self.backend = attached.backend
         if attached.lease_ttl_ms > 0:  # beat at least three times per lease
             heartbeat_s = min(heartbeat_s, attached.lease_ttl_ms / 3000.0)
-        self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True)
-        self._beat.start()
         self.pools = [Pool(p) for p in self._rpc("ListPools", kvd_pb2.ListPoolsRequest()).pools]
+        self._identities = []
         if map_slabs and self.backend == "host":
-            self._map_slabs(attached.side_socket, attached.slab_token)
+            self._identities = self._map_slabs(self.pools, attached.side_socket, attached.slab_token)
         elif map_slabs and self.backend == "cuda":
             self.map_cuda_slabs(cuda_runtime)
+        self.attached.set()
+        self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True)
+        self._beat.start()
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True)
+        self._supervisor.start()
+
+    def _open_stream(self):
+        """A new attach stream on the current channel; the Attached reply (KvdError if refused)."""
+        self._outbox = queue.Queue()
+        self._outbox.put(self._hello)
+        self._stream = self._stub.Attach(self._requests(self._outbox))
+        try:
+            return next(self._stream).attached
+        except (grpc.RpcError, StopIteration) as e:
+            self._outbox.put(None)
+            code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+            raise KvdError(code, e.details() if isinstance(e, grpc.RpcError) else "attach stream closed") from None
+
+    def _supervise(self):
+        while not self._closed.is_set():
+            try:
+                for _ in self._stream:  # kvd sends nothing more: this returns when kvd goes away
+                    pass
+            except grpc.RpcError:
+                pass
+            if self._closed.is_set():
+                return
+            self.attached.clear()
+            self.detached_reason = "kvd went away; reconnecting"
+            backoff = 0.05
+            while not self._closed.is_set():
+                try:
+                    self._reattach()
+                    break
+                except (KvdError, grpc.FutureTimeoutError, OSError) as e:
+                    self.detached_reason = f"kvd restarting; re-attaching failed: {e}"
+                    self._closed.wait(backoff)
+                    backoff = min(backoff * 2, 2.0)
+
+    def _reattach(self):
+        self._outbox.put(None)  # ends the old stream's request iterator
+        old_channel = self._channel
+        # A fresh channel: one that saw kvd go away fails fast for its own back-off after kvd is back.
+        self._channel = grpc.insecure_channel(self.target)
+        old_channel.close()
+        grpc.channel_ready_future(self._channel).result(timeout=1)
+        self._stub = kvd_pb2_grpc.KvdStub(self._channel)
+        attached = self._open_stream()
+        pools = [Pool(p) for p in self._rpc("ListPools", kvd_pb2.ListPoolsRequest()).pools]
+        if attached.backend != self.backend or [p.geometry_key() for p in pools] != [p.geometry_key() for p in self.pools]:
+            self._outbox.put(None)
+            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "kvd came back with different pools or backend; connect anew")
+        moved = False
+        if self._map and self.backend == "host":
+            identities = self._map_slabs(pools, attached.side_socket, attached.slab_token)
+            if identities != self._identities:
+                old = [(p, list(p.maps)) for p in self.pools]
+                for mine, fresh in zip(self.pools, pools):
+                    mine.maps = fresh.maps
+                self._identities = identities
+                moved = True
+            else:
+                for p in pools:
+                    for m in p.maps:
+                        if m is not None:
+                            m.close()
+        elif self._map and self.backend == "cuda":
+            if [s.cuda_ipc_handle for p in pools for s in p.slabs] != [s.cuda_ipc_handle for p in self.pools for s in p.slabs]:
+                old = [(p, list(p.devices)) for p in self.pools]
+                for mine, fresh in zip(self.pools, pools):
+                    mine.slabs, mine.devices = fresh.slabs, [None] * len(fresh.slabs)
+                self.map_cuda_slabs(self._cuda_runtime)
+                moved = True
+        if moved and self._on_remap is not None:
+            self._on_remap()
+        if moved:
+            for _, maps in old:
+                for m in maps:
+                    if m is not None:
+                        try:
+                            m.close()
+                        except BufferError:  # a caller still holds a view; unmapped at exit
+                            pass
+        self.worker_id = attached.worker_id
+        self.epoch += 1
+        self.detached_reason = ""
+        self.attached.set()
+
+    def _lost(self, error, epoch):
+        """Whether `error`, from a call of a request of attachment `epoch`, means kvd restarted."""
+        maybe_gone = error.code == grpc.StatusCode.UNAVAILABLE or (
+            error.code == grpc.StatusCode.FAILED_PRECONDITION and "not attached" in error.details)
+        if maybe_gone and self.epoch == epoch and self.attached.is_set():
+            deadline = time.monotonic() + 0.5  # the supervisor sees the stream end a moment later
+            while self.attached.is_set() and self.epoch == epoch and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return self.epoch != epoch or not self.attached.is_set()
+
+    def wait_attached(self, timeout):
+        """Blocks until attached; KvdError UNAVAILABLE with the last reason after `timeout` s."""
+        if not self.attached.wait(timeout):
+            raise KvdError(grpc.StatusCode.UNAVAILABLE,
+                           f"not attached to kvd at {self.target}: {self.detached_reason}")
 
     def add_write_fence(self, wait):
         """Publish is host-synchronized (docs/api.md): kvd may copy a block as soon as its publish
@@ -236,9 +381,10 @@ class Client:
                 if (ranks is None or shard in ranks) and p.devices[shard] is None:
                     p.devices[shard] = cuda.map_slab(runtime, info)
 
-    def _requests(self):
+    @staticmethod
+    def _requests(outbox):
         while True:
-            msg = self._outbox.get()
+            msg = outbox.get()
             if msg is None:
                 return
             yield msg
@@ -247,7 +393,11 @@ class Client:
         while not self._closed.wait(period):
             self._outbox.put(kvd_pb2.AttachRequest(heartbeat=kvd_pb2.Heartbeat()))
 
-    def _map_slabs(self, path, token):
+    @staticmethod
+    def _map_slabs(pools, path, token):
+        """Maps every slab the side socket passes into pools[i].maps; returns their identities
+        ((st_dev, st_ino) of each memfd, in order)."""
+        identities = []
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(path)
             _send_frame(sock, token.encode())
@@ -257,9 +407,12 @@ class Client:
             for _ in range(int(greeting[3:])):
                 payload, fds = _recv_frame(sock, 1)
                 pool, shard, size = (int(x) for x in payload.split())
-                self.pools[pool].maps[shard] = mmap.mmap(fds[0], size, mmap.MAP_SHARED,
-                                                         mmap.PROT_READ | mmap.PROT_WRITE)
+                st = os.fstat(fds[0])
+                identities.append((pool, shard, st.st_dev, st.st_ino))
+                pools[pool].maps[shard] = mmap.mmap(fds[0], size, mmap.MAP_SHARED,
+                                                    mmap.PROT_READ | mmap.PROT_WRITE)
                 os.close(fds[0])
+        return identities
 
     def _rpc(self, method, req, timeout=30):
         start = time.perf_counter()
@@ -357,19 +510,29 @@ class Client:
         """Admit (the daemon waits while the budget is full, up to wait_s) and acquire, in one
         round trip (Start): a Request context manager."""
         ns = kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt, adapter=adapter, media_keys=list(media_keys))
-        admit = kvd_pb2.AdmitRequest(
-            worker_id=self.worker_id, request_id=request_id, namespace=ns,
-            prompt=prompt, max_new_tokens=max_new_tokens, session_id=session, resume_from=resume_from)
-        # One round trip: the daemon waits for room (first come, first served) up to wait_s, and
-        # gives the admission back itself if the Acquire after it fails.
-        try:
-            resp = self._rpc("Start", kvd_pb2.StartRequest(admit=admit, max_wait_ms=max(1, int(wait_s * 1000))),
-                             timeout=wait_s + 30).acquired
-        except KvdError as e:
-            if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "not admitted within" in e.details:
-                raise KvdError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{request_id} was not admitted in {wait_s}s") from None
-            raise
-        return Request(self, request_id, resp)
+        deadline = time.monotonic() + wait_s
+        while True:
+            # While kvd restarts, a new request waits (within wait_s) for the re-attachment.
+            self.wait_attached(max(0.0, deadline - time.monotonic()))
+            epoch = self.epoch
+            admit = kvd_pb2.AdmitRequest(
+                worker_id=self.worker_id, request_id=request_id, namespace=ns,
+                prompt=prompt, max_new_tokens=max_new_tokens, session_id=session, resume_from=resume_from)
+            left = max(0.001, deadline - time.monotonic())
+            # One round trip: the daemon waits for room (first come, first served) up to wait_s, and
+            # gives the admission back itself if the Acquire after it fails.
+            try:
+                resp = self._rpc("Start", kvd_pb2.StartRequest(admit=admit, max_wait_ms=max(1, int(left * 1000))),
+                                 timeout=left + 30).acquired
+            except KvdError as e:
+                if self._lost(e, epoch) and time.monotonic() < deadline:
+                    continue  # kvd went away during the call: start again on the new one
+                if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "not admitted within" in e.details:
+                    raise KvdError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{request_id} was not admitted in {wait_s}s") from None
+                raise
+            req = Request(self, request_id, resp)
+            req._epoch = epoch
+            return req
 
     def report(self):
         return self._rpc("Report", kvd_pb2.ReportRequest())

@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""The Python client rides through kvd restarts: a real daemon SIGKILLed and started again on the
+same socket, five times, under one client. Each time the client re-attaches by itself, calls
+on_remap (a plain restart is new memory), the live request raises KvdRestarted (never a hang,
+never a write into memory kvd no longer owns), and the next request works on the new memory,
+byte for byte (checked by the C++ example worker).
+
+Usage: test_restart.py KVD_BINARY EXAMPLE_WORKER_BINARY   (PYTHONPATH=<build>/python)
+"""
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kvd_testlib import SMALL_POOL, Daemon, check, finish, run_worker, slot_bytes  # noqa: E402
+
+from kvd import Client, KvdError, KvdRestarted  # noqa: E402
+
+
+def restart(kvd, tmp, daemon):
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait(timeout=10)
+    os.remove(os.path.join(tmp, "kvd.ready"))
+    return Daemon(kvd, tmp, SMALL_POOL)
+
+
+def write(c, r, prompt):
+    pool = c.pool(r.pool)
+    n = pool.bytes_per_token_per_layer
+    for pos in range(r.num_tokens):
+        for layer in range(pool.num_layers):
+            view = c.layer_view(r.pool, r.blocks[pos // pool.block_tokens], layer)
+            view[(pos % pool.block_tokens) * n:(pos % pool.block_tokens + 1) * n] = slot_bytes(prompt[pos], pos, layer, n)
+
+
+def main():
+    kvd, worker = sys.argv[1], sys.argv[2]
+    tmp = tempfile.mkdtemp(prefix="kvd-pyrestart-")
+    daemon = Daemon(kvd, tmp, SMALL_POOL)
+    remaps = []
+    try:
+        with Client(daemon.target, worker_name="py-ride", on_remap=lambda: remaps.append(1)) as c:
+            for i in range(5):
+                live = c.request(f"live-{i}", pool="default", prompt=list(range(22)))
+                epoch = c.epoch
+                daemon = restart(kvd, tmp, daemon)
+                deadline = time.monotonic() + 10
+                while c.epoch == epoch and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                check(c.epoch == epoch + 1 and c.attached.is_set(), f"restart {i}: the client re-attached by itself")
+                check(len(remaps) == i + 1, f"restart {i}: on_remap said the slabs moved")
+                try:
+                    live.extend(1)
+                    check(False, f"restart {i}: the live request raises KvdRestarted")
+                except KvdRestarted as e:
+                    check("live-" in str(e), f"restart {i}: the live request raises KvdRestarted ({e})")
+                prompt = list(range(500 + 100 * i, 522 + 100 * i))
+                with c.request(f"next-{i}", pool="default", prompt=prompt) as r:
+                    write(c, r, prompt)
+                    check(r.publish(prompt).kept == 5, f"restart {i}: the next request publishes on the new memory")
+                rc, res = run_worker(worker, daemon.target, f"cpp-{i}", f"{500 + 100 * i}:22")
+                check(rc == 0 and res.get("cached_tokens") == 20 and res.get("mismatches") == 0,
+                      f"restart {i}: C++ reads what Python wrote after the restart ({res})")
+            # kvd away for longer than a request may wait: request() says why.
+            daemon.proc.send_signal(signal.SIGKILL)
+            daemon.proc.wait(timeout=10)
+            try:
+                c.request("late", pool="default", prompt=list(range(9)), wait_s=0.3)
+                check(False, "request() while kvd is away fails after wait_s")
+            except KvdError as e:
+                check("not attached" in e.details and "kvd" in e.details,
+                      f"request() while kvd is away fails after wait_s, naming why ({e.details})")
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
