@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -20,23 +21,44 @@ absl::Status Errno(absl::string_view what) {
   return absl::InternalError(msg);
 }
 
+// Whether `fd` is a slab kvd made: a memfd of `size` bytes, sealed against shrinking and growing.
+bool Adoptable(const UniqueFd& fd, int64_t size) {
+  struct stat st {};
+  if (!fd.valid() || fstat(fd.get(), &st) != 0 || st.st_size != size) return false;
+  const int seals = fcntl(fd.get(), F_GET_SEALS);
+  constexpr int kWanted = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+  return seals >= 0 && (seals & kWanted) == kWanted;
+}
+
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(const std::vector<PoolGeometry>& pools) {
+absl::StatusOr<std::unique_ptr<HostArena>> HostArena::Create(const std::vector<PoolGeometry>& pools,
+                                                             std::vector<Offered> offered) {
   std::unique_ptr<HostArena> arena(new HostArena());
   arena->geometries_ = pools;
   for (PoolId p = 0; p < pools.size(); ++p) {
     const SlabLayout layout(pools[p]);
     for (int32_t shard = 0; shard < pools[p].num_shards; ++shard) {
-      const std::string name = absl::StrCat("kvd-", pools[p].name, "-", shard);
-      UniqueFd fd(memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
-      if (!fd.valid()) return Errno("memfd_create");
       const int64_t size = layout.slab_bytes();
-      if (ftruncate(fd.get(), size) != 0) return Errno(absl::StrCat("ftruncate(", size, ")"));
+      UniqueFd fd;
+      for (Offered& o : offered) {
+        if (o.pool == p && o.shard == static_cast<uint32_t>(shard) && Adoptable(o.fd, size)) {
+          fd = std::move(o.fd);
+          ++arena->adopted_;
+          break;
+        }
+      }
+      const bool fresh = !fd.valid();
+      if (fresh) {
+        const std::string name = absl::StrCat("kvd-", pools[p].name, "-", shard);
+        fd = UniqueFd(memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+        if (!fd.valid()) return Errno("memfd_create");
+        if (ftruncate(fd.get(), size) != 0) return Errno(absl::StrCat("ftruncate(", size, ")"));
+      }
       // MAP_POPULATE pre-faults every page now rather than on a worker's first write.
       void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd.get(), 0);
       if (base == MAP_FAILED) return Errno(absl::StrCat("mmap of ", size, " bytes"));
-      if (fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+      if (fresh && fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
         munmap(base, size);
         return Errno("F_ADD_SEALS");
       }

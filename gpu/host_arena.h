@@ -4,6 +4,11 @@
 // pre-faulted (so the first request does not pay for page faults), then sealed against shrinking
 // and growing: a worker that maps it can never see it truncated under its feet. Workers receive
 // the fd over the side socket (SCM_RIGHTS) and map it themselves.
+//
+// Adoption: Create may be handed memfds a previous kvd process made (systemd's fd store keeps
+// them across a crash restart). A slab adopts one when it is a memfd of exactly the slab's size
+// sealed as above; its bytes are kept (workers that mapped it keep valid mappings) but their
+// meaning is not: the daemon starts with an empty index, every block free.
 #pragma once
 
 #include <memory>
@@ -18,13 +23,23 @@ namespace kvd {
 
 class HostArena final : public DeviceArena {
  public:
-  // One slab per shard of every pool. RESOURCE_EXHAUSTED/INTERNAL with the failing syscall named.
-  static absl::StatusOr<std::unique_ptr<HostArena>> Create(const std::vector<PoolGeometry>& pools);
+  // A memfd offered for slab (pool, shard).
+  struct Offered {
+    PoolId pool = 0;
+    uint32_t shard = 0;
+    UniqueFd fd;
+  };
+  // One slab per shard of every pool, adopting from `offered` what fits (see above); the rest of
+  // `offered` is closed. RESOURCE_EXHAUSTED/INTERNAL with the failing syscall named.
+  static absl::StatusOr<std::unique_ptr<HostArena>> Create(const std::vector<PoolGeometry>& pools,
+                                                           std::vector<Offered> offered = {});
   ~HostArena() override;
 
   std::string backend() const override { return "host"; }
   const std::vector<SlabDescriptor>& slabs() const override { return descriptors_; }
   void* HostAddress(PoolId pool, uint32_t shard) const override;
+  // Slabs adopted from `offered` (memory kept from a previous process).
+  int adopted() const { return adopted_; }
 
  protected:
   uint8_t* SlabBase(PoolId pool, uint32_t shard) const override {
@@ -43,6 +58,7 @@ class HostArena final : public DeviceArena {
 
   std::vector<Slab> slabs_;  // parallel to descriptors_
   std::vector<SlabDescriptor> descriptors_;
+  int adopted_ = 0;
 };
 
 // A worker's mapping of one slab it received as a file descriptor. Unmaps on destruction.

@@ -24,16 +24,31 @@
 #endif
 #include "proto/vocab/status_macros.h"
 #include "server/rpc/access_interceptor.h"
+#include "server/slab_fd_store.h"
 #include "spdlog/spdlog.h"
 
 namespace kvd {
 namespace {
 
+// Host memory, adopting the slabs systemd's fd store kept from the previous process (then every
+// worker's mapping stays valid), and storing the slabs for the next one.
+absl::StatusOr<std::unique_ptr<DeviceArena>> MakeHostArena(const std::vector<PoolGeometry>& pools) {
+  KVD_ASSIGN_OR_RETURN(std::unique_ptr<HostArena> arena, HostArena::Create(pools, TakeOfferedSlabs(pools)));
+  if (arena->adopted() > 0) {
+    spdlog::warn("kept the KV memory of {} slab(s) from systemd's fd store; the cache starts empty "
+                 "(workers keep their mappings)", arena->adopted());
+  }
+  if (const int stored = StoreSlabFds(*arena); stored > 0) {
+    spdlog::info("stored {} slab(s) in systemd's fd store (FileDescriptorStoreMax= must allow them)", stored);
+  }
+  return arena;
+}
+
 // The arena for `backend`: host, cuda, or auto (cuda when a GPU is usable, else host with one
 // warning). A cuda request without a usable GPU fails with the CUDA error named.
 absl::StatusOr<std::unique_ptr<DeviceArena>> MakeArena(const std::string& backend,
                                                        const std::vector<PoolGeometry>& pools) {
-  if (backend == "host") return HostArena::Create(pools);
+  if (backend == "host") return MakeHostArena(pools);
 #if KVD_HAVE_CUDA
   absl::Status usable = ProbeCuda();
   if (usable.ok()) return CudaArena::Create(pools);
@@ -51,7 +66,7 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> MakeArena(const std::string& backen
   }
   spdlog::warn("--backend=auto: built without CUDA; using host memory");
 #endif
-  return HostArena::Create(pools);
+  return MakeHostArena(pools);
 }
 
 absl::StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
