@@ -133,8 +133,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
                                                    d->arena_->backend(),
                                                    d->tiers_.get(), d->router_events_.get()));
   KVD_RETURN_IF_ERROR(EnsureParentDir(so.side_socket));
+  gid_t socket_gid = getegid();  // the sockets' group: socket_group, else kvd's own
+  if (!so.socket_group.empty()) {
+    KVD_ASSIGN_OR_RETURN(socket_gid, ResolveGroup(so.socket_group));
+  }
   d->access_ = AccessPolicy(std::vector<uid_t>(so.allowed_uids.begin(), so.allowed_uids.end()),
-                            std::vector<gid_t>(so.allowed_gids.begin(), so.allowed_gids.end()));
+                            std::vector<gid_t>(so.allowed_gids.begin(), so.allowed_gids.end()), socket_gid);
   KVD_ASSIGN_OR_RETURN(d->side_, SlabSideChannel::Start(so.side_socket, d->arena_.get(),
                                                         d->workers_.get(), &d->access_));
   d->service_ = std::make_unique<KvdService>(d->cache_.get(), d->workers_.get(), d->arena_.get(),

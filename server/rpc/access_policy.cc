@@ -38,4 +38,11 @@ absl::Status AccessPolicy::Check(const PeerCredentials& peer) const {
                                                   ") is not in kvd's allowed_uids / allowed_gids"));
 }
 
+bool AccessPolicy::InSocketGroup(const PeerCredentials& peer) const {
+  if (!has_socket_gid_) return false;
+  if (peer.gid == socket_gid_) return true;
+  const std::vector<gid_t> groups = SupplementaryGroups(peer.pid);
+  return std::find(groups.begin(), groups.end(), socket_gid_) != groups.end();
+}
+
 }  // namespace kvd

@@ -144,10 +144,14 @@ void SlabSideChannel::Serve(int conn) {
   };
   auto peer = GetPeerCredentials(conn);
   if (!peer.ok()) return refuse(peer.status());
-  // Without an allow-list only kvd's own user and root may map slabs; with one, its users too.
-  const bool allow_listed = policy_ != nullptr && policy_->enabled();
-  if (allow_listed) {
+  // kvd's own user and root may map slabs; with an allow-list, its users too; without one, the
+  // members of the sockets' group (whom the 0660 socket mode already lets in).
+  bool allow_listed = false;
+  if (policy_ != nullptr && policy_->enabled()) {
     if (absl::Status allowed = policy_->Check(*peer); !allowed.ok()) return refuse(allowed);
+    allow_listed = true;
+  } else if (policy_ != nullptr) {
+    allow_listed = policy_->InSocketGroup(*peer);
   }
   auto token = ReceiveMessage(conn, /*max_payload=*/256, /*max_fds=*/0);
   if (!token.ok()) return refuse(token.status());

@@ -123,5 +123,28 @@ TEST_CASE("The allow-list refuses other users on gRPC and the side socket, and a
   REQUIRE(RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "requests"}).exit_code == 0);  // root
 }
 
+// The unit and the manifests tell operators to put worker users in kvd's group: without any
+// allow-list, a member of the sockets' group maps slabs (the 0660 mode already lets it connect);
+// a user outside it still cannot.
+TEST_CASE("Without an allow-list, members of the sockets' group may map slabs", "[integration][access]") {
+  if (geteuid() != 0 || !EnsureUser()) {
+    WARN("skipped: creating a second user needs root");
+    return;
+  }
+  DaemonProcess d(SmallPoolConfig(), {absl::StrCat("--socket-group=", kGroup)});
+  chmod(d.dir().c_str(), 0755);
+  ProcessResult member = RunAs(ExampleWorkerBinary(), {"--target=" + d.target(), "--id=m", "--prompt-range=0:9"});
+  INFO(member.out);
+  REQUIRE(member.exit_code == 0);
+  REQUIRE(JsonInt(member.out, "mismatches") == 0);
+  // Another group owns the sockets: the same user, now outside it, is refused the slabs.
+  DaemonProcess other(SmallPoolConfig(), {"--socket-group=root"});
+  OpenUp(other);
+  ProcessResult outsider = RunAs(ExampleWorkerBinary(), {"--target=" + other.target(), "--id=o", "--prompt-range=0:9"});
+  INFO(outsider.out);
+  REQUIRE(outsider.exit_code != 0);
+  REQUIRE(outsider.out.find("may not map slabs") != std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvd
