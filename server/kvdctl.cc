@@ -29,6 +29,7 @@
 #include "absl/strings/str_join.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvd/v1/kvd.grpc.pb.h"
+#include "server/build_info.h"
 #include "proto/vocab/default_paths.h"
 
 namespace {
@@ -307,9 +308,24 @@ int main(int argc, char** argv) {
   auto* flush = app.add_subcommand("flush", "make every cached prefix durable on disk (exit 2 when not durable)");
   auto* close = app.add_subcommand("close", "after a drain: flush, then clear device and host tiers");
   auto* saved = app.add_subcommand("saved", "token prefixes the disk tier holds");
+  auto* version = app.add_subcommand("version", "this kvdctl's build, and the daemon's when it answers");
   CLI11_PARSE(app, argc, argv);
 
   auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  if (*version) {
+    std::cout << kvd::BuildInfo("kvdctl") << "\n";
+    kvd::v1::ReportResponse r;
+    if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(2))) {
+      std::cout << "daemon: not reachable at " << target << "\n";
+      return 0;
+    }
+    if (int rc = Call([&](auto* c, auto* p) { return Kvd::NewStub(channel)->Report(c, kvd::v1::ReportRequest(), p); },
+                      &r)) {
+      return rc;
+    }
+    std::cout << "daemon: " << r.build() << "\n";
+    return 0;
+  }
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(5))) {
     std::cerr << "kvdctl: cannot reach kvd at " << target << "\n";
     return 1;

@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "server/daemon.h"
+#include "server/build_info.h"
 #include "server/store/remote_tier.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -97,6 +98,7 @@ int main(int argc, char** argv) {
       ->envname("KVD_ROUTER_EVENTS");
   app.add_option("--router-replay", router_replay, "ZMQ endpoint of the router events' replay socket")
       ->envname("KVD_ROUTER_REPLAY");
+  app.set_version_flag("--version", kvd::BuildInfo());
   bool print_config = false;
   app.add_flag("--print-config", print_config, "print the effective configuration as YAML and exit");
   CLI11_PARSE(app, argc, argv);

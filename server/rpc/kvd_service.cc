@@ -1,5 +1,7 @@
 #include "server/rpc/kvd_service.h"
 
+#include "server/build_info.h"
+
 #include <unistd.h>
 
 #include <chrono>
@@ -428,6 +430,7 @@ grpc::ServerUnaryReactor* KvdService::Report(grpc::CallbackServerContext* ctx,
     ToProto(cache_->Report(), resp);
     resp->set_attached_workers(workers_->size());
     resp->set_admission_waiting(admission_->waiting());
+    resp->set_build(absl::StrCat(BuildInfo(), ", backend ", arena_->backend()));
     if (tiers_ != nullptr) ToProto(tiers_->Stats(), resp->mutable_tiers());
     return absl::OkStatus();
   });

@@ -264,5 +264,25 @@ TEST_CASE("Metric counters match a scripted workload exactly", "[integration][op
   REQUIRE(MetricValue(*body, "kvd_build_info{backend=\"host\",version=\"" KVD_VERSION "\"}") == 1);
 }
 
+TEST_CASE("kvd --version and kvdctl version name the build, the commit and the CUDA runtime",
+          "[integration][ops][version]") {
+  ProcessResult v = RunProcess(KvdBinary(), {"--version"});
+  INFO(v.out);
+  REQUIRE(v.exit_code == 0);
+  REQUIRE(v.out.find("kvd " KVD_VERSION " (commit ") != std::string::npos);
+  REQUIRE(v.out.find("CUDA runtime ") != std::string::npos);
+  DaemonProcess d(SmallPoolConfig());
+  ProcessResult ctl = RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "version"});
+  INFO(ctl.out);
+  REQUIRE(ctl.exit_code == 0);
+  REQUIRE(ctl.out.find("kvdctl " KVD_VERSION " (commit ") != std::string::npos);
+  REQUIRE(ctl.out.find("daemon: kvd " KVD_VERSION " (commit ") != std::string::npos);
+  REQUIRE(ctl.out.find(", backend host") != std::string::npos);
+  // No daemon: kvdctl still says what it is, and that nothing answers.
+  ProcessResult alone = RunProcess(KVDCTL_BINARY, {"--target=unix://" + d.dir() + "/nothing.sock", "version"});
+  REQUIRE(alone.exit_code == 0);
+  REQUIRE(alone.out.find("daemon: not reachable") != std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvd
