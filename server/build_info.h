@@ -1,7 +1,6 @@
-// What a kvd binary is: version, the commit it was configured from (cmake time), and the CUDA
-// runtime it links
-// ("none" without the toolkit). Shown by `kvd --version`, `kvdctl version`, Report.build and the
-// kvd_build_info metric.
+// What a kvd binary is: version, the commit it was configured from (at cmake time), and the CUDA
+// runtime it links ("none" without the toolkit). Shown by `kvd --version`, `kvdctl version` and
+// ReportResponse.build.
 #pragma once
 
 #include <string>
