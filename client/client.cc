@@ -43,20 +43,19 @@ struct Client::Impl {
     absl::MutexLock lock(&stub_mu);
     return stub_;
   }
-  void NewChannel() {
+  // A new channel and stub, used once kvd answers within `timeout` (UNAVAILABLE otherwise).
+  absl::Status Dial(absl::Duration timeout) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a fresh connection, not a shared one
     auto channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+    if (!channel->WaitForConnected(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout))) {
+      return absl::UnavailableError(absl::StrCat("cannot reach kvd at ", options.target));
+    }
     absl::MutexLock lock(&stub_mu);
-    channel_ = channel;
     stub_ = v1::Kvd::NewStub(channel);
+    return absl::OkStatus();
   }
-  std::shared_ptr<grpc::Channel> channel() {
-    absl::MutexLock lock(&stub_mu);
-    return channel_;
-  }
-  std::shared_ptr<grpc::Channel> channel_ ABSL_GUARDED_BY(stub_mu);
   v1::AttachRequest hello;  // sent again at every re-attach
   std::string backend;
 
@@ -210,10 +209,7 @@ void Client::Impl::Supervise() {
 }
 
 absl::Status Client::Impl::Reattach() {
-  NewChannel();
-  if (!channel()->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(1))) {
-    return absl::UnavailableError(absl::StrCat("cannot reach kvd at ", options.target));
-  }
+  KVD_RETURN_IF_ERROR(Dial(absl::Seconds(1)));
   std::unique_ptr<grpc::ClientContext> ctx;
   std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> stream;
   KVD_ASSIGN_OR_RETURN(v1::Attached a, OpenStream(&ctx, &stream));
@@ -261,11 +257,7 @@ absl::Status Client::Impl::Reattach() {
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->NewChannel();
-  if (!impl->channel()->WaitForConnected(std::chrono::system_clock::now() +
-                                         absl::ToChronoMilliseconds(options.connect_timeout))) {
-    return absl::UnavailableError(absl::StrCat("cannot reach kvd at ", options.target));
-  }
+  KVD_RETURN_IF_ERROR(impl->Dial(options.connect_timeout));
   impl->hello.mutable_hello()->set_worker_name(options.worker_name);
   impl->hello.mutable_hello()->set_pid(getpid());
   if (options.ipc_event_device >= 0) {

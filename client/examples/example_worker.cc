@@ -106,8 +106,10 @@ struct Options {
 };
 
 // One request, start to release, as an engine would run it; its JSON line, or the first error.
+// `blocks`, when given, receives the request's blocks.
 absl::StatusOr<std::string> RunRequest(kvd::client::Client& client, const kvd::RequestSpec& spec,
-                                       const Options& o, Stats& stats) {
+                                       const Options& o, Stats& stats,
+                                       std::vector<kvd::BlockIndex>* blocks = nullptr) {
   auto req = client.Start(spec);
   if (!req.ok()) return req.status();
   kvd::client::KvRequest& r = **req;
@@ -153,7 +155,8 @@ absl::StatusOr<std::string> RunRequest(kvd::client::Client& client, const kvd::R
   KVD_RETURN_IF_ERROR(r.Publish(tokens).status());
   const bool resumed = r.resumed();
   const int64_t cached = r.cached_tokens();
-  const std::string blocks = absl::StrJoin(r.blocks(), ", ");  // where its KV lives, for readers
+  if (blocks != nullptr) *blocks = r.blocks();
+  const std::string block_list = absl::StrJoin(r.blocks(), ", ");  // where its KV lives, for readers
   KVD_RETURN_IF_ERROR(r.Release(/*completed=*/true));
   if (writer.joinable()) writer.join();
   return absl::StrFormat(
@@ -161,7 +164,7 @@ absl::StatusOr<std::string> RunRequest(kvd::client::Client& client, const kvd::R
       "\"tokens\": %d, \"verified_bytes\": %d, \"written_bytes\": %d, \"mismatches\": %d, "
       "\"blocks\": [%s]}",
       spec.id.value(), client.worker_id().value(), resumed ? "true" : "false", cached, tokens.size(),
-      stats.verified_bytes, stats.written_bytes, stats.mismatches, blocks);
+      stats.verified_bytes, stats.written_bytes, stats.mismatches, block_list);
 }
 
 // The bytes of one token slot this worker wrote, remembered through its own mapping, so that
@@ -171,18 +174,13 @@ struct Probe {
   std::vector<uint8_t> bytes;
 };
 
-Probe Remember(kvd::client::Client& client, const kvd::RequestSpec& spec, const std::string& json) {
+Probe Remember(kvd::client::Client& client, const kvd::RequestSpec& spec,
+               const std::vector<kvd::BlockIndex>& blocks) {
   Probe p;
-  const size_t at = json.find("\"blocks\": [");
-  if (client.backend() != "host" || at == std::string::npos) return p;
-  uint32_t block = 0;
-  if (!absl::SimpleAtoi(absl::string_view(json).substr(at + 11, json.find_first_of(",]", at + 11) - at - 11),
-                        &block)) {
-    return p;
-  }
+  if (client.backend() != "host" || blocks.empty()) return p;
   auto pool = client.FindPool(spec.ns.pool);
   if (!pool.ok()) return p;
-  auto ptr = client.LayerPointer((*pool)->id, block, 0);
+  auto ptr = client.LayerPointer((*pool)->id, blocks[0], 0);
   if (!ptr.ok()) return p;
   p.at = *ptr;
   p.bytes.assign(*ptr, *ptr + (*pool)->geometry.bytes_per_token_per_layer);
@@ -220,7 +218,8 @@ int RunLoop(const std::string& target, const std::string& id, const kvd::Request
     spec.id = kvd::RequestId(absl::StrCat(id, "-", k));
     for (Token& t : spec.prompt) t += static_cast<Token>(1000 * (k % 3));  // every third repeats
     Stats stats;
-    absl::StatusOr<std::string> line = RunRequest(**client, spec, o, stats);
+    std::vector<kvd::BlockIndex> blocks;
+    absl::StatusOr<std::string> line = RunRequest(**client, spec, o, stats, &blocks);
     if (!line.ok()) {
       if (kvd::client::IsKvdRestarted(line.status()) || absl::IsUnavailable(line.status())) {
         std::printf("LOST %lld %s\n", static_cast<long long>(k), std::string(line.status().message()).c_str());
@@ -235,7 +234,7 @@ int RunLoop(const std::string& target, const std::string& id, const kvd::Request
     }
     std::printf("%s\n", line->c_str());
     std::fflush(stdout);
-    probe = Remember(**client, spec, *line);
+    probe = Remember(**client, spec, blocks);
     ++k;
     if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
   }
