@@ -86,6 +86,7 @@ KvCache::KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes)
       clock_(clock),
       pool_geometries_(options_.pools),
       events_(static_cast<size_t>(options_.event_buffer)),
+      index_(pool_geometries_),
       ledger_(budget_bytes,
               [this] {
                 std::vector<BudgetLedger::PoolLimit> limits;

@@ -1,17 +1,48 @@
 #include "server/core/prefix_index.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
 
 #include "proto/vocab/status_macros.h"
 
 namespace kvd {
 namespace {
 
-bool SameTokens(const std::vector<Token>& a, absl::Span<const Token> b) {
-  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+// Zeroed memory for `n` objects, committed page by page as it is first written: a pool's node
+// array and token slab cost nothing until blocks are cached in them.
+template <typename T>
+T* Zeroed(int64_t n) {
+  void* p = std::calloc(static_cast<size_t>(n), sizeof(T));
+  if (p == nullptr) throw std::bad_alloc();
+  return static_cast<T*>(p);
 }
 
+// Key tables start at this many entries at most and grow with the cache.
+constexpr int64_t kInitialTableEntries = int64_t{1} << 20;
+
 }  // namespace
+
+PrefixIndex::PrefixIndex(absl::Span<const PoolGeometry> pools) {
+  for (const PoolGeometry& g : pools) {
+    auto p = std::make_unique<PoolNodes>(std::min(g.capacity_blocks, kInitialTableEntries));
+    p->capacity = g.capacity_blocks;
+    p->block_tokens = g.block_tokens;
+    p->nodes = {Zeroed<CachedBlock>(g.capacity_blocks), &std::free};
+    p->tokens = {Zeroed<Token>(g.capacity_blocks * g.block_tokens), &std::free};
+    pools_.push_back(std::move(p));
+  }
+}
+
+int64_t PrefixIndex::memory_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& p : pools_) {
+    bytes += p->capacity * (static_cast<int64_t>(sizeof(CachedBlock)) + p->block_tokens * static_cast<int64_t>(sizeof(Token)));
+    bytes += p->table.memory_bytes();
+  }
+  return bytes;
+}
 
 NamespaceRoot* PrefixIndex::FindRoot(const Namespace& ns) const {
   auto it = roots_.find(ns);
@@ -19,6 +50,7 @@ NamespaceRoot* PrefixIndex::FindRoot(const Namespace& ns) const {
 }
 
 NamespaceRoot* PrefixIndex::GetOrCreateRoot(const Namespace& ns, PoolId pool) {
+  KVD_CHECK(pool < pools_.size());
   auto& slot = roots_[ns];
   if (slot == nullptr) {
     slot = std::make_unique<NamespaceRoot>();
@@ -36,10 +68,17 @@ std::vector<CachedBlock*> PrefixIndex::Match(const NamespaceRoot* root,
   if (root == nullptr) return out;
   const int64_t full = static_cast<int64_t>(tokens.size()) / block_tokens;
   const int64_t limit = std::min(full, max_blocks);
+  const int64_t nkeys = std::min(limit, static_cast<int64_t>(keys.size()));
+  const KeyTable& table = pools_[root->pool]->table;
+  // Slots of the next few keys are loaded while this one is verified, so misses overlap.
+  constexpr int64_t kAhead = 8;
+  for (int64_t i = 0; i < std::min(nkeys, kAhead); ++i) table.Prefetch(keys[i]);
+  out.reserve(static_cast<size_t>(limit));
   CachedBlock* parent = nullptr;
   for (int64_t i = 0; i < limit; ++i) {
+    if (i + kAhead < nkeys) table.Prefetch(keys[i + kAhead]);
     CachedBlock* child = FindChild(*root, parent, tokens.subspan(i * block_tokens, block_tokens),
-                                   i < static_cast<int64_t>(keys.size()) ? &keys[i] : nullptr);
+                                   i < nkeys ? &keys[i] : nullptr);
     if (child == nullptr) break;
     out.push_back(child);
     parent = child;
@@ -49,59 +88,57 @@ std::vector<CachedBlock*> PrefixIndex::Match(const NamespaceRoot* root,
 
 CachedBlock* PrefixIndex::FindChild(const NamespaceRoot& root, const CachedBlock* parent,
                                     absl::Span<const Token> tokens, const BlockKey* key) const {
+  const PoolNodes& pool = *pools_[root.pool];
   const BlockKey parent_key = parent == nullptr ? BlockKey{} : parent->key;
-  auto it = root.blocks.find(key != nullptr ? *key : ChainBlockKey(parent_key, root.key, tokens));
-  if (it == root.blocks.end()) return nullptr;
-  CachedBlock* node = it->second.get();
-  // The key only finds a candidate: verify the chain and the tokens exactly.
-  if (node->parent != parent || !SameTokens(node->tokens, tokens)) return nullptr;
+  const uint32_t index = pool.table.Find(key != nullptr ? *key : ChainBlockKey(parent_key, root.key, tokens),
+                                         KeyOfNode{&pool});
+  if (index == KeyTable::kNone) return nullptr;
+  CachedBlock* node = &pool.nodes[index];
+  // The key only finds a candidate: verify the namespace, the chain and the tokens exactly.
+  if (node->root != &root || node->parent != parent || node->tokens.size() != tokens.size() ||
+      std::memcmp(node->tokens.data(), tokens.data(), tokens.size() * sizeof(Token)) != 0) {
+    return nullptr;
+  }
   return node;
 }
 
 CachedBlock* PrefixIndex::Insert(NamespaceRoot* root, CachedBlock* parent,
                                  absl::Span<const Token> tokens, BlockAddress address, const BlockKey* given) {
+  KVD_CHECK(address.pool == root->pool);
+  PoolNodes& pool = *pools_[address.pool];
+  KVD_CHECK(address.index < pool.capacity && static_cast<int64_t>(tokens.size()) == pool.block_tokens);
+  CachedBlock& node = pool.nodes[address.index];
+  KVD_CHECK(node.root == nullptr);
   const BlockKey parent_key = parent == nullptr ? BlockKey{} : parent->key;
   const BlockKey key = given != nullptr ? *given : ChainBlockKey(parent_key, root->key, tokens);
-  std::unique_ptr<CachedBlock> node;
-  if (spare_nodes_.empty()) {
-    node = std::make_unique<CachedBlock>();
-  } else {
-    node = std::move(spare_nodes_.back());
-    spare_nodes_.pop_back();
-    std::vector<Token> storage = std::move(node->tokens);
-    *node = CachedBlock{};
-    node->tokens = std::move(storage);
-  }
-  node->key = key;
-  node->parent = parent;
-  node->root = root;
-  node->address = address;
-  node->serial = next_serial_++;
-  node->tokens.assign(tokens.begin(), tokens.end());
-  CachedBlock* raw = node.get();
-  auto [it, inserted] = root->blocks.try_emplace(key, nullptr);
-  if (!inserted) {
-    // A different block with the same 128-bit key (a true collision): the new block is simply not
-    // indexed. Callers see nullptr and keep the block private.
-    spare_nodes_.push_back(std::move(node));
-    return nullptr;
-  }
-  it->second = std::move(node);
+  // A different block with the same 128-bit key (a true collision): the new block is simply not
+  // indexed. Callers see nullptr and keep the block private.
+  if (!pool.table.Insert(key, address.index, KeyOfNode{&pool})) return nullptr;
+  Token* slab = &pool.tokens[static_cast<int64_t>(address.index) * pool.block_tokens];
+  std::memcpy(slab, tokens.data(), tokens.size() * sizeof(Token));
+  node = CachedBlock{};
+  node.key = key;
+  node.parent = parent;
+  node.root = root;
+  node.address = address;
+  node.serial = next_serial_++;
+  node.tokens = absl::MakeSpan(slab, tokens.size());
   if (parent != nullptr) ++parent->num_children;
+  ++root->num_blocks;
   ++num_blocks_;
-  return raw;
+  return &node;
 }
 
 void PrefixIndex::Erase(CachedBlock* block) {
-  KVD_CHECK(block->num_children == 0);
+  KVD_CHECK(block->num_children == 0 && block->root != nullptr);
   NamespaceRoot* root = block->root;
   if (block->parent != nullptr) --block->parent->num_children;
-  auto it = root->blocks.find(block->key);
-  KVD_CHECK(it != root->blocks.end() && it->second.get() == block);
-  spare_nodes_.push_back(std::move(it->second));
-  root->blocks.erase(it);
+  PoolNodes& pool = *pools_[block->address.pool];
+  KVD_CHECK(pool.table.Erase(block->key, KeyOfNode{&pool}));
+  block->root = nullptr;
+  block->parent = nullptr;
   --num_blocks_;
-  if (root->blocks.empty()) {
+  if (--root->num_blocks == 0) {
     const Namespace ns = root->ns;  // the key must outlive the erase of its own map entry
     roots_.erase(ns);
   }

@@ -1,10 +1,13 @@
 // PrefixIndex is the radix structure over cached full blocks, one root per namespace.
 //
-// Each cached block is a node that owns a copy of its tokens and points at its parent (the block
-// before it in the same prefix). A namespace root holds a hash map from chained block key to node;
-// a lookup computes the key, then verifies the node's parent and tokens exactly, so a hash
-// collision reads as a miss. Roots are structurally separate: a lookup in one namespace never
-// reaches a node of another. An empty root is deleted.
+// The index node *is* the device block: each pool has a node array and a token slab indexed by
+// BlockIndex (both preallocated for the pool's capacity, their pages committed as blocks are
+// first used), and one open-addressing KeyTable from chained block key to BlockIndex. A cached
+// block's node points at its parent (the block before it in the same prefix) and its namespace
+// root; its tokens sit at slab[index * block_tokens]. A lookup finds the candidate by key, then
+// verifies root, parent and tokens (one memcmp), so a hash collision reads as a miss, never wrong
+// KV. Roots are structurally separate: a candidate of another namespace fails the root check. An
+// empty root is deleted. Inserting and erasing allocate nothing (past the table's growth).
 //
 // The index stores nodes; it does not count references or decide eviction (KvCache does).
 // Thread-compatible: the caller serializes access.
@@ -17,21 +20,24 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/types/span.h"
 #include "proto/vocab/block_key.h"
+#include "proto/vocab/pool_geometry.h"
 #include "proto/vocab/types.h"
+#include "server/core/key_table.h"
 
 namespace kvd {
 
 struct NamespaceRoot;
 
-// One cached, immutable full block. Fields below `tokens` are KvCache's bookkeeping.
+// One cached, immutable full block. Fields below `tokens` are KvCache's bookkeeping. An aggregate
+// whose all-zero bytes are the "not cached" state, so node arrays start as untouched zero pages.
 struct CachedBlock {
   BlockKey key;
   CachedBlock* parent = nullptr;  // nullptr for the first block of a prefix
-  NamespaceRoot* root = nullptr;
+  NamespaceRoot* root = nullptr;  // nullptr: the slot holds no cached block
   BlockAddress address;
   uint64_t serial = 0;            // unique per insertion; never reused
+  absl::Span<Token> tokens;       // exactly block_tokens tokens, in the pool's token slab
   uint32_t publisher = 0;         // KvCache's index of the publishing worker; 0 = none
-  std::vector<Token> tokens;      // exactly block_tokens tokens
 
   int32_t num_children = 0;       // cached blocks whose parent is this one
   int32_t protect_count = 0;      // sessions protecting this block
@@ -45,12 +51,13 @@ struct NamespaceRoot {
   Namespace ns;
   BlockKey key;   // NamespaceRootKey(ns)
   PoolId pool = 0;
-  absl::flat_hash_map<BlockKey, std::unique_ptr<CachedBlock>> blocks;
+  int64_t num_blocks = 0;
 };
 
 class PrefixIndex {
  public:
-  PrefixIndex() = default;
+  // One node array, token slab and key table per pool, sized by its geometry.
+  explicit PrefixIndex(absl::Span<const PoolGeometry> pools);
   PrefixIndex(const PrefixIndex&) = delete;
   PrefixIndex& operator=(const PrefixIndex&) = delete;
 
@@ -60,8 +67,9 @@ class PrefixIndex {
 
   // The longest chain of cached blocks that equals the leading full blocks of `tokens`, at most
   // `max_blocks` long. `root` may be nullptr (a miss). `keys`, when not empty, are the blocks'
-  // chained keys (ChainKeys of the same namespace and tokens, computed before the caller's lock);
-  // else they are computed here. Either way a candidate is verified by parent and tokens.
+  // chained keys (ChainKeys of the same namespace and tokens, computed before the caller's lock)
+  // and their table slots are prefetched ahead of the walk; else keys are computed here. Either
+  // way a candidate is verified by root, parent and tokens.
   std::vector<CachedBlock*> Match(const NamespaceRoot* root, absl::Span<const Token> tokens,
                                   int32_t block_tokens, int64_t max_blocks,
                                   absl::Span<const BlockKey> keys = {}) const;
@@ -71,8 +79,10 @@ class PrefixIndex {
   CachedBlock* FindChild(const NamespaceRoot& root, const CachedBlock* parent,
                          absl::Span<const Token> tokens, const BlockKey* key = nullptr) const;
 
-  // Inserts a new node. REQUIRES: FindChild(root, parent, tokens) == nullptr. `key`, when given,
-  // is ChainBlockKey(parent's key, root's key, tokens).
+  // Caches `tokens` as the node of block `address`. REQUIRES: FindChild(root, parent, tokens) ==
+  // nullptr, the slot is not cached, address.pool == root->pool, and tokens is the pool's
+  // block_tokens long. `key`, when given, is ChainBlockKey(parent's key, root's key, tokens).
+  // nullptr when another block holds the same 128-bit key (a true collision): not indexed.
   CachedBlock* Insert(NamespaceRoot* root, CachedBlock* parent, absl::Span<const Token> tokens,
                       BlockAddress address, const BlockKey* key = nullptr);
 
@@ -81,19 +91,35 @@ class PrefixIndex {
 
   int64_t num_blocks() const { return num_blocks_; }
   int64_t num_roots() const { return static_cast<int64_t>(roots_.size()); }
+  // Bytes of the node arrays, token slabs and key tables now committed or allocated (an upper
+  // bound: untouched pages of the arrays count too).
+  int64_t memory_bytes() const;
 
-  // Calls fn(CachedBlock*) for every node, in no particular order.
+  // Calls fn(CachedBlock*) for every node, in no particular order. O(capacity).
   template <typename Fn>
   void ForEach(Fn fn) const {
-    for (const auto& [ns, root] : roots_) {
-      for (const auto& [key, block] : root->blocks) fn(block.get());
+    for (const auto& pool : pools_) {
+      for (int64_t i = 0; i < pool->capacity; ++i) {
+        if (pool->nodes[i].root != nullptr) fn(&pool->nodes[i]);
+      }
     }
   }
 
  private:
+  struct PoolNodes {
+    int64_t capacity = 0;
+    int32_t block_tokens = 0;
+    std::unique_ptr<CachedBlock[], void (*)(void*)> nodes{nullptr, nullptr};  // calloc'd
+    std::unique_ptr<Token[], void (*)(void*)> tokens{nullptr, nullptr};       // calloc'd
+    KeyTable table;
+    explicit PoolNodes(int64_t expected) : table(expected) {}
+  };
+  struct KeyOfNode {  // a table value is a block index
+    const PoolNodes* pool;
+    const BlockKey& operator()(uint32_t index) const { return pool->nodes[index].key; }
+  };
   absl::flat_hash_map<Namespace, std::unique_ptr<NamespaceRoot>> roots_;
-  // Erased nodes kept for reuse (with their token storage), so a churning cache allocates nothing.
-  std::vector<std::unique_ptr<CachedBlock>> spare_nodes_;
+  std::vector<std::unique_ptr<PoolNodes>> pools_;
   int64_t num_blocks_ = 0;
   uint64_t next_serial_ = 1;
 };

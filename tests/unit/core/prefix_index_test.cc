@@ -9,8 +9,17 @@ namespace {
 
 using testing::Seq;
 
+// One pool "m" of 4-token blocks with room for 16.
+std::vector<PoolGeometry> Pools() {
+  PoolGeometry g;
+  g.name = "m";
+  g.block_tokens = 4;
+  g.capacity_blocks = 16;
+  return {g};
+}
+
 TEST_CASE("PrefixIndex matches the longest cached chain", "[core][index]") {
-  PrefixIndex index;
+  PrefixIndex index(Pools());
   Namespace ns{.pool = "m"};
   NamespaceRoot* root = index.GetOrCreateRoot(ns, 0);
   auto tokens = Seq(0, 12);
@@ -31,7 +40,7 @@ TEST_CASE("PrefixIndex matches the longest cached chain", "[core][index]") {
 }
 
 TEST_CASE("A key hit with different tokens is a miss (collision safety)", "[core][index]") {
-  PrefixIndex index;
+  PrefixIndex index(Pools());
   NamespaceRoot* root = index.GetOrCreateRoot(Namespace{.pool = "m"}, 0);
   auto tokens = Seq(0, 4);
   CachedBlock* b = index.Insert(root, nullptr, tokens, {0, 0});
@@ -43,7 +52,7 @@ TEST_CASE("A key hit with different tokens is a miss (collision safety)", "[core
 }
 
 TEST_CASE("Namespaces are separate roots and empty roots go away", "[core][index]") {
-  PrefixIndex index;
+  PrefixIndex index(Pools());
   Namespace a{.pool = "m"};
   Namespace b{.pool = "m", .cache_salt = "t2"};
   auto tokens = Seq(0, 4);
