@@ -32,6 +32,13 @@ class KeyTable {
   uint32_t Find(const BlockKey& key, KeyOf key_of) const {
     return slots_[Probe(key, key_of)].value;
   }
+  // The stored value itself, to be overwritten in place (the key stays), or nullptr when absent.
+  // Valid until the next Insert or Erase.
+  template <typename KeyOf>
+  uint32_t* FindValue(const BlockKey& key, KeyOf key_of) {
+    Slot& slot = slots_[Probe(key, key_of)];
+    return slot.value == kNone ? nullptr : &slot.value;
+  }
   // Stores `value` (!= kNone) under `key`. False, changing nothing, when `key` is present.
   template <typename KeyOf>
   bool Insert(const BlockKey& key, uint32_t value, KeyOf key_of);

@@ -86,7 +86,17 @@ KvCache::KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes)
       clock_(clock),
       pool_geometries_(options_.pools),
       events_(static_cast<size_t>(options_.event_buffer)),
-      index_(pool_geometries_),
+      index_(pool_geometries_,
+             [this] {
+               // SLRU remembers the keys of evicted probation blocks (ghosts); LRU none.
+               std::vector<int64_t> ghosts;
+               for (const auto& p : options_.pools) {
+                 ghosts.push_back(options_.eviction_policy == EvictionPolicy::kSlru
+                                      ? static_cast<int64_t>(options_.slru_ghost_fraction * p.capacity_blocks)
+                                      : 0);
+               }
+               return ghosts;
+             }()),
       ledger_(budget_bytes,
               [this] {
                 std::vector<BudgetLedger::PoolLimit> limits;
@@ -98,8 +108,7 @@ KvCache::KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes)
       pressure_(options_.pressure) {
   const bool slru = options_.eviction_policy == EvictionPolicy::kSlru;
   for (const auto& g : options_.pools) {
-    auto pool = std::make_unique<Pool>(
-        g, slru ? static_cast<int64_t>(options_.slru_ghost_fraction * g.capacity_blocks) : 0);
+    auto pool = std::make_unique<Pool>(g);
     if (slru) {
       pool->queue.set_main_limits(options_.slru_main_fraction,
                                   static_cast<int64_t>(options_.slru_main_fraction * g.capacity_blocks));

@@ -41,7 +41,6 @@
 #include "server/core/event_log.h"
 #include "server/core/eviction_sink.h"
 #include "server/core/eviction_queue.h"
-#include "server/core/ghost_list.h"
 #include "server/core/kv_cache_state.h"
 #include "server/core/prefix_index.h"
 #include "server/core/pressure_monitor.h"

@@ -108,9 +108,9 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
   const BlockIndex index = victim->address.index;
   BlockState& s = pool.blocks[index];
   KVD_CHECK(s.kind == BlockState::Kind::kCached && s.refs == 0 && s.node == victim);
-  if (reason == EvictReason::kCapacity && victim->queue_tier == EvictionQueue::kProbation) {
-    pool.ghost.Add(victim->key);  // a block stored again soon after was worth keeping
-  }
+  // A probation block evicted for room is remembered as a ghost: one stored again soon after was
+  // worth keeping (SLRU; pools without ghosts ignore it).
+  const bool as_ghost = reason == EvictReason::kCapacity && victim->queue_tier == EvictionQueue::kProbation;
   pool.queue.Remove(victim);
   CachedBlock* parent = victim->parent;
   if (reason != EvictReason::kClear) {
@@ -136,7 +136,7 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
     d.block.reason = reason;
     cache_state::ThreadDemotions().push_back(std::move(d));
   }
-  index_.Erase(victim);
+  index_.Erase(victim, as_ghost);
   s.node = nullptr;
   --pool.num_cached;
   --pool.num_cached_unreferenced;
@@ -164,7 +164,8 @@ CachedBlock* KvCache::CacheBlockLocked(PoolId pool_id, NamespaceRoot* root, Cach
   Pool& pool = *pools_[pool_id];
   BlockState& s = pool.blocks[index];
   KVD_CHECK(s.kind == BlockState::Kind::kOwned && s.refs > 0);
-  CachedBlock* node = index_.Insert(root, parent, tokens, BlockAddress{pool_id, index}, key);
+  bool was_ghost = false;
+  CachedBlock* node = index_.Insert(root, parent, tokens, BlockAddress{pool_id, index}, key, &was_ghost);
   if (node == nullptr) return nullptr;
   s.kind = BlockState::Kind::kCached;
   s.owner = 0;
@@ -172,7 +173,7 @@ CachedBlock* KvCache::CacheBlockLocked(PoolId pool_id, NamespaceRoot* root, Cach
   --pool.num_owned;
   ++pool.num_cached;
   node->last_use = NextTickLocked();
-  if (pool.ghost.Take(node->key)) node->reused = true;
+  if (was_ghost) node->reused = true;
   CacheEvent& e = scratch_event_;
   e.kind = CacheEventKind::kStored;
   e.pool = pool.geometry.name;

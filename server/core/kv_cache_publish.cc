@@ -159,7 +159,13 @@ absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
   CachedBlock* parent = nullptr;
   bool chain_ok = true;
   const uint32_t publisher = plan.kept > 0 ? workers_.Index(req->spec.owner) : 0;
+  // The table slots, nodes and token slab lines of the blocks to come are loaded ahead, so their
+  // misses overlap.
+  constexpr size_t kAhead = 8;
+  const size_t ahead = std::min(req->keys.size(), plan.outcomes.size());
+  for (size_t i = 0; i < std::min(kAhead, ahead); ++i) index_.Prefetch({req->pool, blocks[i]}, req->keys[i]);
   for (size_t i = 0; i < plan.outcomes.size(); ++i) {
+    if (i + kAhead < ahead) index_.Prefetch({req->pool, blocks[i + kAhead]}, req->keys[i + kAhead]);
     PublishOutcome& outcome = plan.outcomes[i];
     if (outcome == PublishOutcome::kAlreadyCached) {
       parent = pool.blocks[blocks[i]].node;

@@ -15,7 +15,6 @@
 #include "server/core/event_log.h"
 #include "server/core/eviction_sink.h"
 #include "server/core/eviction_queue.h"
-#include "server/core/ghost_list.h"
 #include "proto/vocab/pool_geometry.h"
 #include "server/core/prefix_index.h"
 #include "server/core/pressure_monitor.h"
@@ -37,11 +36,9 @@ struct Pool {
   int64_t num_owned = 0;
   int64_t num_cached = 0;
   int64_t num_cached_unreferenced = 0;
-  GhostList ghost;  // SLRU: keys of recently evicted probation blocks
   absl::flat_hash_map<BlockIndex, int32_t> pins;  // PinBlocks references, by block
-  Pool(PoolGeometry g, int64_t ghost_capacity)
-      : geometry(std::move(g)), allocator(geometry.capacity_blocks),
-        blocks(geometry.capacity_blocks), ghost(ghost_capacity) {}
+  explicit Pool(PoolGeometry g)
+      : geometry(std::move(g)), allocator(geometry.capacity_blocks), blocks(geometry.capacity_blocks) {}
 };
 struct Request {
   RequestSpec spec;

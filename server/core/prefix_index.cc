@@ -24,14 +24,26 @@ constexpr int64_t kInitialTableEntries = int64_t{1} << 20;
 
 }  // namespace
 
-PrefixIndex::PrefixIndex(absl::Span<const PoolGeometry> pools) {
-  for (const PoolGeometry& g : pools) {
-    auto p = std::make_unique<PoolNodes>(std::min(g.capacity_blocks, kInitialTableEntries));
+PrefixIndex::PrefixIndex(absl::Span<const PoolGeometry> pools, absl::Span<const int64_t> ghost_capacity) {
+  for (size_t i = 0; i < pools.size(); ++i) {
+    const PoolGeometry& g = pools[i];
+    const int64_t ghosts = i < ghost_capacity.size() ? std::clamp<int64_t>(ghost_capacity[i], 0, int64_t{1} << 30) : 0;
+    auto p = std::make_unique<PoolNodes>(std::min(g.capacity_blocks + ghosts, kInitialTableEntries));
+    p->ghost_capacity = ghosts;
     p->capacity = g.capacity_blocks;
     p->block_tokens = g.block_tokens;
     p->nodes = {Zeroed<CachedBlock>(g.capacity_blocks), &std::free};
     p->tokens = {Zeroed<Token>(g.capacity_blocks * g.block_tokens), &std::free};
     pools_.push_back(std::move(p));
+  }
+}
+
+void PrefixIndex::Prefetch(BlockAddress address, const BlockKey& key) const {
+  const PoolNodes& pool = *pools_[address.pool];
+  pool.table.Prefetch(key);
+  if (address.index < pool.capacity) {
+    __builtin_prefetch(&pool.nodes[address.index], /*rw=*/1);
+    __builtin_prefetch(&pool.tokens[static_cast<int64_t>(address.index) * pool.block_tokens], /*rw=*/1);
   }
 }
 
@@ -92,7 +104,7 @@ CachedBlock* PrefixIndex::FindChild(const NamespaceRoot& root, const CachedBlock
   const BlockKey parent_key = parent == nullptr ? BlockKey{} : parent->key;
   const uint32_t index = pool.table.Find(key != nullptr ? *key : ChainBlockKey(parent_key, root.key, tokens),
                                          KeyOfNode{&pool});
-  if (index == KeyTable::kNone) return nullptr;
+  if ((index & kGhost) != 0) return nullptr;  // absent (kNone) or a ghost
   CachedBlock* node = &pool.nodes[index];
   // The key only finds a candidate: verify the namespace, the chain and the tokens exactly.
   if (node->root != &root || node->parent != parent || node->tokens.size() != tokens.size() ||
@@ -103,7 +115,8 @@ CachedBlock* PrefixIndex::FindChild(const NamespaceRoot& root, const CachedBlock
 }
 
 CachedBlock* PrefixIndex::Insert(NamespaceRoot* root, CachedBlock* parent,
-                                 absl::Span<const Token> tokens, BlockAddress address, const BlockKey* given) {
+                                 absl::Span<const Token> tokens, BlockAddress address, const BlockKey* given,
+                                 bool* was_ghost) {
   KVD_CHECK(address.pool == root->pool);
   PoolNodes& pool = *pools_[address.pool];
   KVD_CHECK(address.index < pool.capacity && static_cast<int64_t>(tokens.size()) == pool.block_tokens);
@@ -111,9 +124,20 @@ CachedBlock* PrefixIndex::Insert(NamespaceRoot* root, CachedBlock* parent,
   KVD_CHECK(node.root == nullptr);
   const BlockKey parent_key = parent == nullptr ? BlockKey{} : parent->key;
   const BlockKey key = given != nullptr ? *given : ChainBlockKey(parent_key, root->key, tokens);
-  // A different block with the same 128-bit key (a true collision): the new block is simply not
-  // indexed. Callers see nullptr and keep the block private.
-  if (!pool.table.Insert(key, address.index, KeyOfNode{&pool})) return nullptr;
+  if (was_ghost != nullptr) *was_ghost = false;
+  if (uint32_t* entry = pool.table.FindValue(key, KeyOfNode{&pool}); entry == nullptr) {
+    KVD_CHECK(pool.table.Insert(key, address.index, KeyOfNode{&pool}));
+  } else if ((*entry & kGhost) != 0) {
+    // A ghost comes back: its entry becomes the block's. Its ring slot goes stale and is
+    // overwritten in turn.
+    *entry = address.index;
+    --pool.ghosts;
+    if (was_ghost != nullptr) *was_ghost = true;
+  } else {
+    // A different block with the same 128-bit key (a true collision): the new block is simply
+    // not indexed. Callers see nullptr and keep the block private.
+    return nullptr;
+  }
   Token* slab = &pool.tokens[static_cast<int64_t>(address.index) * pool.block_tokens];
   std::memcpy(slab, tokens.data(), tokens.size() * sizeof(Token));
   node = CachedBlock{};
@@ -129,12 +153,45 @@ CachedBlock* PrefixIndex::Insert(NamespaceRoot* root, CachedBlock* parent,
   return &node;
 }
 
-void PrefixIndex::Erase(CachedBlock* block) {
+void PrefixIndex::AddGhost(PoolNodes& pool, const BlockKey& key) {
+  if (static_cast<int64_t>(pool.ghost_ring.size()) < pool.ghost_capacity) {
+    pool.ghost_ring.push_back(key);
+    *pool.table.FindValue(key, KeyOfNode{&pool}) = kGhost | static_cast<uint32_t>(pool.ghost_ring.size() - 1);
+    ++pool.ghosts;
+    return;
+  }
+  // The ring is full: its oldest entry leaves, and with it its key, should that key be a ghost
+  // now (added again after coming back, even `key` itself: then it is forgotten at once).
+  const size_t pos = pool.ghost_next;
+  pool.ghost_next = (pos + 1) % pool.ghost_ring.size();
+  // The ring is a FIFO: the key that leaves a few additions from now is known, so its table
+  // slot is loaded ahead and that miss overlaps other work.
+  constexpr size_t kAhead = 8;
+  pool.table.Prefetch(pool.ghost_ring[(pos + kAhead) % pool.ghost_ring.size()]);
+  if (pool.ghost_ring[pos] == key) {
+    KVD_CHECK(pool.table.Erase(key, KeyOfNode{&pool}));
+    return;
+  }
+  const uint32_t old = pool.table.Find(pool.ghost_ring[pos], KeyOfNode{&pool});
+  if (old != KeyTable::kNone && (old & kGhost) != 0) {
+    KVD_CHECK(pool.table.Erase(pool.ghost_ring[pos], KeyOfNode{&pool}));
+    --pool.ghosts;
+  }
+  pool.ghost_ring[pos] = key;
+  *pool.table.FindValue(key, KeyOfNode{&pool}) = kGhost | static_cast<uint32_t>(pos);
+  ++pool.ghosts;
+}
+
+void PrefixIndex::Erase(CachedBlock* block, bool as_ghost) {
   KVD_CHECK(block->num_children == 0 && block->root != nullptr);
   NamespaceRoot* root = block->root;
   if (block->parent != nullptr) --block->parent->num_children;
   PoolNodes& pool = *pools_[block->address.pool];
-  KVD_CHECK(pool.table.Erase(block->key, KeyOfNode{&pool}));
+  if (as_ghost && pool.ghost_capacity > 0) {
+    AddGhost(pool, block->key);
+  } else {
+    KVD_CHECK(pool.table.Erase(block->key, KeyOfNode{&pool}));
+  }
   block->root = nullptr;
   block->parent = nullptr;
   --num_blocks_;

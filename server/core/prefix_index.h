@@ -9,6 +9,12 @@
 // KV. Roots are structurally separate: a candidate of another namespace fails the root check. An
 // empty root is deleted. Inserting and erasing allocate nothing (past the table's growth).
 //
+// Ghosts (the SLRU policy's memory of recently evicted blocks) share the key table: erasing a
+// block "as a ghost" turns its table entry into a ghost entry in place (the value names a slot of
+// a fixed FIFO ring of keys), and caching the same key again finds it in the same probe. The ghost
+// set answers exactly as a FIFO of the last `ghost_capacity` additions over a set: when the ring
+// wraps, the key leaving it is forgotten, even one remembered again since.
+//
 // The index stores nodes; it does not count references or decide eviction (KvCache does).
 // Thread-compatible: the caller serializes access.
 #pragma once
@@ -56,8 +62,9 @@ struct NamespaceRoot {
 
 class PrefixIndex {
  public:
-  // One node array, token slab and key table per pool, sized by its geometry.
-  explicit PrefixIndex(absl::Span<const PoolGeometry> pools);
+  // One node array, token slab and key table per pool, sized by its geometry; pool i remembers
+  // up to ghost_capacity[i] ghosts (none past the span's end; at most 2^30).
+  explicit PrefixIndex(absl::Span<const PoolGeometry> pools, absl::Span<const int64_t> ghost_capacity = {});
   PrefixIndex(const PrefixIndex&) = delete;
   PrefixIndex& operator=(const PrefixIndex&) = delete;
 
@@ -83,11 +90,20 @@ class PrefixIndex {
   // nullptr, the slot is not cached, address.pool == root->pool, and tokens is the pool's
   // block_tokens long. `key`, when given, is ChainBlockKey(parent's key, root's key, tokens).
   // nullptr when another block holds the same 128-bit key (a true collision): not indexed.
+  // `*was_ghost` (when given) tells whether the key was a ghost, which it no longer is.
   CachedBlock* Insert(NamespaceRoot* root, CachedBlock* parent, absl::Span<const Token> tokens,
-                      BlockAddress address, const BlockKey* key = nullptr);
+                      BlockAddress address, const BlockKey* key = nullptr, bool* was_ghost = nullptr);
 
-  // Removes `block` and deletes its root if it became empty. REQUIRES: block->num_children == 0.
-  void Erase(CachedBlock* block);
+  // Removes `block` and deletes its root if it became empty; `as_ghost`: its key is remembered
+  // as a ghost (no-op for a pool without ghosts). REQUIRES: block->num_children == 0.
+  void Erase(CachedBlock* block, bool as_ghost = false);
+
+  // Hints the CPU to load the table slot of `key` and the node and tokens of block `address` (an
+  // Insert of them that follows soon then hits the cache).
+  void Prefetch(BlockAddress address, const BlockKey& key) const;
+
+  // Ghosts remembered in `pool`.
+  int64_t num_ghosts(PoolId pool) const { return pools_[pool]->ghosts; }
 
   int64_t num_blocks() const { return num_blocks_; }
   int64_t num_roots() const { return static_cast<int64_t>(roots_.size()); }
@@ -111,13 +127,22 @@ class PrefixIndex {
     int32_t block_tokens = 0;
     std::unique_ptr<CachedBlock[], void (*)(void*)> nodes{nullptr, nullptr};  // calloc'd
     std::unique_ptr<Token[], void (*)(void*)> tokens{nullptr, nullptr};       // calloc'd
-    KeyTable table;
+    KeyTable table;  // key -> block index, or kGhost | ghost ring position
+    int64_t ghost_capacity = 0;
+    std::vector<BlockKey> ghost_ring;  // FIFO of ghost additions; grows, then wraps at ghost_next
+    size_t ghost_next = 0;
+    int64_t ghosts = 0;                // table entries that are ghosts
     explicit PoolNodes(int64_t expected) : table(expected) {}
   };
-  struct KeyOfNode {  // a table value is a block index
+  static constexpr uint32_t kGhost = uint32_t{1} << 31;  // table value flag: a ghost entry
+  struct KeyOfNode {  // the key a table value stands for
     const PoolNodes* pool;
-    const BlockKey& operator()(uint32_t index) const { return pool->nodes[index].key; }
+    const BlockKey& operator()(uint32_t v) const {
+      return (v & kGhost) != 0 ? pool->ghost_ring[v & ~kGhost] : pool->nodes[v].key;
+    }
   };
+  // Remembers `key` (whose table entry is `*entry`, a live block's) as a ghost.
+  static void AddGhost(PoolNodes& pool, const BlockKey& key);
   absl::flat_hash_map<Namespace, std::unique_ptr<NamespaceRoot>> roots_;
   std::vector<std::unique_ptr<PoolNodes>> pools_;
   int64_t num_blocks_ = 0;

@@ -7,7 +7,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
-#include "server/core/ghost_list.h"
+#include "server/core/prefix_index.h"
 
 namespace kvd {
 namespace {
@@ -64,8 +64,8 @@ TEST_CASE("A KeyTable sized for n holds n without growing", "[core][key_table]")
   REQUIRE(table.memory_bytes() == bytes);
 }
 
-// The reference the ghost list must equal: a FIFO of additions over a set (the engine's first
-// implementation, whose SLRU hit rates the fixed-size one must keep exactly).
+// The reference the index's ghosts must equal: a FIFO of additions over a set (the engine's first
+// ghost list, whose SLRU hit rates the shared-table one must keep exactly).
 class ReferenceGhost {
  public:
   explicit ReferenceGhost(int64_t capacity) : capacity_(capacity) {}
@@ -86,22 +86,42 @@ class ReferenceGhost {
   std::deque<BlockKey> order_;
 };
 
-TEST_CASE("GhostList answers exactly as a FIFO of additions over a set", "[core][key_table]") {
+TEST_CASE("Index ghosts answer exactly as a FIFO of additions over a set", "[core][key_table]") {
   for (int64_t capacity : {0, 1, 5, 64}) {
     std::mt19937_64 rng(static_cast<uint64_t>(capacity) + 11);
-    GhostList ghost(capacity);
+    PoolGeometry g;
+    g.name = "m";
+    g.block_tokens = 4;
+    g.capacity_blocks = 64;
+    const std::vector<int64_t> ghost_capacity = {capacity};
+    PrefixIndex index({g}, ghost_capacity);
+    NamespaceRoot* root = index.GetOrCreateRoot(Namespace{.pool = "m"}, 0);
     ReferenceGhost ref(capacity);
-    // Few distinct keys: re-adds, takes of remembered and forgotten keys, stale ring entries
+    // 40 one-block prefixes, each cached in block t while live: erased as ghosts or not, cached
+    // again, so re-adds, returns of remembered and forgotten keys and stale ring entries
     // (including the very key being added) all happen often.
+    std::vector<CachedBlock*> live(40, nullptr);
     for (int step = 0; step < 20000; ++step) {
-      const BlockKey key{rng() % 40, 99};
-      if (rng() % 2 == 0) {
-        ghost.Add(key);
-        ref.Add(key);
+      const uint32_t t = static_cast<uint32_t>(rng() % live.size());
+      const std::vector<Token> tokens(4, t);
+      if (live[t] != nullptr) {
+        const bool as_ghost = rng() % 3 != 0;
+        const BlockKey key = live[t]->key;
+        index.Erase(live[t], as_ghost);
+        live[t] = nullptr;
+        if (as_ghost) ref.Add(key);
       } else {
-        REQUIRE(ghost.Take(key) == ref.Take(key));
+        bool was_ghost = false;
+        live[t] = index.Insert(root, nullptr, tokens, BlockAddress{0, t}, nullptr, &was_ghost);
+        REQUIRE(live[t] != nullptr);
+        REQUIRE(was_ghost == ref.Take(live[t]->key));
+        REQUIRE(index.FindChild(*root, nullptr, tokens) == live[t]);
       }
-      REQUIRE(ghost.size() == ref.size());
+      REQUIRE(index.num_ghosts(0) == ref.size());
+      // A ghost is never a hit.
+      for (uint32_t u = 0; u < 4; ++u) {
+        REQUIRE(index.FindChild(*root, nullptr, std::vector<Token>(4, u)) == live[u]);
+      }
     }
   }
 }
