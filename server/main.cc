@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "server/config_values.h"
 #include "server/daemon.h"
 #include "server/build_info.h"
 #include "server/store/remote_tier.h"
@@ -59,8 +60,9 @@ int main(int argc, char** argv) {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   CLI::App app{"kvd: the node's KV-cache daemon"};
   std::string config, listen, side_socket, metrics_listen, backend, ready_file, log_level;
-  int64_t max_message_bytes = 0;
-  double lease_ttl_s = 0, drain_timeout_s = -1;
+  // Sizes, durations and addresses stay text here: config_values.h parses them exactly as it
+  // parses the same keys in the YAML file, and Validate() checks their ranges for both.
+  std::string max_message_bytes, lease_ttl, drain_timeout;
   app.add_option("--config", config, "YAML config file (pools, budget, policies)")->envname("KVD_CONFIG");
   app.add_option("--listen", listen, "gRPC address: unix:///path or HOST:PORT")->envname("KVD_LISTEN");
   app.add_option("--side-socket", side_socket, "Unix socket passing slab fds (default: <listen>.slabs)");
@@ -69,9 +71,9 @@ int main(int argc, char** argv) {
   app.add_option("--backend", backend, "memory backend: host, cuda or auto")->envname("KVD_BACKEND");
   app.add_option("--ready-file", ready_file, "write a JSON file with the bound addresses once serving");
   app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->envname("KVD_LOG_LEVEL");
-  app.add_option("--max-message-bytes", max_message_bytes, "largest gRPC message accepted");
-  app.add_option("--lease-ttl", lease_ttl_s, "seconds without heartbeat before a worker is dead");
-  app.add_option("--drain-timeout", drain_timeout_s, "seconds running requests get on SIGTERM");
+  app.add_option("--max-message-bytes", max_message_bytes, "largest gRPC message accepted (e.g. 64MiB)");
+  app.add_option("--lease-ttl", lease_ttl, "time without heartbeat before a worker is dead (seconds, or e.g. 10s)");
+  app.add_option("--drain-timeout", drain_timeout, "time running requests get on SIGTERM (seconds, or e.g. 30s)");
   std::string tls_cert, tls_key, tls_client_ca;
   app.add_option("--tls-cert", tls_cert, "PEM certificate chain for a TCP listen address");
   app.add_option("--tls-key", tls_key, "PEM private key for --tls-cert");
@@ -85,10 +87,10 @@ int main(int argc, char** argv) {
   app.add_option("--socket-group", socket_group, "group owning the Unix sockets (workers join it)")
       ->envname("KVD_SOCKET_GROUP");
   std::string disk_dir;
-  int64_t host_tier_bytes = -1;
+  std::string host_tier_bytes;
   app.add_option("--disk-dir", disk_dir, "directory of the disk tier (G3); enables flush and warm restart")
       ->envname("KVD_DISK_DIR");
-  app.add_option("--host-tier-bytes", host_tier_bytes, "bytes of host RAM for the host tier (G2)")
+  app.add_option("--host-tier-bytes", host_tier_bytes, "host RAM for the host tier (G2), e.g. 8GiB")
       ->envname("KVD_HOST_TIER_BYTES");
   std::string redis_url;
   app.add_option("--redis-url", redis_url, "shared Redis/Valkey tier (G4): redis://host:port[/db] or unix:///path")
@@ -112,7 +114,15 @@ int main(int argc, char** argv) {
     }
   }
   // Flags and environment override the file.
-  if (!listen.empty()) options.server.listen = listen;
+  const auto bad_flag = [](const absl::Status& s) {
+    std::cerr << "kvd: invalid configuration: " << s.message() << "\n";
+    return 2;
+  };
+  if (!listen.empty()) {
+    absl::StatusOr<std::string> normalized = kvd::NormalizeListen("--listen", listen);
+    if (!normalized.ok()) return bad_flag(normalized.status());
+    options.server.listen = *normalized;
+  }
   if (!side_socket.empty()) options.server.side_socket = side_socket;
   if (app.count("--metrics-listen") > 0 || std::getenv("KVD_METRICS_LISTEN") != nullptr) {
     options.server.metrics_listen = metrics_listen == "off" ? "" : metrics_listen;
@@ -120,9 +130,21 @@ int main(int argc, char** argv) {
   if (!backend.empty()) options.server.backend = backend;
   if (!ready_file.empty()) options.server.ready_file = ready_file;
   if (!log_level.empty()) options.server.log_level = log_level;
-  if (max_message_bytes > 0) options.server.max_message_bytes = max_message_bytes;
-  if (lease_ttl_s > 0) options.server.lease_ttl = absl::Seconds(lease_ttl_s);
-  if (drain_timeout_s >= 0) options.server.drain_timeout = absl::Seconds(drain_timeout_s);
+  if (!max_message_bytes.empty()) {
+    absl::StatusOr<int64_t> v = kvd::ParseSize("--max-message-bytes", max_message_bytes);
+    if (!v.ok()) return bad_flag(v.status());
+    options.server.max_message_bytes = *v;
+  }
+  if (!lease_ttl.empty()) {
+    absl::StatusOr<absl::Duration> v = kvd::ParseDurationValue("--lease-ttl", lease_ttl);
+    if (!v.ok()) return bad_flag(v.status());
+    options.server.lease_ttl = *v;
+  }
+  if (!drain_timeout.empty()) {
+    absl::StatusOr<absl::Duration> v = kvd::ParseDurationValue("--drain-timeout", drain_timeout);
+    if (!v.ok()) return bad_flag(v.status());
+    options.server.drain_timeout = *v;
+  }
   if (!disk_dir.empty()) options.tiers.disk_dir = disk_dir;
   if (!tls_cert.empty()) options.server.tls_cert_file = tls_cert;
   if (!allowed_uids.empty()) options.server.allowed_uids = allowed_uids;
@@ -130,7 +152,11 @@ int main(int argc, char** argv) {
   if (!allowed_gids.empty()) options.server.allowed_gids = allowed_gids;
   if (!tls_key.empty()) options.server.tls_key_file = tls_key;
   if (!tls_client_ca.empty()) options.server.tls_client_ca_file = tls_client_ca;
-  if (host_tier_bytes >= 0) options.tiers.host_bytes = host_tier_bytes;
+  if (!host_tier_bytes.empty()) {
+    absl::StatusOr<int64_t> v = kvd::ParseSize("--host-tier-bytes", host_tier_bytes);
+    if (!v.ok()) return bad_flag(v.status());
+    options.tiers.host_bytes = *v;
+  }
   if (!redis_url.empty()) {
     options.tiers.remote.url = redis_url;
     if (kvd::RedactUrl(redis_url) != redis_url) {

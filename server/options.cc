@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "proto/vocab/status_macros.h"
 #include "proto/vocab/default_paths.h"
+#include "server/config_values.h"
 #include "server/store/remote_tier.h"
 
 namespace kvd {
@@ -26,11 +27,39 @@ absl::Status Read(const YAML::Node& node, const char* key, T* out, const std::st
   return absl::OkStatus();
 }
 
+// A scalar's text, for the parsers of config_values.h. False when `key` is absent.
+absl::StatusOr<bool> ReadText(const YAML::Node& node, const char* key, std::string* out, const std::string& where) {
+  const YAML::Node v = node[key];
+  if (!v) return false;
+  if (!v.IsScalar()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", key, ": expected a single value"));
+  *out = v.as<std::string>();
+  return true;
+}
+
+absl::Status Prefixed(const std::string& where, const absl::Status& s) {
+  return s.ok() ? s : absl::InvalidArgumentError(absl::StrCat(where, ": ", s.message()));
+}
+
+// Durations: seconds as a number, or with units (config_values.h).
 absl::Status ReadSeconds(const YAML::Node& node, const char* key, absl::Duration* out,
                          const std::string& where) {
-  double seconds = absl::ToDoubleSeconds(*out);
-  KVD_RETURN_IF_ERROR(Read(node, key, &seconds, where));
-  *out = absl::Seconds(seconds);
+  std::string text;
+  KVD_ASSIGN_OR_RETURN(bool present, ReadText(node, key, &text, where));
+  if (!present) return absl::OkStatus();
+  absl::StatusOr<absl::Duration> d = ParseDurationValue(key, text);
+  if (!d.ok()) return Prefixed(where, d.status());
+  *out = *d;
+  return absl::OkStatus();
+}
+
+// Sizes in bytes: a whole number, or with a unit (config_values.h).
+absl::Status ReadSize(const YAML::Node& node, const char* key, int64_t* out, const std::string& where) {
+  std::string text;
+  KVD_ASSIGN_OR_RETURN(bool present, ReadText(node, key, &text, where));
+  if (!present) return absl::OkStatus();
+  absl::StatusOr<int64_t> bytes = ParseSize(key, text);
+  if (!bytes.ok()) return Prefixed(where, bytes.status());
+  *out = *bytes;
   return absl::OkStatus();
 }
 
@@ -89,15 +118,15 @@ absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOpt
                                  "idle_demote_after_s", "read_threads", "flush_on_drain", "max_prefetch_handles_per_worker", "redis_url", "redis_password_file",
                                  "redis_key_prefix", "redis_ttl_s", "redis_connect_timeout_s", "redis_timeout_s",
                                  "redis_retry_after_s", "redis_write_through", "redis_max_pending_uploads"}));
-  KVD_RETURN_IF_ERROR(Read(node, "host_bytes", &t->host_bytes, where));
+  KVD_RETURN_IF_ERROR(ReadSize(node, "host_bytes", &t->host_bytes, where));
   KVD_RETURN_IF_ERROR(Read(node, "disk_dir", &t->disk_dir, where));
-  KVD_RETURN_IF_ERROR(Read(node, "disk_bytes", &t->disk_bytes, where));
+  KVD_RETURN_IF_ERROR(ReadSize(node, "disk_bytes", &t->disk_bytes, where));
   std::string codec = CodecName(t->codec);
   KVD_RETURN_IF_ERROR(Read(node, "codec", &codec, where));
   absl::StatusOr<Codec> parsed = ParseCodec(codec);
   if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": codec: ", parsed.status().message()));
   t->codec = *parsed;
-  KVD_RETURN_IF_ERROR(Read(node, "segment_bytes", &t->segment_bytes, where));
+  KVD_RETURN_IF_ERROR(ReadSize(node, "segment_bytes", &t->segment_bytes, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(node, "idle_demote_after_s", &t->idle_demote_after, where));
   KVD_RETURN_IF_ERROR(Read(node, "read_threads", &t->read_threads, where));
   KVD_RETURN_IF_ERROR(Read(node, "flush_on_drain", &t->flush_on_drain, where));
@@ -168,14 +197,14 @@ absl::Status Options::Validate() const {
         absl::StrCat("backend must be host, cuda or auto, not '", server.backend, "'"));
   }
   if (server.max_message_bytes < 4096) {
-    return absl::InvalidArgumentError("max_message_bytes must be >= 4096");
+    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be >= 4096, not ", server.max_message_bytes));
   }
-  if (server.lease_ttl <= absl::ZeroDuration()) return absl::InvalidArgumentError("lease_ttl_s must be > 0");
+  if (server.lease_ttl <= absl::ZeroDuration()) return absl::InvalidArgumentError(absl::StrCat("lease_ttl_s must be > 0, not ", absl::FormatDuration(server.lease_ttl)));
   if (server.max_connection_idle < absl::Seconds(1) || server.max_connection_idle > absl::Hours(24 * 20)) {
-    return absl::InvalidArgumentError("max_connection_idle_s must be between 1 and 1728000");
+    return absl::InvalidArgumentError(absl::StrCat("max_connection_idle_s must be between 1s and 480h, not ", absl::FormatDuration(server.max_connection_idle)));
   }
   if (server.drain_timeout < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("drain_timeout_s must be >= 0");
+    return absl::InvalidArgumentError(absl::StrCat("drain_timeout_s must be >= 0, not ", absl::FormatDuration(server.drain_timeout)));
   }
   if (server.log_level != "trace" && server.log_level != "debug" && server.log_level != "info" &&
       server.log_level != "warn" && server.log_level != "error") {
@@ -204,14 +233,14 @@ absl::Status Options::Validate() const {
       !absl::StartsWith(server.listen, "unix://")) {
     return absl::InvalidArgumentError("allowed_uids / allowed_gids need a Unix socket listen address (use TLS client certificates on TCP)");
   }
-  if (tiers.host_bytes < 0) return absl::InvalidArgumentError("tiers.host_bytes must be >= 0");
-  if (tiers.disk_bytes <= 0) return absl::InvalidArgumentError("tiers.disk_bytes must be > 0");
-  if (tiers.segment_bytes < 4096) return absl::InvalidArgumentError("tiers.segment_bytes must be >= 4096");
+  if (tiers.host_bytes < 0) return absl::InvalidArgumentError(absl::StrCat("tiers.host_bytes must be >= 0, not ", tiers.host_bytes));
+  if (tiers.disk_bytes <= 0) return absl::InvalidArgumentError(absl::StrCat("tiers.disk_bytes must be > 0, not ", tiers.disk_bytes));
+  if (tiers.segment_bytes < 4096) return absl::InvalidArgumentError(absl::StrCat("tiers.segment_bytes must be >= 4096, not ", tiers.segment_bytes));
   if (tiers.read_threads < 1 || tiers.read_threads > 64) {
-    return absl::InvalidArgumentError("tiers.read_threads must be in [1, 64]");
+    return absl::InvalidArgumentError(absl::StrCat("tiers.read_threads must be in [1, 64], not ", tiers.read_threads));
   }
   if (tiers.idle_demote_after < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("tiers.idle_demote_after_s must be >= 0");
+    return absl::InvalidArgumentError(absl::StrCat("tiers.idle_demote_after_s must be >= 0, not ", absl::FormatDuration(tiers.idle_demote_after)));
   }
   if (!tiers.disk_dir.empty() && tiers.disk_dir[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat("tiers.disk_dir must be absolute, not '", tiers.disk_dir, "'"));
@@ -234,10 +263,10 @@ absl::Status Options::Validate() const {
   if (!r.replay_endpoint.empty() && r.endpoint.empty()) {
     return absl::InvalidArgumentError("router_events.replay_endpoint needs router_events.endpoint");
   }
-  if (r.buffer_batches < 1) return absl::InvalidArgumentError("router_events.buffer_batches must be >= 1");
-  if (r.max_batch_events < 1) return absl::InvalidArgumentError("router_events.max_batch_events must be >= 1");
-  if (r.send_hwm < 0) return absl::InvalidArgumentError("router_events.send_hwm must be >= 0");
-  if (r.data_parallel_rank < 0) return absl::InvalidArgumentError("router_events.data_parallel_rank must be >= 0");
+  if (r.buffer_batches < 1) return absl::InvalidArgumentError(absl::StrCat("router_events.buffer_batches must be >= 1, not ", r.buffer_batches));
+  if (r.max_batch_events < 1) return absl::InvalidArgumentError(absl::StrCat("router_events.max_batch_events must be >= 1, not ", r.max_batch_events));
+  if (r.send_hwm < 0) return absl::InvalidArgumentError(absl::StrCat("router_events.send_hwm must be >= 0, not ", r.send_hwm));
+  if (r.data_parallel_rank < 0) return absl::InvalidArgumentError(absl::StrCat("router_events.data_parallel_rank must be >= 0, not ", r.data_parallel_rank));
   return cache.Validate();
 }
 
@@ -249,6 +278,10 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
     return absl::InvalidArgumentError(absl::StrCat("config ", path, ": ", e.what()));
   }
   const std::string where = absl::StrCat("config ", path);
+  if (root.IsNull()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, " is empty: expected a YAML map of settings (deploy/kvd.example.yaml shows every key)"));
+  }
   KVD_RETURN_IF_ERROR(CheckKeys(
       root, where,
       {"listen", "side_socket", "metrics_listen", "backend", "max_message_bytes", "lease_ttl_s", "max_connection_idle_s",
@@ -261,10 +294,15 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   ServerOptions& s = options->server;
   CacheOptions& c = options->cache;
   KVD_RETURN_IF_ERROR(Read(root, "listen", &s.listen, where));
+  if (!s.listen.empty()) {
+    absl::StatusOr<std::string> listen = NormalizeListen("listen", s.listen);
+    if (!listen.ok()) return Prefixed(where, listen.status());
+    s.listen = *listen;
+  }
   KVD_RETURN_IF_ERROR(Read(root, "side_socket", &s.side_socket, where));
   KVD_RETURN_IF_ERROR(Read(root, "metrics_listen", &s.metrics_listen, where));
   KVD_RETURN_IF_ERROR(Read(root, "backend", &s.backend, where));
-  KVD_RETURN_IF_ERROR(Read(root, "max_message_bytes", &s.max_message_bytes, where));
+  KVD_RETURN_IF_ERROR(ReadSize(root, "max_message_bytes", &s.max_message_bytes, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "lease_ttl_s", &s.lease_ttl, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "max_connection_idle_s", &s.max_connection_idle, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "drain_timeout_s", &s.drain_timeout, where));
@@ -275,14 +313,14 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(Read(root, "allowed_uids", &s.allowed_uids, where));
   KVD_RETURN_IF_ERROR(Read(root, "socket_group", &s.socket_group, where));
   KVD_RETURN_IF_ERROR(Read(root, "allowed_gids", &s.allowed_gids, where));
-  KVD_RETURN_IF_ERROR(Read(root, "budget_bytes", &c.budget_bytes, where));
+  KVD_RETURN_IF_ERROR(ReadSize(root, "budget_bytes", &c.budget_bytes, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "session_ttl_s", &c.session_ttl, where));
   KVD_RETURN_IF_ERROR(Read(root, "session_max_protected_blocks", &c.session_max_protected_blocks, where));
-  KVD_RETURN_IF_ERROR(Read(root, "checkpoint_budget_bytes", &c.checkpoint_budget_bytes, where));
+  KVD_RETURN_IF_ERROR(ReadSize(root, "checkpoint_budget_bytes", &c.checkpoint_budget_bytes, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(root, "checkpoint_ttl_s", &c.checkpoint_ttl, where));
-  KVD_RETURN_IF_ERROR(Read(root, "max_engine_state_bytes", &c.max_engine_state_bytes, where));
-  KVD_RETURN_IF_ERROR(Read(root, "checkpoint_state_bytes", &c.checkpoint_state_bytes, where));
-  KVD_RETURN_IF_ERROR(Read(root, "max_checkpoint_state_bytes_per_worker", &c.max_checkpoint_state_bytes_per_worker, where));
+  KVD_RETURN_IF_ERROR(ReadSize(root, "max_engine_state_bytes", &c.max_engine_state_bytes, where));
+  KVD_RETURN_IF_ERROR(ReadSize(root, "checkpoint_state_bytes", &c.checkpoint_state_bytes, where));
+  KVD_RETURN_IF_ERROR(ReadSize(root, "max_checkpoint_state_bytes_per_worker", &c.max_checkpoint_state_bytes_per_worker, where));
   KVD_RETURN_IF_ERROR(Read(root, "boundary_high_watermark", &c.boundary_high_watermark, where));
   KVD_RETURN_IF_ERROR(Read(root, "boundary_low_watermark", &c.boundary_low_watermark, where));
   KVD_RETURN_IF_ERROR(Read(root, "event_buffer", &c.event_buffer, where));
@@ -295,7 +333,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(Read(root, "slru_main_fraction", &c.slru_main_fraction, where));
   KVD_RETURN_IF_ERROR(Read(root, "slru_ghost_fraction", &c.slru_ghost_fraction, where));
   KVD_RETURN_IF_ERROR(Read(root, "max_requests_per_worker", &c.max_requests_per_worker, where));
-  KVD_RETURN_IF_ERROR(Read(root, "max_bytes_per_worker", &c.max_bytes_per_worker, where));
+  KVD_RETURN_IF_ERROR(ReadSize(root, "max_bytes_per_worker", &c.max_bytes_per_worker, where));
   if (const YAML::Node tiers = root["tiers"]) {
     KVD_RETURN_IF_ERROR(ReadTiers(tiers, absl::StrCat(where, ": tiers"), &options->tiers));
   }

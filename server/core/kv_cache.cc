@@ -31,17 +31,17 @@ absl::Status CacheOptions::Validate() const {
       return absl::InvalidArgumentError(absl::StrCat("duplicate pool name '", p.name, "'"));
     }
   }
-  if (budget_bytes < 0) return absl::InvalidArgumentError("budget_bytes must be >= 0");
+  if (budget_bytes < 0) return absl::InvalidArgumentError(absl::StrCat("budget_bytes must be >= 0, not ", budget_bytes));
   if (checkpoint_budget_bytes < 0) {
-    return absl::InvalidArgumentError("checkpoint_budget_bytes must be >= 0");
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint_budget_bytes must be >= 0, not ", checkpoint_budget_bytes));
   }
-  if (session_ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("session_ttl_s must be >= 0");
-  if (checkpoint_ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("checkpoint_ttl_s must be >= 0");
+  if (session_ttl < absl::ZeroDuration()) return absl::InvalidArgumentError(absl::StrCat("session_ttl_s must be >= 0, not ", absl::FormatDuration(session_ttl)));
+  if (checkpoint_ttl < absl::ZeroDuration()) return absl::InvalidArgumentError(absl::StrCat("checkpoint_ttl_s must be >= 0, not ", absl::FormatDuration(checkpoint_ttl)));
   if (session_max_protected_blocks < 0) {
-    return absl::InvalidArgumentError("session_max_protected_blocks must be >= 0");
+    return absl::InvalidArgumentError(absl::StrCat("session_max_protected_blocks must be >= 0, not ", session_max_protected_blocks));
   }
-  if (max_engine_state_bytes < 0) return absl::InvalidArgumentError("max_engine_state_bytes must be >= 0");
-  if (checkpoint_state_bytes < 0) return absl::InvalidArgumentError("checkpoint_state_bytes must be >= 0");
+  if (max_engine_state_bytes < 0) return absl::InvalidArgumentError(absl::StrCat("max_engine_state_bytes must be >= 0, not ", max_engine_state_bytes));
+  if (checkpoint_state_bytes < 0) return absl::InvalidArgumentError(absl::StrCat("checkpoint_state_bytes must be >= 0, not ", checkpoint_state_bytes));
   if (max_checkpoint_state_bytes_per_worker < 0) {
     return absl::InvalidArgumentError("max_checkpoint_state_bytes_per_worker must be >= 0");
   }
@@ -50,14 +50,14 @@ absl::Status CacheOptions::Validate() const {
     return absl::InvalidArgumentError(
         "boundary_low_watermark and boundary_high_watermark must satisfy 0 < low <= high <= 1");
   }
-  if (event_buffer <= 0) return absl::InvalidArgumentError("event_buffer must be > 0");
-  if (max_requests_per_worker < 0) return absl::InvalidArgumentError("max_requests_per_worker must be >= 0");
-  if (max_bytes_per_worker < 0) return absl::InvalidArgumentError("max_bytes_per_worker must be >= 0");
+  if (event_buffer <= 0) return absl::InvalidArgumentError(absl::StrCat("event_buffer must be > 0, not ", event_buffer));
+  if (max_requests_per_worker < 0) return absl::InvalidArgumentError(absl::StrCat("max_requests_per_worker must be >= 0, not ", max_requests_per_worker));
+  if (max_bytes_per_worker < 0) return absl::InvalidArgumentError(absl::StrCat("max_bytes_per_worker must be >= 0, not ", max_bytes_per_worker));
   if (!(0 < slru_main_fraction && slru_main_fraction < 1)) {
-    return absl::InvalidArgumentError("slru_main_fraction must be in (0, 1)");
+    return absl::InvalidArgumentError(absl::StrCat("slru_main_fraction must be in (0, 1), not ", slru_main_fraction));
   }
   if (!(0 <= slru_ghost_fraction && slru_ghost_fraction <= 16)) {
-    return absl::InvalidArgumentError("slru_ghost_fraction must be in [0, 16]");
+    return absl::InvalidArgumentError(absl::StrCat("slru_ghost_fraction must be in [0, 16], not ", slru_ghost_fraction));
   }
   return pressure.Validate();
 }

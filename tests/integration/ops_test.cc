@@ -148,6 +148,17 @@ TEST_CASE("Every configuration error exits non-zero naming the field", "[integra
       {"router_events:\n  replay_endpoint: ipc:///tmp/kvd-replay\n", "router_events.replay_endpoint"},
       {"router_events:\n  colour: blue\n", "unknown key 'colour'"},
       {"router_events:\n  endpoint: bogus://nowhere\n", "router_events.endpoint bogus://nowhere"},
+      // Strict at every level, with the value and the allowed forms named (config_values.h).
+      {"pools:\n  - name: p\n    capacity_block: 1000\n", "pools[0]: unknown key 'capacity_block'"},
+      {"tiers:\n  colour: blue\n", "tiers: unknown key 'colour'"},
+      {"", "is empty: expected a YAML map"},
+      {"# only a comment\n", "is empty: expected a YAML map"},
+      {"tiers:\n  host_bytes: -5\n", "tiers: host_bytes: '-5' is not a size: expected bytes"},
+      {"tiers:\n  host_bytes: 8 gigs\n", "host_bytes: '8 gigs' is not a size"},
+      {"budget_bytes: [1, 2]\n", "budget_bytes: expected a single value"},
+      {"lease_ttl_s: -3\n", "lease_ttl_s must be > 0, not -3s"},
+      {"drain_timeout_s: 5 minutes\n", "drain_timeout_s: '5 minutes' is not a duration"},
+      {"listen: kvd.sock\n", "listen: 'kvd.sock' is neither"},
   };
   for (const Case& c : cases) {
     const std::string path = dir.path() + "/bad.yaml";
@@ -159,6 +170,57 @@ TEST_CASE("Every configuration error exits non-zero naming the field", "[integra
     REQUIRE(r.out.find(c.named) != std::string::npos);
   }
   REQUIRE_FALSE(std::filesystem::exists(dir.path() + "/k.sock"));  // nothing was bound
+}
+
+TEST_CASE("Flags are parsed and checked exactly like the same keys in the file", "[integration][ops]") {
+  TempDir dir;
+  const std::string listen = "--listen=unix://" + dir.path() + "/k.sock";
+  const auto run = [&](std::string yaml, std::vector<std::string> flags) {
+    const std::string path = dir.path() + "/c.yaml";
+    std::ofstream(path) << SmallPoolConfig(32, yaml);
+    flags.insert(flags.begin(), "--config=" + path);
+    ProcessResult r = RunProcess(KvdBinary(), flags, absl::Seconds(10));
+    INFO(absl::StrJoin(flags, " ") << " -> " << r.out);
+    REQUIRE(r.exit_code == 2);
+    return r.out;
+  };
+  // The same mistake by flag and by key: the same message after the place it was made.
+  const auto after = [](const std::string& out, const std::string& from) {
+    const size_t at = out.find(from);
+    REQUIRE(at != std::string::npos);
+    return out.substr(at, out.find('\n', at) - at);
+  };
+  REQUIRE(after(run("lease_ttl_s: -3\n", {listen}), "lease_ttl_s must") ==
+          after(run("", {listen, "--lease-ttl=-3"}), "lease_ttl_s must"));
+  REQUIRE(after(run("drain_timeout_s: -1\n", {listen}), "drain_timeout_s must") ==
+          after(run("", {listen, "--drain-timeout=-1"}), "drain_timeout_s must"));
+  REQUIRE(after(run("tiers:\n  host_bytes: -5\n", {listen}), "'-5' is not a size") ==
+          after(run("", {listen, "--host-tier-bytes=-5"}), "'-5' is not a size"));
+  REQUIRE(after(run("max_message_bytes: 10\n", {listen}), "max_message_bytes must") ==
+          after(run("", {listen, "--max-message-bytes=10"}), "max_message_bytes must"));
+  REQUIRE(run("", {"--listen=kvd.sock"}).find("--listen: 'kvd.sock' is neither") != std::string::npos);
+  REQUIRE(run("", {listen, "--lease-ttl=soon"}).find("--lease-ttl: 'soon' is not a duration") != std::string::npos);
+  REQUIRE_FALSE(std::filesystem::exists(dir.path() + "/k.sock"));  // nothing was bound
+
+  // Units and the Unix spellings are accepted, from the file and from flags alike.
+  const std::string path = dir.path() + "/units.yaml";
+  std::ofstream(path) << SmallPoolConfig(32, "budget_bytes: 1MiB\nlease_ttl_s: 1m\ntiers:\n  host_bytes: 8GiB\n");
+  ProcessResult a = RunProcess(KvdBinary(), {"--config=" + path, "--print-config", "--listen=" + dir.path() + "/x.sock",
+                                             "--drain-timeout=2m", "--max-message-bytes=32MiB"});
+  INFO(a.out);
+  REQUIRE(a.exit_code == 0);
+  REQUIRE(a.out.find("budget_bytes: 1048576\n") != std::string::npos);
+  REQUIRE(a.out.find("lease_ttl_s: 60\n") != std::string::npos);
+  REQUIRE(a.out.find("host_bytes: 8589934592\n") != std::string::npos);
+  REQUIRE(a.out.find("drain_timeout_s: 120\n") != std::string::npos);
+  REQUIRE(a.out.find("max_message_bytes: 33554432\n") != std::string::npos);
+  REQUIRE(a.out.find("listen: unix://" + dir.path() + "/x.sock\n") != std::string::npos);
+  REQUIRE(a.out.find("side_socket: " + dir.path() + "/x.sock.slabs\n") != std::string::npos);
+
+  // And a daemon given a bare socket path serves on it.
+  DaemonProcess d(SmallPoolConfig(), {"--listen=" + dir.path() + "/bare.sock"});
+  REQUIRE(d.target() == "unix://" + dir.path() + "/bare.sock");
+  REQUIRE(Health(d) == grpc::health::v1::HealthCheckResponse::SERVING);
 }
 
 TEST_CASE("--print-config round-trips", "[integration][ops]") {
