@@ -144,8 +144,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   d->service_ = std::make_unique<KvdService>(d->cache_.get(), d->workers_.get(), d->arena_.get(),
                                              d->metrics_.get(), so.side_socket, so.lease_ttl,
                                              d->tiers_.get());
-  d->service_->set_on_drain([raw = d.get()] {
-    if (raw->server_ != nullptr) raw->server_->GetHealthCheckService()->SetServingStatus(false);
+  d->service_->set_on_serving([raw = d.get()](bool serving) {
+    if (raw->server_ != nullptr) raw->server_->GetHealthCheckService()->SetServingStatus(serving);
   });
 
   const bool unix_socket = absl::StartsWith(so.listen, "unix://");
@@ -242,7 +242,7 @@ absl::Status Daemon::Probe(absl::Duration timeout) const {
 void Daemon::StartDrain() { service_->StartDraining(); }
 
 int64_t Daemon::Drain(absl::Duration timeout, const std::function<bool()>& interrupted) {
-  StartDrain();
+  service_->StartDraining(/*final=*/true);
   const absl::Time deadline = SystemClock::Get()->Now() + timeout;
   int64_t live = cache_->Report().live_requests;
   while (live > 0 && SystemClock::Get()->Now() < deadline) {

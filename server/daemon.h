@@ -35,7 +35,7 @@ class Daemon {
 
   // Stops admitting: new Admit/Fits/Attach get UNAVAILABLE, health turns NOT_SERVING. Idempotent.
   void StartDrain();
-  // StartDrain, then waits up to `timeout` for live requests to finish, or until `interrupted`
+  // StartDrain (final: no Drain RPC undoes it), then waits up to `timeout` for live requests to finish, or until `interrupted`
   // (polled) returns true; then, with a disk tier and tiers.flush_on_drain, flushes (unless
   // interrupted). Returns how many requests were still live.
   int64_t Drain(absl::Duration timeout, const std::function<bool()>& interrupted = nullptr);

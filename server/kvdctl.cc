@@ -20,7 +20,6 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
-#include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/escaping.h"
@@ -30,20 +29,15 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "server/build_info.h"
+#include "server/config_values.h"
+#include "server/kvdctl_json.h"
 #include "proto/vocab/default_paths.h"
 
 namespace {
 
 using kvd::v1::Kvd;
 
-std::string Json(const google::protobuf::Message& m) {
-  std::string out;
-  google::protobuf::util::JsonPrintOptions o;
-  o.always_print_primitive_fields = true;
-  o.preserve_proto_field_names = true;
-  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
-  return out;
-}
+std::string Json(const google::protobuf::Message& m) { return kvd::ToJsonLine(m); }
 
 // Prints rows as left-aligned columns.
 void Table(const std::vector<std::vector<std::string>>& rows) {
@@ -294,11 +288,18 @@ int main(int argc, char** argv) {
   auto* pools = app.add_subcommand("pools", "pools and their block states");
   auto* requests = app.add_subcommand("requests", "live requests");
   auto* sessions = app.add_subcommand("sessions", "sessions and their affinity");
-  auto* gc = app.add_subcommand("gc", "expire TTLs and evict idle unreferenced blocks");
-  int64_t max_idle_ms = 0;
-  gc->add_option("--max-idle-ms", max_idle_ms, "evict blocks idle at least this long (0: all)");
+  auto* gc = app.add_subcommand("gc", "expire TTLs and evict unreferenced blocks idle for --max-idle, or --all");
+  int64_t max_idle_ms = -1;
+  std::string max_idle;
+  bool gc_all = false;
+  auto* gc_idle = gc->add_option("--max-idle", max_idle, "evict blocks idle at least this long (e.g. 10m, 30s)");
+  auto* gc_idle_ms = gc->add_option("--max-idle-ms", max_idle_ms, "the same in milliseconds")->excludes(gc_idle);
+  gc->add_flag("--all", gc_all, "evict every unprotected, unreferenced block however recently used")
+      ->excludes(gc_idle)
+      ->excludes(gc_idle_ms);
   auto* boundary = app.add_subcommand("boundary", "trim pools above the high watermark");
   auto* drain = app.add_subcommand("drain", "stop admitting new work");
+  auto* undrain = app.add_subcommand("undrain", "admit again after `drain` (not after SIGTERM)");
   auto* events = app.add_subcommand("events", "index events");
   uint64_t after = 0;
   bool follow = false;
@@ -350,8 +351,23 @@ int main(int argc, char** argv) {
   if (*sessions) return Sessions(*stub, json);
   if (*events) return Events(*stub, json, after, follow);
   if (*gc) {
+    // Destructive without a bound: the operator says so (gc --all) rather than getting it by
+    // leaving the argument out.
     kvd::v1::GcRequest req;
-    req.set_max_idle_ms(max_idle_ms);
+    if (!max_idle.empty()) {
+      absl::StatusOr<absl::Duration> d = kvd::ParseDurationValue("--max-idle", max_idle);
+      if (!d.ok() || *d < absl::ZeroDuration()) {
+        std::cerr << "kvdctl: " << (d.ok() ? "--max-idle must be >= 0" : std::string(d.status().message())) << "\n";
+        return 2;
+      }
+      req.set_max_idle_ms(absl::ToInt64Milliseconds(*d));
+    } else if (max_idle_ms >= 0) {
+      req.set_max_idle_ms(max_idle_ms);
+    } else if (!gc_all) {
+      std::cerr << "kvdctl gc: say which blocks: --max-idle=DURATION (e.g. 10m) evicts blocks idle that long; "
+                   "--all evicts every unprotected, unreferenced block\n";
+      return 2;
+    }
     kvd::v1::GcResponse r;
     if (int rc = Call([&](auto* c, auto* p) { return stub->Gc(c, req, p); }, &r)) return rc;
     if (json) std::cout << Json(r) << "\n";
@@ -385,6 +401,15 @@ int main(int argc, char** argv) {
     return !r.has_flush() || r.flush().durable() ? 0 : 2;
   }
   if (*saved) return SavedPrefixes(*stub, json);
+  if (*undrain) {
+    kvd::v1::DrainRequest req;
+    req.set_resume(true);
+    kvd::v1::DrainResponse r;
+    if (int rc = Call([&](auto* c, auto* p) { return stub->Drain(c, req, p); }, &r)) return rc;
+    if (json) std::cout << Json(r) << "\n";
+    else std::cout << "admitting again; " << r.live_requests() << " requests live\n";
+    return 0;
+  }
   if (*drain) {
     kvd::v1::DrainResponse r;
     if (int rc = Call([&](auto* c, auto* p) { return stub->Drain(c, kvd::v1::DrainRequest(), p); }, &r)) return rc;

@@ -41,6 +41,11 @@ void AdmissionQueue::Poke() {
   poked_ = true;
 }
 
+void AdmissionQueue::Reopen() {
+  absl::MutexLock lock(&mu_);
+  closed_ = absl::OkStatus();
+}
+
 void AdmissionQueue::Close(absl::Status why) {
   std::vector<Waiter> ended;
   absl::Status closed;

@@ -53,6 +53,8 @@ class AdmissionQueue {
   // Ends every wait with `why`, then refuses new ones with it (drain). Idempotent.
   void Close(absl::Status why = absl::UnavailableError("kvd is draining: no new work is admitted"))
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Takes new waits again after Close (an undone drain). No-op while open.
+  void Reopen() ABSL_LOCKS_EXCLUDED(mu_);
   int64_t waiting() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

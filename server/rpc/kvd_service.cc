@@ -79,11 +79,24 @@ absl::StatusOr<KvdService::Caller> KvdService::CheckWorker(const grpc::CallbackS
   return caller;
 }
 
-void KvdService::StartDraining() {
+void KvdService::StartDraining(bool final) {
+  if (final) final_drain_ = true;
   if (draining_.exchange(true)) return;
   spdlog::info("draining: no new work is admitted");
   admission_->Close(Draining());
-  if (on_drain_) on_drain_();
+  if (on_serving_) on_serving_(false);
+}
+
+absl::Status KvdService::StopDraining() {
+  if (final_drain_) {
+    return absl::FailedPreconditionError("kvd is shutting down (SIGTERM): its drain cannot be undone");
+  }
+  if (!draining_) return absl::OkStatus();
+  admission_->Reopen();
+  draining_ = false;
+  spdlog::info("drain undone: admitting again");
+  if (on_serving_) on_serving_(true);
+  return absl::OkStatus();
 }
 
 void KvdService::WorkerGone(const WorkerId& worker, absl::string_view why) {
@@ -393,9 +406,13 @@ grpc::ServerUnaryReactor* KvdService::ListSessions(grpc::CallbackServerContext* 
 }
 
 grpc::ServerUnaryReactor* KvdService::Drain(grpc::CallbackServerContext* ctx,
-                                            const v1::DrainRequest*, v1::DrainResponse* resp) {
+                                            const v1::DrainRequest* req, v1::DrainResponse* resp) {
   return Unary(ctx, "Drain", [&] {
-    StartDraining();
+    if (req->resume()) {
+      KVD_RETURN_IF_ERROR(StopDraining());
+    } else {
+      StartDraining();
+    }
     resp->set_live_requests(cache_->Report().live_requests);
     return absl::OkStatus();
   });

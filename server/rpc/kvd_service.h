@@ -37,8 +37,12 @@ class KvdService final : public v1::Kvd::CallbackService {
 
   // After this, Admit, Fits and Attach answer UNAVAILABLE; running requests continue. Calls
   // `on_drain` (set by the Daemon: health NOT_SERVING) once.
-  void StartDraining();
-  void set_on_drain(std::function<void()> fn) { on_drain_ = std::move(fn); }
+  // `final`: the daemon is shutting down (SIGTERM), and no StopDraining undoes it.
+  void StartDraining(bool final = false);
+  // Admits again after a drain that was not final. FAILED_PRECONDITION when it was.
+  absl::Status StopDraining();
+  // Called with false when a drain starts, true when one is undone (health status).
+  void set_on_serving(std::function<void(bool serving)> fn) { on_serving_ = std::move(fn); }
   // On the Unix socket: every call's peer is looked up in `peers` (kvd accepted the connection
   // itself) and checked against `policy` (both borrowed). Call before serving.
   void set_access(const AccessPolicy* policy, const PeerListener* peers) {
@@ -202,7 +206,8 @@ class KvdService final : public v1::Kvd::CallbackService {
   std::unique_ptr<AdmissionQueue> admission_;  // Start's waits
   const AccessPolicy* policy_ = nullptr;
   const PeerListener* peers_ = nullptr;
-  std::function<void()> on_drain_;
+  std::function<void(bool)> on_serving_;
+  std::atomic<bool> final_drain_{false};
 };
 
 }  // namespace kvd

@@ -60,6 +60,22 @@ void HashVersusRead(const std::vector<kvd::bench::TraceRequest>& trace, size_t s
 
 }  // namespace
 
+constexpr char kUsage[] =
+    "usage: %s --trace=PATH [options]\n"
+    "Replays a Mooncake FAST'25 trace through KvCache in-process (Admit, Acquire, Publish of every\n"
+    "full prompt block, Release) and prints hit rate and engine time per block (docs/performance.md).\n"
+    "  --trace=PATH              trace in JSON lines (required), e.g.\n"
+    "                            ../shared/data/mooncake-fast25/conversation_trace.jsonl\n"
+    "  --capacity-tokens=N,...   device capacities to replay, in tokens (default 3000000,50000000)\n"
+    "  --block-tokens=N          tokens per block (default 16)\n"
+    "  --limit=N                 replay only the first N requests (default: all)\n"
+    "  --policy=lru|slru         eviction policy (default: the engine's, slru)\n"
+    "  --slru-main=F             SLRU main segment fraction, (0, 1) (default 0.5)\n"
+    "  --slru-ghost=F            SLRU ghost keys per pool block, [0, 16] (default 4)\n"
+    "  --bounds=on|off           also compute the unlimited and farthest-next-use bounds (default on)\n"
+    "  --hash-sample=N           prompts for the hashing-vs-read comparison; 0 skips it (default 2000)\n"
+    "  --help                    this text\n";
+
 int main(int argc, char** argv) {
   // Debian's Abseil is built with mutex deadlock detection on, which costs microseconds per lock;
   // production binaries (kvd) turn it off the same way. Tests keep it on.
@@ -74,7 +90,10 @@ int main(int argc, char** argv) {
     const std::string& key = kv[0];
     const std::string value = kv.size() > 1 ? kv[1] : "";
     bool ok = true;
-    if (key == "--trace") {
+    if (key == "--help" || key == "-h") {
+      std::printf(kUsage, argv[0]);
+      return 0;
+    } else if (key == "--trace") {
       trace_path = value;
     } else if (key == "--capacity-tokens") {
       capacities.clear();
@@ -102,13 +121,14 @@ int main(int argc, char** argv) {
       ok = false;
     }
     if (!ok) {
-      std::fprintf(stderr, "bad argument '%s'\nusage: %s --trace=PATH [--capacity-tokens=N,...] "
-                   "[--block-tokens=16] [--limit=N] [--hash-sample=N]\n", argv[i], argv[0]);
+      std::fprintf(stderr, "bad argument '%s'\n", argv[i]);
+      std::fprintf(stderr, kUsage, argv[0]);
       return 2;
     }
   }
   if (trace_path.empty()) {
-    std::fprintf(stderr, "--trace=PATH is required (e.g. ../shared/data/mooncake-fast25/conversation_trace.jsonl)\n");
+    std::fprintf(stderr, "--trace=PATH is required\n");
+    std::fprintf(stderr, kUsage, argv[0]);
     return 2;
   }
   auto trace = kvd::bench::LoadTrace(trace_path);

@@ -113,9 +113,11 @@ TEST_CASE("The allow-list refuses other users on gRPC and the side socket, and a
   // An allowed user is a worker, not an operator: what sees across tenants or changes the node is
   // refused (every request's handle, the event stream with its tokens, gc, drain); the worker's
   // own RPCs and the aggregate report are not.
-  for (const char* op : {"requests", "events", "gc", "drain"}) {
-    ProcessResult ctl = RunAs(KVDCTL_BINARY, {"--target=" + d.target(), op});
-    INFO(op << ": " << ctl.out);
+  for (const std::vector<std::string> op : {std::vector<std::string>{"requests"}, {"events"}, {"gc", "--all"}, {"drain"}}) {
+    std::vector<std::string> args = {"--target=" + d.target()};
+    args.insert(args.end(), op.begin(), op.end());
+    ProcessResult ctl = RunAs(KVDCTL_BINARY, args);
+    INFO(op[0] << ": " << ctl.out);
     REQUIRE(ctl.exit_code != 0);
     REQUIRE(ctl.out.find("is for operators") != std::string::npos);
   }

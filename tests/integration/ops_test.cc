@@ -52,6 +52,11 @@ TEST_CASE("Health is SERVING, then NOT_SERVING while draining; a second SIGTERM 
     status = Health(d);
   }
   REQUIRE(status == grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  // A SIGTERM drain is the way out: no operator command undoes it.
+  ProcessResult undrain = RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "undrain"});
+  REQUIRE(undrain.exit_code != 0);
+  REQUIRE(undrain.out.find("shutting down (SIGTERM)") != std::string::npos);
+  REQUIRE(Health(d) == grpc::health::v1::HealthCheckResponse::NOT_SERVING);
   // The request is still live and the drain deadline is a minute away: a second signal ends it now.
   d.Signal(SIGTERM);
   auto code = d.WaitExit(absl::Seconds(10));
@@ -276,13 +281,25 @@ TEST_CASE("kvdctl reports what the daemon holds, as tables and as JSON", "[integ
   v1::ListPoolsResponse pools;
   REQUIRE(JsonStringToMessage(ctl({"--json", "pools"}), &pools).ok());
   REQUIRE(pools.pools(0).block_tokens() == 4);
+  // Numbers are JSON numbers (protobuf's JSON quotes 64-bit ones) and keys are the hex the
+  // tables print (not base64).
+  REQUIRE(ctl({"--json", "status"}).find("\"live_requests\": 1,") != std::string::npos);
   std::vector<std::string> lines = absl::StrSplit(ctl({"--json", "events", "--after=1"}), '\n', absl::SkipEmpty());
   REQUIRE(lines.size() == 1);
-  v1::CacheEvent e;
-  REQUIRE(JsonStringToMessage(lines[0], &e).ok());
-  REQUIRE(e.sequence() == 2);
+  REQUIRE(lines[0].find("\"sequence\": 2,") != std::string::npos);
+  const size_t key_at = events.find("2 stored pool=default");
+  const size_t hex_at = events.find(" key=", key_at) + 5;
+  const std::string key_hex = events.substr(hex_at, 32);
+  REQUIRE(key_hex.find_first_not_of("0123456789abcdef") == std::string::npos);
+  REQUIRE(lines[0].find("\"block_key\": \"" + key_hex + "\"") != std::string::npos);
+  REQUIRE(lines[0].find("\"kind\": \"STORED\"") != std::string::npos);
+  // gc without saying which blocks is refused before anything is evicted.
+  ProcessResult bare_gc = RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "gc"});
+  REQUIRE(bare_gc.exit_code == 2);
+  REQUIRE(bare_gc.out.find("--max-idle=DURATION") != std::string::npos);
+  REQUIRE(ctl({"gc", "--max-idle=10m"}).find("freed 0 blocks") != std::string::npos);
   v1::GcResponse gc;
-  REQUIRE(JsonStringToMessage(ctl({"--json", "gc"}), &gc).ok());
+  REQUIRE(JsonStringToMessage(ctl({"--json", "gc", "--all"}), &gc).ok());
   REQUIRE(gc.blocks_freed() == 0);  // the session protects a's prefix
   REQUIRE(ctl({"boundary"}).find("evicted 0 blocks") != std::string::npos);
   v1::DrainResponse drain;
@@ -294,6 +311,11 @@ TEST_CASE("kvdctl reports what the daemon holds, as tables and as JSON", "[integ
   ProcessResult draining = RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "health"});
   REQUIRE(draining.exit_code == 1);
   REQUIRE(draining.out.find("NOT_SERVING") != std::string::npos);
+  // An operator's drain is undone by undrain (twice is harmless): serving and admitting again.
+  REQUIRE(ctl({"undrain"}).find("admitting again; 1 requests live") != std::string::npos);
+  REQUIRE(ctl({"undrain"}).find("admitting again") != std::string::npos);
+  REQUIRE(ctl({"health"}).find("SERVING") != std::string::npos);
+  REQUIRE((*c)->Admit(late).ok());
   ProcessResult unreachable = RunProcess(KVDCTL_BINARY, {"--target=unix:///nonexistent/kvd.sock", "status"});
   REQUIRE(unreachable.exit_code == 1);
 }
