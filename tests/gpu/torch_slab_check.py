@@ -12,7 +12,6 @@ Every byte of every cached token is compared with the pattern of client/examples
 Usage: torch_slab_check.py BIN_DIR   (kvd, kvd_example_worker, kvdctl in BIN_DIR)
 Exit status: 0 all bytes matched; 1 a check failed; 4 skipped (no PyTorch or no usable GPU).
 """
-import base64
 import ctypes
 import json
 import os
@@ -74,7 +73,7 @@ def main():
                                             "--json", "pools"], capture_output=True, text=True,
                                            timeout=30).stdout)
         slab = listed["pools"][0]["slabs"][0]
-        handle = base64.b64decode(slab["cuda_ipc_handle"])
+        handle = bytes.fromhex(slab["cuda_ipc_handle"])  # kvdctl --json prints bytes as hex
         uuid = slab.get("device_uuid", "").lower().removeprefix("gpu-")
         ordinal = next((i for i in range(torch.cuda.device_count())
                         if str(torch.cuda.get_device_properties(i).uuid).lower().removeprefix("gpu-") == uuid), None)
