@@ -16,7 +16,7 @@ kvd_packages=(
 )
 # Only the tests need these: manifest and unit-file checks, the Python client and router-event
 # subscriber, a real redis-server for the shared tier, and PyTorch (CPU) for the engine proof.
-kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd prometheus clang
+kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd strace prometheus clang
                    python3-zmq python3-msgpack python3-cbor2 python3-numpy redis-server python3-torch)
 
 kvd_install_missing() {

@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """Checks the files in deploy/ against what they must say, and against a running kvd.
 
-Usage: check_deploy.py REPO_ROOT KVD_BINARY KVDCTL_BINARY
+Usage: check_deploy.py REPO_ROOT KVD_BINARY KVDCTL_BINARY [EXAMPLE_WORKER_BINARY]
 
 - every Kubernetes manifest parses, and the DaemonSet, worker pod, ConfigMap and PodMonitor
   carry the settings that matter (shared PID/IPC namespaces, the socket hostPath, probes,
   resources, the metrics port the PodMonitor scrapes);
 - the ConfigMap's kvd.yaml and deploy/kvd.example.yaml are accepted by `kvd --print-config`;
-- the systemd unit passes `systemd-analyze verify` (when systemd-analyze exists);
+- the systemd unit passes `systemd-analyze verify`, scores <= 3.0 in `systemd-analyze security`,
+  and its SystemCallFilter= allows every system call a real kvd makes (traced with strace through
+  start-up, two workers mapping slabs, a hit, a flush to the disk tier, metrics, drain and exit)
+  (when systemd-analyze and strace exist);
 - the alert rules pass `promtool check rules` (when promtool exists);
 - every kvd_* metric named by the alert rules and the Grafana dashboard is one a running kvd
   actually exports (scraped from a real daemon on a temporary socket and port 0);
@@ -42,6 +45,7 @@ def load_all(path):
 
 def main():
     root, kvd, kvdctl = sys.argv[1], os.path.abspath(sys.argv[2]), os.path.abspath(sys.argv[3])
+    worker_bin = os.path.abspath(sys.argv[4]) if len(sys.argv) > 4 else None
     deploy = os.path.join(root, "deploy")
     docs = {}
     for name in sorted(os.listdir(os.path.join(deploy, "kubernetes"))):
@@ -89,6 +93,18 @@ def main():
             r = subprocess.run(["systemd-analyze", "verify", upath], capture_output=True, text=True, cwd=tmp)
             check(r.returncode == 0 and "kvd.service" not in r.stderr, f"systemd-analyze verify ({r.stderr.strip()})")
             check("Type=notify" in unit and "RuntimeDirectory=kvd" in unit and "User=kvd" in unit, "unit is notify, runtime dir, own user")
+            # Hardening: systemd's own exposure score (0 best, 10 worst), 3.0 at most.
+            r = subprocess.run(["systemd-analyze", "security", "--offline=true", "--threshold=30", upath],
+                               capture_output=True, text=True, cwd=tmp)
+            score = re.search(r"Overall exposure level for kvd.service: (\S+)", r.stdout)
+            check(r.returncode == 0 and score is not None,
+                  f"systemd-analyze security scores the unit <= 3.0 ({score.group(1) if score else r.stdout[-300:]})")
+            if score:
+                print("systemd-analyze security: exposure", score.group(1))
+            if shutil.which("strace") and worker_bin:
+                check_syscalls(unit, kvd, kvdctl, worker_bin, tmp)
+            else:
+                print("skip: strace not installed (or no example worker): the syscall filter is not exercised")
         else:
             print("skip: systemd-analyze not installed")
 
@@ -122,6 +138,89 @@ def main():
 
     print(f"{len(failures)} failed")
     return 1 if failures else 0
+
+
+def syscall_set(name):
+    """The system calls of a systemd syscall set, nested sets expanded."""
+    out = subprocess.run(["systemd-analyze", "syscall-filter", name], capture_output=True, text=True).stdout
+    calls = set()
+    for line in out.splitlines()[1:]:
+        item = line.split("#")[0].strip()
+        if item.startswith("@"):
+            calls |= syscall_set(item)
+        elif item:
+            calls.add(item)
+    return calls
+
+
+def check_syscalls(unit, kvd, kvdctl, worker, tmp):
+    """Runs kvd under strace through a workload and checks every call against the unit's filter."""
+    allowed = None
+    for line in unit.splitlines():
+        m = re.match(r"^SystemCallFilter=(~?)(.*)$", line.strip())
+        if not m:
+            continue
+        names = set()
+        for item in m.group(2).split():
+            names |= syscall_set(item) if item.startswith("@") else {item}
+        if allowed is None:
+            allowed = set() if m.group(1) else set(names)
+            if m.group(1):
+                check(False, "the unit's first SystemCallFilter= is an allow-list")
+                return
+        elif m.group(1):
+            allowed -= names
+        else:
+            allowed |= names
+    check(allowed is not None, "the unit sets SystemCallFilter=")
+    if allowed is None:
+        return
+    d = os.path.join(tmp, "strace")
+    os.makedirs(d)
+    sock = os.path.join(d, "k.sock")
+    ready = os.path.join(d, "ready.json")
+    trace = os.path.join(d, "trace")
+    proc = subprocess.Popen(["strace", "-f", "-qq", "-o", trace, kvd, "--listen=unix://" + sock,
+                             "--metrics-listen=127.0.0.1:0", "--ready-file=" + ready, "--log-level=warn",
+                             "--disk-dir=" + os.path.join(d, "disk"), "--host-tier-bytes=4MiB",
+                             "--redis-url=redis://127.0.0.1:1", "--router-events=ipc://" + os.path.join(d, "events")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(1500):
+            if os.path.exists(ready):
+                break
+            time.sleep(0.02)
+        check(os.path.exists(ready), "kvd started under strace")
+        if not os.path.exists(ready):
+            return
+        for wid in ("a", "b"):  # b hits a's prefix in the slabs it mapped
+            r = subprocess.run([worker, "--target=unix://" + sock, "--id=" + wid, "--prompt-range=0:40"],
+                               capture_output=True, text=True, timeout=60)
+            check(r.returncode == 0 and '"mismatches": 0' in r.stdout, f"worker {wid} under the traced kvd ({r.stdout[-200:]})")
+        subprocess.run([kvdctl, "--target=unix://" + sock, "flush"], stdout=subprocess.DEVNULL, timeout=60)
+        port = json.load(open(ready))["metrics_port"]
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    finally:
+        # SIGTERM to kvd itself (strace would detach and leave it running); strace exits with it.
+        try:
+            os.kill(json.load(open(ready))["pid"], signal.SIGTERM)
+        except (OSError, ValueError, KeyError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    used = set()
+    for line in open(trace):
+        m = re.match(r"^\d+\s+([a-z0-9_]+)\(", line)
+        if m:
+            used.add(m.group(1))
+    check(len(used) > 20, f"strace saw kvd's system calls ({len(used)})")
+    outside = sorted(used - allowed)
+    check(not outside, f"every system call kvd made is allowed by the unit's SystemCallFilter= (not: {outside})")
+    print(f"syscall filter: kvd made {len(used)} distinct system calls, all within the unit's filter"
+          if not outside else f"syscall filter: outside: {outside}")
 
 
 def scrape_metric_names(kvd, kvdctl, tmp):
