@@ -15,9 +15,11 @@ kvd_packages=(
   libzmq3-dev libmsgpack-cxx-dev libssl-dev libhiredis-dev
 )
 # Only the tests need these: manifest and unit-file checks, the Python client and router-event
-# subscriber, a real redis-server for the shared tier, and PyTorch (CPU) for the engine proof.
+# subscriber, a real redis-server for the shared tier, PyTorch (CPU) for the engine proof, strace
+# for the unit's syscall filter, and venv/pip/setuptools to install the Python client as users do.
 kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd strace prometheus clang
-                   python3-zmq python3-msgpack python3-cbor2 python3-numpy redis-server python3-torch)
+                   python3-zmq python3-msgpack python3-cbor2 python3-numpy redis-server python3-torch
+                   python3-venv python3-pip python3-setuptools python3-wheel)
 
 kvd_install_missing() {
   local missing=()

@@ -12,5 +12,5 @@ Host slabs arrive as file descriptors over the side socket (SCM_RIGHTS) and are 
 opened with cudaIpcOpenMemHandle through ctypes (kvd.cuda): pools[i].devices[shard] holds the
 device pointer and size, and layer_address() gives a block layer's device address.
 """
-from .client import Client, KvdError, KvdRestarted, Request  # noqa: F401
+from .client import Client, KvdError, KvdRestarted, KvdUnavailable, Request  # noqa: F401
 from .cuda import CudaError, CudaRuntime, DeviceSlab  # noqa: F401

@@ -38,6 +38,17 @@ class KvdRestarted(KvdError):
         self.request_id = request_id
 
 
+class KvdUnavailable(KvdError):
+    """kvd is not there: nothing listens at the target, or it did not answer in time. Code
+    UNAVAILABLE; the message names the target."""
+
+    def __init__(self, target, waited_s):
+        super().__init__(grpc.StatusCode.UNAVAILABLE,
+                         f"cannot reach kvd at {target} (waited {waited_s:g} s): is the daemon running, "
+                         f"and may this user open its socket?")
+        self.target = target
+
+
 def _call(fn, req, timeout=30):
     try:
         return fn(req, timeout=timeout)
@@ -204,7 +215,7 @@ class Client:
     """Attaches to kvd (with a background heartbeat), lists pools and maps host slabs once."""
 
     def __init__(self, target, worker_name="python", map_slabs=True, heartbeat_s=1.0, cuda_runtime=None,
-                 expect=(), on_remap=None):
+                 expect=(), on_remap=None, connect_timeout_s=5.0):
         """`expect`: dicts of kvd_pb2.PoolExpectation fields ({"pool": "llama", "dtype": "bfloat16",
         "kv_heads": 8, ...}); the daemon refuses to attach (FAILED_PRECONDITION, KvdError) when a
         pool differs, so the worker never reads KV laid out for another model.
@@ -214,7 +225,9 @@ class Client:
         lists with its mappings: the same memfd inodes keep every mapping; new memory is mapped,
         `on_remap()` is called (the engine's KV arrays moved), then the old maps are closed.
         Requests live at the restart raise KvdRestarted; request() waits for the re-attachment
-        within its wait_s. `epoch` counts attachments from 1; `attached` is an Event."""
+        within its wait_s. `epoch` counts attachments from 1; `attached` is an Event.
+
+        KvdUnavailable (a KvdError) when nothing answers at `target` within connect_timeout_s."""
         self.target = target
         self.rpc_seconds = 0.0  # wall time spent in unary RPCs, for the engine benchmark
         self.rpc_calls = 0
@@ -232,10 +245,10 @@ class Client:
         self.detached_reason = ""
         self._channel = grpc.insecure_channel(target)
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=5)
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
         except grpc.FutureTimeoutError:
             self._channel.close()
-            raise KvdError(grpc.StatusCode.UNAVAILABLE, f"cannot reach kvd at {target}") from None
+            raise KvdUnavailable(target, connect_timeout_s) from None
         self._stub = kvd_pb2_grpc.KvdStub(self._channel)
         attached = self._open_stream()
         self.worker_id = attached.worker_id
