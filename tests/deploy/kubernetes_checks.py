@@ -1,0 +1,241 @@
+"""The Kubernetes half of check_deploy.py: deploy/kubernetes is a kustomize base with overlays
+(host, gpu, monitoring). Each overlay is rendered with `kubectl kustomize`, every rendered object
+is validated against the Kubernetes API schemas offline (kubernetes-models and its Prometheus
+Operator models from npm, installed once into the build tree), and the objects are checked for
+what matters on a node: namespace first, the socket and disk hostPaths handed to kvd's user by the
+init container (run for real: its command as root on a directory made the way the kubelet makes
+one, then the real kvd as uid 10001 binding there), critical priority, gRPC-health probes, a grace
+period covering drain and flush, the workers' group, the example worker in no overlay, and the
+monitoring objects (the PrometheusRule's groups are deploy/prometheus/kvd-rules.yaml)."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import yaml
+
+OVERLAYS = ("host", "gpu", "monitoring")
+# Pinned: what the schema validation was written against.
+NPM_PACKAGES = ("kubernetes-models@5.1.0", "@kubernetes-models/prometheus-operator@6.0.0")
+KVD_UID = 10001
+
+VALIDATE_JS = r"""
+const objs = JSON.parse(require("fs").readFileSync(0, "utf8"));
+const groups = { "v1": "kubernetes-models/v1", "apps/v1": "kubernetes-models/apps/v1",
+                 "monitoring.coreos.com/v1": "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1" };
+(async () => {
+  let bad = 0;
+  for (const o of objs) {
+    const mod = groups[o.apiVersion];
+    if (!mod) { console.log(`FAIL ${o.kind}/${o.metadata.name}: no schema for ${o.apiVersion}`); bad++; continue; }
+    const Model = (await import(mod))[o.kind];
+    if (!Model) { console.log(`FAIL ${o.kind}/${o.metadata.name}: unknown kind in ${o.apiVersion}`); bad++; continue; }
+    try { new Model(o).validate(); console.log(`ok ${o.apiVersion} ${o.kind}/${o.metadata.name}`); }
+    catch (e) { console.log(`FAIL ${o.kind}/${o.metadata.name}: ${e.message}`); bad++; }
+  }
+  process.exit(bad ? 1 : 0);
+})();
+"""
+
+
+def render(root, overlay):
+    r = subprocess.run(["kubectl", "kustomize", os.path.join(root, "deploy", "kubernetes", "overlays", overlay)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return None, r.stderr.strip()
+    return [d for d in yaml.safe_load_all(r.stdout) if d], ""
+
+
+def install_validator(cache):
+    """node + the pinned npm packages under `cache`; None (and why) when that cannot be had."""
+    if not shutil.which("node") or not shutil.which("npm"):
+        return None, "node/npm not installed"
+    marker = os.path.join(cache, "installed-" + "+".join(NPM_PACKAGES).replace("/", "_"))
+    if not os.path.exists(marker):
+        os.makedirs(cache, exist_ok=True)
+        r = subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund", "--prefix", cache, *NPM_PACKAGES],
+                           capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            return None, "npm install failed: " + (r.stderr.strip()[-300:] or r.stdout.strip()[-300:])
+        open(marker, "w").close()
+    script = os.path.join(cache, "validate.cjs")
+    open(script, "w").write(VALIDATE_JS)
+    return script, ""
+
+
+def check_socket_dir(check, init_command, config_text, kvd):
+    """The init container's command, then kvd as uid 10001, on hostPath-like directories."""
+    tmp = tempfile.mkdtemp(prefix="kvd-hostpath-")
+    try:
+        os.chmod(tmp, 0o755)
+        run, disk = os.path.join(tmp, "run-kvd"), os.path.join(tmp, "var-lib-kvd")
+
+        def kubelet_dirs():  # DirectoryOrCreate: root-owned, 0755
+            for d in (run, disk):
+                shutil.rmtree(d, ignore_errors=True)
+                os.mkdir(d)
+                os.chown(d, 0, 0)
+                os.chmod(d, 0o755)
+
+        config = os.path.join(tmp, "kvd.yaml")
+        open(config, "w").write(config_text.replace("/var/lib/kvd", disk))
+        os.chmod(config, 0o644)
+
+        def start_kvd():
+            ready = os.path.join(tmp, "ready.json")
+            if os.path.exists(ready):
+                os.remove(ready)
+            p = subprocess.Popen(["setpriv", f"--reuid={KVD_UID}", f"--regid={KVD_UID}", "--clear-groups",
+                                  kvd, "--config=" + config, "--listen=unix://" + os.path.join(run, "kvd.sock"),
+                                  "--metrics-listen=off", "--ready-file=" + os.path.join(run, "ready.json")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for _ in range(500):
+                if os.path.exists(os.path.join(run, "ready.json")) or p.poll() is not None:
+                    break
+                time.sleep(0.02)
+            served = p.poll() is None and os.path.exists(os.path.join(run, "kvd.sock"))
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+            out = p.communicate(timeout=60)[0]
+            return served, out
+
+        # Without the init container kvd cannot bind: the check below would catch its loss.
+        kubelet_dirs()
+        served, out = start_kvd()
+        check(not served and "ermission denied" in out,
+              f"as the kubelet leaves it, the socket directory refuses kvd ({out.strip()[-200:]})")
+        kubelet_dirs()
+        r = subprocess.run(["/bin/sh", "-c", init_command.replace("/run/kvd", run).replace("/var/lib/kvd", disk)],
+                           capture_output=True, text=True)
+        check(r.returncode == 0, f"the init container's command runs ({r.stderr.strip()})")
+        served, out = start_kvd()
+        check(served, f"after it, kvd as uid {KVD_UID} binds the socket and serves ({out.strip()[-300:]})")
+        st = os.stat(os.path.join(run, "kvd.sock")) if os.path.exists(os.path.join(run, "kvd.sock")) else None
+        check(st is not None or served, "the socket was created")
+        if served:
+            print(f"hostPath: kvd as uid {KVD_UID} could not bind in a kubelet-made directory, and could after the "
+                  "init container's command")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_kubernetes(check, root, kvd, build_dir):
+    if not shutil.which("kubectl"):
+        check(False, "kubectl is installed (it renders the kustomize overlays)")
+        return
+    rendered = {}
+    for overlay in OVERLAYS:
+        objs, err = render(root, overlay)
+        check(objs is not None, f"kubectl kustomize overlays/{overlay} renders ({err})")
+        rendered[overlay] = objs or []
+
+    script, why = install_validator(os.path.join(build_dir, "k8s-schema-validator"))
+    if script is None:
+        print(f"skip: schema validation ({why})")
+    else:
+        for overlay, objs in rendered.items():
+            r = subprocess.run(["node", script], input=json.dumps(objs), capture_output=True, text=True,
+                               cwd=os.path.dirname(script), timeout=120)
+            print(f"overlays/{overlay}:", r.stdout.strip().replace("\n", "; "))
+            check(r.returncode == 0, f"every object of overlays/{overlay} is valid against the API schemas")
+
+    rules = yaml.safe_load(open(os.path.join(root, "deploy", "prometheus", "kvd-rules.yaml")))
+    for overlay in ("host", "gpu"):
+        objs = rendered[overlay]
+        if not objs:
+            continue
+        kinds = [o["kind"] for o in objs]
+        check(kinds[0] == "Namespace", f"{overlay}: the Namespace comes first ({kinds})")
+        check("Pod" not in kinds, f"{overlay}: the example worker is not part of the overlay")
+        by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+        check(all(o["metadata"].get("namespace") == "kvd" for o in objs if o["kind"] != "Namespace"),
+              f"{overlay}: every object is in namespace kvd")
+        ds = by.get(("DaemonSet", "kvd"))
+        cm = by.get(("ConfigMap", "kvd-config"))
+        check(ds is not None and cm is not None, f"{overlay}: DaemonSet kvd and ConfigMap kvd-config")
+        if ds is None or cm is None:
+            continue
+        pod = ds["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        check(pod.get("hostPID") is True and pod.get("hostIPC") is True, f"{overlay}: host PID and IPC namespaces")
+        check(pod.get("priorityClassName") == "system-node-critical", f"{overlay}: priorityClassName system-node-critical")
+        vols = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        check(vols.get("socket-dir", {}).get("hostPath", {}).get("path") == "/run/kvd" and
+              mounts.get("socket-dir") == "/run/kvd", f"{overlay}: the socket directory is hostPath /run/kvd")
+        check(vols.get("disk", {}).get("hostPath", {}).get("path") == "/var/lib/kvd" and
+              mounts.get("disk") == "/var/lib/kvd", f"{overlay}: the disk tier is hostPath /var/lib/kvd")
+        check("--listen=unix:///run/kvd/kvd.sock" in c["args"], f"{overlay}: kvd listens on the shared socket")
+        for probe in ("startupProbe", "readinessProbe"):
+            check(probe in c and c[probe]["exec"]["command"][-1] == "health",
+                  f"{overlay}: {probe} asks gRPC health over the socket")
+        check("livenessProbe" in c, f"{overlay}: liveness probe set")
+        check(c.get("securityContext", {}).get("runAsNonRoot") is True and
+              pod["securityContext"].get("runAsUser") == KVD_UID, f"{overlay}: kvd runs as uid {KVD_UID}")
+        check("nvidia.com/gpu" not in str(c.get("resources", {})), f"{overlay}: kvd reserves no GPU from the scheduler")
+        port_names = {p["name"] for p in c["ports"]}
+        pm = next((o for o in rendered["monitoring"] if o["kind"] == "PodMonitor"), None)
+        check(pm is not None and pm["spec"]["podMetricsEndpoints"][0]["port"] in port_names,
+              f"{overlay}: the PodMonitor scrapes a port the DaemonSet declares")
+
+        # The configuration: accepted by this kvd, and the pod sized and timed for it.
+        tmp = tempfile.mkdtemp(prefix="kvd-cm-")
+        try:
+            path = os.path.join(tmp, "kvd.yaml")
+            open(path, "w").write(cm["data"]["kvd.yaml"])
+            r = subprocess.run([kvd, "--config=" + path, "--print-config"], capture_output=True, text=True)
+            check(r.returncode == 0, f"{overlay}: its kvd.yaml is accepted by kvd ({r.stderr.strip()})")
+            eff = yaml.safe_load(r.stdout) if r.returncode == 0 else {}
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not eff:
+            continue
+        check(str(eff.get("socket_group")) == "10001", f"{overlay}: the sockets belong to the workers' group 10001")
+        check(eff["tiers"].get("disk_dir", "").startswith("/var/lib/kvd/") and eff["tiers"].get("flush_on_drain"),
+              f"{overlay}: the disk tier is on the hostPath and a drain flushes it")
+        drain = float(eff["drain_timeout_s"])
+        check(pod.get("terminationGracePeriodSeconds", 30) >= drain + 60,
+              f"{overlay}: the grace period covers the drain ({drain:g} s) and a flush budget of 60 s")
+        limit = c["resources"]["limits"]["memory"]
+        units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+        m = re.match(r"^(\d+)(Ki|Mi|Gi|Ti)?$", limit)
+        limit_bytes = int(m.group(1)) * units.get(m.group(2), 1) if m else 0
+        host_pool = 0 if eff["backend"] == "cuda" else sum(
+            p["capacity_blocks"] * p["block_tokens"] * p["num_layers"] * p["bytes_per_token_per_layer"] * p.get("shards", 1)
+            for p in eff["pools"])
+        need = host_pool + int(eff["tiers"]["host_bytes"])
+        check(limit_bytes > need, f"{overlay}: the memory limit {limit} holds the host pools and host tier ({need} bytes)")
+        if overlay == "gpu":
+            check(eff["backend"] == "cuda", "gpu: backend cuda (no silent fall-back to host memory)")
+            check(pod.get("runtimeClassName") == "nvidia", "gpu: the NVIDIA runtime class")
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            check(env.get("NVIDIA_VISIBLE_DEVICES") == "all", "gpu: every device visible to kvd")
+            check("kvd-cuda" in c["image"], f"gpu: the CUDA image ({c['image']})")
+        else:
+            check(eff["backend"] == "host" and "runtimeClassName" not in pod, "host: host backend, no GPU runtime")
+        init = pod.get("initContainers", [])
+        check(len(init) == 1 and init[0]["securityContext"].get("runAsUser") == 0,
+              f"{overlay}: an init container (as root) prepares the host directories")
+        if overlay == "host" and init and os.geteuid() == 0 and shutil.which("setpriv"):
+            check_socket_dir(check, init[0]["command"][-1], cm["data"]["kvd.yaml"], kvd)
+        elif overlay == "host":
+            print("skip: the hostPath ownership run needs root and setpriv")
+
+    mon = {o["kind"]: o for o in rendered["monitoring"]}
+    check(set(mon) == {"PodMonitor", "PrometheusRule"}, f"monitoring: a PodMonitor and a PrometheusRule ({sorted(mon)})")
+    for kind, o in mon.items():
+        check(o["metadata"].get("labels", {}).get("release"), f"monitoring: the {kind} carries the release label "
+              "kube-prometheus-stack selects on")
+    if "PrometheusRule" in mon:
+        check(mon["PrometheusRule"]["spec"] == rules,
+              "monitoring: the PrometheusRule's groups are deploy/prometheus/kvd-rules.yaml (promtool checks those)")
+
+    worker = yaml.safe_load(open(os.path.join(root, "deploy", "kubernetes", "examples", "example-worker.yaml")))
+    check(worker["spec"].get("hostPID") is True, "example worker shares the PID namespace")
+    wmounts = {m["mountPath"] for m in worker["spec"]["containers"][0]["volumeMounts"]}
+    check("/run/kvd" in wmounts, "example worker mounts the socket dir")
+    check(KVD_UID in worker["spec"]["securityContext"].get("supplementalGroups", []), "example worker joins kvd's group")
