@@ -334,6 +334,8 @@ void ToProto(const TierStats& s, v1::TierReport* p) {
     g4->set_skipped(r.skipped);
     g4->set_corrupt(r.corrupt);
     g4->set_last_error(r.last_error);
+    g4->set_failing(r.failing);
+    g4->set_calls(r.calls);
   }
 }
 

@@ -122,11 +122,14 @@ int Status(Kvd::Stub& stub, bool json) {
     if (t.has_remote()) {
       const kvd::v1::RemoteTierReport& g4 = t.remote();
       std::cout << "\n";
-      Table({{"redis tier", absl::StrCat(g4.url(), g4.available() ? " (available)" : " (SKIPPED after a failure)")},
+      const char* state = !g4.available() ? " (SKIPPED after a failure)"
+                          : g4.failing()  ? " (FAILING: its last call failed)"
+                                          : " (available)";
+      Table({{"redis tier", absl::StrCat(g4.url(), state)},
              {"lookups", absl::StrCat(g4.lookups(), " (", g4.hit_blocks(), " blocks found, ", g4.fetched_blocks(), " fetched)")},
              {"uploads", absl::StrCat(g4.uploaded_blocks(), " uploaded, ", g4.refreshed_blocks(), " already there, ",
                                       g4.upload_dropped(), " dropped")},
-             {"failures", absl::StrCat(g4.errors(), " errors, ", g4.skipped(), " calls skipped, ", g4.corrupt(),
+             {"failures", absl::StrCat(g4.errors(), " errors and ", g4.skipped(), " skipped of ", g4.calls(), " calls, ", g4.corrupt(),
                                        " corrupt values", g4.last_error().empty() ? "" : "; last: " + g4.last_error())}});
     }
   }

@@ -13,6 +13,9 @@ namespace kvd {
 
 struct RemoteStats {
   bool available = false;          // not in a failure back-off
+  bool failing = false;            // the last call that reached for Redis failed (still true
+                                   // between back-offs, while `available` reads true)
+  uint64_t calls = 0;              // uses of the tier attempted (lookups, fetches, uploads, ...)
   uint64_t lookups = 0;            // prefix lookups sent (one round trip each)
   uint64_t hit_blocks = 0;         // blocks found by lookups
   uint64_t fetched_blocks = 0, fetched_bytes = 0;    // values read (bytes as stored)

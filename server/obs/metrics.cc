@@ -55,10 +55,12 @@ class CacheCollector final : public prometheus::Collectable {
         add(bytes, static_cast<double>(blocks * p.block_bytes),
             {{"pool", p.name}, {"tier", "device"}, {"state", state}});
       };
+      // The states partition the pool (a block is free, owned or cached): they add up to total.
       add_bytes("total", p.capacity_blocks);
       add_bytes("free", p.free_blocks);
-      add_bytes("held", p.owned_blocks + p.cached_blocks - p.evictable_blocks);
-      add_bytes("cached", p.cached_blocks);
+      add_bytes("owned", p.owned_blocks);
+      add_bytes("cached_referenced", p.cached_blocks - p.evictable_blocks);
+      add_bytes("cached_evictable", p.evictable_blocks);
     }
     MetricFamily& capacity = family("kvd_pool_capacity_blocks", "Blocks per pool.", MetricType::Gauge);
     for (const PoolReport& p : r.pools) add(capacity, p.capacity_blocks, {{"pool", p.name}});
@@ -170,6 +172,7 @@ class CacheCollector final : public prometheus::Collectable {
     MetricFamily& bytes = family("kvd_remote_bytes_total", "Bytes moved to or from the Redis tier (as stored).", MetricType::Counter);
     add(bytes, r.fetched_bytes, {{"direction", "fetched"}});
     add(bytes, r.uploaded_bytes, {{"direction", "uploaded"}});
+    add(family("kvd_remote_calls_total", "Uses of the Redis tier attempted (each may fail or be skipped).", MetricType::Counter), r.calls);
     add(family("kvd_remote_errors_total", "Failed Redis calls (connect, timeout, protocol).", MetricType::Counter), r.errors);
     add(family("kvd_remote_skipped_total", "Redis calls skipped during a failure back-off.", MetricType::Counter), r.skipped);
     add(family("kvd_remote_corrupt_total", "Redis values that failed verification (never served).", MetricType::Counter), r.corrupt);
@@ -196,6 +199,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& liste
                          .Name("kvd_rpc_latency_seconds")
                          .Help("Latency of control-plane RPCs, by method and status code.")
                          .Register(*m->registry_);
+  m->admission_wait_ = &prometheus::BuildHistogram()
+                            .Name("kvd_admission_wait_seconds")
+                            .Help("Time each Start waited for room in the KV budget (0: admitted at once), by pool and outcome.")
+                            .Register(*m->registry_);
   auto collector = std::make_shared<CacheCollector>(cache, std::move(workers), backend, tiers, router_events);
   if (!listen.empty()) {
     try {
@@ -214,6 +221,12 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& liste
 }
 
 Metrics::~Metrics() = default;
+
+void Metrics::ObserveAdmissionWait(absl::string_view pool, absl::string_view outcome, double seconds) {
+  // The first bucket is "did not wait": a Start admitted at once observes 0.
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {0, 1e-3, 10e-3, 0.1, 0.5, 1, 2.5, 5, 10, 30};
+  admission_wait_->Add({{"pool", std::string(pool)}, {"outcome", std::string(outcome)}}, kBuckets).Observe(seconds);
+}
 
 void Metrics::ObserveRpc(absl::string_view method, absl::StatusCode code, double seconds) {
   static const prometheus::Histogram::BucketBoundaries kBuckets = {

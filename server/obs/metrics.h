@@ -44,6 +44,9 @@ class Metrics {
   ~Metrics();
 
   void ObserveRpc(absl::string_view method, absl::StatusCode code, double seconds);
+  // One Start's wait for admission (zero when admitted at once), by pool and outcome
+  // (admitted, or the status code that ended it): kvd_admission_wait_seconds.
+  void ObserveAdmissionWait(absl::string_view pool, absl::string_view outcome, double seconds);
   // The bound port, or 0 when not serving.
   int port() const { return port_; }
 
@@ -53,6 +56,7 @@ class Metrics {
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<prometheus::Collectable> collector_;  // cache state, read at scrape time
   prometheus::Family<prometheus::Histogram>* rpc_latency_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* admission_wait_ = nullptr;
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
 };

@@ -256,12 +256,16 @@ grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, co
   }
   const RequestId id = spec.id;
   const WorkerId worker = spec.owner;
+  std::string pool = spec.ns.pool;
   admission_->Admit(
       std::move(spec), deadline, [ctx] { return ctx->IsCancelled(); },
-      [this, reactor, resp, start, id, worker, key = caller->key](absl::StatusOr<AdmitResult> admitted,
-                                                                  absl::Duration waited) {
+      [this, reactor, resp, start, id, worker, pool = std::move(pool), key = caller->key](
+          absl::StatusOr<AdmitResult> admitted, absl::Duration waited) {
         resp->set_waited(waited > absl::ZeroDuration());
         resp->set_waited_us(absl::ToInt64Microseconds(waited));
+        // Per request (not per poll): how long it waited, and how the wait ended.
+        metrics_->ObserveAdmissionWait(pool, admitted.ok() ? "admitted" : absl::StatusCodeToString(admitted.status().code()),
+                                       absl::ToDoubleSeconds(waited));
         if (!admitted.ok()) return FinishRpc(reactor, "Start", start, admitted.status());
         // The worker may have detached while it waited; its requests were released then, but
         // not this one, admitted after: give it back.

@@ -156,6 +156,7 @@ absl::Status RemoteTier::Fail(const std::string& what) {
   down_until_ns_.store(absl::ToUnixNanos(options_.clock->Now()) + absl::ToInt64Nanoseconds(options_.retry_after), std::memory_order_relaxed);
   absl::MutexLock lock(&mu_);
   ++stats_.errors;
+  stats_.failing = true;
   if (stats_.last_error != what) {
     spdlog::warn("redis tier {}: {}; skipped for {}", display_url(), what, absl::FormatDuration(options_.retry_after));
   }
@@ -165,6 +166,10 @@ absl::Status RemoteTier::Fail(const std::string& what) {
 }
 
 absl::StatusOr<std::unique_ptr<RemoteTier::Connection>> RemoteTier::Take() {
+  {
+    absl::MutexLock lock(&mu_);
+    ++stats_.calls;
+  }
   if (!available()) {
     absl::MutexLock lock(&mu_);
     ++stats_.skipped;
@@ -220,6 +225,7 @@ absl::StatusOr<int64_t> RemoteTier::RunLength(const std::vector<std::string>& ke
   Return(*std::move(c));
   absl::MutexLock lock(&mu_);
   ++stats_.lookups;
+  stats_.failing = false;
   stats_.hit_blocks += static_cast<uint64_t>(run);
   return run;
 }
@@ -255,6 +261,7 @@ absl::Status RemoteTier::Fetch(const std::vector<std::string>& keys,
   Return(*std::move(c));
   absl::MutexLock lock(&mu_);
   stats_.fetched_blocks += blocks;
+  stats_.failing = false;
   stats_.fetched_bytes += bytes;
   return absl::OkStatus();
 }
@@ -278,6 +285,7 @@ absl::StatusOr<std::vector<bool>> RemoteTier::Refresh(const std::vector<std::str
   Return(*std::move(c));
   absl::MutexLock lock(&mu_);
   stats_.refreshed_blocks += refreshed;
+  stats_.failing = false;
   return present;
 }
 
@@ -298,6 +306,7 @@ absl::Status RemoteTier::Store(const std::vector<std::pair<std::string, std::str
   Return(*std::move(c));
   absl::MutexLock lock(&mu_);
   stats_.uploaded_blocks += items.size();
+  stats_.failing = false;
   stats_.uploaded_bytes += bytes;
   return absl::OkStatus();
 }

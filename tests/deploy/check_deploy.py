@@ -87,16 +87,32 @@ def main():
         else:
             print("skip: promtool not installed")
 
-        exported = scrape_metric_names(kvd, kvdctl, tmp)
+        exported = scrape_metric_names(kvd, kvdctl, worker_bin, tmp)
         check("kvd_hit_tokens_total" in exported, "a live kvd exports kvd_hit_tokens_total")
         referenced = set()
         for group in yaml.safe_load(open(rules))["groups"]:
             for rule in group["rules"]:
                 referenced |= set(re.findall(r"\bkvd_[a-z_]+", rule["expr"]))
         dash = json.load(open(os.path.join(deploy, "grafana", "kvd-dashboard.json")))
+        variables = {v["name"] for v in dash.get("templating", {}).get("list", [])}
+        check("instance" in variables, "the dashboard has a node (instance) variable")
+        rows = {p["title"] for p in dash["panels"] if p["type"] == "row"}
+        for row in ("Tiers (host, disk)", "Redis tier", "Router events", "Requests", "Device memory"):
+            check(row in rows, f"the dashboard has a row '{row}'")
         for p in dash["panels"]:
-            for t in p["targets"]:
+            for t in p.get("targets", []):
                 referenced |= set(re.findall(r"\bkvd_[a-z_]+", t["expr"]))
+                for m in re.findall(r"\bkvd_[a-z_]+(\{[^}]*\})?", t["expr"]):
+                    check('instance=~"$instance"' in m, f"panel '{p['title']}' filters by the node variable ({t['expr'][:80]})")
+                if "kvd_bytes" in t["expr"]:
+                    check('state!="total"' in t["expr"], f"panel '{p['title']}' stacks kvd_bytes without the total")
+        for rule_group in yaml.safe_load(open(rules))["groups"]:
+            for rule in rule_group["rules"]:
+                url = rule.get("annotations", {}).get("runbook_url", "")
+                anchor = url.rsplit("#", 1)[-1] if "#" in url else ""
+                headings = {h.lower() for h in re.findall(r"^### (\S+)\s*$", open(os.path.join(root, "docs", "operations.md")).read(), re.M)}
+                check(url.startswith("https://") and "docs/operations.md#" in url and anchor in headings,
+                      f"alert {rule['alert']} has a runbook_url to its section of docs/operations.md ({url})")
         for name in sorted(referenced):
             base = re.sub(r"_(bucket|count|sum)$", "", name)
             check(name in exported or base in exported, f"metric {name} used by rules/dashboard is exported")
@@ -195,7 +211,7 @@ def check_syscalls(unit, kvd, kvdctl, worker, tmp):
           if not outside else f"syscall filter: outside: {outside}")
 
 
-def scrape_metric_names(kvd, kvdctl, tmp):
+def scrape_metric_names(kvd, kvdctl, worker_bin, tmp):
     ready = os.path.join(tmp, "ready.json")
     proc = subprocess.Popen([kvd, "--listen=unix://" + os.path.join(tmp, "k.sock"), "--metrics-listen=127.0.0.1:0",
                              "--ready-file=" + ready, "--log-level=warn",
@@ -210,9 +226,13 @@ def scrape_metric_names(kvd, kvdctl, tmp):
                 break
             time.sleep(0.02)
         port = json.load(open(ready))["metrics_port"]
-        # One RPC, so that the per-RPC latency histogram has a series to show.
+        # One RPC, so that the per-RPC latency histogram has a series to show, and one request
+        # (a Start), so that the admission-wait histogram has one too.
         subprocess.run([kvdctl, "--target=unix://" + os.path.join(tmp, "k.sock"), "status"],
                        stdout=subprocess.DEVNULL, check=True)
+        if worker_bin:
+            subprocess.run([worker_bin, "--target=unix://" + os.path.join(tmp, "k.sock"), "--id=scrape",
+                            "--prompt-range=0:40"], stdout=subprocess.DEVNULL, timeout=60)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         return {m.group(1) for m in re.finditer(r"^# TYPE (\S+)", body, re.M)}
     finally:

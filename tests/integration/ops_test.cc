@@ -343,7 +343,17 @@ TEST_CASE("Metric counters match a scripted workload exactly", "[integration][op
   REQUIRE(MetricValue(*body, "kvd_rpc_latency_seconds_count{code=\"OK\",method=\"Release\"}") == 3);
   REQUIRE(MetricValue(*body, "kvd_blocks{pool=\"default\",state=\"cached_evictable\"}") == 5);
   REQUIRE(MetricValue(*body, "kvd_blocks{pool=\"default\",state=\"free\"}") == 59);
-  REQUIRE(MetricValue(*body, "kvd_bytes{pool=\"default\",tier=\"device\",state=\"cached\"}") == 5 * 128);
+  REQUIRE(MetricValue(*body, "kvd_bytes{pool=\"default\",tier=\"device\",state=\"cached_evictable\"}") == 5 * 128);
+  // kvd_bytes states partition the pool: a stacked panel of them adds up to the total.
+  double states = 0;
+  for (const char* state : {"free", "owned", "cached_referenced", "cached_evictable"}) {
+    states += MetricValue(*body, absl::StrCat("kvd_bytes{pool=\"default\",tier=\"device\",state=\"", state, "\"}"));
+  }
+  REQUIRE(states == MetricValue(*body, "kvd_bytes{pool=\"default\",tier=\"device\",state=\"total\"}"));
+  REQUIRE(states == 64 * 128);
+  // One admission-wait observation per Start (each admitted at once: in the 0 bucket).
+  REQUIRE(MetricValue(*body, "kvd_admission_wait_seconds_count{outcome=\"admitted\",pool=\"default\"}") == 3);
+  REQUIRE(MetricValue(*body, "kvd_admission_wait_seconds_bucket{outcome=\"admitted\",pool=\"default\",le=\"0\"}") == 3);
   REQUIRE(MetricValue(*body, "kvd_live_requests") == 0);
   REQUIRE(MetricValue(*body, "kvd_build_info{backend=\"host\",version=\"" KVD_VERSION "\"}") == 1);
 }

@@ -191,6 +191,20 @@ TEST_CASE("Killing Redis mid-run keeps every daemon serving; the tier returns wi
   }
   REQUIRE(Metric(b, "kvd_remote_errors_total") >= 1);
   REQUIRE(KvdctlStatus(b).find("last: ") != std::string::npos);  // the last error is named
+  // What the alert reads: every call since the kill failed or was skipped, which the
+  // availability gauge (1 between back-offs) cannot show; kvdctl says FAILING, not available.
+  const int64_t calls = Metric(b, "kvd_remote_calls_total");
+  const int64_t failed = Metric(b, "kvd_remote_errors_total") + Metric(b, "kvd_remote_skipped_total");
+  REQUIRE(calls >= failed);
+  REQUIRE(failed >= 1);
+  Work(b, "b-during", 4000, 41);
+  REQUIRE(Metric(b, "kvd_remote_calls_total") > calls);
+  REQUIRE(Metric(b, "kvd_remote_errors_total") + Metric(b, "kvd_remote_skipped_total") -
+              failed == Metric(b, "kvd_remote_calls_total") - calls);
+  const std::string down = KvdctlStatus(b);
+  REQUIRE((down.find("(FAILING: its last call failed)") != std::string::npos ||
+           down.find("(SKIPPED after a failure)") != std::string::npos));
+  REQUIRE(down.find(" (available)") == std::string::npos);
   REQUIRE(Metric(a, "kvd_remote_errors_total") + Metric(a, "kvd_remote_skipped_total") +
               Metric(a, "kvd_remote_blocks_total{direction=\"upload_dropped\"}") >= 1);
 
@@ -203,6 +217,7 @@ TEST_CASE("Killing Redis mid-run keeps every daemon serving; the tier returns wi
   WaitForMetric(a, kUploaded, before + 10);
   REQUIRE(JsonInt(Work(b, "b2", 5000, 41).out, "cached_tokens") == 40);
   REQUIRE(Metric(b, "kvd_remote_available") == 1);
+  REQUIRE(KvdctlStatus(b).find(" (available)") != std::string::npos);  // its last call succeeded
 }
 
 }  // namespace
