@@ -12,6 +12,14 @@ kvd_install_missing "${kvd_test_packages[@]}"
 kvd_build -DKVD_BUILD_TESTS=ON "$@"
 (cd "$KVD_BUILD_DIR" && ctest --output-on-failure -j "$KVD_JOBS" --timeout 600)
 
+# The image's runtime stage: its package list against what the binaries link, then kvd serving
+# in a bare Debian 12 root with only that list installed. Needs root (debootstrap, chroot).
+if [ "$(id -u)" -eq 0 ]; then
+  bash "$KVD_ROOT/tests/deploy/image_root_check.sh" "$KVD_BUILD_DIR"
+else
+  echo "kvd: not root; the image root check is skipped"
+fi
+
 # The GPU proof bundle, built here and run in a bare Debian 12 root (it must report the missing
 # driver, never a missing library). Needs the CUDA toolkit and root (debootstrap, chroot).
 if [ "$(id -u)" -ne 0 ]; then

@@ -123,6 +123,12 @@ def main():
     check(len(re.findall(r"^FROM ", cf, re.M)) >= 2, "Containerfile is multi-stage")
     user = re.findall(r"^USER (\S+)", cf, re.M)
     check(bool(user) and not user[-1].startswith(("0", "root")), "Containerfile runs as non-root")
+    check("runtime-packages.txt" in cf, "the runtime stage installs deploy/runtime-packages.txt "
+          "(image_root_check.sh holds that list to what the binaries link)")
+    check(re.search(r"^FROM nvidia/cuda:\S+-devel-\S+ AS cuda-toolkit", cf, re.M) is not None and "--target kvd-cuda" in cf,
+          "a CUDA build from NVIDIA's official image, with its tag documented")
+    ignore = open(os.path.join(root, ".dockerignore")).read().split() if os.path.exists(os.path.join(root, ".dockerignore")) else []
+    check("build*/" in ignore and ".git/" in ignore, ".dockerignore keeps build trees and .git out of the context")
 
     print(f"{len(failures)} failed")
     return 1 if failures else 0
