@@ -52,7 +52,11 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="kvd-deploy-")
     try:
-        for label, text in (("kvd.example.yaml", open(os.path.join(deploy, "kvd.example.yaml")).read()),):
+        configs = [("kvd.example.yaml", open(os.path.join(deploy, "kvd.example.yaml")).read())]
+        bench = os.path.join(root, "tests", "bench", "configs")
+        configs += [(f"tests/bench/configs/{n}", open(os.path.join(bench, n)).read())
+                    for n in sorted(os.listdir(bench)) if n.endswith(".yaml")]
+        for label, text in configs:
             path = os.path.join(tmp, "cfg.yaml")
             open(path, "w").write(text)
             r = subprocess.run([kvd, "--config=" + path, "--print-config"], capture_output=True, text=True)
