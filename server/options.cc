@@ -146,7 +146,7 @@ absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOpt
 
 absl::Status ReadRouterEvents(const YAML::Node& node, const std::string& where, RouterEventsOptions* r) {
   KVD_RETURN_IF_ERROR(CheckKeys(node, where,
-                                {"endpoint", "replay_endpoint", "topic", "node", "hash_seed",
+                                {"endpoint", "replay_endpoint", "topic", "node", "hash_seed", "format",
                                  "data_parallel_rank", "buffer_batches", "max_batch_events", "send_hwm"}));
   KVD_RETURN_IF_ERROR(Read(node, "endpoint", &r->endpoint, where));
   KVD_RETURN_IF_ERROR(Read(node, "replay_endpoint", &r->replay_endpoint, where));
@@ -157,6 +157,7 @@ absl::Status ReadRouterEvents(const YAML::Node& node, const std::string& where, 
   KVD_RETURN_IF_ERROR(Read(node, "buffer_batches", &r->buffer_batches, where));
   KVD_RETURN_IF_ERROR(Read(node, "max_batch_events", &r->max_batch_events, where));
   KVD_RETURN_IF_ERROR(Read(node, "send_hwm", &r->send_hwm, where));
+  KVD_RETURN_IF_ERROR(Read(node, "format", &r->format, where));
   return absl::OkStatus();
 }
 
@@ -262,6 +263,10 @@ absl::Status Options::Validate() const {
   const RouterEventsOptions& r = router_events;
   if (!r.replay_endpoint.empty() && r.endpoint.empty()) {
     return absl::InvalidArgumentError("router_events.replay_endpoint needs router_events.endpoint");
+  }
+  if (r.format != "vllm" && r.format != "vllm-map") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("router_events.format must be vllm or vllm-map, not '", r.format, "'"));
   }
   if (r.buffer_batches < 1) return absl::InvalidArgumentError(absl::StrCat("router_events.buffer_batches must be >= 1, not ", r.buffer_batches));
   if (r.max_batch_events < 1) return absl::InvalidArgumentError(absl::StrCat("router_events.max_batch_events must be >= 1, not ", r.max_batch_events));
@@ -445,6 +450,7 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "buffer_batches" << YAML::Value << r.buffer_batches;
   out << YAML::Key << "max_batch_events" << YAML::Value << r.max_batch_events;
   out << YAML::Key << "send_hwm" << YAML::Value << r.send_hwm;
+  out << YAML::Key << "format" << YAML::Value << r.format;
   out << YAML::EndMap << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }

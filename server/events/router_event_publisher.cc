@@ -58,6 +58,7 @@ struct RouterEventPublisher::Batch {
     uint64_t parent_id = 0;
     std::vector<Token> tokens;
     int32_t block_size = 0;
+    std::string lora_name;  // the adapter; empty for the base model
     BlockKey last_key;  // of the last block stored, to extend a chain
   };
   double ts = 0;
@@ -231,7 +232,7 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
         start(e.pool, e.time);
         Batch::Event* last = batch.events.empty() ? nullptr : &batch.events.back();
         if (last != nullptr && last->kind == CacheEventKind::kStored && e.has_parent &&
-            last->last_key == e.parent_key && last->medium == medium) {
+            last->last_key == e.parent_key && last->medium == medium && last->lora_name == e.adapter) {
           last->ids.push_back(RouterHasher::EventId(h));
           last->tokens.insert(last->tokens.end(), e.tokens.begin(), e.tokens.end());
           last->last_key = e.key;
@@ -242,6 +243,7 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
           out.parent_id = parent_id;
           out.tokens = std::move(e.tokens);
           out.block_size = e.block_tokens;
+          out.lora_name = e.adapter;
           out.last_key = e.key;
           batch.events.push_back(std::move(out));
         }
@@ -275,37 +277,83 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
 void RouterEventPublisher::Send(const std::string& pool, const Batch& batch) {
   msgpack::sbuffer buf;
   msgpack::packer<msgpack::sbuffer> pk(buf);
-  pk.pack_array(3);
+  // Field order and names: vLLM's vllm/distributed/kv_events.py (KVEventBatch, BlockStored,
+  // BlockRemoved, AllBlocksCleared; read at commit 0181ea3173e5). In the map form a struct is a
+  // map of its fields with the class name under "type"; fields with defaults are left out.
+  const bool map = options_.format == "vllm-map";
+  const auto key = [&](std::string_view k) {
+    if (map) pk.pack(k);
+  };
+  const auto pack_opt_string = [&](const std::string& s) {
+    if (s.empty()) {
+      pk.pack_nil();
+    } else {
+      pk.pack(s);
+    }
+  };
+  if (map) {
+    pk.pack_map(3);
+  } else {
+    pk.pack_array(3);
+  }
+  key("ts");
   pk.pack_double(batch.ts);
+  key("events");
   pk.pack_array(static_cast<uint32_t>(batch.events.size()));
   for (const Batch::Event& ev : batch.events) {
     switch (ev.kind) {
       case CacheEventKind::kStored:
-        pk.pack_array(7);
+        if (map) {
+          pk.pack_map(8);
+          pk.pack(std::string_view("type"));
+        } else {
+          pk.pack_array(8);
+        }
         pk.pack(std::string_view("BlockStored"));
+        key("block_hashes");
         pk.pack(ev.ids);
+        key("parent_block_hash");
         if (ev.has_parent) {
           pk.pack_uint64(ev.parent_id);
         } else {
           pk.pack_nil();
         }
+        key("token_ids");
         pk.pack(ev.tokens);
+        key("block_size");
         pk.pack_int32(ev.block_size);
-        pk.pack_nil();  // lora_id: kvd names adapters (lora_name), it has no integer ids
+        key("lora_id");
+        pk.pack_nil();  // kvd names adapters (lora_name); it has no integer ids
+        key("medium");
         pk.pack(ev.medium);
+        key("lora_name");
+        pack_opt_string(ev.lora_name);
         break;
       case CacheEventKind::kRemoved:
-        pk.pack_array(3);
+        if (map) {
+          pk.pack_map(3);
+          pk.pack(std::string_view("type"));
+        } else {
+          pk.pack_array(3);
+        }
         pk.pack(std::string_view("BlockRemoved"));
+        key("block_hashes");
         pk.pack(ev.ids);
+        key("medium");
         pk.pack(ev.medium);
         break;
       case CacheEventKind::kCleared:
-        pk.pack_array(1);
+        if (map) {
+          pk.pack_map(1);
+          pk.pack(std::string_view("type"));
+        } else {
+          pk.pack_array(1);
+        }
         pk.pack(std::string_view("AllBlocksCleared"));
         break;
     }
   }
+  key("data_parallel_rank");
   pk.pack_int64(options_.data_parallel_rank);
 
   const uint64_t seq = next_sequence_++;

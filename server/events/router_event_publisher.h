@@ -65,6 +65,14 @@ struct RouterEventsOptions {
   int64_t send_hwm = 100000;
   // The medium of device-pool blocks: "GPU" on the CUDA backend, "CPU" on the host backend.
   std::string device_medium = "GPU";
+  // Wire format of a batch (docs/integration.md, "Router events"):
+  //   "vllm"      msgpack arrays, as vLLM's array-era KVEventBatch: [ts, [events], dp_rank] with
+  //               BlockStored = [tag, block_hashes, parent, token_ids, block_size, lora_id,
+  //               medium, lora_name] (lora_name is the adapter; vLLM PR #27577 made it the
+  //               required 8th field), BlockRemoved = [tag, block_hashes, medium];
+  //   "vllm-map"  the same as msgpack maps with a "type" tag, as vLLM's msgspec structs without
+  //               array_like encode them ({"ts", "events", "data_parallel_rank"}).
+  std::string format = "vllm";
 
   bool enabled() const { return !endpoint.empty(); }
 };

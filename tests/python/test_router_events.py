@@ -11,6 +11,7 @@ AllBlocksCleared; a warm restart announces the reloaded blocks (medium DISK) wit
 Usage: test_router_events.py KVD_BINARY   (PYTHONPATH=<build>/python)
 """
 import hashlib
+import os
 import shutil
 import sys
 import tempfile
@@ -82,12 +83,13 @@ def events_of(payloads):
             yield seq, ts, rank, e
 
 
-def start_daemon(kvd, tmp, name):
+def start_daemon(kvd, tmp, name, fmt=None):
     config = (f"pools:\n  - name: m\n    block_tokens: {BT}\n    num_layers: 1\n"
               "    bytes_per_token_per_layer: 8\n    capacity_blocks: 24\n    max_model_len: 200\n"
               f"tiers:\n  host_bytes: 0\n  disk_dir: {tmp}/disk\n"
               f"router_events:\n  endpoint: ipc://{tmp}/events\n  replay_endpoint: ipc://{tmp}/replay\n"
-              f"  node: n1\n  hash_seed: \"{SEED}\"\n  data_parallel_rank: 2\n  max_batch_events: 3\n")
+              f"  node: n1\n  hash_seed: \"{SEED}\"\n  data_parallel_rank: 2\n  max_batch_events: 3\n"
+              + (f"  format: {fmt}\n" if fmt else ""))
     return Daemon(kvd, tmp, config, name=name)
 
 
@@ -128,13 +130,16 @@ def main():
             check(seqs == list(range(len(seqs))) and len(seqs) > 5, f"{len(seqs)} batches, sequence 0.. without gaps")
             check(all(t == b"kv@n1@m" for t, _ in sub.batches.values()), "topic kv@{node}@{pool}")
 
-            stored, removed, live, ranks, stamps, shapes = [], [], set(), set(), [], []
+            stored, removed, live, ranks, stamps, shapes, loras = [], [], set(), set(), [], [], {}
             for _, ts, rank, e in events_of(full):
                 ranks.add(rank)
                 stamps.append(ts)
                 if e[0] == "BlockStored":
-                    _, ids, parent, tokens, bs, lora_id, medium = e
+                    # vLLM's array-era BlockStored since PR #27577: lora_name is the required 8th field.
+                    _, ids, parent, tokens, bs, lora_id, medium, lora_name = e
                     shapes.append(bs == BT and len(tokens) == BT * len(ids) and lora_id is None and medium == "CPU")
+                    for i in ids:
+                        loras[i] = lora_name
                     stored.append((ids, parent, tokens))
                     live.update(ids)
                 elif e[0] == "BlockRemoved":
@@ -151,6 +156,9 @@ def main():
             check(first[1] is None and first[2][:BT] == a[:BT], "first block: parent nil, its tokens")
             b_tail = next(s for s in stored if expected["b"][2] in s[0])
             check(b_tail[1] == expected["b"][1], "b's first new block names its shared parent")
+            check(all(loras.get(i) == "lora-x" for i in expected["lora"]) and
+                  all(loras.get(i) is None for i in expected["plain"] + expected["salt"]),
+                  "lora_name carries the adapter (nil for the base model)")
             check(len(set(expected["lora"]) & set(expected["plain"])) == 0 and
                   len(set(expected["salt"]) & set(expected["plain"])) == 0, "adapter and salt give distinct ids")
             check(len(removed) > 0 and set(removed) <= set(all_stored), f"{len(removed)} removals, all of stored blocks")
@@ -187,6 +195,27 @@ def main():
                 ordered &= e[2] is None or e[2] in seen
                 seen.update(e[1])
         check(ordered, "restart: every block is announced after its parent")
+        daemon.stop()
+
+        # router_events.format: vllm-map — vLLM's msgspec structs as tagged maps.
+        shutil.rmtree(os.path.join(tmp, "disk"), ignore_errors=True)
+        daemon = start_daemon(kvd, tmp, "c", fmt="vllm-map")
+        sub = Subscriber(ctx, f"ipc://{tmp}/events")
+        time.sleep(0.3)
+        with Client(daemon.target, worker_name="ev-map") as c:
+            with c.request("m1", pool="m", prompt=a, adapter="lora-x") as r:
+                r.publish(a)
+        got = replay(ctx, f"ipc://{tmp}/replay", 0)
+        batches = [msgpack.unpackb(got[s], raw=False) for s in sorted(got)]
+        check(batches and all(isinstance(b, dict) and set(b) == {"ts", "events", "data_parallel_rank"} for b in batches),
+              "map format: batches are maps of ts, events, data_parallel_rank")
+        evs = [e for b in batches for e in b["events"]]
+        st = [e for e in evs if e.get("type") == "BlockStored"]
+        check(st and all(set(e) == {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                                   "medium", "lora_name"} for e in st), "map format: BlockStored fields by name")
+        check(all(e["lora_name"] == "lora-x" for e in st) and
+              [i for e in st for i in e["block_hashes"]] == expected["lora"],
+              "map format: the same ids, and lora_name the adapter")
     finally:
         daemon.stop()
         ctx.destroy(0)
