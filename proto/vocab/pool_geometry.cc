@@ -9,6 +9,15 @@ absl::Status PoolGeometry::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("pool '", name, "': ", what));
   };
   if (name.empty()) return absl::InvalidArgumentError("pool name must not be empty");
+  // The name is a model name in router topics (kv@{node}@{pool}), metrics labels and Redis keys:
+  // printable ASCII without spaces and without '@' (the topic's separator), at most 128 bytes.
+  if (name.size() > 128) return bad("the name is longer than 128 bytes");
+  for (char c : name) {
+    if (c <= ' ' || c > '~' || c == '@') {
+      return bad("the name may hold printable ASCII except spaces and '@' (it names the pool in router "
+                 "topics kv@{node}@{pool}, metrics and Redis keys)");
+    }
+  }
   if (block_tokens <= 0 || block_tokens > 4096) return bad("block_tokens must be in (0, 4096]");
   if (num_layers <= 0 || num_layers > 4096) return bad("num_layers must be in (0, 4096]");
   if (bytes_per_token_per_layer <= 0 || bytes_per_token_per_layer > (int64_t{1} << 24)) {

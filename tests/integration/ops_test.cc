@@ -164,6 +164,8 @@ TEST_CASE("Every configuration error exits non-zero naming the field", "[integra
       {"lease_ttl_s: -3\n", "lease_ttl_s must be > 0, not -3s"},
       {"drain_timeout_s: 5 minutes\n", "drain_timeout_s: '5 minutes' is not a duration"},
       {"listen: kvd.sock\n", "listen: 'kvd.sock' is neither"},
+      {"pools:\n  - name: llama@8b\n", "pool 'llama@8b': the name may hold printable ASCII except spaces and '@'"},
+      {"pools:\n  - name: \"llama 8b\"\n", "pool 'llama 8b': the name may hold"},
   };
   for (const Case& c : cases) {
     const std::string path = dir.path() + "/bad.yaml";
