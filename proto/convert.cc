@@ -336,6 +336,9 @@ void ToProto(const TierStats& s, v1::TierReport* p) {
     g4->set_last_error(r.last_error);
     g4->set_failing(r.failing);
     g4->set_calls(r.calls);
+    g4->set_oom_refusals(r.oom_refusals);
+    g4->set_eviction_policy(r.eviction_policy);
+    g4->set_maxmemory(r.maxmemory);
   }
 }
 

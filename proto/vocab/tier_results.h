@@ -25,6 +25,9 @@ struct RemoteStats {
   uint64_t skipped = 0;            // calls skipped during a back-off
   uint64_t errors = 0;             // failed calls (connect, timeout, protocol)
   uint64_t corrupt = 0;            // values that failed verification (not served)
+  uint64_t oom_refusals = 0;       // values Redis refused with OOM (full, noeviction): skipped
+  std::string eviction_policy;     // Redis's maxmemory-policy, when CONFIG GET answered
+  int64_t maxmemory = -1;          // Redis's maxmemory in bytes (0: unbounded; -1: unknown)
   std::string last_error;
 };
 

@@ -175,6 +175,7 @@ class CacheCollector final : public prometheus::Collectable {
     add(family("kvd_remote_calls_total", "Uses of the Redis tier attempted (each may fail or be skipped).", MetricType::Counter), r.calls);
     add(family("kvd_remote_errors_total", "Failed Redis calls (connect, timeout, protocol).", MetricType::Counter), r.errors);
     add(family("kvd_remote_skipped_total", "Redis calls skipped during a failure back-off.", MetricType::Counter), r.skipped);
+    add(family("kvd_remote_oom_refusals_total", "Values Redis refused for want of memory (full under noeviction): skipped.", MetricType::Counter), r.oom_refusals);
     add(family("kvd_remote_corrupt_total", "Redis values that failed verification (never served).", MetricType::Counter), r.corrupt);
   }
 

@@ -7,6 +7,7 @@
 #include <sys/time.h>
 #include <xxhash.h>
 
+#include <optional>
 #include <string_view>
 
 #include "absl/strings/match.h"
@@ -200,7 +201,38 @@ absl::StatusOr<std::unique_ptr<RemoteTier::Connection>> RemoteTier::Take() {
     const std::string db = std::to_string(db_);
     if (absl::StatusOr<Reply> r = c->Command({"SELECT", db}); !r.ok()) return Fail(absl::StrCat("SELECT: ", r.status().message()));
   }
+  CheckMemoryPolicy(*c);
   return c;
+}
+
+void RemoteTier::CheckMemoryPolicy(Connection& c) {
+  // CONFIG GET answers [name, value] (RESP2); a managed Redis may refuse CONFIG (NOPERM, renamed).
+  auto get = [&c](std::string_view name) -> std::optional<std::string> {
+    absl::StatusOr<Reply> r = c.Command({"CONFIG", "GET", name});
+    if (!r.ok() || (*r)->type != REDIS_REPLY_ARRAY || (*r)->elements != 2 ||
+        (*r)->element[1]->type != REDIS_REPLY_STRING) {
+      spdlog::debug("redis tier: CONFIG GET {} not answered; its memory policy is not checked", name);
+      return std::nullopt;
+    }
+    return std::string((*r)->element[1]->str, (*r)->element[1]->len);
+  };
+  const std::optional<std::string> policy = get("maxmemory-policy");
+  const std::optional<std::string> maxmemory = get("maxmemory");
+  int64_t bytes = -1;
+  if (maxmemory.has_value() && !absl::SimpleAtoi(*maxmemory, &bytes)) bytes = -1;
+  absl::MutexLock lock(&mu_);
+  if (policy.has_value()) stats_.eviction_policy = *policy;
+  stats_.maxmemory = bytes;
+  if (warned_policy_ || !policy.has_value()) return;
+  if (*policy == "noeviction" || bytes == 0) {
+    warned_policy_ = true;
+    spdlog::warn("redis tier {}: maxmemory {} with maxmemory-policy {}: {}", display_url(),
+                 bytes == 0 ? "unbounded" : std::to_string(bytes), *policy,
+                 *policy == "noeviction"
+                     ? "when Redis fills it refuses new prefixes (OOM, counted and skipped) instead of evicting "
+                       "old ones; set allkeys-lru or volatile-lru"
+                     : "Redis grows until the host runs out of memory; set maxmemory");
+  }
 }
 
 void RemoteTier::Return(std::unique_ptr<Connection> c) {
@@ -296,19 +328,37 @@ absl::Status RemoteTier::Store(const std::vector<std::pair<std::string, std::str
   const std::string ttl_ms = std::to_string(absl::ToInt64Milliseconds(options_.ttl));
   for (const auto& [key, value] : items) (*c)->Append({"SET", key, value, "PX", ttl_ms});
   uint64_t bytes = 0;
+  uint64_t stored = 0;
+  uint64_t oom = 0;
+  std::string oom_reply;
   for (const auto& [key, value] : items) {
     absl::StatusOr<Reply> r = (*c)->Read();
+    if (r.ok() && (*r)->type == REDIS_REPLY_ERROR && absl::StartsWith(absl::string_view((*r)->str, (*r)->len), "OOM")) {
+      ++oom;  // full under noeviction: this value is skipped; the connection and the tier are fine
+      oom_reply.assign((*r)->str, (*r)->len);
+      continue;
+    }
     if (!r.ok() || (*r)->type == REDIS_REPLY_ERROR) {
       return Fail(absl::StrCat("SET: ", r.ok() ? std::string((*r)->str, (*r)->len) : std::string(r.status().message())));
     }
     bytes += value.size();
+    ++stored;
   }
   Return(*std::move(c));
   absl::MutexLock lock(&mu_);
-  stats_.uploaded_blocks += items.size();
+  stats_.uploaded_blocks += stored;
   stats_.failing = false;
   stats_.uploaded_bytes += bytes;
-  return absl::OkStatus();
+  if (oom == 0) return absl::OkStatus();
+  stats_.oom_refusals += oom;
+  if (!warned_oom_) {
+    warned_oom_ = true;
+    spdlog::warn("redis tier {}: Redis is full and refuses new values ({}); uploads are skipped while it is, "
+                 "lookups and fetches go on (kvd_remote_oom_refusals_total). Give it maxmemory-policy "
+                 "allkeys-lru or volatile-lru to evict old prefixes instead",
+                 display_url(), oom_reply);
+  }
+  return absl::ResourceExhaustedError(absl::StrCat("redis tier: ", oom, " of ", items.size(), " values refused: ", oom_reply));
 }
 
 void RemoteTier::CountCorrupt() {

@@ -61,7 +61,10 @@ class RemoteTier {
   // Renews the TTL of each key present (one round trip of PEXPIRE); true for those present, which
   // need no upload.
   absl::StatusOr<std::vector<bool>> Refresh(const std::vector<std::string>& keys) ABSL_LOCKS_EXCLUDED(mu_);
-  // Stores each (key, value) with the TTL (pipelined SET PX).
+  // Stores each (key, value) with the TTL (pipelined SET PX). Values Redis refuses for want of
+  // memory (an OOM reply: maxmemory reached under `noeviction`) are counted apart and skipped —
+  // RESOURCE_EXHAUSTED, without the back-off, so lookups and fetches go on; any other failure
+  // starts the back-off (UNAVAILABLE).
   absl::Status Store(const std::vector<std::pair<std::string, std::string>>& items) ABSL_LOCKS_EXCLUDED(mu_);
 
   // False during a failure back-off (callers skip the tier without a round trip).
@@ -83,6 +86,10 @@ class RemoteTier {
   void Return(std::unique_ptr<Connection> c) ABSL_LOCKS_EXCLUDED(mu_);
   // Records a failure and starts the back-off; returns UNAVAILABLE with `what`.
   absl::Status Fail(const std::string& what) ABSL_LOCKS_EXCLUDED(mu_);
+  // On a new connection: reads maxmemory and maxmemory-policy (CONFIG GET) into the stats and
+  // warns once when Redis will refuse writes when full instead of evicting (noeviction) or has no
+  // memory bound. A server that does not allow CONFIG is left unchecked (logged at debug).
+  void CheckMemoryPolicy(Connection& c) ABSL_LOCKS_EXCLUDED(mu_);
 
   const RemoteTierOptions options_;
   std::string host_, unix_path_, username_, password_;
@@ -93,6 +100,8 @@ class RemoteTier {
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Connection>> idle_ ABSL_GUARDED_BY(mu_);
   RemoteStats stats_ ABSL_GUARDED_BY(mu_);
+  bool warned_policy_ ABSL_GUARDED_BY(mu_) = false;
+  bool warned_oom_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace kvd

@@ -220,5 +220,36 @@ TEST_CASE("Killing Redis mid-run keeps every daemon serving; the tier returns wi
   REQUIRE(KvdctlStatus(b).find(" (available)") != std::string::npos);  // its last call succeeded
 }
 
+// An operator's Redis that fills up: maxmemory small, noeviction (Redis's default policy). Uploads
+// that do not fit are refused with OOM: counted apart, skipped, and without the failure back-off,
+// so lookups and fetches of what is there go on; kvd names the policy in its log and status.
+TEST_CASE("A full Redis under noeviction refuses uploads; lookups and fetches go on", "[integration][remote]") {
+  RedisServer redis;
+  TempDir disks;
+  REQUIRE(redis.Cli({"CONFIG", "SET", "maxmemory-policy", "noeviction"}).exit_code == 0);
+  DaemonProcess a(Config(redis.url(), disks.path() + "/a"));
+  DaemonProcess b(Config(redis.url(), disks.path() + "/b"));
+  Work(a, "a1", 700, 41);
+  WaitForMetric(a, kUploaded, 10);
+  const std::string status = KvdctlStatus(a);
+  REQUIRE(status.find("policy noeviction") != std::string::npos);
+  REQUIRE(a.Log().find("maxmemory-policy noeviction") != std::string::npos);  // warned once, at connect
+  // Now fill it: maxmemory just above what it holds, so the next uploads do not fit.
+  const std::string used = redis.Cli({"INFO", "memory"}).out;
+  const size_t at = used.find("used_memory:");
+  REQUIRE(at != std::string::npos);
+  const int64_t bytes = std::stoll(used.substr(at + 12));
+  REQUIRE(redis.Cli({"CONFIG", "SET", "maxmemory", std::to_string(bytes + 4096)}).exit_code == 0);
+  for (int i = 0; i < 4; ++i) Work(a, absl::StrCat("a-big-", i), 10000 + 1000 * i, 41);
+  WaitForMetric(a, "kvd_remote_oom_refusals_total", 1);
+  REQUIRE(a.Log().find("Redis is full and refuses new values") != std::string::npos);
+  // OOM is not an outage: no back-off, the tier stays in use, and another node still fetches
+  // the prefix that was uploaded before it filled, byte for byte.
+  REQUIRE(Metric(a, "kvd_remote_available") == 1);
+  REQUIRE(JsonInt(Work(b, "b1", 700, 41).out, "cached_tokens") == 40);
+  REQUIRE(Metric(b, "kvd_remote_errors_total") == 0);
+  REQUIRE(KvdctlStatus(a).find("values refused for want of memory") != std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvd
