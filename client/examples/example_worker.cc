@@ -247,7 +247,7 @@ int RunLoop(const std::string& target, const std::string& id, const kvd::Request
 int main(int argc, char** argv) {
   CLI::App app{"kvd example worker"};
   std::string target, pool = "default", id = "example", prompt_list, prompt_range, resume_from,
-              session, salt;
+              session, salt, adapter;
   Options o;
   int64_t requests = 0, pause_ms = 0;
   app.add_option("--target", target, "kvd address, e.g. unix:///run/kvd/kvd.sock")->required();
@@ -260,6 +260,7 @@ int main(int argc, char** argv) {
   app.add_option("--resume-from", resume_from, "resume this interrupted request's checkpoint");
   app.add_option("--session", session, "session id");
   app.add_option("--salt", salt, "tenant cache salt");
+  app.add_option("--adapter", adapter, "LoRA adapter name (its own namespace)");
   int32_t shard = -1;
   app.add_option("--shard", shard, "tensor-parallel rank: map only this shard (-1: all)");
   app.add_option("--async-writer-us", o.async_writer_us,
@@ -276,6 +277,7 @@ int main(int argc, char** argv) {
   spec.id = kvd::RequestId(id);
   spec.ns.pool = pool;
   spec.ns.cache_salt = salt;
+  spec.ns.adapter = adapter;
   spec.prompt = ParsePrompt(prompt_list, prompt_range);
   spec.max_new_tokens = o.gen;
   spec.session = kvd::SessionId(session);

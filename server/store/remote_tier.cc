@@ -10,6 +10,10 @@
 #include <optional>
 #include <string_view>
 
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -131,6 +135,15 @@ absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions o
   } else if (const char* env = std::getenv("KVD_REDIS_PASSWORD"); env != nullptr && *env != '\0') {
     t->password_ = env;
   }
+  if (!t->options_.secret_file.empty()) {
+    std::ifstream in(t->options_.secret_file);
+    std::string line;
+    if (!in || !std::getline(in, line) || line.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tiers.redis_secret_file: cannot read a secret from ", t->options_.secret_file));
+    }
+    t->secret_ = line;
+  }
   if (t->options_.key_prefix.empty()) return absl::InvalidArgumentError("tiers.redis_key_prefix is empty");
   if (t->options_.ttl < absl::Seconds(1)) return absl::InvalidArgumentError("tiers.redis_ttl_s must be >= 1");
   {
@@ -144,6 +157,28 @@ RemoteTier::RemoteTier(RemoteTierOptions options) : options_(std::move(options))
 RemoteTier::~RemoteTier() = default;
 
 std::string RemoteTier::display_url() const { return RedactUrl(options_.url); }
+
+std::string RemoteTier::ValueDigest(const BlockKey& root_key, const BlockKey& key, const BlockKey* parent,
+                                    absl::Span<const Token> tokens) const {
+  std::string msg;
+  msg.reserve(48 + tokens.size() * 4);
+  const auto put_key = [&msg](const BlockKey& k) {
+    for (uint64_t part : {k.hi, k.lo}) {
+      for (int b = 0; b < 8; ++b) msg.push_back(static_cast<char>((part >> (8 * b)) & 0xff));
+    }
+  };
+  put_key(root_key);
+  put_key(key);
+  put_key(parent != nullptr ? *parent : BlockKey{});
+  for (Token t : tokens) {
+    for (int b = 0; b < 4; ++b) msg.push_back(static_cast<char>((t >> (8 * b)) & 0xff));
+  }
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  HMAC(EVP_sha256(), secret_.data(), static_cast<int>(secret_.size()),
+       reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), mac, &len);
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(mac), len));
+}
 
 std::string RemoteTier::KeyName(const Namespace& ns, const BlockKey& key) const {
   const std::string salt =

@@ -4,10 +4,12 @@
 //
 // Keys: "<key_prefix>:<pool>:<salt tag>:<chained block key, 32 hex>", the salt tag being "-" or 16
 // hex digits of XXH3 of the tenant's cache_salt (the salt itself never leaves the node), so an
-// operator can list or drop one model's or one tenant's blocks by pattern. Values: the G3 record
-// header (namespace, key, parent, tokens, codec, lengths, checksum, layout tag) followed by the
-// stored bytes, the same codec and checksum as G3; a reader verifies all of it, so a collision or a
-// corrupt value is a miss, never served. Every value carries a TTL; storing a block that is already
+// operator can list or drop one model's or one tenant's blocks by pattern. Values: a sealed G3
+// record header (pool, key, parent key, codec, lengths, checksum, layout tag, and instead of the
+// adapter, media, method, salt and tokens a ValueDigest of them, keyed by the cluster's secret)
+// followed by the stored bytes, the same codec and checksum as G3; a reader verifies all of it
+// against its own request, so a collision, a corrupt value or one sealed under another secret is a
+// miss, never served. The KV bytes themselves are not encrypted. Every value carries a TTL; storing a block that is already
 // there only refreshes its TTL (no bytes sent).
 //
 // Never stalls a request: every call has connect and I/O timeouts; after a failure the tier is
@@ -26,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "absl/time/time.h"
 #include "proto/vocab/block_key.h"
 #include "server/store/tier_types.h"
@@ -48,6 +51,10 @@ class RemoteTier {
   ~RemoteTier();
 
   std::string KeyName(const Namespace& ns, const BlockKey& key) const;
+  // What a value carries instead of the namespace and tokens in clear: 64 hex digits of
+  // HMAC-SHA256(secret, root key | key | parent key or 16 zero bytes | tokens, little-endian u32).
+  std::string ValueDigest(const BlockKey& root_key, const BlockKey& key, const BlockKey* parent,
+                          absl::Span<const Token> tokens) const;
 
   // How many of `keys`, from the first, exist: one pipelined round trip of EXISTS.
   absl::StatusOr<int64_t> RunLength(const std::vector<std::string>& keys) ABSL_LOCKS_EXCLUDED(mu_);
@@ -93,6 +100,7 @@ class RemoteTier {
 
   const RemoteTierOptions options_;
   std::string host_, unix_path_, username_, password_;
+  std::string secret_;  // tiers.redis_secret_file's first line; never logged
   int port_ = 6379;
   int db_ = 0;
   std::atomic<int64_t> down_until_ns_{0};

@@ -79,7 +79,13 @@ void TierStore::UploadQueued() {
     cache_->VisitCached(refs, [&](const CachedBlockView& v) {
       std::string raw(static_cast<size_t>(pools_[v.pool].block_bytes_all_shards()), '\0');
       if (!arena_->ReadBlock(v.pool, v.index, reinterpret_cast<uint8_t*>(raw.data())).ok()) return;
-      headers.push_back(BlockHeader(v));
+      // Sealed for a shared server: the value names its pool and key only; what identifies the
+      // block (adapter, media, method, salt, parent, tokens) travels as a keyed digest.
+      RecordHeader h = BlockHeader(v);
+      h.object_key = remote_->ValueDigest(v.root_key, v.key, v.has_parent ? &v.parent_key : nullptr, v.tokens);
+      h.ns = Namespace{.pool = v.ns->pool};
+      h.tokens.clear();
+      headers.push_back(std::move(h));
       keys.push_back(name_of[v.key]);
       raws.push_back(std::move(raw));
     });
@@ -113,6 +119,7 @@ int64_t TierStore::FetchRemote(PoolId pool, const Namespace& ns, absl::Span<cons
   for (size_t i = 0; i < targets.size(); ++i) names.push_back(remote_->KeyName(ns, keys[from + i]));
   absl::StatusOr<int64_t> run = remote_->RunLength(names);
   if (!run.ok() || *run == 0) return 0;
+  const BlockKey root_key = NamespaceRootKey(ns);
   names.resize(static_cast<size_t>(*run));
   std::vector<uint8_t> buf(static_cast<size_t>(raw_length));
   int64_t copied = 0;
@@ -131,9 +138,9 @@ int64_t TierStore::FetchRemote(PoolId pool, const Namespace& ns, absl::Span<cons
       absl::StatusOr<RecordHeader> h = DecodeRecordHeader(&in);
       const absl::Span<const Token> tokens = prompt.subspan(static_cast<size_t>(i * bt), static_cast<size_t>(bt));
       const bool valid =
-          h.ok() && h->kind == RecordKind::kBlock && h->key == keys[i] && h->ns == ns &&
-          h->has_parent == (i > 0) && (i == 0 || h->parent_key == keys[i - 1]) &&
-          std::equal(h->tokens.begin(), h->tokens.end(), tokens.begin(), tokens.end()) &&
+          h.ok() && h->kind == RecordKind::kBlock && h->key == keys[i] && h->ns.pool == ns.pool &&
+          h->has_parent == (i > 0) && (i == 0 || h->parent_key == keys[i - 1]) && h->tokens.empty() &&
+          h->object_key == remote_->ValueDigest(root_key, keys[i], i > 0 ? &keys[i - 1] : nullptr, tokens) &&
           h->layout_tag == layout_tags_[pool] && h->raw_length == raw_length &&
           static_cast<int64_t>(in.size()) == h->stored_length && Checksum(in.data(), in.size()) == h->checksum;
       if (!valid) {

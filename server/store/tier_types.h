@@ -27,6 +27,12 @@ struct RemoteTierOptions {
   std::string url;
   // A file holding the password (its first line). Read at start-up.
   std::string password_file;
+  // A file whose first line is the cluster's secret (the same on every node): values carry an
+  // HMAC-SHA256 under it of what identifies the block (namespace root key — pool, adapter, media,
+  // method, salt — key, parent key, tokens) instead of those in clear. Empty: the digest is
+  // unkeyed SHA-256, which still shows nothing in clear but lets a reader of Redis confirm a
+  // guessed prompt. Never logged.
+  std::string secret_file;
   std::string key_prefix = "kvd";
   // Lifetime of a stored block, refreshed whenever a daemon stores or reuses it. Default 1 day.
   absl::Duration ttl = absl::Hours(24);

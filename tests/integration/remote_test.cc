@@ -6,6 +6,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fstream>
+
 #include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
@@ -218,6 +220,57 @@ TEST_CASE("Killing Redis mid-run keeps every daemon serving; the tier returns wi
   REQUIRE(JsonInt(Work(b, "b2", 5000, 41).out, "cached_tokens") == 40);
   REQUIRE(Metric(b, "kvd_remote_available") == 1);
   REQUIRE(KvdctlStatus(b).find(" (available)") != std::string::npos);  // its last call succeeded
+}
+
+// A value in the shared Redis reveals nothing of the tenant: no salt, adapter or token sequence
+// in clear (a keyed digest verifies them); a node with the cluster's secret is served, one
+// without it is not.
+TEST_CASE("Redis values carry no salt, adapter or tokens in clear", "[integration][remote]") {
+  RedisServer redis;
+  TempDir dir;
+  std::ofstream(dir.path() + "/secret") << "cluster-secret-0123456789\n";
+  std::ofstream(dir.path() + "/other") << "another-secret\n";
+  const auto config = [&](const std::string& disk, const std::string& secret) {
+    return absl::StrCat(Config(redis.url(), dir.path() + "/" + disk), "  redis_secret_file: ", dir.path(), "/", secret, "\n");
+  };
+  DaemonProcess a(config("a", "secret"));
+  DaemonProcess b(config("b", "secret"));
+  DaemonProcess c(config("c", "other"));
+  const std::string salt = "tenant-salt-SECRET-7f3a";
+  const std::string adapter = "adapter-acme-finance";
+  ProcessResult w = RunWorker({"--target", a.target(), "--id", "t1", "--prompt-range", "4242:41", "--salt", salt,
+                               "--adapter", adapter});
+  REQUIRE(w.exit_code == 0);
+  WaitForMetric(a, kUploaded, 10);
+  // Every byte Redis holds for kvd: keys and values.
+  std::string everything;
+  for (const std::string& key : redis.Keys()) {
+    everything += key;
+    everything += redis.Cli({"--no-raw", "GET", key}).out;  // escaped bytes: \xNN for the binary ones
+    everything += redis.Cli({"GET", key}).out;
+  }
+  REQUIRE(!redis.Keys().empty());
+  REQUIRE(everything.find(salt) == std::string::npos);
+  REQUIRE(everything.find(adapter) == std::string::npos);
+  // No run of the prompt's tokens, as the u32 little-endian words a header would hold them in.
+  std::string words;
+  for (uint32_t t = 4242; t < 4242 + 4; ++t) {
+    for (int b = 0; b < 4; ++b) words.push_back(static_cast<char>((t >> (8 * b)) & 0xff));
+  }
+  REQUIRE(everything.find(words) == std::string::npos);
+  // The node with the cluster's secret is served every byte; one with another secret is not.
+  ProcessResult hit = RunWorker({"--target", b.target(), "--id", "t2", "--prompt-range", "4242:41", "--salt", salt,
+                                 "--adapter", adapter});
+  INFO(hit.out);
+  REQUIRE(JsonInt(hit.out, "cached_tokens") == 40);
+  REQUIRE(JsonInt(hit.out, "mismatches") == 0);
+  ProcessResult other = RunWorker({"--target", c.target(), "--id", "t3", "--prompt-range", "4242:41", "--salt", salt,
+                                   "--adapter", adapter});
+  REQUIRE(JsonInt(other.out, "cached_tokens") == 0);
+  REQUIRE(Metric(c, "kvd_remote_corrupt_total") >= 1);
+  // And the same prompt without the salt (another tenant) finds nothing on b either.
+  REQUIRE(JsonInt(RunWorker({"--target", b.target(), "--id", "t4", "--prompt-range", "4242:41", "--adapter", adapter}).out,
+                  "cached_tokens") == 0);
 }
 
 // An operator's Redis that fills up: maxmemory small, noeviction (Redis's default policy). Uploads
