@@ -115,7 +115,7 @@ absl::Status CheckKeys(const YAML::Node& node, const std::string& where,
 absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOptions* t) {
   KVD_RETURN_IF_ERROR(CheckKeys(node, where,
                                 {"host_bytes", "disk_dir", "disk_bytes", "codec", "segment_bytes",
-                                 "idle_demote_after_s", "read_threads", "flush_on_drain", "max_prefetch_handles_per_worker", "redis_url", "redis_password_file", "redis_secret_file",
+                                 "idle_demote_after_s", "read_threads", "flush_on_drain", "max_prefetch_handles_per_worker", "redis_url", "redis_password_file", "redis_secret_file", "redis_encryption_key_file",
                                  "redis_key_prefix", "redis_ttl_s", "redis_connect_timeout_s", "redis_timeout_s",
                                  "redis_retry_after_s", "redis_write_through", "redis_max_pending_uploads"}));
   KVD_RETURN_IF_ERROR(ReadSize(node, "host_bytes", &t->host_bytes, where));
@@ -135,6 +135,7 @@ absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOpt
   KVD_RETURN_IF_ERROR(Read(node, "redis_url", &r.url, where));
   KVD_RETURN_IF_ERROR(Read(node, "redis_password_file", &r.password_file, where));
   KVD_RETURN_IF_ERROR(Read(node, "redis_secret_file", &r.secret_file, where));
+  KVD_RETURN_IF_ERROR(Read(node, "redis_encryption_key_file", &r.encryption_key_file, where));
   KVD_RETURN_IF_ERROR(Read(node, "redis_key_prefix", &r.key_prefix, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(node, "redis_ttl_s", &r.ttl, where));
   KVD_RETURN_IF_ERROR(ReadSeconds(node, "redis_connect_timeout_s", &r.connect_timeout, where));
@@ -433,6 +434,7 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "redis_url" << YAML::Value << RedactUrl(t.remote.url);
   out << YAML::Key << "redis_password_file" << YAML::Value << t.remote.password_file;
   out << YAML::Key << "redis_secret_file" << YAML::Value << t.remote.secret_file;
+  out << YAML::Key << "redis_encryption_key_file" << YAML::Value << t.remote.encryption_key_file;
   out << YAML::Key << "redis_key_prefix" << YAML::Value << t.remote.key_prefix;
   out << YAML::Key << "redis_ttl_s" << YAML::Value << absl::ToDoubleSeconds(t.remote.ttl);
   out << YAML::Key << "redis_connect_timeout_s" << YAML::Value << absl::ToDoubleSeconds(t.remote.connect_timeout);

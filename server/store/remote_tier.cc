@@ -144,6 +144,11 @@ absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions o
     }
     t->secret_ = line;
   }
+  if (!t->options_.encryption_key_file.empty()) {
+    absl::StatusOr<std::unique_ptr<ValueCipher>> cipher = ValueCipher::Load(t->options_.encryption_key_file);
+    if (!cipher.ok()) return cipher.status();
+    t->cipher_ = *std::move(cipher);
+  }
   if (t->options_.key_prefix.empty()) return absl::InvalidArgumentError("tiers.redis_key_prefix is empty");
   if (t->options_.ttl < absl::Seconds(1)) return absl::InvalidArgumentError("tiers.redis_ttl_s must be >= 1");
   {

@@ -9,7 +9,8 @@
 // adapter, media, method, salt and tokens a ValueDigest of them, keyed by the cluster's secret)
 // followed by the stored bytes, the same codec and checksum as G3; a reader verifies all of it
 // against its own request, so a collision, a corrupt value or one sealed under another secret is a
-// miss, never served. The KV bytes themselves are not encrypted. Every value carries a TTL; storing a block that is already
+// miss, never served. With an encryption key file the stored bytes are AES-256-GCM ciphertext
+// (value_cipher.h) and the header names the key id. Every value carries a TTL; storing a block that is already
 // there only refreshes its TTL (no bytes sent).
 //
 // Never stalls a request: every call has connect and I/O timeouts; after a failure the tier is
@@ -29,6 +30,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "server/store/value_cipher.h"
 #include "absl/time/time.h"
 #include "proto/vocab/block_key.h"
 #include "server/store/tier_types.h"
@@ -55,6 +57,8 @@ class RemoteTier {
   // HMAC-SHA256(secret, root key | key | parent key or 16 zero bytes | tokens, little-endian u32).
   std::string ValueDigest(const BlockKey& root_key, const BlockKey& key, const BlockKey* parent,
                           absl::Span<const Token> tokens) const;
+  // The cipher of options.encryption_key_file, or nullptr when values are stored unencrypted.
+  const ValueCipher* cipher() const { return cipher_.get(); }
 
   // How many of `keys`, from the first, exist: one pipelined round trip of EXISTS.
   absl::StatusOr<int64_t> RunLength(const std::vector<std::string>& keys) ABSL_LOCKS_EXCLUDED(mu_);
@@ -101,6 +105,7 @@ class RemoteTier {
   const RemoteTierOptions options_;
   std::string host_, unix_path_, username_, password_;
   std::string secret_;  // tiers.redis_secret_file's first line; never logged
+  std::unique_ptr<ValueCipher> cipher_;
   int port_ = 6379;
   int db_ = 0;
   std::atomic<int64_t> down_until_ns_{0};

@@ -2,7 +2,9 @@
 #include <algorithm>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "server/store/tier_store.h"
 #include "spdlog/spdlog.h"
 
@@ -98,7 +100,21 @@ void TierStore::UploadQueued() {
       const std::string& raw = raws[i];
       h.codec = Compress(options_.codec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(raw.data()), raw.size()),
                          &compressed);
-      const std::string& stored = h.codec == Codec::kNone ? raw : compressed;
+      std::string sealed;
+      const std::string* stored_ptr = h.codec == Codec::kNone ? &raw : &compressed;
+      if (const ValueCipher* cipher = remote_->cipher(); cipher != nullptr) {
+        // Encrypted after compression, bound to the value's identity digest; the key id rides in
+        // the header ("<digest>:<key id>") so keys can rotate.
+        absl::StatusOr<std::string> s = cipher->Seal(*stored_ptr, h.object_key);
+        if (!s.ok()) {
+          remote_->CountUploadDropped(1);
+          continue;
+        }
+        sealed = *std::move(s);
+        stored_ptr = &sealed;
+        h.object_key = absl::StrCat(h.object_key, ":", cipher->sealing_key_id());
+      }
+      const std::string& stored = *stored_ptr;
       h.stored_length = static_cast<int64_t>(stored.size());
       h.checksum = Checksum(stored.data(), stored.size());
       std::string value;
@@ -137,10 +153,18 @@ int64_t TierStore::FetchRemote(PoolId pool, const Namespace& ns, absl::Span<cons
       absl::string_view in = *value;
       absl::StatusOr<RecordHeader> h = DecodeRecordHeader(&in);
       const absl::Span<const Token> tokens = prompt.subspan(static_cast<size_t>(i * bt), static_cast<size_t>(bt));
+      // object_key: "<digest>" or, encrypted, "<digest>:<key id>".
+      const std::string digest = remote_->ValueDigest(root_key, keys[i], i > 0 ? &keys[i - 1] : nullptr, tokens);
+      absl::string_view key_id;
+      bool digest_ok = false;
+      if (h.ok()) {
+        absl::string_view rest = h->object_key;
+        digest_ok = absl::ConsumePrefix(&rest, digest) && (rest.empty() || (rest[0] == ':' && rest.size() > 1));
+        if (digest_ok && !rest.empty()) key_id = rest.substr(1);
+      }
       const bool valid =
           h.ok() && h->kind == RecordKind::kBlock && h->key == keys[i] && h->ns.pool == ns.pool &&
-          h->has_parent == (i > 0) && (i == 0 || h->parent_key == keys[i - 1]) && h->tokens.empty() &&
-          h->object_key == remote_->ValueDigest(root_key, keys[i], i > 0 ? &keys[i - 1] : nullptr, tokens) &&
+          h->has_parent == (i > 0) && (i == 0 || h->parent_key == keys[i - 1]) && h->tokens.empty() && digest_ok &&
           h->layout_tag == layout_tags_[pool] && h->raw_length == raw_length &&
           static_cast<int64_t>(in.size()) == h->stored_length && Checksum(in.data(), in.size()) == h->checksum;
       if (!valid) {
@@ -149,6 +173,22 @@ int64_t TierStore::FetchRemote(PoolId pool, const Namespace& ns, absl::Span<cons
                      keys[i].ToHex(), pools_[pool].name);
         ok = false;
         return false;
+      }
+      // Encrypted values are opened first (authenticated against the digest).
+      std::string opened;
+      if (!key_id.empty()) {
+        absl::StatusOr<std::string> o = remote_->cipher() != nullptr
+                                            ? remote_->cipher()->Open(key_id, in, digest)
+                                            : absl::DataLossError("encrypted, and no tiers.redis_encryption_key_file");
+        if (!o.ok()) {
+          remote_->CountCorrupt();
+          spdlog::warn("redis tier: block {} of pool {} could not be decrypted ({}); not served", keys[i].ToHex(),
+                       pools_[pool].name, std::string(o.status().message()));
+          ok = false;
+          return false;
+        }
+        opened = *std::move(o);
+        in = opened;
       }
       // Uncompressed values go straight into the pool; others are decoded into `buf` first.
       const uint8_t* src = reinterpret_cast<const uint8_t*>(in.data());

@@ -33,6 +33,9 @@ struct RemoteTierOptions {
   // unkeyed SHA-256, which still shows nothing in clear but lets a reader of Redis confirm a
   // guessed prompt. Never logged.
   std::string secret_file;
+  // Key file for AES-256-GCM encryption of the stored bytes (value_cipher.h: "<id> <64 hex>" per
+  // line; the first seals, all open). Empty: values are stored unencrypted.
+  std::string encryption_key_file;
   std::string key_prefix = "kvd";
   // Lifetime of a stored block, refreshed whenever a daemon stores or reuses it. Default 1 day.
   absl::Duration ttl = absl::Hours(24);

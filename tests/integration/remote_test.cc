@@ -273,6 +273,62 @@ TEST_CASE("Redis values carry no salt, adapter or tokens in clear", "[integratio
                   "cached_tokens") == 0);
 }
 
+// With tiers.redis_encryption_key_file the KV bytes in Redis are AES-256-GCM ciphertext: no window
+// of the plaintext value another (unencrypted) daemon stored for the same prompt appears in them.
+// Keys rotate: a node whose file seals with a new key and still holds the old one opens the old
+// values; a node without the old key is not served them.
+TEST_CASE("Encrypted Redis values hold no KV plaintext, and keys rotate", "[integration][remote]") {
+  RedisServer redis;
+  TempDir dir;
+  std::ofstream(dir.path() + "/secret") << "cluster-secret\n";
+  const std::string k1 = "k1 " + std::string(64, 'a');
+  const std::string k2 = "k2 " + std::string(64, 'b');
+  std::ofstream(dir.path() + "/keys-a") << "# sealing key first\n" << k1 << "\n";
+  std::ofstream(dir.path() + "/keys-b") << k2 << "\n" << k1 << "\n";
+  std::ofstream(dir.path() + "/keys-c") << k2 << "\n";
+  const auto config = [&](const std::string& name, const std::string& prefix, const std::string& keys) {
+    std::string c = absl::StrCat(Config(redis.url(), dir.path() + "/" + name), "  redis_secret_file: ", dir.path(),
+                                 "/secret\n  redis_key_prefix: ", prefix, "\n");
+    if (!keys.empty()) absl::StrAppend(&c, "  redis_encryption_key_file: ", dir.path(), "/", keys, "\n");
+    return c;
+  };
+  DaemonProcess a(config("a", "enc", "keys-a"));
+  DaemonProcess plain(config("p", "plain", ""));
+  Work(a, "e1", 9000, 41);
+  Work(plain, "p1", 9000, 41);
+  WaitForMetric(a, kUploaded, 10);
+  WaitForMetric(plain, kUploaded, 10);
+  const auto values = [&](const std::string& prefix) {
+    std::vector<std::string> out;
+    for (absl::string_view k : absl::StrSplit(redis.Cli({"--scan", "--pattern", prefix + ":*"}).out, '\n', absl::SkipEmpty())) {
+      out.push_back(redis.Cli({"GET", std::string(k)}).out);
+    }
+    return out;
+  };
+  const std::vector<std::string> enc = values("enc");
+  const std::vector<std::string> clear = values("plain");
+  REQUIRE(enc.size() == clear.size());
+  REQUIRE(!enc.empty());
+  int windows = 0;
+  for (const std::string& v : clear) {
+    // 48-byte windows from the stored KV (the tail of each value, past its header).
+    for (size_t at = v.size() / 2; at + 48 <= v.size() && at < v.size() / 2 + 480; at += 48, ++windows) {
+      const std::string w = v.substr(at, 48);
+      for (const std::string& e : enc) REQUIRE(e.find(w) == std::string::npos);
+    }
+  }
+  REQUIRE(windows > 10);
+  // Rotation: b seals with k2 and still opens k1; c has only k2.
+  DaemonProcess b(config("b", "enc", "keys-b"));
+  DaemonProcess c(config("c", "enc", "keys-c"));
+  ProcessResult hit = Work(b, "e2", 9000, 41);
+  REQUIRE(JsonInt(hit.out, "cached_tokens") == 40);
+  REQUIRE(JsonInt(Work(c, "e3", 9000, 41).out, "cached_tokens") == 0);
+  REQUIRE(Metric(c, "kvd_remote_corrupt_total") >= 1);
+  REQUIRE(c.Log().find("could not be decrypted") != std::string::npos);
+  REQUIRE(c.Log().find(std::string(64, 'b')) == std::string::npos);  // key bytes are never logged
+}
+
 // An operator's Redis that fills up: maxmemory small, noeviction (Redis's default policy). Uploads
 // that do not fit are refused with OOM: counted apart, skipped, and without the failure back-off,
 // so lookups and fetches of what is there go on; kvd names the policy in its log and status.
