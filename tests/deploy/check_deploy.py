@@ -138,6 +138,23 @@ def main():
     return 1 if failures else 0
 
 
+def start_kvd_all_tiers(command, d, ready, tries=500):
+    """`command` (kvd, possibly under a tracer) on d/k.sock with every tier on, so that every
+    family (flush, demotion...) is exported and every code path is reachable: host and disk tiers,
+    a Redis tier where nothing listens (merely unavailable) and router events; waits for `ready`."""
+    proc = subprocess.Popen(command + ["--listen=unix://" + os.path.join(d, "k.sock"), "--metrics-listen=127.0.0.1:0",
+                                       "--ready-file=" + ready, "--log-level=warn",
+                                       "--disk-dir=" + os.path.join(d, "disk"), "--host-tier-bytes=4MiB",
+                                       "--redis-url=redis://127.0.0.1:1",
+                                       "--router-events=ipc://" + os.path.join(d, "events")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(tries):
+        if os.path.exists(ready):
+            break
+        time.sleep(0.02)
+    return proc
+
+
 def syscall_set(name):
     """The system calls of a systemd syscall set, nested sets expanded."""
     out = subprocess.run(["systemd-analyze", "syscall-filter", name], capture_output=True, text=True).stdout
@@ -178,16 +195,8 @@ def check_syscalls(unit, kvd, kvdctl, worker, tmp):
     sock = os.path.join(d, "k.sock")
     ready = os.path.join(d, "ready.json")
     trace = os.path.join(d, "trace")
-    proc = subprocess.Popen(["strace", "-f", "-qq", "-o", trace, kvd, "--listen=unix://" + sock,
-                             "--metrics-listen=127.0.0.1:0", "--ready-file=" + ready, "--log-level=warn",
-                             "--disk-dir=" + os.path.join(d, "disk"), "--host-tier-bytes=4MiB",
-                             "--redis-url=redis://127.0.0.1:1", "--router-events=ipc://" + os.path.join(d, "events")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_kvd_all_tiers(["strace", "-f", "-qq", "-o", trace, kvd], d, ready, tries=1500)
     try:
-        for _ in range(1500):
-            if os.path.exists(ready):
-                break
-            time.sleep(0.02)
         check(os.path.exists(ready), "kvd started under strace")
         if not os.path.exists(ready):
             return
@@ -223,18 +232,8 @@ def check_syscalls(unit, kvd, kvdctl, worker, tmp):
 
 def scrape_metric_names(kvd, kvdctl, worker_bin, tmp):
     ready = os.path.join(tmp, "ready.json")
-    proc = subprocess.Popen([kvd, "--listen=unix://" + os.path.join(tmp, "k.sock"), "--metrics-listen=127.0.0.1:0",
-                             "--ready-file=" + ready, "--log-level=warn",
-                             # tiers on, so that their families (flush, demotion...) are exported too;
-                             # a Redis tier (nothing listens there: it is merely unavailable) and router events
-                             "--disk-dir=" + os.path.join(tmp, "disk"), "--host-tier-bytes=4194304",
-                             "--redis-url=redis://127.0.0.1:1", "--router-events=ipc://" + os.path.join(tmp, "events")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_kvd_all_tiers([kvd], tmp, ready)
     try:
-        for _ in range(500):
-            if os.path.exists(ready):
-                break
-            time.sleep(0.02)
         port = json.load(open(ready))["metrics_port"]
         # One RPC, so that the per-RPC latency histogram has a series to show, and one request
         # (a Start), so that the admission-wait histogram has one too.
