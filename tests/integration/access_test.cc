@@ -113,7 +113,7 @@ TEST_CASE("The allow-list refuses other users on gRPC and the side socket, and a
   // An allowed user is a worker, not an operator: what sees across tenants or changes the node is
   // refused (every request's handle, the event stream with its tokens, gc, drain); the worker's
   // own RPCs and the aggregate report are not.
-  for (const std::vector<std::string> op : {std::vector<std::string>{"requests"}, {"events"}, {"gc", "--all"}, {"drain"}}) {
+  for (const auto& op : {std::vector<std::string>{"requests"}, {"events"}, {"gc", "--all"}, {"drain"}}) {
     std::vector<std::string> args = {"--target=" + d.target()};
     args.insert(args.end(), op.begin(), op.end());
     ProcessResult ctl = RunAs(KVDCTL_BINARY, args);
