@@ -349,8 +349,12 @@ TEST_CASE("A full Redis under noeviction refuses uploads; lookups and fetches go
   REQUIRE(at != std::string::npos);
   const int64_t bytes = std::stoll(used.substr(at + 12));
   REQUIRE(redis.Cli({"CONFIG", "SET", "maxmemory", std::to_string(bytes + 4096)}).exit_code == 0);
-  for (int i = 0; i < 4; ++i) Work(a, absl::StrCat("a-big-", i), 10000 + 1000 * i, 41);
-  WaitForMetric(a, "kvd_remote_oom_refusals_total", 1);
+  // New prompts until Redis has refused one (uploads are asynchronous, and slow under sanitizers).
+  for (int i = 0; i < 40 && Metric(a, "kvd_remote_oom_refusals_total") < 1; ++i) {
+    Work(a, absl::StrCat("a-big-", i), 10000 + 1000 * i, 41);
+    for (int k = 0; k < 50 && Metric(a, "kvd_remote_oom_refusals_total") < 1; ++k) absl::SleepFor(absl::Milliseconds(20));
+  }
+  REQUIRE(Metric(a, "kvd_remote_oom_refusals_total") >= 1);
   REQUIRE(a.Log().find("Redis is full and refuses new values") != std::string::npos);
   // OOM is not an outage: no back-off, the tier stays in use, and another node still fetches
   // the prefix that was uploaded before it filled, byte for byte.
