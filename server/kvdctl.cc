@@ -39,6 +39,13 @@ using kvd::v1::Kvd;
 
 std::string Json(const google::protobuf::Message& m) { return kvd::ToJsonLine(m); }
 
+std::string Bytes(int64_t b);
+
+// Redis's maxmemory as kvd read it: -1 when CONFIG GET was not answered, 0 when unbounded.
+std::string MaxMemory(int64_t bytes) {
+  return bytes < 0 ? "unknown" : bytes == 0 ? "unbounded" : Bytes(bytes);
+}
+
 // Prints rows as left-aligned columns.
 void Table(const std::vector<std::vector<std::string>>& rows) {
   std::vector<size_t> width;
@@ -129,8 +136,8 @@ int Status(Kvd::Stub& stub, bool json) {
              {"lookups", absl::StrCat(g4.lookups(), " (", g4.hit_blocks(), " blocks found, ", g4.fetched_blocks(), " fetched)")},
              {"uploads", absl::StrCat(g4.uploaded_blocks(), " uploaded, ", g4.refreshed_blocks(), " already there, ",
                                       g4.upload_dropped(), " dropped")},
-             {"memory", absl::StrCat(g4.maxmemory() < 0 ? std::string("maxmemory unknown") : g4.maxmemory() == 0 ? std::string("maxmemory unbounded") : absl::StrCat("maxmemory ", Bytes(g4.maxmemory())),
-                                     ", policy ", g4.eviction_policy().empty() ? "unknown" : g4.eviction_policy(), ", ",
+             {"memory", absl::StrCat("maxmemory ", MaxMemory(g4.maxmemory()), ", policy ",
+                                     g4.eviction_policy().empty() ? "unknown" : g4.eviction_policy(), ", ",
                                      g4.oom_refusals(), " values refused for want of memory")},
              {"failures", absl::StrCat(g4.errors(), " errors and ", g4.skipped(), " skipped of ", g4.calls(), " calls, ", g4.corrupt(),
                                        " corrupt values", g4.last_error().empty() ? "" : "; last: " + g4.last_error())}});

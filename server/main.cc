@@ -113,15 +113,26 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  // Flags and environment override the file.
-  const auto bad_flag = [](const absl::Status& s) {
-    std::cerr << "kvd: invalid configuration: " << s.message() << "\n";
-    return 2;
+  // Flags and environment override the file. A flag given as text goes through the parser of
+  // the same key in the file (config_values.h); the first mistake is reported, one line, exit 2.
+  absl::Status flag_error;
+  const auto set_parsed = [&flag_error](const std::string& text, absl::string_view flag, auto parse, auto* out) {
+    if (text.empty() || !flag_error.ok()) return;
+    auto parsed = parse(flag, text);
+    if (parsed.ok()) {
+      *out = *std::move(parsed);
+    } else {
+      flag_error = parsed.status();
+    }
   };
-  if (!listen.empty()) {
-    absl::StatusOr<std::string> normalized = kvd::NormalizeListen("--listen", listen);
-    if (!normalized.ok()) return bad_flag(normalized.status());
-    options.server.listen = *normalized;
+  set_parsed(listen, "--listen", kvd::NormalizeListen, &options.server.listen);
+  set_parsed(max_message_bytes, "--max-message-bytes", kvd::ParseSize, &options.server.max_message_bytes);
+  set_parsed(lease_ttl, "--lease-ttl", kvd::ParseDurationValue, &options.server.lease_ttl);
+  set_parsed(drain_timeout, "--drain-timeout", kvd::ParseDurationValue, &options.server.drain_timeout);
+  set_parsed(host_tier_bytes, "--host-tier-bytes", kvd::ParseSize, &options.tiers.host_bytes);
+  if (!flag_error.ok()) {
+    std::cerr << "kvd: invalid configuration: " << flag_error.message() << "\n";
+    return 2;
   }
   if (!side_socket.empty()) options.server.side_socket = side_socket;
   if (app.count("--metrics-listen") > 0 || std::getenv("KVD_METRICS_LISTEN") != nullptr) {
@@ -130,21 +141,6 @@ int main(int argc, char** argv) {
   if (!backend.empty()) options.server.backend = backend;
   if (!ready_file.empty()) options.server.ready_file = ready_file;
   if (!log_level.empty()) options.server.log_level = log_level;
-  if (!max_message_bytes.empty()) {
-    absl::StatusOr<int64_t> v = kvd::ParseSize("--max-message-bytes", max_message_bytes);
-    if (!v.ok()) return bad_flag(v.status());
-    options.server.max_message_bytes = *v;
-  }
-  if (!lease_ttl.empty()) {
-    absl::StatusOr<absl::Duration> v = kvd::ParseDurationValue("--lease-ttl", lease_ttl);
-    if (!v.ok()) return bad_flag(v.status());
-    options.server.lease_ttl = *v;
-  }
-  if (!drain_timeout.empty()) {
-    absl::StatusOr<absl::Duration> v = kvd::ParseDurationValue("--drain-timeout", drain_timeout);
-    if (!v.ok()) return bad_flag(v.status());
-    options.server.drain_timeout = *v;
-  }
   if (!disk_dir.empty()) options.tiers.disk_dir = disk_dir;
   if (!tls_cert.empty()) options.server.tls_cert_file = tls_cert;
   if (!allowed_uids.empty()) options.server.allowed_uids = allowed_uids;
@@ -152,11 +148,6 @@ int main(int argc, char** argv) {
   if (!allowed_gids.empty()) options.server.allowed_gids = allowed_gids;
   if (!tls_key.empty()) options.server.tls_key_file = tls_key;
   if (!tls_client_ca.empty()) options.server.tls_client_ca_file = tls_client_ca;
-  if (!host_tier_bytes.empty()) {
-    absl::StatusOr<int64_t> v = kvd::ParseSize("--host-tier-bytes", host_tier_bytes);
-    if (!v.ok()) return bad_flag(v.status());
-    options.tiers.host_bytes = *v;
-  }
   if (!redis_url.empty()) {
     options.tiers.remote.url = redis_url;
     if (kvd::RedactUrl(redis_url) != redis_url) {

@@ -141,7 +141,7 @@ class PrefixIndex {
       return (v & kGhost) != 0 ? pool->ghost_ring[v & ~kGhost] : pool->nodes[v].key;
     }
   };
-  // Remembers `key` (whose table entry is `*entry`, a live block's) as a ghost.
+  // Remembers `key`, whose table entry is a live block's, as a ghost (turns that entry into one).
   static void AddGhost(PoolNodes& pool, const BlockKey& key);
   absl::flat_hash_map<Namespace, std::unique_ptr<NamespaceRoot>> roots_;
   std::vector<std::unique_ptr<PoolNodes>> pools_;

@@ -110,11 +110,11 @@ def main():
                     check('instance=~"$instance"' in m, f"panel '{p['title']}' filters by the node variable ({t['expr'][:80]})")
                 if "kvd_bytes" in t["expr"]:
                     check('state!="total"' in t["expr"], f"panel '{p['title']}' stacks kvd_bytes without the total")
+        headings = {h.lower() for h in re.findall(r"^### (\S+)\s*$", open(os.path.join(root, "docs", "operations.md")).read(), re.M)}
         for rule_group in yaml.safe_load(open(rules))["groups"]:
             for rule in rule_group["rules"]:
                 url = rule.get("annotations", {}).get("runbook_url", "")
                 anchor = url.rsplit("#", 1)[-1] if "#" in url else ""
-                headings = {h.lower() for h in re.findall(r"^### (\S+)\s*$", open(os.path.join(root, "docs", "operations.md")).read(), re.M)}
                 check(url.startswith("https://") and "docs/operations.md#" in url and anchor in headings,
                       f"alert {rule['alert']} has a runbook_url to its section of docs/operations.md ({url})")
         for name in sorted(referenced):

@@ -114,8 +114,6 @@ def check_socket_dir(check, init_command, config_text, kvd):
         check(r.returncode == 0, f"the init container's command runs ({r.stderr.strip()})")
         served, out = start_kvd()
         check(served, f"after it, kvd as uid {KVD_UID} binds the socket and serves ({out.strip()[-300:]})")
-        st = os.stat(os.path.join(run, "kvd.sock")) if os.path.exists(os.path.join(run, "kvd.sock")) else None
-        check(st is not None or served, "the socket was created")
         if served:
             print(f"hostPath: kvd as uid {KVD_UID} could not bind in a kubelet-made directory, and could after the "
                   "init container's command")

@@ -2,10 +2,10 @@
 virtual environment (no PYTHONPATH, not run from the repository), then the README's snippet, run as
 written against a real kvd, twice (the second run hits the first's prefix), and against a target
 where nothing listens (KvdUnavailable, not a bare grpc timeout). Also: the committed gRPC stubs
-equal what the build generates from the proto now (else scripts/gen-python-stubs.sh), and the
+equal what scripts/gen-python-stubs.sh generates from the proto now (else scripts/gen-python-stubs.sh), and the
 package byte-compiles with Python 3.9 when one is installed (its requires-python floor).
 
-Usage: test_package.py REPO_ROOT KVD_BINARY BUILD_PYTHON_DIR
+Usage: test_package.py REPO_ROOT KVD_BINARY
 """
 import glob
 import os
@@ -19,13 +19,21 @@ from kvd_testlib import Daemon, check, finish
 
 
 def main():
-    root, kvd, built = sys.argv[1], sys.argv[2], sys.argv[3]
+    root, kvd = sys.argv[1], sys.argv[2]
     src = os.path.join(root, "client", "python")
-    for name in ("kvd_pb2.py", "kvd_pb2_grpc.py"):
-        committed = open(os.path.join(src, "kvd", "v1", name)).read()
-        fresh = open(os.path.join(built, "kvd", "v1", name)).read()
-        check(committed == fresh, f"client/python/kvd/v1/{name} is what the proto generates now "
-                                  "(else run scripts/gen-python-stubs.sh)")
+    fresh_dir = tempfile.mkdtemp(prefix="kvd-stubs-")
+    try:
+        r = subprocess.run(["bash", os.path.join(root, "scripts", "gen-python-stubs.sh"), fresh_dir],
+                           capture_output=True, text=True)
+        check(r.returncode == 0, f"scripts/gen-python-stubs.sh runs ({r.stderr.strip()[-300:]})")
+        for name in ("__init__.py", "kvd_pb2.py", "kvd_pb2_grpc.py"):
+            committed = open(os.path.join(src, "kvd", "v1", name)).read()
+            fresh_path = os.path.join(fresh_dir, "kvd", "v1", name)
+            fresh = open(fresh_path).read() if os.path.exists(fresh_path) else None
+            check(committed == fresh, f"client/python/kvd/v1/{name} is what the proto generates now "
+                                      "(else run scripts/gen-python-stubs.sh)")
+    finally:
+        shutil.rmtree(fresh_dir, ignore_errors=True)
 
     readme = open(os.path.join(root, "README.md")).read()
     m = re.search(r"<!-- python-snippet -->\n```python\n(.*?)```", readme, re.S)
