@@ -344,9 +344,11 @@ int64_t Client::epoch() const { return impl_->Epoch(); }
 
 absl::Status Client::LostIfRestarted(const absl::Status& status, int64_t epoch, const RequestId& id) {
   if (status.ok()) return status;
-  // kvd going away fails calls with UNAVAILABLE (or, once back, says the old worker is not
-  // attached) a moment before the supervisor sees the attach stream end: give it that moment.
+  // kvd going away fails calls with UNAVAILABLE (CANCELLED when a handoff shut its server down
+  // mid-call; or, once back, says the old worker is not attached) a moment before the supervisor
+  // sees the attach stream end: give it that moment.
   const bool maybe_gone = status.code() == absl::StatusCode::kUnavailable ||
+                          status.code() == absl::StatusCode::kCancelled ||
                           (status.code() == absl::StatusCode::kFailedPrecondition &&
                            absl::StrContains(status.message(), "not attached"));
   absl::MutexLock lock(&impl_->mu);

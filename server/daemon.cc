@@ -24,6 +24,7 @@
 #endif
 #include "proto/vocab/status_macros.h"
 #include "server/rpc/access_interceptor.h"
+#include "server/handoff.h"
 #include "server/slab_fd_store.h"
 #include "spdlog/spdlog.h"
 
@@ -106,14 +107,53 @@ absl::Status EnsureParentDir(const std::string& path) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options, bool takeover,
+                                                      std::function<void(absl::Status)> on_handoff) {
   options.ApplyDefaults();
   KVD_RETURN_IF_ERROR(options.Validate());
+  if (!takeover) return Assemble(std::move(options), nullptr, std::move(on_handoff));
+  const std::string& path = options.server.handoff_socket;
+  if (path.empty()) {
+    return absl::InvalidArgumentError("--takeover needs a handoff socket: a Unix listen address and handoff_socket not off");
+  }
+  absl::StatusOr<HandoffSession> session = HandoffSession::Connect(path);
+  if (absl::IsNotFound(session.status())) {
+    spdlog::info("--takeover: {}; starting afresh", std::string(session.status().message()));
+    return Assemble(std::move(options), nullptr, std::move(on_handoff));
+  }
+  if (!session.ok()) return session.status();
+  KVD_ASSIGN_OR_RETURN(HandoffReceived received,
+                       session->Take(MakeHello(options.cache.pools, options.server.backend)));
+  spdlog::info("handoff: took over from {}: {} slab(s), {} cached block(s), {} session(s); {} live request(s) "
+               "ended there (their clients see KvdRestarted)",
+               received.old_build, received.slabs.size(), received.snapshot.blocks.size(),
+               received.snapshot.sessions.size(), received.requests_ended);
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Assemble(std::move(options), &received, std::move(on_handoff));
+  session->Finish(d.status());
+  if (!d.ok()) spdlog::error("handoff: this kvd did not start ({}); the old one has stopped", d.status().ToString());
+  return d;
+}
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, HandoffReceived* received,
+                                                         std::function<void(absl::Status)> on_handoff) {
   std::unique_ptr<Daemon> d(new Daemon(std::move(options)));
   const ServerOptions& so = d->options_.server;
 
   KVD_ASSIGN_OR_RETURN(d->cache_, KvCache::Create(d->options_.cache, SystemClock::Get()));
-  KVD_ASSIGN_OR_RETURN(d->arena_, MakeArena(so.backend, d->options_.cache.pools));
+  if (received != nullptr) {
+    // The predecessor's slabs, every one of them: their bytes are the cache being imported.
+    const size_t offered = received->slabs.size();
+    KVD_ASSIGN_OR_RETURN(std::unique_ptr<HostArena> arena,
+                         HostArena::Create(d->options_.cache.pools, std::move(received->slabs)));
+    if (static_cast<size_t>(arena->adopted()) != offered || arena->slabs().size() != offered) {
+      return absl::InternalError(absl::StrCat("handoff: adopted ", arena->adopted(), " of ", offered,
+                                              " slabs handed over"));
+    }
+    (void)StoreSlabFds(*arena);
+    d->arena_ = std::move(arena);
+  } else {
+    KVD_ASSIGN_OR_RETURN(d->arena_, MakeArena(so.backend, d->options_.cache.pools));
+  }
   if (d->options_.router_events.enabled()) {
     // Before Load: a warm restart's reload is announced to routers too.
     RouterEventsOptions ro = d->options_.router_events;
@@ -125,8 +165,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
     // Load before serving: health turns SERVING only once a warm restart's state is indexed.
     KVD_ASSIGN_OR_RETURN(d->tiers_, TierStore::Open(d->options_.tiers, d->arena_.get(), d->cache_.get()));
     KVD_RETURN_IF_ERROR(d->tiers_->Load());
-    d->cache_->SetEvictionSink(d->tiers_.get());
   }
+  if (received != nullptr) {
+    // After Load, whose "all cleared" routers must hear first; the blocks are announced anew.
+    KVD_ASSIGN_OR_RETURN(int64_t indexed, d->cache_->ImportSnapshot(received->snapshot));
+    spdlog::info("handoff: {} cached block(s) indexed where they lie; nothing copied", indexed);
+  }
+  if (d->tiers_ != nullptr) d->cache_->SetEvictionSink(d->tiers_.get());
   d->workers_ = std::make_unique<AttachmentRegistry>(SystemClock::Get(), so.lease_ttl);
   KVD_ASSIGN_OR_RETURN(d->metrics_, Metrics::Start(so.metrics_listen, d->cache_.get(),
                                                    [w = d->workers_.get()] { return static_cast<int64_t>(w->size()); },
@@ -139,8 +184,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   }
   d->access_ = AccessPolicy(std::vector<uid_t>(so.allowed_uids.begin(), so.allowed_uids.end()),
                             std::vector<gid_t>(so.allowed_gids.begin(), so.allowed_gids.end()), socket_gid);
-  KVD_ASSIGN_OR_RETURN(d->side_, SlabSideChannel::Start(so.side_socket, d->arena_.get(),
-                                                        d->workers_.get(), &d->access_));
+  KVD_ASSIGN_OR_RETURN(d->side_, SlabSideChannel::Start(so.side_socket, d->arena_.get(), d->workers_.get(),
+                                                        &d->access_,
+                                                        received != nullptr ? std::move(received->side_fd) : UniqueFd()));
   d->service_ = std::make_unique<KvdService>(d->cache_.get(), d->workers_.get(), d->arena_.get(),
                                              d->metrics_.get(), so.side_socket, so.lease_ttl,
                                              d->tiers_.get());
@@ -165,7 +211,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
   if (unix_socket) {
     // kvd accepts on the socket itself, to know each connection's peer (PeerListener): the
     // allow-list, roles and worker ids bound to their process all need it.
-    KVD_ASSIGN_OR_RETURN(d->peers_, PeerListener::Bind(so.listen.substr(7)));
+    if (received != nullptr) {
+      KVD_ASSIGN_OR_RETURN(d->peers_, PeerListener::Adopt(std::move(received->listen_fd)));
+    } else {
+      KVD_ASSIGN_OR_RETURN(d->peers_, PeerListener::Bind(so.listen.substr(7)));
+    }
     d->service_->set_access(&d->access_, d->peers_.get());
   } else {
     builder.AddListeningPort(so.listen, creds, unix_socket ? nullptr : &port);
@@ -205,6 +255,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options) {
     d->options_.server.listen = absl::StrCat(so.listen.substr(0, so.listen.size() - 1), port);
   }
   d->reaper_ = std::thread([raw = d.get()] { raw->ReapLapsedLeases(); });
+  if (on_handoff != nullptr && !so.handoff_socket.empty()) {
+    HandoffListener::Hooks hooks;
+    hooks.check = [raw = d.get()](const HandoffHello& hello) {
+      return CheckSuccessor(hello, *raw->arena_, raw->options_.cache.pools);
+    };
+    hooks.stop = [raw = d.get()] { return raw->StopForHandoff(); };
+    hooks.finished = std::move(on_handoff);
+    KVD_ASSIGN_OR_RETURN(d->handoff_, HandoffListener::Start(so.handoff_socket, std::move(hooks)));
+  }
   spdlog::info("kvd serving on {} (backend {}, {} pools, side socket {}, metrics port {})",
                d->options_.server.listen, d->arena_->backend(), d->options_.cache.pools.size(),
                so.side_socket, d->metrics_->port());
@@ -242,6 +301,8 @@ absl::Status Daemon::Probe(absl::Duration timeout) const {
 void Daemon::StartDrain() { service_->StartDraining(); }
 
 int64_t Daemon::Drain(absl::Duration timeout, const std::function<bool()>& interrupted) {
+  absl::MutexLock lock(&lifecycle_mu_);
+  if (handed_over_) return 0;  // a successor serves; nothing here to drain
   service_->StartDraining(/*final=*/true);
   const absl::Time deadline = SystemClock::Get()->Now() + timeout;
   int64_t live = cache_->Report().live_requests;
@@ -267,9 +328,47 @@ int64_t Daemon::Drain(absl::Duration timeout, const std::function<bool()>& inter
   return live;
 }
 
+absl::StatusOr<HandoffOffer> Daemon::StopForHandoff() {
+  absl::MutexLock lock(&lifecycle_mu_);
+  handed_over_ = true;  // from here on the sockets are the successor's, whatever happens
+  if (!stop_reaper_.HasBeenNotified()) stop_reaper_.Notify();
+  if (reaper_.joinable()) reaper_.join();
+  // Stop accepting; connections made from now on wait in the sockets' backlog for the successor.
+  if (peers_ != nullptr) handed_listen_ = peers_->Release();
+  handed_side_ = side_->Release();
+  if (!handed_listen_.valid() || !handed_side_.valid()) {
+    return absl::FailedPreconditionError("this kvd does not own its listening sockets (not a Unix listen address)");
+  }
+  // New work is refused (UNAVAILABLE: clients retry against the successor) and admission waits
+  // end; calls in flight get 300 ms to finish, then are cancelled — Attach streams too, and
+  // workers re-attach to the successor.
+  service_->StartDraining(/*final=*/true);
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  if (tiers_ != nullptr) tiers_->Quiesce();
+  HandoffOffer offer;
+  for (const HandleInfo& h : cache_->ListHandles()) {
+    if (cache_->Release(h.id, /*completed=*/false).ok()) ++offer.requests_ended;
+  }
+  // Their ports and the disk tier go to the successor: close them before it opens them.
+  metrics_.reset();
+  router_events_.reset();
+  if (tiers_ != nullptr) {
+    cache_->SetEvictionSink(nullptr);
+    tiers_.reset();  // finishes queued disk writes: the successor's Load reads a settled manifest
+  }
+  offer.listen_fd = handed_listen_.get();
+  offer.side_fd = handed_side_.get();
+  offer.slabs = arena_->slabs();
+  offer.snapshot = cache_->ExportSnapshot();
+  spdlog::info("handoff: stopped; handing over {} cached block(s), {} slab(s); {} live request(s) ended",
+               offer.snapshot.blocks.size(), offer.slabs.size(), offer.requests_ended);
+  return offer;
+}
+
 Daemon::~Daemon() {
   // Dependency order: nothing is destroyed while something that calls into it still runs.
-  stop_reaper_.Notify();
+  handoff_.reset();  // waits for a handoff in progress
+  if (!stop_reaper_.HasBeenNotified()) stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();
   peers_.reset();  // stop accepting first
   if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
@@ -284,7 +383,12 @@ Daemon::~Daemon() {
     cache_->SetEvictionSink(nullptr);
     tiers_.reset();  // finishes queued disk work while the cache and arena still live
   }
-  if (absl::StartsWith(options_.server.listen, "unix://")) {
+  bool handed_over = false;
+  {
+    absl::MutexLock lock(&lifecycle_mu_);
+    handed_over = handed_over_;
+  }
+  if (absl::StartsWith(options_.server.listen, "unix://") && !handed_over) {
     std::error_code ec;
     std::filesystem::remove(options_.server.listen.substr(7), ec);
   }

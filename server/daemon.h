@@ -16,6 +16,7 @@
 #include "server/core/kv_cache.h"
 #include "server/events/router_event_publisher.h"
 #include "server/obs/metrics.h"
+#include "server/handoff.h"
 #include "server/options.h"
 #include "server/rpc/attachments.h"
 #include "server/rpc/kvd_service.h"
@@ -30,7 +31,16 @@ class Daemon {
  public:
   // Validates `options` (after ApplyDefaults), allocates memory, binds every socket and starts
   // serving. Any failure is returned with what failed named, before anything is left running.
-  static absl::StatusOr<std::unique_ptr<Daemon>> Start(Options options);
+  //
+  // Hot handoff (server/handoff.h). With `takeover`, first asks the kvd listening on
+  // options.server.handoff_socket to hand over, and starts from its sockets, slabs and index
+  // (FAILED_PRECONDITION carrying its refusal: it keeps serving); when no kvd listens there,
+  // starts afresh. With `on_handoff`, this kvd listens on the handoff socket itself; once a
+  // successor has taken over (OK) — or an attempt failed after this kvd stopped serving (the
+  // error) — `on_handoff` runs on the handoff thread; the daemon then serves nothing and only
+  // waits to be destroyed, which leaves the sockets to the successor.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(Options options, bool takeover = false,
+                                                       std::function<void(absl::Status)> on_handoff = nullptr);
   ~Daemon();
 
   // Stops admitting: new Admit/Fits/Attach get UNAVAILABLE, health turns NOT_SERVING. Idempotent.
@@ -53,7 +63,13 @@ class Daemon {
 
  private:
   explicit Daemon(Options options) : options_(std::move(options)) {}
+  // Start's body; `received` (may be null) is what a predecessor handed over.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Assemble(Options options, HandoffReceived* received,
+                                                          std::function<void(absl::Status)> on_handoff);
   void ReapLapsedLeases();
+  // The handoff listener's `stop` hook: stops serving, ends live requests, closes the tiers, the
+  // metrics endpoint and the router events (their ports go to the successor) and exports the index.
+  absl::StatusOr<HandoffOffer> StopForHandoff() ABSL_LOCKS_EXCLUDED(lifecycle_mu_);
 
   Options options_;
   std::unique_ptr<KvCache> cache_;
@@ -69,6 +85,12 @@ class Daemon {
   std::unique_ptr<grpc::Server> server_;
   absl::Notification stop_reaper_;
   std::thread reaper_;
+  // Serializes Drain with a handoff's stop (both close the tiers' work).
+  absl::Mutex lifecycle_mu_;
+  bool handed_over_ ABSL_GUARDED_BY(lifecycle_mu_) = false;  // the sockets belong to a successor
+  UniqueFd handed_listen_;  // the listening sockets given away, open until this process exits
+  UniqueFd handed_side_;
+  std::unique_ptr<HandoffListener> handoff_;  // declared last: destroyed first
 };
 
 }  // namespace kvd

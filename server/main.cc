@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -101,6 +102,14 @@ int main(int argc, char** argv) {
   app.add_option("--router-replay", router_replay, "ZMQ endpoint of the router events' replay socket")
       ->envname("KVD_ROUTER_REPLAY");
   app.set_version_flag("--version", kvd::BuildInfo());
+  bool takeover = false;
+  app.add_flag("--takeover", takeover,
+               "take over from the kvd serving this socket (its sockets, memory and index: a hot handoff); "
+               "start afresh when none serves");
+  std::string after_handoff = "exit";
+  app.add_option("--after-handoff", after_handoff,
+                 "once a successor took over: exit, or wait for SIGTERM (under a supervisor that restarts exits)")
+      ->check(CLI::IsMember({"exit", "wait"}));
   bool print_config = false;
   app.add_flag("--print-config", print_config, "print the effective configuration as YAML and exit");
   CLI11_PARSE(app, argc, argv);
@@ -176,10 +185,19 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGUSR2);  // raised by the handoff thread once a successor took over
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  auto daemon = kvd::Daemon::Start(options);
+  absl::Mutex handoff_mu;
+  std::optional<absl::Status> handoff_outcome;
+  auto daemon = kvd::Daemon::Start(options, takeover, [&handoff_mu, &handoff_outcome](absl::Status outcome) {
+    {
+      absl::MutexLock lock(&handoff_mu);
+      handoff_outcome = std::move(outcome);
+    }
+    kill(getpid(), SIGUSR2);
+  });
   if (!daemon.ok()) {
     std::cerr << "kvd: " << daemon.status().message() << "\n";
     return 1;
@@ -216,6 +234,32 @@ int main(int argc, char** argv) {
 
   int sig = 0;
   sigwait(&signals, &sig);
+  if (sig == SIGUSR2) {
+    absl::Status outcome;
+    {
+      absl::MutexLock lock(&handoff_mu);
+      outcome = handoff_outcome.value_or(absl::OkStatus());
+    }
+    stop_watchdog.Notify();
+    if (watchdog.joinable()) watchdog.join();
+    if (!outcome.ok()) {
+      spdlog::error("handoff failed after this kvd stopped serving: {}; exiting (a supervisor restart, or "
+                    "`kvd --takeover` again, brings kvd back)", outcome.ToString());
+      daemon->reset();
+      return 1;
+    }
+    if (after_handoff == "wait") {
+      spdlog::info("handed over: the new kvd serves; waiting for SIGTERM (--after-handoff=wait)");
+      sigset_t stop;
+      sigemptyset(&stop);
+      sigaddset(&stop, SIGTERM);
+      sigaddset(&stop, SIGINT);
+      sigwait(&stop, &sig);
+    }
+    daemon->reset();
+    spdlog::info("handed over: kvd exits, its successor serves");
+    return 0;
+  }
   spdlog::info("received signal {}: draining for up to {} (a second signal stops at once)", sig,
                absl::FormatDuration((*daemon)->options().server.drain_timeout));
   NotifySystemd("STOPPING=1");

@@ -190,6 +190,10 @@ void Options::ApplyDefaults() {
                              ? absl::StrCat(server.listen.substr(7), ".slabs")
                              : absl::StrCat(DefaultSocketDir(), "/kvd-slabs.sock");
   }
+  if (server.handoff_socket.empty() && absl::StartsWith(server.listen, "unix://")) {
+    server.handoff_socket = absl::StrCat(server.listen.substr(7), ".handoff");
+  }
+  if (server.handoff_socket == "off") server.handoff_socket.clear();
   if (cache.pools.empty()) cache.pools.push_back(DefaultPool());
 }
 
@@ -291,7 +295,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   }
   KVD_RETURN_IF_ERROR(CheckKeys(
       root, where,
-      {"listen", "side_socket", "metrics_listen", "backend", "max_message_bytes", "lease_ttl_s", "max_connection_idle_s",
+      {"listen", "side_socket", "handoff_socket", "metrics_listen", "backend", "max_message_bytes", "lease_ttl_s", "max_connection_idle_s",
        "drain_timeout_s", "log_level", "budget_bytes", "session_ttl_s", "session_max_protected_blocks",
        "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes", "checkpoint_state_bytes",
        "max_checkpoint_state_bytes_per_worker", "boundary_high_watermark",
@@ -307,6 +311,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
     s.listen = *listen;
   }
   KVD_RETURN_IF_ERROR(Read(root, "side_socket", &s.side_socket, where));
+  KVD_RETURN_IF_ERROR(Read(root, "handoff_socket", &s.handoff_socket, where));
   KVD_RETURN_IF_ERROR(Read(root, "metrics_listen", &s.metrics_listen, where));
   KVD_RETURN_IF_ERROR(Read(root, "backend", &s.backend, where));
   KVD_RETURN_IF_ERROR(ReadSize(root, "max_message_bytes", &s.max_message_bytes, where));
@@ -371,6 +376,7 @@ std::string FormatConfig(const Options& o) {
   out << YAML::BeginMap;
   out << YAML::Key << "listen" << YAML::Value << s.listen;
   out << YAML::Key << "side_socket" << YAML::Value << s.side_socket;
+  out << YAML::Key << "handoff_socket" << YAML::Value << (s.handoff_socket.empty() ? "off" : s.handoff_socket);
   out << YAML::Key << "metrics_listen" << YAML::Value << s.metrics_listen;
   out << YAML::Key << "backend" << YAML::Value << s.backend;
   out << YAML::Key << "max_message_bytes" << YAML::Value << s.max_message_bytes;

@@ -22,6 +22,10 @@ struct ServerOptions {
   std::string listen;
   // Side socket that passes slab fds to workers. Default: the gRPC socket path + ".slabs".
   std::string side_socket;
+  // Socket a new kvd connects to for a hot handoff (kvd --takeover; server/handoff.h), mode 0600.
+  // Default: the gRPC socket path + ".handoff" on a Unix socket; "off" (or a TCP listen address)
+  // disables it.
+  std::string handoff_socket;
   // Prometheus /metrics endpoint, HOST:PORT (port 0 picks one). Empty disables. Default
   // 127.0.0.1:9464.
   std::string metrics_listen = "127.0.0.1:9464";

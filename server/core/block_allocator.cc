@@ -26,6 +26,20 @@ absl::StatusOr<std::vector<BlockIndex>> BlockAllocator::Allocate(int64_t count) 
   return out;
 }
 
+absl::Status BlockAllocator::Claim(absl::Span<const BlockIndex> indices) {
+  std::vector<bool> is_free(capacity_, false);
+  for (BlockIndex i : free_) is_free[i] = true;
+  for (BlockIndex i : indices) {
+    if (static_cast<int64_t>(i) >= capacity_ || !is_free[i]) {
+      return absl::InvalidArgumentError(absl::StrCat("block ", i, " is out of range, repeated or not free"));
+    }
+    is_free[i] = false;
+  }
+  // Keep the stack's order for what stays free.
+  std::erase_if(free_, [&is_free](BlockIndex i) { return !is_free[i]; });
+  return absl::OkStatus();
+}
+
 void BlockAllocator::Free(absl::Span<const BlockIndex> indices) {
   for (BlockIndex i : indices) Free(i);
 }

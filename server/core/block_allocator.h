@@ -22,6 +22,10 @@ class BlockAllocator {
   // REQUIRES: every index came from Allocate() and is not yet freed.
   void Free(absl::Span<const BlockIndex> indices);
   void Free(BlockIndex index);
+  // Takes exactly `indices` out of the free set (a hot handoff re-creates blocks where the previous
+  // process had them). INVALID_ARGUMENT, changing nothing, when one is out of range, repeated or
+  // not free. O(capacity).
+  absl::Status Claim(absl::Span<const BlockIndex> indices);
 
   int64_t num_free() const { return static_cast<int64_t>(free_.size()); }
   int64_t capacity() const { return capacity_; }

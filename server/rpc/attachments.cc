@@ -29,7 +29,7 @@ AttachmentRegistry::Attached AttachmentRegistry::Register(const std::string& nam
                                                           std::string caller,
                                                           std::string event_handle) {
   absl::MutexLock lock(&mu_);
-  WorkerId id(absl::StrCat("w", next_id_++, "-", pid));
+  WorkerId id(absl::StrCat("w", next_id_++, "-", pid, "-", ::getpid()));
   Entry& e = workers_[id];
   e.name = name;
   e.pid = pid;

@@ -32,7 +32,9 @@ class AttachmentRegistry {
 
   // Registers a worker (with its optional interprocess event handle) attached by `caller` (the
   // key of KvdService::Caller) and issues its id and one-time slab token. `pid` is the kernel's
-  // when known (SO_PEERCRED), else the worker's own word.
+  // when known (SO_PEERCRED), else the worker's own word. Ids are "w<n>-<pid>-<kvd's pid>": never
+  // reused by a later kvd process (after a restart or handoff a call that still carries the old
+  // id is told the worker is not attached, instead of acting for its new attachment).
   Attached Register(const std::string& name, pid_t pid, std::string caller,
                     std::string event_handle = "") ABSL_LOCKS_EXCLUDED(mu_);
   // The worker's interprocess event handle; empty when it registered none or is gone.

@@ -20,18 +20,25 @@ namespace kvd {
 absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Bind(const std::string& path) {
   absl::StatusOr<UniqueFd> fd = ListenUnix(path, 0660);
   if (!fd.ok()) return fd.status();
+  return Adopt(std::move(*fd));
+}
+
+absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Adopt(UniqueFd fd) {
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
   auto listener = std::unique_ptr<PeerListener>(
-      new PeerListener(std::move(*fd), UniqueFd(pipe_fds[0]), UniqueFd(pipe_fds[1])));
+      new PeerListener(std::move(fd), UniqueFd(pipe_fds[0]), UniqueFd(pipe_fds[1])));
   for (UniqueFd& spare : listener->spare_fds_) spare = UniqueFd(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   return listener;
 }
 
-PeerListener::~PeerListener() {
+PeerListener::~PeerListener() { Release(); }
+
+UniqueFd PeerListener::Release() {
   const char b = 'x';
   (void)!::write(wake_write_.get(), &b, 1);
   if (thread_.joinable()) thread_.join();
+  return std::move(listen_fd_);
 }
 
 void PeerListener::Start(grpc::Server* server) {

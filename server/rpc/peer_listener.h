@@ -30,7 +30,12 @@ class PeerListener {
  public:
   // Binds `path` with mode 0660. The failing call named on error.
   static absl::StatusOr<std::unique_ptr<PeerListener>> Bind(const std::string& path);
+  // Accepts on `listen_fd`, a listening Unix socket handed over by the previous kvd.
+  static absl::StatusOr<std::unique_ptr<PeerListener>> Adopt(UniqueFd listen_fd);
   ~PeerListener();  // stops accepting (connections already handed over stay with gRPC)
+  // Stops accepting and returns the listening socket, still bound: new connections queue there
+  // until its next owner accepts them.
+  UniqueFd Release();
 
   // Starts accepting; `server` (borrowed) must outlive this.
   void Start(grpc::Server* server);

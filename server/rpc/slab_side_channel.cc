@@ -18,8 +18,8 @@ namespace kvd {
 
 absl::StatusOr<std::unique_ptr<SlabSideChannel>> SlabSideChannel::Start(
     const std::string& path, const DeviceArena* arena, AttachmentRegistry* registry,
-    const AccessPolicy* policy) {
-  auto listen_fd = ListenUnix(path, 0660);
+    const AccessPolicy* policy, UniqueFd adopted) {
+  absl::StatusOr<UniqueFd> listen_fd = adopted.valid() ? std::move(adopted) : ListenUnix(path, 0660);
   if (!listen_fd.ok()) return listen_fd.status();
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
@@ -42,11 +42,17 @@ SlabSideChannel::SlabSideChannel(std::string path, UniqueFd listen_fd, UniqueFd 
 }
 
 SlabSideChannel::~SlabSideChannel() {
+  UniqueFd listening = Release();
+  if (!released_) ::unlink(path_.c_str());
+}
+
+UniqueFd SlabSideChannel::Release() {
   const char b = 'x';
   (void)!::write(wake_write_.get(), &b, 1);
   if (thread_.joinable()) thread_.join();
   Reap(/*all=*/true);
-  ::unlink(path_.c_str());
+  if (listen_fd_.valid()) released_ = true;
+  return std::move(listen_fd_);
 }
 
 absl::Duration SlabSideChannel::ExpireConnections() {

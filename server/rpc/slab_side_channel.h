@@ -35,13 +35,19 @@ class SlabSideChannel {
   static constexpr absl::Duration kConnectionDeadline = absl::Seconds(5);
   static constexpr int kMaxConnections = 64;
 
-  // Listens on `path` (mode 0660). `arena`, `registry` and `policy` (may be null) are borrowed
-  // and must outlive this; peers `policy` refuses get "ERR" and nothing else.
+  // Listens on `path` (mode 0660), or on `adopted` when given: a listening socket already bound
+  // there, handed over by the previous kvd (server/handoff.h). `arena`, `registry` and `policy`
+  // (may be null) are borrowed and must outlive this; peers `policy` refuses get "ERR" and
+  // nothing else.
   static absl::StatusOr<std::unique_ptr<SlabSideChannel>> Start(const std::string& path,
                                                                 const DeviceArena* arena,
                                                                 AttachmentRegistry* registry,
-                                                                const AccessPolicy* policy = nullptr);
-  ~SlabSideChannel();  // stops the thread and removes the socket file
+                                                                const AccessPolicy* policy = nullptr,
+                                                                UniqueFd adopted = UniqueFd());
+  ~SlabSideChannel();  // stops the thread and removes the socket file (unless released)
+  // Stops serving (connections in progress are cut) and returns the listening socket, which stays
+  // bound: connections queue there until its new owner accepts them. The file is left in place.
+  UniqueFd Release();
   const std::string& path() const { return path_; }
 
  private:
@@ -70,6 +76,7 @@ class SlabSideChannel {
   const AccessPolicy* policy_;
   absl::Mutex mu_;
   std::list<std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
+  bool released_ = false;  // Release() gave the socket away: its file is not ours to remove
   std::thread thread_;  // declared last: started once everything above exists
 };
 

@@ -137,10 +137,43 @@ bool DaemonProcess::Restart() {
   return Start();
 }
 
+bool DaemonProcess::TakeOver(const std::vector<std::string>& extra_flags, const std::string& config_yaml) {
+  std::vector<std::string> args = args_;
+  if (!config_yaml.empty()) {
+    const std::string config = dir_.path() + "/kvd-next.yaml";
+    std::ofstream(config) << config_yaml;
+    for (std::string& a : args) {
+      if (a.rfind("--config=", 0) == 0) a = "--config=" + config;
+    }
+  }
+  args.push_back("--takeover");
+  args.insert(args.end(), extra_flags.begin(), extra_flags.end());
+  std::swap(args, args_);
+  const pid_t old = pid_;
+  const bool started = Start();
+  if (!started) {
+    std::swap(args, args_);
+    if (pid_ > 0) kill(pid_, SIGKILL), waitpid(pid_, nullptr, 0);
+    pid_ = old;
+    return false;
+  }
+  if (predecessor_ > 0) kill(predecessor_, SIGKILL), waitpid(predecessor_, nullptr, 0);
+  predecessor_ = old;
+  return true;
+}
+
+absl::StatusOr<int> DaemonProcess::WaitPredecessorExit(absl::Duration timeout) {
+  auto code = WaitPid(predecessor_, timeout);
+  if (code.ok()) predecessor_ = -1;
+  return code;
+}
+
 DaemonProcess::~DaemonProcess() {
-  if (pid_ > 0) {
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
+  for (pid_t p : {pid_, predecessor_}) {
+    if (p > 0) {
+      kill(p, SIGKILL);
+      waitpid(p, nullptr, 0);
+    }
   }
 }
 

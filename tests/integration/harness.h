@@ -46,6 +46,13 @@ class DaemonProcess {
   // directory; waits until it serves. False when it did not come up.
   bool Restart();
   absl::StatusOr<int> WaitExit(absl::Duration timeout);
+  // Starts a successor with the same flags plus --takeover and `extra_flags` (and `config_yaml`
+  // as its config when not empty): a hot handoff. True once the successor serves; this object
+  // then follows it and predecessor() is the old process. False when the successor exited
+  // (Log() says why); the old process is still this object's.
+  bool TakeOver(const std::vector<std::string>& extra_flags = {}, const std::string& config_yaml = "");
+  pid_t predecessor() const { return predecessor_; }
+  absl::StatusOr<int> WaitPredecessorExit(absl::Duration timeout);
 
  private:
   bool Start();
@@ -56,6 +63,7 @@ class DaemonProcess {
   std::string side_socket_;
   int metrics_port_ = 0;
   pid_t pid_ = -1;
+  pid_t predecessor_ = -1;
   std::string tcp_target_;
 };
 

@@ -352,7 +352,7 @@ class Client:
 
     def _lost(self, error, epoch):
         """Whether `error`, from a call of a request of attachment `epoch`, means kvd restarted."""
-        maybe_gone = error.code == grpc.StatusCode.UNAVAILABLE or (
+        maybe_gone = error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (
             error.code == grpc.StatusCode.FAILED_PRECONDITION and "not attached" in error.details)
         if maybe_gone and self.epoch == epoch and self.attached.is_set():
             deadline = time.monotonic() + 0.5  # the supervisor sees the stream end a moment later

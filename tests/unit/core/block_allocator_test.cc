@@ -40,3 +40,23 @@ TEST_CASE("BlockAllocator reuses freed blocks", "[core][allocator]") {
 
 }  // namespace
 }  // namespace kvd
+
+namespace kvd {
+namespace {
+
+TEST_CASE("Claim takes exactly the named blocks, or none of them", "[core][allocator]") {
+  BlockAllocator a(8);
+  REQUIRE(a.Claim(std::vector<BlockIndex>{5, 0, 3}).ok());
+  REQUIRE(a.num_free() == 5);
+  auto rest = a.Allocate(5);
+  REQUIRE(rest.ok());
+  REQUIRE(*rest == std::vector<BlockIndex>{1, 2, 4, 6, 7});  // the stack's order kept
+  a.Free(std::vector<BlockIndex>{1, 2, 4, 6, 7});
+  REQUIRE(absl::IsInvalidArgument(a.Claim(std::vector<BlockIndex>{1, 3})));    // 3 is not free
+  REQUIRE(absl::IsInvalidArgument(a.Claim(std::vector<BlockIndex>{1, 1})));    // repeated
+  REQUIRE(absl::IsInvalidArgument(a.Claim(std::vector<BlockIndex>{1, 8})));    // out of range
+  REQUIRE(a.num_free() == 5);
+}
+
+}  // namespace
+}  // namespace kvd

@@ -1,0 +1,159 @@
+// KvCache: export and import of the cached state at a hot handoff (cache_snapshot.h).
+#include <algorithm>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "server/core/kv_cache.h"
+#include "proto/vocab/status_macros.h"
+
+namespace kvd {
+
+CacheSnapshot KvCache::ExportSnapshot() const {
+  CacheSnapshot out;
+  absl::MutexLock lock(&mu_);
+  // Depth first, so that sorting by depth puts every parent before its children.
+  std::vector<std::pair<int64_t, const CachedBlock*>> by_depth;
+  by_depth.reserve(index_.num_blocks());
+  index_.ForEach([&by_depth](const CachedBlock* b) {
+    int64_t depth = 0;
+    for (const CachedBlock* p = b->parent; p != nullptr; p = p->parent) ++depth;
+    by_depth.emplace_back(depth, b);
+  });
+  std::stable_sort(by_depth.begin(), by_depth.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  absl::flat_hash_map<const CachedBlock*, int64_t> position;
+  absl::flat_hash_map<const NamespaceRoot*, uint32_t> ns_position;
+  position.reserve(by_depth.size());
+  out.blocks.reserve(by_depth.size());
+  for (const auto& [depth, b] : by_depth) {
+    auto [ns_it, added] = ns_position.try_emplace(b->root, static_cast<uint32_t>(out.namespaces.size()));
+    if (added) out.namespaces.push_back(b->root->ns);
+    CacheSnapshot::Block& e = out.blocks.emplace_back();
+    e.pool = b->address.pool;
+    e.index = b->address.index;
+    e.parent = b->parent != nullptr ? position.at(b->parent) : -1;
+    e.ns = ns_it->second;
+    e.last_use = b->last_use;
+    e.reused = b->reused;
+    e.tokens.assign(b->tokens.begin(), b->tokens.end());
+    position.emplace(b, static_cast<int64_t>(out.blocks.size()) - 1);
+  }
+  const absl::Time now = clock_->Now();
+  for (const auto& [id, session] : sessions_) {
+    if (session.expires_at <= now) continue;
+    CacheSnapshot::Session& s = out.sessions.emplace_back();
+    s.id = id;
+    s.worker = session.worker;
+    s.expires_at = session.expires_at;
+    for (const ProtectedRef& ref : session.protected_blocks) {
+      const BlockState& st = pools_[ref.pool]->blocks[ref.index];
+      if (st.kind == BlockState::Kind::kCached && st.node->serial == ref.node_serial) {
+        s.protected_blocks.push_back(position.at(st.node));
+      }
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
+  // Everything a field can be checked against is fixed at Create: check before the lock.
+  const int64_t n = static_cast<int64_t>(snap.blocks.size());
+  for (size_t i = 0; i < snap.namespaces.size(); ++i) {
+    if (!FindPool(snap.namespaces[i].pool).ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("snapshot namespace ", i, " names pool '", snap.namespaces[i].pool, "', which is not configured"));
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const CacheSnapshot::Block& b = snap.blocks[i];
+    const auto bad = [i](absl::string_view what) {
+      return absl::InvalidArgumentError(absl::StrCat("snapshot block ", i, ": ", what));
+    };
+    if (b.pool >= pool_geometries_.size()) return bad(absl::StrCat("pool ", b.pool, " is not configured"));
+    const PoolGeometry& g = pool_geometries_[b.pool];
+    if (b.index >= static_cast<uint64_t>(g.capacity_blocks)) {
+      return bad(absl::StrCat("block index ", b.index, " is past pool '", g.name, "' (", g.capacity_blocks, " blocks)"));
+    }
+    if (static_cast<int64_t>(b.tokens.size()) != g.block_tokens) {
+      return bad(absl::StrCat(b.tokens.size(), " tokens, pool '", g.name, "' has ", g.block_tokens, "-token blocks"));
+    }
+    if (b.ns >= snap.namespaces.size() || snap.namespaces[b.ns].pool != g.name) {
+      return bad(absl::StrCat("namespace ", b.ns, " is unknown or of another pool"));
+    }
+    if (b.parent >= i || b.parent < -1) return bad("its parent does not come before it");
+    if (b.parent >= 0 && (snap.blocks[b.parent].pool != b.pool || snap.blocks[b.parent].ns != b.ns)) {
+      return bad("its parent is in another pool or namespace");
+    }
+  }
+  for (const CacheSnapshot::Session& s : snap.sessions) {
+    if (s.id.value().empty()) return absl::InvalidArgumentError("snapshot session without an id");
+    for (int64_t p : s.protected_blocks) {
+      if (p < 0 || p >= n) {
+        return absl::InvalidArgumentError(absl::StrCat("snapshot session '", s.id.value(), "' protects block ", p, " of ", n));
+      }
+    }
+  }
+
+  int64_t indexed = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    if (index_.num_blocks() != 0 || !requests_.empty() || !checkpoints_.empty() || !sessions_.empty()) {
+      return absl::FailedPreconditionError("a snapshot is imported only into a cache that holds nothing yet");
+    }
+    std::vector<std::vector<BlockIndex>> per_pool(pools_.size());
+    for (const CacheSnapshot::Block& b : snap.blocks) per_pool[b.pool].push_back(b.index);
+    for (size_t p = 0; p < pools_.size(); ++p) {
+      if (absl::Status s = pools_[p]->allocator.Claim(per_pool[p]); !s.ok()) {
+        for (size_t q = 0; q < p; ++q) pools_[q]->allocator.Free(per_pool[q]);
+        return absl::InvalidArgumentError(absl::StrCat("snapshot of pool '", pools_[p]->geometry.name, "': ", s.message()));
+      }
+    }
+    // Each block as if a request had just published it (owned, then cached), then given its
+    // recorded recency, then let go children first so that leaves queue for eviction.
+    const uint64_t owner = next_serial_++;
+    std::vector<CachedBlock*> nodes(n, nullptr);
+    for (int64_t i = 0; i < n; ++i) {
+      const CacheSnapshot::Block& b = snap.blocks[i];
+      Pool& pool = *pools_[b.pool];
+      BlockState& s = pool.blocks[b.index];
+      s.kind = BlockState::Kind::kOwned;
+      s.refs = 1;
+      s.owner = owner;
+      ++pool.num_owned;
+      CachedBlock* parent = b.parent >= 0 ? nodes[b.parent] : nullptr;
+      if (b.parent >= 0 && parent == nullptr) continue;  // its parent was not indexed
+      NamespaceRoot* root = index_.GetOrCreateRoot(snap.namespaces[b.ns], b.pool);
+      // A repeated block (same namespace, parent and tokens) is indexed once; the repeat is freed.
+      if (index_.FindChild(*root, parent, b.tokens) != nullptr) continue;
+      nodes[i] = CacheBlockLocked(b.pool, root, parent, b.index, b.tokens);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (nodes[i] == nullptr) continue;
+      nodes[i]->last_use = snap.blocks[i].last_use;
+      nodes[i]->reused = snap.blocks[i].reused;
+      last_tick_ = std::max(last_tick_, snap.blocks[i].last_use);
+      ++indexed;
+    }
+    for (int64_t i = n - 1; i >= 0; --i) UnrefLocked(snap.blocks[i].pool, snap.blocks[i].index, /*touch=*/false);
+    for (const CacheSnapshot::Session& in : snap.sessions) {
+      if (in.expires_at <= clock_->Now()) continue;
+      Session& session = sessions_[in.id];
+      session.worker = in.worker;
+      session.expires_at = in.expires_at;
+      for (int64_t p : in.protected_blocks) {
+        CachedBlock* node = nodes[p];
+        if (node == nullptr) continue;
+        if (static_cast<int64_t>(session.protected_blocks.size()) >= options_.session_max_protected_blocks) break;
+        SetProtectionLocked(node->address.pool, node, +1);
+        session.protected_blocks.push_back({node->address.pool, node->address.index, node->serial});
+      }
+      session_expiry_.emplace(std::make_pair(session.expires_at, in.id), true);
+    }
+    UpdatePressureLocked();
+  }
+  Deliver();
+  return indexed;
+}
+
+}  // namespace kvd

@@ -1,0 +1,142 @@
+// The hot handoff (server/handoff.h; docs/operations.md, "Upgrading kvd"): a new kvd started
+// with --takeover takes the running one's sockets, slab memory and index. A worker that never
+// stops keeps its mappings (no remap), and its next request hits the prefix it cached before the
+// handoff, in the same memory, byte for byte. Attacked with a successor of another configuration,
+// garbage on the handoff socket, and the Kubernetes rollout sequence (old pod waits for SIGTERM).
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gpu/fd_passing.h"
+#include "tests/integration/harness.h"
+
+namespace kvd {
+namespace {
+
+using namespace kvd::testing;
+
+// Reads the worker's lines up to the first request that succeeded after a re-attachment; returns
+// that request's line. FAILs on a remap (the memory must be kept), a wrong byte or a dead worker.
+std::string NextRequestAfterReattach(WorkerProcess& w) {
+  bool reattached = false;
+  for (;;) {
+    absl::StatusOr<std::string> line = w.WaitForLine("", absl::Seconds(20));
+    INFO(line.status().ToString());
+    REQUIRE(line.ok());
+    INFO(*line);
+    REQUIRE(!absl::StartsWith(*line, "REMAPPED"));
+    REQUIRE(!absl::StartsWith(*line, "KEPT changed"));
+    if (absl::StartsWith(*line, "KEPT ok")) reattached = true;
+    if (absl::StartsWith(*line, "LOST ")) REQUIRE(absl::StrContains(*line, "kvd"));
+    if (absl::StartsWith(*line, "{")) {
+      REQUIRE(JsonInt(*line, "mismatches") == 0);
+      if (reattached) return *line;
+    }
+  }
+}
+
+TEST_CASE("A hot handoff keeps every cached byte where it lies; the worker keeps its mapping and hits",
+          "[integration][handoff]") {
+  DaemonProcess d(SmallPoolConfig(64));
+  // 22 tokens of 4-token blocks: 5 full blocks (20 tokens) of each prompt are cached.
+  WorkerProcess w({"--target=" + d.target(), "--id=kept", "--prompt-range=0:22", "--requests=100000",
+                   "--pause-ms=20"});
+  // The worker cycles through three prompts: let each be cached once.
+  for (int i = 0; i < 3; ++i) REQUIRE(w.WaitForLine("{", absl::Seconds(20)).ok());
+  for (int i = 0; i < 3; ++i) {
+    INFO("handoff " << i);
+    REQUIRE(d.TakeOver());
+    INFO(d.Log());
+    REQUIRE(d.WaitPredecessorExit(absl::Seconds(10)).value_or(-1) == 0);
+    const std::string line = NextRequestAfterReattach(w);
+    INFO(line);
+    // Served from the memory the old kvd filled: the first request after the handoff hits.
+    REQUIRE(JsonInt(line, "cached_tokens") == 20);
+    REQUIRE(JsonInt(line, "verified_bytes") > 0);
+  }
+  REQUIRE(absl::StrContains(d.Log(), "handoff: handing over to pid"));
+  REQUIRE(w.Running());
+}
+
+TEST_CASE("A successor with other pools is refused, and the running kvd keeps serving",
+          "[integration][handoff]") {
+  DaemonProcess d(SmallPoolConfig(64));
+  REQUIRE(RunWorker({"--target=" + d.target(), "--id=before", "--prompt-range=0:22"}).exit_code == 0);
+  const pid_t serving = d.pid();
+  REQUIRE_FALSE(d.TakeOver({}, SmallPoolConfig(128)));
+  INFO(d.Log());
+  REQUIRE(absl::StrContains(d.Log(), "refused the handoff: the pools differ"));
+  REQUIRE(d.pid() == serving);
+  REQUIRE(kill(serving, 0) == 0);
+  ProcessResult after = RunWorker({"--target=" + d.target(), "--id=after", "--prompt-range=0:22"});
+  INFO(after.out);
+  REQUIRE(after.exit_code == 0);
+  REQUIRE(JsonInt(after.out, "cached_tokens") == 20);  // nothing was stopped or dropped
+  // And a fitting successor still takes over afterwards.
+  REQUIRE(d.TakeOver());
+  REQUIRE(d.WaitPredecessorExit(absl::Seconds(10)).value_or(-1) == 0);
+  ProcessResult taken = RunWorker({"--target=" + d.target(), "--id=taken", "--prompt-range=0:22"});
+  INFO(taken.out);
+  REQUIRE(JsonInt(taken.out, "cached_tokens") == 20);
+}
+
+TEST_CASE("Garbage on the handoff socket changes nothing", "[integration][handoff]") {
+  DaemonProcess d(SmallPoolConfig(64));
+  REQUIRE(RunWorker({"--target=" + d.target(), "--id=before", "--prompt-range=0:22"}).exit_code == 0);
+  const std::string path = d.dir() + "/kvd.sock.handoff";
+  // A connection that closes at once; one that sends a frame that is not a Hello; one that
+  // announces a huge frame and sends half of nothing.
+  REQUIRE(ConnectUnix(path).ok());
+  {
+    absl::StatusOr<UniqueFd> c = ConnectUnix(path);
+    REQUIRE(c.ok());
+    REQUIRE(SendMessage(c->get(), std::string("\xff\xff\xff garbage", 11), {}).ok());
+    char answer[256];
+    REQUIRE(recv(c->get(), answer, sizeof(answer), 0) > 0);  // an Answer refusing it
+  }
+  {
+    absl::StatusOr<UniqueFd> c = ConnectUnix(path);
+    REQUIRE(c.ok());
+    const uint32_t huge = 0x7fffffff;
+    REQUIRE(send(c->get(), &huge, sizeof(huge), MSG_NOSIGNAL) == sizeof(huge));
+  }
+  ProcessResult after = RunWorker({"--target=" + d.target(), "--id=after", "--prompt-range=0:22"});
+  INFO(after.out << d.Log());
+  REQUIRE(after.exit_code == 0);
+  REQUIRE(JsonInt(after.out, "cached_tokens") == 20);
+  REQUIRE(absl::StrContains(d.Log(), "still serving"));
+}
+
+TEST_CASE("The Kubernetes rollout: the old pod's kvd hands over, waits, and exits on SIGTERM leaving the sockets",
+          "[integration][handoff]") {
+  // deploy/kubernetes: RollingUpdate with maxSurge 1 starts the new pod beside the old one; the
+  // new kvd takes over; the old container must not exit (the kubelet would restart it, and it
+  // would take over back), so it waits for the SIGTERM of the old pod's deletion.
+  DaemonProcess d(SmallPoolConfig(64), {"--after-handoff=wait"});
+  WorkerProcess w({"--target=" + d.target(), "--id=pod", "--prompt-range=0:22", "--requests=100000",
+                   "--pause-ms=20"});
+  for (int i = 0; i < 3; ++i) REQUIRE(w.WaitForLine("{", absl::Seconds(20)).ok());  // three prompts cached
+  REQUIRE(d.TakeOver());  // with the same flags, --after-handoff=wait included
+  INFO(d.Log());
+  const std::string line = NextRequestAfterReattach(w);
+  REQUIRE(JsonInt(line, "cached_tokens") == 20);
+  REQUIRE(kill(d.predecessor(), 0) == 0);  // still there, serving nothing
+  kill(d.predecessor(), SIGTERM);
+  REQUIRE(d.WaitPredecessorExit(absl::Seconds(5)).value_or(-1) == 0);
+  // The old process left the socket files to the new one.
+  REQUIRE(access((d.dir() + "/kvd.sock").c_str(), F_OK) == 0);
+  REQUIRE(access((d.dir() + "/kvd.sock.slabs").c_str(), F_OK) == 0);
+  REQUIRE(access((d.dir() + "/kvd.sock.handoff").c_str(), F_OK) == 0);
+  REQUIRE(w.WaitForLine("{", absl::Seconds(20)).ok());
+  ProcessResult after = RunWorker({"--target=" + d.target(), "--id=after", "--prompt-range=0:22"});
+  REQUIRE(JsonInt(after.out, "cached_tokens") == 20);
+  REQUIRE(w.Running());
+}
+
+}  // namespace
+}  // namespace kvd
