@@ -340,10 +340,10 @@ absl::StatusOr<HandoffOffer> Daemon::StopForHandoff() {
     return absl::FailedPreconditionError("this kvd does not own its listening sockets (not a Unix listen address)");
   }
   // New work is refused (UNAVAILABLE: clients retry against the successor) and admission waits
-  // end; calls in flight get 300 ms to finish, then are cancelled — Attach streams too, and
+  // end; calls in flight get 100 ms to finish, then are cancelled — Attach streams too, and
   // workers re-attach to the successor.
   service_->StartDraining(/*final=*/true);
-  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
   if (tiers_ != nullptr) tiers_->Quiesce();
   HandoffOffer offer;
   for (const HandleInfo& h : cache_->ListHandles()) {

@@ -1,5 +1,5 @@
 // The host backend's slabs in systemd's file-descriptor store, so that a crash restart keeps the
-// KV memory every worker has mapped (docs/operations.md, "Restarts and upgrades").
+// KV memory every worker has mapped (docs/operations.md, "Restarts: what engines see").
 //
 // After the arena is made, kvd sends each slab's memfd to systemd (sd_pid_notify_with_fds,
 // "FDSTORE=1" with FDNAME=SlabFdName(...)); the unit needs FileDescriptorStoreMax= at least the

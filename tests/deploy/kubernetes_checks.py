@@ -168,6 +168,23 @@ def check_kubernetes(check, root, kvd, build_dir):
         check(vols.get("disk", {}).get("hostPath", {}).get("path") == "/var/lib/kvd" and
               mounts.get("disk") == "/var/lib/kvd", f"{overlay}: the disk tier is hostPath /var/lib/kvd")
         check("--listen=unix:///run/kvd/kvd.sock" in c["args"], f"{overlay}: kvd listens on the shared socket")
+        # Upgrades (docs/operations.md, "Upgrading kvd"): host nodes roll by hot handoff — the
+        # surge pod takes over, the old one waits for its deletion, and every probe goes through the
+        # shared socket (so the waiting old pod is neither restarted nor reported unready); CUDA
+        # pools are not handed over, so GPU nodes are replaced pod by pod (OnDelete).
+        strategy = ds["spec"].get("updateStrategy", {})
+        if overlay == "host":
+            ru = strategy.get("rollingUpdate", {})
+            check(strategy.get("type") == "RollingUpdate" and ru.get("maxSurge") == 1 and ru.get("maxUnavailable") == 0,
+                  f"host: rollouts surge one pod and never leave a node without kvd ({strategy})")
+            check("--takeover" in c["args"] and "--after-handoff=wait" in c["args"],
+                  "host: the new kvd takes over; the old one waits for its pod's deletion")
+            check(all(c[p]["exec"]["command"][1] == "--target=unix:///run/kvd/kvd.sock"
+                      for p in ("startupProbe", "readinessProbe", "livenessProbe")),
+                  "host: every probe reaches kvd through the shared socket")
+        else:
+            check(strategy.get("type") == "OnDelete" and "rollingUpdate" not in strategy,
+                  f"gpu: nodes are upgraded pod by pod (OnDelete: {strategy})")
         for probe in ("startupProbe", "readinessProbe"):
             check(probe in c and c[probe]["exec"]["command"][-1] == "health",
                   f"{overlay}: {probe} asks gRPC health over the socket")
@@ -193,6 +210,7 @@ def check_kubernetes(check, root, kvd, build_dir):
         if not eff:
             continue
         check(str(eff.get("socket_group")) == "10001", f"{overlay}: the sockets belong to the workers' group 10001")
+        check(eff.get("handoff_socket") != "off", f"{overlay}: the handoff socket is on")
         check(eff["tiers"].get("disk_dir", "").startswith("/var/lib/kvd/") and eff["tiers"].get("flush_on_drain"),
               f"{overlay}: the disk tier is on the hostPath and a drain flushes it")
         drain = float(eff["drain_timeout_s"])

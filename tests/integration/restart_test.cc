@@ -1,4 +1,4 @@
-// kvd restarts under a running engine (docs/operations.md, "Restarts and upgrades"): the worker
+// kvd restarts under a running engine (docs/operations.md, "Restarts: what engines see"): the worker
 // re-attaches on its own, requests that were live fail with KvdRestarted and are started again,
 // and the engine is told when its slabs moved. Attacked with SIGKILL at random points of a
 // request, 20 times over, with one worker process that never restarts.
