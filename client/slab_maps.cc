@@ -2,6 +2,8 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
+
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -21,6 +23,7 @@ namespace {
 bool Wanted(int32_t filter, uint32_t shard) { return filter < 0 || static_cast<int32_t>(shard) == filter; }
 
 std::string CudaIdentity(const v1::SlabInfo& s) {
+  if (s.allocator() == "vmm") return absl::StrCat("cuda-vmm:", s.device_uuid(), ":", s.memory_id());
   return absl::StrCat("cuda:", s.device_uuid(), ":", absl::BytesToHexString(s.cuda_ipc_handle()));
 }
 
@@ -44,7 +47,7 @@ absl::StatusOr<std::unique_ptr<SlabMaps>> SlabMaps::Open(const v1::ListPoolsResp
   }
   if (attached == nullptr) return maps;
   if (attached->backend() == "cuda") {
-    KVD_RETURN_IF_ERROR(maps->OpenCuda(listed, shard));
+    KVD_RETURN_IF_ERROR(maps->OpenCuda(listed, *attached, shard));
   } else if (attached->backend() == "host") {
     KVD_RETURN_IF_ERROR(maps->MapHost(*attached, shard));
   } else {
@@ -64,7 +67,7 @@ std::vector<std::string> SlabMaps::CudaIdentities(const v1::ListPoolsResponse& l
   return out;
 }
 
-absl::Status SlabMaps::MapHost(const v1::Attached& attached, int32_t wanted) {
+absl::StatusOr<std::vector<SlabMaps::ReceivedSlab>> SlabMaps::ReceiveSlabFds(const v1::Attached& attached) const {
   KVD_ASSIGN_OR_RETURN(UniqueFd sock, ConnectUnix(attached.side_socket()));
   KVD_RETURN_IF_ERROR(SendMessage(sock.get(), attached.slab_token(), {}));
   KVD_ASSIGN_OR_RETURN(ReceivedMessage hello, ReceiveMessage(sock.get(), 4096, 0));
@@ -76,48 +79,85 @@ absl::Status SlabMaps::MapHost(const v1::Attached& attached, int32_t wanted) {
   if (!absl::ConsumePrefix(&greeting, "OK ") || !absl::SimpleAtoi(greeting, &count)) {
     return absl::InternalError("side socket: malformed greeting");
   }
+  std::vector<ReceivedSlab> out;
   for (int64_t i = 0; i < count; ++i) {
     KVD_ASSIGN_OR_RETURN(ReceivedMessage m, ReceiveMessage(sock.get(), 256, 1));
     std::vector<std::string> parts = absl::StrSplit(m.payload, ' ');
-    uint32_t pool = 0, shard = 0;
-    int64_t size = 0;
-    if (parts.size() != 3 || m.fds.size() != 1 || !absl::SimpleAtoi(parts[0], &pool) ||
-        !absl::SimpleAtoi(parts[1], &shard) || !absl::SimpleAtoi(parts[2], &size) ||
-        pool >= pools_.size() || shard >= pools_[pool].shard_base.size()) {
+    ReceivedSlab r;
+    if (parts.size() != 3 || m.fds.size() > 1 || !absl::SimpleAtoi(parts[0], &r.pool) ||
+        !absl::SimpleAtoi(parts[1], &r.shard) || !absl::SimpleAtoi(parts[2], &r.size) ||
+        r.pool >= pools_.size() || r.shard >= pools_[r.pool].shard_base.size()) {
       return absl::InternalError(absl::StrCat("side socket: malformed slab message '", m.payload, "'"));
     }
-    if (!Wanted(wanted, shard)) continue;
+    if (m.fds.empty()) continue;  // a slab without an fd (CUDA ipc): opened by its handle
+    r.fd = std::move(m.fds[0]);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+absl::Status SlabMaps::MapHost(const v1::Attached& attached, int32_t wanted) {
+  KVD_ASSIGN_OR_RETURN(std::vector<ReceivedSlab> slabs, ReceiveSlabFds(attached));
+  for (ReceivedSlab& r : slabs) {
+    if (!Wanted(wanted, r.shard)) continue;
     struct stat st {};
-    if (fstat(m.fds[0].get(), &st) != 0) return absl::InternalError("fstat of a slab fd failed");
-    KVD_ASSIGN_OR_RETURN(MappedSlab slab, MappedSlab::Map(std::move(m.fds[0]), size));
-    pools_[pool].shard_base[shard] = slab.data();
+    if (fstat(r.fd.get(), &st) != 0) return absl::InternalError("fstat of a slab fd failed");
+    KVD_ASSIGN_OR_RETURN(MappedSlab slab, MappedSlab::Map(std::move(r.fd), r.size));
+    pools_[r.pool].shard_base[r.shard] = slab.data();
     identities_.push_back(absl::StrCat("host:", st.st_dev, ":", st.st_ino));
     host_.push_back(std::move(slab));
   }
   return absl::OkStatus();
 }
 
-absl::Status SlabMaps::OpenCuda(const v1::ListPoolsResponse& listed, int32_t wanted) {
+absl::Status SlabMaps::OpenCuda(const v1::ListPoolsResponse& listed, const v1::Attached& attached,
+                                int32_t wanted) {
 #if KVD_HAVE_CUDA
   // The daemon's ordinals are not this process's (a pod granted one GPU sees it as device 0):
   // each slab names its device by UUID and PCI bus id, resolved here.
   KVD_ASSIGN_OR_RETURN(std::vector<DeviceIdentity> visible, ListCudaDevices());
+  // VMM slabs arrive as fds through the side socket, like host memfds.
+  std::vector<ReceivedSlab> fds;
+  bool received = false;  // the slab token redeems once
+  for (const v1::PoolInfo& p : listed.pools()) {
+    for (const v1::SlabInfo& s : p.slabs()) {
+      if (Wanted(wanted, s.shard()) && s.allocator() == "vmm" && !received) {
+        KVD_ASSIGN_OR_RETURN(fds, ReceiveSlabFds(attached));
+        received = true;
+      }
+    }
+  }
   for (const v1::PoolInfo& p : listed.pools()) {
     for (const v1::SlabInfo& s : p.slabs()) {
       if (!Wanted(wanted, s.shard())) continue;
       KVD_ASSIGN_OR_RETURN(int device,
                            ResolveDevice(visible, s.device_uuid(), s.device_pci_bus_id(), s.device()));
-      KVD_ASSIGN_OR_RETURN(ImportedCudaSlab slab,
-                           ImportedCudaSlab::Open(device, s.cuda_ipc_handle(), s.size_bytes()));
-      pools_[p.pool_id()].shard_base[s.shard()] = slab.data();
+      uint8_t* base = nullptr;
+      if (s.allocator() == "vmm") {
+        auto fd = std::find_if(fds.begin(), fds.end(), [&](const ReceivedSlab& r) {
+          return r.pool == p.pool_id() && r.shard == s.shard() && r.fd.valid();
+        });
+        if (fd == fds.end()) {
+          return absl::InternalError(absl::StrCat("side socket passed no fd for VMM slab ", p.pool_id(), "/", s.shard()));
+        }
+        KVD_ASSIGN_OR_RETURN(VmmSlab slab, VmmSlab::Import(device, std::move(fd->fd), s.size_bytes()));
+        base = slab.data();
+        vmm_.push_back(std::move(slab));
+      } else {
+        KVD_ASSIGN_OR_RETURN(ImportedCudaSlab slab,
+                             ImportedCudaSlab::Open(device, s.cuda_ipc_handle(), s.size_bytes()));
+        base = slab.data();
+        cuda_.push_back(std::move(slab));
+      }
+      pools_[p.pool_id()].shard_base[s.shard()] = base;
       pools_[p.pool_id()].shard_device[s.shard()] = device;
       identities_.push_back(CudaIdentity(s));
-      cuda_.push_back(std::move(slab));
     }
   }
   return absl::OkStatus();
 #else
   (void)listed;
+  (void)attached;
   (void)wanted;
   return absl::FailedPreconditionError(
       "kvd serves CUDA memory but this client was built without CUDA; rebuild with the toolkit");
@@ -148,6 +188,8 @@ std::unique_ptr<SlabMaps> SlabMaps::Adopt(std::unique_ptr<SlabMaps> newer) {
 #if KVD_HAVE_CUDA
   old->cuda_ = std::move(cuda_);
   cuda_ = std::move(newer->cuda_);
+  old->vmm_ = std::move(vmm_);
+  vmm_ = std::move(newer->vmm_);
 #endif
   for (size_t i = 0; i < pools_.size(); ++i) {
     pools_[i].shard_base = newer->pools_[i].shard_base;

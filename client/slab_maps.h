@@ -1,9 +1,10 @@
 // SlabMaps: a worker's view of kvd's pools and its mappings of their slabs — memfd slabs mmap'ed
-// from fds the side socket passes (host backend), or CUDA IPC handles opened once (CUDA backend).
+// from fds the side socket passes (host backend), CUDA IPC handles opened once (CUDA backend,
+// allocator ipc), or CUDA VMM fds the side socket passes, imported once (allocator vmm).
 // Internal to kvd_client; client.h exposes the PoolViews.
 //
 // Identity. Each mapped slab has an identity: the memfd's (st_dev, st_ino) on the host backend,
-// the 64-byte IPC handle on CUDA. After kvd restarts, the client compares identities: the same
+// the 64-byte IPC handle on CUDA, the daemon's memory_id for a VMM slab. After kvd restarts, the client compares identities: the same
 // memory (kvd adopted its slabs from systemd's fd store, or a handoff passed them) keeps every
 // mapping and every pointer the engine holds; different memory is mapped anew and the engine is
 // told its KV moved (ClientOptions::on_remap).
@@ -21,6 +22,7 @@
 #include "kvd/v1/kvd.pb.h"
 #if KVD_HAVE_CUDA
 #include "gpu/cuda_slab_import.h"
+#include "gpu/cuda_vmm.h"
 #endif
 
 namespace kvd::client {
@@ -48,13 +50,23 @@ class SlabMaps {
  private:
   SlabMaps() = default;
   absl::Status MapHost(const v1::Attached& attached, int32_t shard);
-  absl::Status OpenCuda(const v1::ListPoolsResponse& listed, int32_t shard);
+  absl::Status OpenCuda(const v1::ListPoolsResponse& listed, const v1::Attached& attached, int32_t shard);
+  // One slab's fd as the side socket passes it.
+  struct ReceivedSlab {
+    uint32_t pool = 0;
+    uint32_t shard = 0;
+    int64_t size = 0;
+    UniqueFd fd;
+  };
+  // Redeems the attachment's slab token on the side socket: every slab kvd passes an fd for.
+  absl::StatusOr<std::vector<ReceivedSlab>> ReceiveSlabFds(const v1::Attached& attached) const;
 
   std::vector<PoolView> pools_;
   std::vector<std::string> identities_;  // one per mapped slab, in (pool, shard) order
   std::vector<MappedSlab> host_;
 #if KVD_HAVE_CUDA
   std::vector<ImportedCudaSlab> cuda_;
+  std::vector<VmmSlab> vmm_;
 #endif
 };
 

@@ -2,7 +2,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "gpu/cuda_device.h"
 #include "gpu/cuda_status.h"
 #include "proto/vocab/status_macros.h"
@@ -19,7 +21,8 @@ absl::Status ProbeCuda() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<CudaArena>> CudaArena::Create(const std::vector<PoolGeometry>& pools) {
+absl::StatusOr<std::unique_ptr<CudaArena>> CudaArena::Create(const std::vector<PoolGeometry>& pools,
+                                                             std::vector<OfferedSlab> offered) {
   std::unique_ptr<CudaArena> arena(new CudaArena());
   arena->geometries_ = pools;
   KVD_ASSIGN_OR_RETURN(std::vector<DeviceIdentity> identities, ListCudaDevices());
@@ -34,22 +37,45 @@ absl::StatusOr<std::unique_ptr<CudaArena>> CudaArena::Create(const std::vector<P
                                                        count));
       }
       KVD_CUDA_SCOPED_DEVICE(device);
-      void* ptr = nullptr;
-      const int64_t size = layout.slab_bytes();
-      KVD_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr, size),
-                               absl::StrCat("cudaMalloc(", size, ") on device ", device));
-      arena->device_ptrs_.push_back(ptr);  // freed by the destructor from here on
-      KVD_CUDA_RETURN_IF_ERROR(cudaMemset(ptr, 0, size), "cudaMemset");
-      cudaIpcMemHandle_t handle;
-      KVD_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, ptr), "cudaIpcGetMemHandle");
       SlabDescriptor d;
       d.pool = p;
       d.shard = static_cast<uint32_t>(shard);
       d.device = device;
       d.device_uuid = identities[device].uuid;
       d.device_pci_bus_id = identities[device].pci_bus_id;
+      int64_t size = layout.slab_bytes();
+      if (pools[p].allocator == PoolAllocator::kVmm) {
+        UniqueFd kept;
+        for (OfferedSlab& o : offered) {
+          if (o.pool == p && o.shard == static_cast<uint32_t>(shard) && o.fd.valid()) {
+            kept = std::move(o.fd);
+            d.memory_id = o.memory_id;
+          }
+        }
+        // Workers tell kept memory from new by this id (their mappings of kept memory stay).
+        if (d.memory_id.empty()) d.memory_id = absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(absl::BitGen()),
+                                                               absl::Uniform<uint64_t>(absl::BitGen()));
+        const bool adopting = kept.valid();
+        KVD_ASSIGN_OR_RETURN(VmmSlab slab, adopting ? VmmSlab::Import(device, std::move(kept), size)
+                                                    : VmmSlab::Create(device, size));
+        arena->adopted_ += adopting ? 1 : 0;
+        size = slab.size();
+        d.cuda_vmm = true;
+        d.fd = slab.fd();
+        arena->device_ptrs_.push_back(slab.data());
+        arena->vmm_.push_back(std::make_unique<VmmSlab>(std::move(slab)));
+      } else {
+        void* ptr = nullptr;
+        KVD_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr, size),
+                                 absl::StrCat("cudaMalloc(", size, ") on device ", device));
+        arena->device_ptrs_.push_back(ptr);  // freed by the destructor from here on
+        arena->vmm_.push_back(nullptr);
+        KVD_CUDA_RETURN_IF_ERROR(cudaMemset(ptr, 0, size), "cudaMemset");
+        cudaIpcMemHandle_t handle;
+        KVD_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, ptr), "cudaIpcGetMemHandle");
+        d.cuda_ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+      }
       d.size_bytes = size;
-      d.cuda_ipc_handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
       arena->descriptors_.push_back(std::move(d));
       if (!arena->movers_.contains(device)) {
         KVD_ASSIGN_OR_RETURN(std::unique_ptr<CudaBlockCopier> copier, CudaBlockCopier::Create(device));
@@ -62,7 +88,9 @@ absl::StatusOr<std::unique_ptr<CudaArena>> CudaArena::Create(const std::vector<P
 
 CudaArena::~CudaArena() {
   movers_.clear();
+  vmm_.clear();  // unmaps and releases this process's handles; the memory lives while others hold it
   for (size_t i = 0; i < device_ptrs_.size(); ++i) {
+    if (i < descriptors_.size() && descriptors_[i].cuda_vmm) continue;
     ScopedCudaDevice scope(i < descriptors_.size() ? descriptors_[i].device : 0);
     cudaFree(device_ptrs_[i]);
   }

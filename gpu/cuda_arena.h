@@ -5,6 +5,11 @@
 // so an IPC handle never exposes a neighbouring allocation. Each slab's cudaIpcGetMemHandle (64
 // bytes) travels in ListPools; workers open it once (gpu/cuda_slab_import.h).
 //
+// Pools with `allocator: vmm` (PoolAllocator::kVmm) are allocated with the driver's virtual-memory
+// API instead (gpu/cuda_vmm.h): each slab is a POSIX fd, which workers receive through the side
+// socket like host memfds and import, and which a hot handoff passes to the next kvd: Create
+// imports an `offered` fd for a slab instead of allocating (the memory and its bytes are kept).
+//
 // Slabs are freed only when the arena is destroyed, after every worker is gone: a freed-and-reused
 // range can yield a byte-identical IPC handle, so a worker holding a stale mapping would silently
 // alias new memory.
@@ -19,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "gpu/cuda_block_copier.h"
+#include "gpu/cuda_vmm.h"
 #include "gpu/device_arena.h"
 #include "gpu/device_identity.h"
 #include "proto/vocab/pool_geometry.h"
@@ -30,10 +36,14 @@ absl::Status ProbeCuda();
 
 class CudaArena final : public DeviceArena {
  public:
-  static absl::StatusOr<std::unique_ptr<CudaArena>> Create(const std::vector<PoolGeometry>& pools);
+  // `offered`: VMM slab fds handed over by a previous kvd (consumed; those of no vmm slab closed).
+  static absl::StatusOr<std::unique_ptr<CudaArena>> Create(const std::vector<PoolGeometry>& pools,
+                                                           std::vector<OfferedSlab> offered = {});
   ~CudaArena() override;
 
   std::string backend() const override { return "cuda"; }
+  // VMM slabs imported from `offered` (memory kept from a previous process).
+  int adopted() const { return adopted_; }
   const std::vector<SlabDescriptor>& slabs() const override { return descriptors_; }
   void* HostAddress(PoolId, uint32_t) const override { return nullptr; }
   // The daemon's device pointer of a slab (for tier copies), or nullptr.
@@ -59,6 +69,8 @@ class CudaArena final : public DeviceArena {
   };
   std::map<int, Mover> movers_;  // by device ordinal; built by Create, read-only after
   std::vector<void*> device_ptrs_;  // parallel to descriptors_
+  std::vector<std::unique_ptr<VmmSlab>> vmm_;  // parallel to descriptors_; null for ipc slabs
+  int adopted_ = 0;
   std::vector<SlabDescriptor> descriptors_;
 };
 

@@ -23,7 +23,9 @@ struct DriverContextApi {
   CtxSetCurrentFn set = nullptr;
 };
 
-void* DriverSymbol(const char* name) {
+}  // namespace
+
+void* CudaDriverSymbol(const char* name) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found{};
 #if CUDART_VERSION >= 12050
@@ -37,12 +39,14 @@ void* DriverSymbol(const char* name) {
   return found == cudaDriverEntryPointSuccess ? fn : nullptr;
 }
 
+namespace {
+
 const DriverContextApi& ContextApi() {
   static DriverContextApi api;
   static std::once_flag once;
   std::call_once(once, [] {
-    api.get = reinterpret_cast<CtxGetCurrentFn>(DriverSymbol("cuCtxGetCurrent"));
-    api.set = reinterpret_cast<CtxSetCurrentFn>(DriverSymbol("cuCtxSetCurrent"));
+    api.get = reinterpret_cast<CtxGetCurrentFn>(CudaDriverSymbol("cuCtxGetCurrent"));
+    api.set = reinterpret_cast<CtxSetCurrentFn>(CudaDriverSymbol("cuCtxSetCurrent"));
   });
   return api;
 }

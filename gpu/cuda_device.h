@@ -29,6 +29,9 @@ int CudaDriverVersion();
 int CudaRuntimeVersion();
 // "13.0" from 13000; "none" for 0.
 std::string CudaVersionString(int version);
+// A CUDA driver API entry point fetched through the runtime (cudaGetDriverEntryPoint, version-
+// guarded), so that nothing links libcuda; nullptr when the driver lacks it or is absent.
+void* CudaDriverSymbol(const char* name);
 
 class ScopedCudaDevice {
  public:

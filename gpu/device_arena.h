@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "gpu/slab_layout.h"
+#include "gpu/unique_fd.h"
 #include "proto/vocab/pool_geometry.h"
 #include "proto/vocab/types.h"
 
@@ -30,8 +31,19 @@ struct SlabDescriptor {
   std::string device_uuid;       // CUDA: "GPU-…" (workers resolve their own ordinal from it)
   std::string device_pci_bus_id; // CUDA: "0000:17:00.0"
   int64_t size_bytes = 0;        // multiple of 2 MiB
-  int fd = -1;                   // host backend: the memfd, owned by the arena
-  std::string cuda_ipc_handle;   // CUDA backend: 64 bytes of cudaIpcMemHandle_t
+  int fd = -1;                   // host backend: the memfd; cuda vmm: the exported handle (arena's)
+  std::string cuda_ipc_handle;   // CUDA backend, allocator ipc: 64 bytes of cudaIpcMemHandle_t
+  bool cuda_vmm = false;         // CUDA backend, allocator vmm: `fd` is the allocation's POSIX fd
+  std::string memory_id;         // cuda vmm: names the allocation for its whole life, across handoffs
+};
+
+// A slab's memory handed to a new arena by a previous kvd process (a memfd on the host backend, a
+// VMM fd on CUDA): see HostArena::Create and CudaArena::Create.
+struct OfferedSlab {
+  PoolId pool = 0;
+  uint32_t shard = 0;
+  UniqueFd fd;
+  std::string memory_id;  // cuda vmm: SlabDescriptor::memory_id in the previous process
 };
 
 class DeviceArena {

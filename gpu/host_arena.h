@@ -24,11 +24,7 @@ namespace kvd {
 class HostArena final : public DeviceArena {
  public:
   // A memfd offered for slab (pool, shard).
-  struct Offered {
-    PoolId pool = 0;
-    uint32_t shard = 0;
-    UniqueFd fd;
-  };
+  using Offered = OfferedSlab;
   // One slab per shard of every pool, adopting from `offered` what fits (see above); the rest of
   // `offered` is closed. RESOURCE_EXHAUSTED/INTERNAL with the failing syscall named.
   static absl::StatusOr<std::unique_ptr<HostArena>> Create(const std::vector<PoolGeometry>& pools,

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -41,6 +42,35 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> MakeHostArena(const std::vector<Poo
   }
   if (const int stored = StoreSlabFds(*arena); stored > 0) {
     spdlog::info("stored {} slab(s) in systemd's fd store (FileDescriptorStoreMax= must allow them)", stored);
+  }
+  return arena;
+}
+
+// The arena made of every slab a predecessor handed over (server/handoff.h): VMM slabs on CUDA
+// when the pools use allocator vmm, else memfds. INTERNAL unless every slab was adopted.
+absl::StatusOr<std::unique_ptr<DeviceArena>> AdoptArena(const std::vector<PoolGeometry>& pools,
+                                                        std::vector<OfferedSlab> slabs) {
+  const size_t offered = slabs.size();
+  int adopted = 0;
+  std::unique_ptr<DeviceArena> arena;
+  const bool vmm = std::any_of(pools.begin(), pools.end(),
+                               [](const PoolGeometry& g) { return g.allocator == PoolAllocator::kVmm; });
+  if (vmm) {
+#if KVD_HAVE_CUDA
+    KVD_ASSIGN_OR_RETURN(std::unique_ptr<CudaArena> cuda, CudaArena::Create(pools, std::move(slabs)));
+    adopted = cuda->adopted();
+    arena = std::move(cuda);
+#else
+    return absl::FailedPreconditionError("handoff: the pools are CUDA VMM memory and this kvd was built without CUDA");
+#endif
+  } else {
+    KVD_ASSIGN_OR_RETURN(std::unique_ptr<HostArena> host, HostArena::Create(pools, std::move(slabs)));
+    adopted = host->adopted();
+    (void)StoreSlabFds(*host);
+    arena = std::move(host);
+  }
+  if (static_cast<size_t>(adopted) != offered || arena->slabs().size() != offered) {
+    return absl::InternalError(absl::StrCat("handoff: adopted ", adopted, " of ", offered, " slabs handed over"));
   }
   return arena;
 }
@@ -142,15 +172,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
   KVD_ASSIGN_OR_RETURN(d->cache_, KvCache::Create(d->options_.cache, SystemClock::Get()));
   if (received != nullptr) {
     // The predecessor's slabs, every one of them: their bytes are the cache being imported.
-    const size_t offered = received->slabs.size();
-    KVD_ASSIGN_OR_RETURN(std::unique_ptr<HostArena> arena,
-                         HostArena::Create(d->options_.cache.pools, std::move(received->slabs)));
-    if (static_cast<size_t>(arena->adopted()) != offered || arena->slabs().size() != offered) {
-      return absl::InternalError(absl::StrCat("handoff: adopted ", arena->adopted(), " of ", offered,
-                                              " slabs handed over"));
-    }
-    (void)StoreSlabFds(*arena);
-    d->arena_ = std::move(arena);
+    KVD_ASSIGN_OR_RETURN(d->arena_, AdoptArena(d->options_.cache.pools, std::move(received->slabs)));
   } else {
     KVD_ASSIGN_OR_RETURN(d->arena_, MakeArena(so.backend, d->options_.cache.pools));
   }
@@ -258,7 +280,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
   if (on_handoff != nullptr && !so.handoff_socket.empty()) {
     HandoffListener::Hooks hooks;
     hooks.check = [raw = d.get()](const HandoffHello& hello) {
-      return CheckSuccessor(hello, *raw->arena_, raw->options_.cache.pools);
+      return CheckSuccessor(hello, raw->arena_->backend(), raw->arena_->slabs(), raw->options_.cache.pools);
     };
     hooks.stop = [raw = d.get()] { return raw->StopForHandoff(); };
     hooks.finished = std::move(on_handoff);

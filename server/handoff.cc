@@ -176,21 +176,29 @@ HandoffHello MakeHello(const std::vector<PoolGeometry>& pools, const std::string
   return h;
 }
 
-absl::Status CheckSuccessor(const HandoffHello& hello, const DeviceArena& arena,
-                            const std::vector<PoolGeometry>& pools) {
+absl::Status CheckSuccessor(const HandoffHello& hello, const std::string& backend,
+                            const std::vector<SlabDescriptor>& slabs, const std::vector<PoolGeometry>& pools) {
   if (hello.protocol != kHandoffProtocol) {
     return absl::FailedPreconditionError(absl::StrCat("handoff protocol ", hello.protocol, " (", hello.build,
                                                       ") differs from this kvd's ", kHandoffProtocol,
                                                       ": restart instead of handing over"));
   }
-  if (arena.backend() != "host" || hello.backend == "cuda") {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "a hot handoff keeps host-backend memory only (this kvd: ", arena.backend(), ", the new one: ",
-        hello.backend, "); CUDA pools are not handed over yet: restart instead"));
+  if (backend != "host") {
+    for (const SlabDescriptor& d : slabs) {
+      if (!d.cuda_vmm || d.fd < 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "pool '", pools[d.pool].name, "' is cudaMalloc memory (allocator ipc), which cannot be handed to "
+            "another process: restart instead, or configure allocator: vmm"));
+      }
+    }
+  }
+  if ((backend == "host" && hello.backend == "cuda") || (backend == "cuda" && hello.backend == "host")) {
+    return absl::FailedPreconditionError(absl::StrCat("this kvd's memory is ", backend, ", the new one is configured for ",
+                                                      hello.backend, ": restart instead"));
   }
   std::vector<std::string> mine;
-  for (const SlabDescriptor& d : arena.slabs()) {
-    mine.push_back(SlabFdName(pools[d.pool], d.pool, d.shard, d.size_bytes));
+  for (const SlabDescriptor& d : slabs) {
+    mine.push_back(SlabFdName(pools[d.pool], d.pool, d.shard, SlabLayout(pools[d.pool]).slab_bytes()));
   }
   if (mine != hello.slabs) {
     return absl::FailedPreconditionError(absl::StrCat("the pools differ: this kvd has [", DescribePools(pools),
@@ -303,6 +311,7 @@ bool HandoffListener::Serve(int conn) {
     s->set_pool(d.pool);
     s->set_shard(d.shard);
     s->set_size_bytes(d.size_bytes);
+    s->set_memory_id(d.memory_id);
     fds.push_back(d.fd);
   }
   package.set_snapshot_bytes(snapshot->second);
@@ -366,7 +375,8 @@ absl::StatusOr<HandoffReceived> HandoffSession::Take(const HandoffHello& hello) 
   out.requests_ended = package->requests_ended();
   KVD_ASSIGN_OR_RETURN(out.snapshot, ReadSnapshot(fds[2].get(), package->snapshot_bytes()));
   for (int i = 0; i < package->slabs_size(); ++i) {
-    out.slabs.push_back({package->slabs(i).pool(), package->slabs(i).shard(), std::move(fds[3 + i])});
+    out.slabs.push_back({package->slabs(i).pool(), package->slabs(i).shard(), std::move(fds[3 + i]),
+                         package->slabs(i).memory_id()});
   }
   return out;
 }

@@ -10,8 +10,9 @@
 // were live end (their clients see KvdRestarted and admit them again); the old process finishes
 // its disk tier's queued writes and closes it before it hands over, and the new one reloads it.
 //
-// Compatibility: the two ends must speak the same kHandoffProtocol, use the host backend, and
-// configure the same pools (name, geometry and slab size: SlabFdName). Anything else — budgets,
+// Compatibility: the two ends must speak the same kHandoffProtocol and configure the same pools
+// (name, geometry, slab size and allocator: SlabFdName); on the CUDA backend every pool must use
+// `allocator: vmm` (gpu/cuda_vmm.h), whose slabs are fds like the host backend's memfds. Anything else — budgets,
 // policies, tiers, metrics address — may change in an upgrade. A mismatch is refused before the
 // running kvd stops anything; it keeps serving and logs why, and the new process exits with the
 // reason.
@@ -54,10 +55,11 @@ struct HandoffHello {
 HandoffHello MakeHello(const std::vector<PoolGeometry>& pools, const std::string& backend);
 // One line per pool: name and every field that shapes its slab.
 std::string DescribePools(const std::vector<PoolGeometry>& pools);
-// OK when a successor that says `hello` may take over from a kvd with `arena` and `pools`;
-// FAILED_PRECONDITION naming the difference otherwise.
-absl::Status CheckSuccessor(const HandoffHello& hello, const DeviceArena& arena,
-                            const std::vector<PoolGeometry>& pools);
+// OK when a successor that says `hello` may take over from a kvd whose arena has `backend` and
+// `slabs`, for `pools`; FAILED_PRECONDITION naming the difference otherwise. CUDA arenas hand
+// over only when every slab is a VMM slab (an fd); cudaMalloc memory cannot cross processes.
+absl::Status CheckSuccessor(const HandoffHello& hello, const std::string& backend,
+                            const std::vector<SlabDescriptor>& slabs, const std::vector<PoolGeometry>& pools);
 
 // What the running kvd hands over. Descriptors are borrowed: they stay open in the old process
 // until it exits (a copy travels).
@@ -73,7 +75,7 @@ struct HandoffOffer {
 struct HandoffReceived {
   UniqueFd listen_fd;
   UniqueFd side_fd;
-  std::vector<HostArena::Offered> slabs;
+  std::vector<OfferedSlab> slabs;
   CacheSnapshot snapshot;
   uint64_t requests_ended = 0;
   std::string old_build;

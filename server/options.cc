@@ -70,7 +70,7 @@ absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeom
   KVD_RETURN_IF_ERROR(CheckKeys(node, where,
                                 {"name", "block_tokens", "num_layers", "bytes_per_token_per_layer",
                                  "capacity_blocks", "max_model_len", "shards", "devices", "layout", "dtype",
-                                 "kv_heads", "head_dim", "kv_arrangement"}));
+                                 "kv_heads", "head_dim", "kv_arrangement", "allocator"}));
   *g = DefaultPool();
   g->name.clear();
   KVD_RETURN_IF_ERROR(Read(node, "name", &g->name, where));
@@ -86,6 +86,13 @@ absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeom
   KVD_RETURN_IF_ERROR(Read(node, "kv_heads", &g->kv.kv_heads, where));
   KVD_RETURN_IF_ERROR(Read(node, "head_dim", &g->kv.head_dim, where));
   KVD_RETURN_IF_ERROR(Read(node, "kv_arrangement", &g->kv.arrangement, where));
+  std::string allocator = PoolAllocatorName(g->allocator);
+  KVD_RETURN_IF_ERROR(Read(node, "allocator", &allocator, where));
+  if (allocator == "ipc" || allocator == "vmm") {
+    g->allocator = allocator == "vmm" ? PoolAllocator::kVmm : PoolAllocator::kIpc;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": allocator must be ipc or vmm, not '", allocator, "'"));
+  }
   std::string layout = PoolLayoutName(g->layout);
   KVD_RETURN_IF_ERROR(Read(node, "layout", &layout, where));
   if (layout == "layer_major") {
@@ -217,6 +224,12 @@ absl::Status Options::Validate() const {
       server.log_level != "warn" && server.log_level != "error") {
     return absl::InvalidArgumentError(
         absl::StrCat("log_level must be trace, debug, info, warn or error, not '", server.log_level, "'"));
+  }
+  for (const PoolGeometry& g : cache.pools) {
+    if (g.allocator == PoolAllocator::kVmm && server.backend == "host") {
+      return absl::InvalidArgumentError(absl::StrCat("pool '", g.name, "': allocator vmm is CUDA memory; it needs "
+                                                     "backend cuda (or auto on a GPU node), not host"));
+    }
   }
   if (server.tls_cert_file.empty() != server.tls_key_file.empty()) {
     return absl::InvalidArgumentError("tls_cert_file and tls_key_file go together");
@@ -417,6 +430,7 @@ std::string FormatConfig(const Options& o) {
     out << YAML::Key << "capacity_blocks" << YAML::Value << g.capacity_blocks;
     out << YAML::Key << "max_model_len" << YAML::Value << g.max_model_len;
     out << YAML::Key << "layout" << YAML::Value << PoolLayoutName(g.layout);
+    if (g.allocator != PoolAllocator::kIpc) out << YAML::Key << "allocator" << YAML::Value << PoolAllocatorName(g.allocator);
     out << YAML::Key << "shards" << YAML::Value << g.num_shards;
     if (!g.devices.empty()) out << YAML::Key << "devices" << YAML::Value << YAML::Flow << g.devices;
     if (!g.kv.dtype.empty()) out << YAML::Key << "dtype" << YAML::Value << g.kv.dtype;

@@ -23,6 +23,7 @@ std::string SlabFdName(const PoolGeometry& g, PoolId pool, uint32_t shard, int64
   mix(g.name);
   mix(absl::StrCat("|", g.block_tokens, "|", g.num_layers, "|", g.bytes_per_token_per_layer, "|",
                    g.capacity_blocks, "|", g.num_shards, "|", static_cast<int>(g.layout), "|", slab_bytes));
+  if (g.allocator == PoolAllocator::kVmm) mix("|vmm");  // host names stay as they were
   return absl::StrFormat("kvdslab-%d-%d-%016x", pool, shard, h);
 }
 

@@ -38,6 +38,10 @@ absl::Status PoolGeometry::Validate() const {
   return absl::OkStatus();
 }
 
+std::string PoolAllocatorName(PoolAllocator allocator) {
+  return allocator == PoolAllocator::kVmm ? "vmm" : "ipc";
+}
+
 std::string PoolLayoutName(PoolLayout layout) {
   return layout == PoolLayout::kLayerMajor ? "layer_major" : "block_major";
 }

@@ -22,6 +22,12 @@ enum class PoolLayout {
   kBlockMajor,  // each block is contiguous across its layers
 };
 
+// How the CUDA backend allocates a pool's slabs (the host backend ignores it; see
+// gpu/cuda_arena.h): kIpc, cudaMalloc shared through CUDA IPC handles; kVmm, the driver's
+// virtual-memory API with a POSIX-fd shareable handle, passable over a Unix socket so the memory
+// can outlive kvd's process and cross a hot handoff.
+enum class PoolAllocator { kIpc, kVmm };
+
 struct PoolGeometry {
   std::string name;                    // pool (model) name, unique per daemon; required
   int32_t block_tokens = 16;           // tokens per block; (0, 4096]
@@ -34,6 +40,7 @@ struct PoolGeometry {
   std::vector<int32_t> devices;
   PoolLayout layout = PoolLayout::kLayerMajor;
   KvFormat kv;  // what the bytes mean (dtype, heads, arrangement); optional, see kv_format.h
+  PoolAllocator allocator = PoolAllocator::kIpc;
 
   // Bytes of one block on one shard (one device).
   int64_t block_bytes() const { return int64_t{block_tokens} * num_layers * bytes_per_token_per_layer; }
@@ -49,5 +56,7 @@ struct PoolGeometry {
 };
 
 std::string PoolLayoutName(PoolLayout layout);
+// "ipc" or "vmm".
+std::string PoolAllocatorName(PoolAllocator allocator);
 
 }  // namespace kvd

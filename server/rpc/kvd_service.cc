@@ -125,6 +125,8 @@ grpc::ServerUnaryReactor* KvdService::ListPools(grpc::CallbackServerContext* ctx
         slab->set_cuda_ipc_handle(s.cuda_ipc_handle);
         slab->set_device_uuid(s.device_uuid);
         slab->set_device_pci_bus_id(s.device_pci_bus_id);
+        if (s.device >= 0) slab->set_allocator(s.cuda_vmm ? "vmm" : "ipc");
+        slab->set_memory_id(s.memory_id);
       }
     }
     return absl::OkStatus();

@@ -135,6 +135,8 @@ TEST_CASE("Every configuration error exits non-zero naming the field", "[integra
       {"pools:\n  - name: p\n    capacity_blocks: 0\n", "capacity_blocks"},
       {"pools:\n  - name: p\n    max_model_len: 2\n", "max_model_len"},
       {"pools:\n  - name: p\n    layout: diagonal\n", "layout"},
+      {"pools:\n  - name: p\n    allocator: malloc\n", "allocator must be ipc or vmm"},
+      {"backend: host\npools:\n  - name: p\n    allocator: vmm\n", "allocator vmm is CUDA memory"},
       {"pools:\n  - name: p\n  - name: p\n", "duplicate pool name"},
       {"pools:\n  - name: p\n    shards: 2\n    devices: [0]\n", "devices"},
       {"backend: tpu\n", "backend"},

@@ -123,6 +123,12 @@ class DeviceSlab:
 
 
 def map_slab(runtime, slab_info):
-    """Maps one SlabInfo of ListPools (CUDA backend)."""
+    """Maps one SlabInfo of ListPools (CUDA backend, allocator ipc). VMM slabs (allocator vmm,
+    imported from an fd with the driver's cuMemImportFromShareableHandle) are mapped by the C++
+    client only for now: they are refused here with that reason."""
+    if slab_info.allocator == "vmm":
+        raise CudaError("map_slab", 801, "cudaErrorNotSupported",
+                        "this pool uses allocator: vmm, which the Python client does not map yet "
+                        "(the C++ client does); configure allocator: ipc for Python engines")
     ptr = runtime.open_ipc_handle(bytes(slab_info.cuda_ipc_handle), slab_info.device)
     return DeviceSlab(runtime, ptr, slab_info.size_bytes, slab_info.device)

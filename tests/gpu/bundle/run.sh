@@ -109,6 +109,48 @@ else
 fi
 kill "$kvd_pid" 2>/dev/null; wait "$kvd_pid" 2>/dev/null; rm -rf "$tmp"
 
+# 5b. Hot handoff of a VMM pool (allocator: vmm): kvd A serves worker a; kvd B --takeover takes
+# its sockets, the VMM slab's fd and the index; worker b then hits the same 992 tokens in the same
+# device memory, bytes verified, and A has exited 0.
+tmp=$(mktemp -d)
+sed 's/^    max_model_len: 8192$/    max_model_len: 8192\n    allocator: vmm/' >"$tmp/kvd.yaml" <<'YAML'
+pools:
+  - name: default
+    block_tokens: 16
+    num_layers: 8
+    bytes_per_token_per_layer: 1024
+    capacity_blocks: 1024
+    max_model_len: 8192
+YAML
+start_kvd() {  # start_kvd READY_FILE LOG [FLAGS...]: sets $kvd_pid; true once it serves
+  local ready=$1 log=$2
+  shift 2
+  "$here/kvd" --config="$tmp/kvd.yaml" --listen="unix://$tmp/kvd.sock" --metrics-listen=off --backend=cuda \
+    --ready-file="$ready" "$@" >"$log" 2>&1 &
+  kvd_pid=$!
+  for _ in $(seq 1 250); do [ -e "$ready" ] || ! kill -0 "$kvd_pid" 2>/dev/null && break; sleep 0.04; done
+  [ -e "$ready" ]
+}
+if start_kvd "$tmp/ready_a" "$out/handoff_a.log"; then
+  old_pid=$kvd_pid
+  run handoff_worker_a 60 "$here/kvd_example_worker" --target="unix://$tmp/kvd.sock" --id=a --prompt-range=0:1000 --gen=16
+  a_rc=$rc
+  if start_kvd "$tmp/ready_b" "$out/handoff_b.log" --takeover; then
+    wait "$old_pid"; old_rc=$?
+    run handoff_worker_b 60 "$here/kvd_example_worker" --target="unix://$tmp/kvd.sock" --id=b --prompt-range=0:1000 --gen=16
+    b_out=$(tail -1 "$out/handoff_worker_b.log")
+    ok=1
+    [ "$a_rc" -eq 0 ] && [ "$old_rc" -eq 0 ] && [ "$rc" -eq 0 ] && grep -q '"cached_tokens": 992' <<<"$b_out" &&
+      grep -q '"mismatches": 0' <<<"$b_out" && ok=0
+    record vmm_handoff "$ok" "$secs" "old kvd exit $old_rc; $b_out"
+  else
+    record vmm_handoff 1 0 "kvd --takeover did not start: $(tail -5 "$out/handoff_b.log") / $(tail -3 "$out/handoff_a.log")"
+  fi
+else
+  record vmm_handoff 1 0 "kvd with allocator: vmm did not start: $(tail -5 "$out/handoff_a.log")"
+fi
+kill "$kvd_pid" 2>/dev/null; wait "$kvd_pid" 2>/dev/null; rm -rf "$tmp"
+
 # 6. PyTorch maps a device slab in place (no stubs, no grpcio) and checks the C++ worker's bytes.
 py="${KVD_PYTHON:-$(command -v python3 || true)}"
 if [ -z "$py" ]; then

@@ -9,6 +9,10 @@
 #include "gpu/cuda_device.h"
 #include "gpu/cuda_ipc_event.h"
 #include "gpu/cuda_slab_import.h"
+#include "gpu/cuda_vmm.h"
+#include "gpu/unique_fd.h"
+
+#include <sys/mman.h>
 
 namespace kvd {
 namespace {
@@ -47,6 +51,23 @@ TEST_CASE("Without a GPU, every CUDA object fails to build with a status", "[gpu
   // Selecting a device reports the failure and restores nothing it did not change.
   ScopedCudaDevice scope(3);
   REQUIRE_FALSE(scope.status().ok());
+}
+
+TEST_CASE("Without a GPU, VMM slabs and vmm pools fail with a status naming the driver", "[gpu][cuda][vmm]") {
+  if (!NoGpu()) return;
+  absl::StatusOr<VmmSlab> created = VmmSlab::Create(0, 2 << 20);
+  INFO(created.status().ToString());
+  REQUIRE(created.status().code() == absl::StatusCode::kUnavailable);
+  REQUIRE_THAT(std::string(created.status().message()),
+               Catch::Contains("virtual-memory API") && Catch::Contains("NVIDIA driver"));
+  // An fd that is no VMM allocation (a memfd) is never imported; it is closed, not leaked.
+  UniqueFd impostor(memfd_create("impostor", MFD_CLOEXEC));
+  REQUIRE(impostor.valid());
+  REQUIRE_FALSE(VmmSlab::Import(0, std::move(impostor), 2 << 20).ok());
+  PoolGeometry g{.name = "v", .block_tokens = 16, .num_layers = 2, .bytes_per_token_per_layer = 64,
+                 .capacity_blocks = 8};
+  g.allocator = PoolAllocator::kVmm;
+  REQUIRE_FALSE(CudaArena::Create({g}).ok());
 }
 
 }  // namespace
