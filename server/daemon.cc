@@ -1,5 +1,6 @@
 #include "server/daemon.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -137,8 +138,7 @@ absl::Status EnsureParentDir(const std::string& path) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options, bool takeover,
-                                                      std::function<void(absl::Status)> on_handoff) {
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options, bool takeover, HandoffHook on_handoff) {
   options.ApplyDefaults();
   KVD_RETURN_IF_ERROR(options.Validate());
   if (!takeover) return Assemble(std::move(options), nullptr, std::move(on_handoff));
@@ -152,8 +152,19 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options, bool take
     return Assemble(std::move(options), nullptr, std::move(on_handoff));
   }
   if (!session.ok()) return session.status();
-  KVD_ASSIGN_OR_RETURN(HandoffReceived received,
-                       session->Take(MakeHello(options.cache.pools, options.server.backend)));
+  absl::StatusOr<HandoffReceived> taken = session->Take(MakeHello(options.cache.pools, options.server.backend));
+  if (!taken.ok() && !absl::IsFailedPrecondition(taken.status())) {
+    // The exchange broke. If the running kvd died with it, nothing serves: start afresh (its disk
+    // tier reloads); if it lives, it serves again by itself (server/handoff.h).
+    absl::SleepFor(absl::Milliseconds(200));  // a killed process takes a moment to be gone
+    if (session->PeerGone()) {
+      spdlog::warn("handoff: the running kvd died during the handoff ({}); starting afresh",
+                   taken.status().ToString());
+      return Assemble(std::move(options), nullptr, std::move(on_handoff));
+    }
+  }
+  if (!taken.ok()) return taken.status();
+  HandoffReceived received = *std::move(taken);
   spdlog::info("handoff: took over from {}: {} slab(s), {} cached block(s), {} session(s); {} live request(s) "
                "ended there (their clients see KvdRestarted)",
                received.old_build, received.slabs.size(), received.snapshot.blocks.size(),
@@ -164,9 +175,26 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options, bool take
   return d;
 }
 
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Resume(std::unique_ptr<Daemon> stopped, bool keep_index,
+                                                       HandoffHook on_handoff) {
+  // The stopped daemon's sockets and slabs, as a successor would receive them (copies of the
+  // descriptors: the stopped daemon closes its own when it goes).
+  HandoffReceived own;
+  own.listen_fd = UniqueFd(::fcntl(stopped->handed_listen_.get(), F_DUPFD_CLOEXEC, 0));
+  own.side_fd = UniqueFd(::fcntl(stopped->handed_side_.get(), F_DUPFD_CLOEXEC, 0));
+  for (const SlabDescriptor& d : stopped->arena_->slabs()) {
+    own.slabs.push_back({d.pool, d.shard, UniqueFd(::fcntl(d.fd, F_DUPFD_CLOEXEC, 0)), d.memory_id});
+  }
+  if (keep_index) own.snapshot = std::move(stopped->handed_snapshot_);
+  absl::StatusOr<std::unique_ptr<Daemon>> d = Assemble(stopped->options_, &own, std::move(on_handoff));
+  stopped.reset();
+  return d;
+}
+
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, HandoffReceived* received,
-                                                         std::function<void(absl::Status)> on_handoff) {
+                                                         HandoffHook on_handoff) {
   std::unique_ptr<Daemon> d(new Daemon(std::move(options)));
+  d->adopted_sockets_ = received != nullptr;
   const ServerOptions& so = d->options_.server;
 
   KVD_ASSIGN_OR_RETURN(d->cache_, KvCache::Create(d->options_.cache, SystemClock::Get()));
@@ -382,6 +410,7 @@ absl::StatusOr<HandoffOffer> Daemon::StopForHandoff() {
   offer.side_fd = handed_side_.get();
   offer.slabs = arena_->slabs();
   offer.snapshot = cache_->ExportSnapshot();
+  handed_snapshot_ = offer.snapshot;
   spdlog::info("handoff: stopped; handing over {} cached block(s), {} slab(s); {} live request(s) ended",
                offer.snapshot.blocks.size(), offer.slabs.size(), offer.requests_ended);
   return offer;
@@ -410,7 +439,7 @@ Daemon::~Daemon() {
     absl::MutexLock lock(&lifecycle_mu_);
     handed_over = handed_over_;
   }
-  if (absl::StartsWith(options_.server.listen, "unix://") && !handed_over) {
+  if (absl::StartsWith(options_.server.listen, "unix://") && !handed_over && !adopted_sockets_) {
     std::error_code ec;
     std::filesystem::remove(options_.server.listen.substr(7), ec);
   }

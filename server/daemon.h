@@ -39,8 +39,14 @@ class Daemon {
   // successor has taken over (OK) — or an attempt failed after this kvd stopped serving (the
   // error) — `on_handoff` runs on the handoff thread; the daemon then serves nothing and only
   // waits to be destroyed, which leaves the sockets to the successor.
+  using HandoffHook = std::function<void(absl::Status, HandoffNext)>;
   static absl::StatusOr<std::unique_ptr<Daemon>> Start(Options options, bool takeover = false,
-                                                       std::function<void(absl::Status)> on_handoff = nullptr);
+                                                       HandoffHook on_handoff = nullptr);
+  // After a handoff that ended in kResumeWithIndex or kResumeEmpty: a daemon serving again on
+  // `stopped`'s sockets and memory (with its index, or an empty one), `stopped` destroyed once it
+  // serves. The error (nothing serves) when that fails.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Resume(std::unique_ptr<Daemon> stopped, bool keep_index,
+                                                        HandoffHook on_handoff);
   ~Daemon();
 
   // Stops admitting: new Admit/Fits/Attach get UNAVAILABLE, health turns NOT_SERVING. Idempotent.
@@ -65,7 +71,7 @@ class Daemon {
   explicit Daemon(Options options) : options_(std::move(options)) {}
   // Start's body; `received` (may be null) is what a predecessor handed over.
   static absl::StatusOr<std::unique_ptr<Daemon>> Assemble(Options options, HandoffReceived* received,
-                                                          std::function<void(absl::Status)> on_handoff);
+                                                          HandoffHook on_handoff);
   void ReapLapsedLeases();
   // The handoff listener's `stop` hook: stops serving, ends live requests, closes the tiers, the
   // metrics endpoint and the router events (their ports go to the successor) and exports the index.
@@ -90,6 +96,10 @@ class Daemon {
   bool handed_over_ ABSL_GUARDED_BY(lifecycle_mu_) = false;  // the sockets belong to a successor
   UniqueFd handed_listen_;  // the listening sockets given away, open until this process exits
   UniqueFd handed_side_;
+  CacheSnapshot handed_snapshot_;  // what was offered, for Resume
+  // The sockets came from a predecessor: their files were bound by another process, and may be
+  // in use by yet another when this one goes; never removed by this daemon.
+  bool adopted_sockets_ = false;
   std::unique_ptr<HandoffListener> handoff_;  // declared last: destroyed first
 };
 

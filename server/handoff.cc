@@ -1,6 +1,7 @@
 #include "server/handoff.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -9,6 +10,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -151,6 +154,26 @@ absl::StatusOr<CacheSnapshot> ReadSnapshot(int fd, int64_t expected) {
 }
 
 }  // namespace
+
+bool ProcessGone(pid_t pid) {
+  if (pid <= 0) return false;
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return true;
+  std::FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/stat").c_str(), "r");
+  if (f == nullptr) return true;
+  char buf[512] = {};
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  const char* paren = std::strrchr(buf, ')');  // the state follows the command name's ')'
+  return n > 0 && paren != nullptr && (paren[2] == 'Z' || paren[2] == 'X');
+}
+
+void HandoffFaultPoint(const char* step) {
+  const char* fault = std::getenv("KVD_TEST_HANDOFF_FAULT");
+  if (fault != nullptr && std::strcmp(fault, step) == 0) {
+    spdlog::warn("KVD_TEST_HANDOFF_FAULT: killed at {}", step);
+    ::kill(::getpid(), SIGKILL);
+  }
+}
 
 std::string DescribePools(const std::vector<PoolGeometry>& pools) {
   std::vector<std::string> lines;
@@ -295,15 +318,17 @@ bool HandoffListener::Serve(int conn) {
     spdlog::warn("handoff: pid {} left before the answer ({}); still serving", peer->pid, s.ToString());
     return false;
   }
+  HandoffFaultPoint("after-answer");
   spdlog::warn("handoff: handing over to pid {} ({}): stopping", peer->pid, hello.build);
   absl::StatusOr<HandoffOffer> offer = hooks_.stop();
-  const auto finish = [this](absl::Status s) {
-    hooks_.finished(std::move(s));
+  const auto finish = [this](absl::Status s, HandoffNext next) {
+    hooks_.finished(std::move(s), next);
     return true;
   };
-  if (!offer.ok()) return finish(offer.status());
+  if (!offer.ok()) return finish(offer.status(), HandoffNext::kResumeWithIndex);
+  HandoffFaultPoint("after-stop");
   absl::StatusOr<std::pair<UniqueFd, int64_t>> snapshot = SnapshotMemfd(offer->snapshot);
-  if (!snapshot.ok()) return finish(snapshot.status());
+  if (!snapshot.ok()) return finish(snapshot.status(), HandoffNext::kResumeWithIndex);
   pb::Package package;
   std::vector<int> fds = {offer->listen_fd, offer->side_fd, snapshot->first.get()};
   for (const SlabDescriptor& d : offer->slabs) {
@@ -316,14 +341,29 @@ bool HandoffListener::Serve(int conn) {
   }
   package.set_snapshot_bytes(snapshot->second);
   package.set_requests_ended(offer->requests_ended);
-  if (absl::Status s = SendProto(conn, package, fds); !s.ok()) return finish(s);
+  // A package that did not go out whole is unusable to the successor (the payload is read only
+  // after its descriptors): the memory is still only this kvd's.
+  if (absl::Status s = SendProto(conn, package, fds); !s.ok()) return finish(s, HandoffNext::kResumeWithIndex);
+  HandoffFaultPoint("after-package");
   SetReceiveTimeout(conn, kDoneTimeoutSeconds);
   absl::StatusOr<pb::Done> done = ReceiveProto<pb::Done>(conn);
   if (!done.ok()) {
-    return finish(absl::UnavailableError(absl::StrCat("the new kvd did not confirm: ", done.status().message())));
+    // Gone (crashed, killed) — or alive and silent, which may mean serving: only the first may
+    // be resumed from.
+    bool gone = ProcessGone(peer->pid);
+    for (int i = 0; i < 20 && !gone; ++i) {  // a dying process closes its sockets before it is gone
+      ::usleep(50'000);
+      gone = ProcessGone(peer->pid);
+    }
+    return finish(absl::UnavailableError(absl::StrCat("the new kvd (pid ", peer->pid, ") did not confirm: ",
+                                                      done.status().message(), gone ? "; it is gone" : "; it still runs")),
+                  gone ? HandoffNext::kResumeEmpty : HandoffNext::kExit);
   }
-  if (!done->ok()) return finish(absl::AbortedError(absl::StrCat("the new kvd failed to start: ", done->error())));
-  return finish(absl::OkStatus());
+  if (!done->ok()) {
+    return finish(absl::AbortedError(absl::StrCat("the new kvd failed to start: ", done->error())),
+                  HandoffNext::kResumeEmpty);
+  }
+  return finish(absl::OkStatus(), HandoffNext::kExit);
 }
 
 // ---- the successor's end ----
@@ -341,7 +381,8 @@ absl::StatusOr<HandoffSession> HandoffSession::Connect(const std::string& path) 
     }
     return absl::UnavailableError(absl::StrCat("connect ", path, ": ", std::strerror(errno)));
   }
-  return HandoffSession(std::move(fd));
+  absl::StatusOr<PeerCredentials> peer = GetPeerCredentials(fd.get());
+  return HandoffSession(std::move(fd), peer.ok() ? peer->pid : 0);
 }
 
 absl::StatusOr<HandoffReceived> HandoffSession::Take(const HandoffHello& hello) {
@@ -353,6 +394,7 @@ absl::StatusOr<HandoffReceived> HandoffSession::Take(const HandoffHello& hello) 
   h.set_backend(hello.backend);
   SetReceiveTimeout(fd_.get(), kHelloTimeoutSeconds);
   if (absl::Status s = SendProto(fd_.get(), h); !s.ok()) return s;
+  HandoffFaultPoint("after-hello");
   absl::StatusOr<pb::Answer> answer = ReceiveProto<pb::Answer>(fd_.get());
   if (!answer.ok()) return answer.status();
   if (!answer->ok()) {
@@ -374,6 +416,7 @@ absl::StatusOr<HandoffReceived> HandoffSession::Take(const HandoffHello& hello) 
   out.old_build = answer->build();
   out.requests_ended = package->requests_ended();
   KVD_ASSIGN_OR_RETURN(out.snapshot, ReadSnapshot(fds[2].get(), package->snapshot_bytes()));
+  HandoffFaultPoint("after-package");
   for (int i = 0; i < package->slabs_size(); ++i) {
     out.slabs.push_back({package->slabs(i).pool(), package->slabs(i).shard(), std::move(fds[3 + i]),
                          package->slabs(i).memory_id()});
@@ -381,7 +424,10 @@ absl::StatusOr<HandoffReceived> HandoffSession::Take(const HandoffHello& hello) 
   return out;
 }
 
+bool HandoffSession::PeerGone() const { return ProcessGone(peer_); }
+
 void HandoffSession::Finish(const absl::Status& serving) {
+  HandoffFaultPoint("before-done");
   pb::Done done;
   done.set_ok(serving.ok());
   done.set_error(std::string(serving.message()));

@@ -20,9 +20,20 @@
 // Trust: the handoff socket is mode 0600 and the running kvd serves only a peer of its own user
 // or root (SO_PEERCRED): whoever takes over gets every tenant's KV.
 //
+// Failure: a successor that dies before it has the package leaves the running kvd serving again
+// with its cache as it was; one that dies (or reports failure) after it, leaves it serving on the
+// same memory with an empty index (the successor may have written blocks); one that is alive but
+// silent past the deadline leaves it exiting (both serving would hand out the same blocks). A
+// running kvd that dies during the exchange leaves the successor starting afresh.
+// Fault injection for tests: KVD_TEST_HANDOFF_FAULT=<step> SIGKILLs the process at that step
+// (old side: after-answer, after-stop, after-package; new side: after-hello, after-package,
+// before-done).
+//
 // Threads: HandoffListener runs one thread that serves one successor at a time; its hooks run on
 // that thread. The successor's side (HandoffSession) is blocking and runs on kvd's start-up path.
 #pragma once
+
+#include <sys/types.h>
 
 #include <cstdint>
 #include <functional>
@@ -43,6 +54,11 @@ namespace kvd {
 
 // Version of the handoff's messages and of CacheSnapshot's meaning; both ends must agree.
 inline constexpr uint32_t kHandoffProtocol = 1;
+
+// Whether process `pid` has ended (no such process, or a zombie).
+bool ProcessGone(pid_t pid);
+// KVD_TEST_HANDOFF_FAULT: SIGKILLs this process when it names `step` (tests only).
+void HandoffFaultPoint(const char* step);
 
 // What a successor says about itself.
 struct HandoffHello {
@@ -81,6 +97,14 @@ struct HandoffReceived {
   std::string old_build;
 };
 
+// What the running kvd does once a handoff it stopped for has ended (HandoffListener::Hooks).
+enum class HandoffNext {
+  kExit,             // the successor serves (OK), or its fate is unknown (it may serve): never resume
+  kResumeWithIndex,  // the package never reached the successor: serve again, cache as it was
+  kResumeEmpty,      // the successor got the package and is gone or failed: serve again on the same
+                     // memory with an empty index (it may have written blocks this index names)
+};
+
 // The running kvd's end.
 class HandoffListener {
  public:
@@ -91,8 +115,8 @@ class HandoffListener {
     // `finished`).
     std::function<absl::StatusOr<HandoffOffer>()> stop;
     // The outcome once the successor answered (OK: it serves now) or the exchange broke after
-    // `stop`. Called at most once, and only after `stop`.
-    std::function<void(absl::Status)> finished;
+    // `stop`, and what this kvd should do next. Called at most once, and only after `stop`.
+    std::function<void(absl::Status, HandoffNext)> finished;
   };
   // Listens on `path` (mode 0600, an existing file replaced). The failing call named on error.
   static absl::StatusOr<std::unique_ptr<HandoffListener>> Start(const std::string& path, Hooks hooks);
@@ -125,10 +149,14 @@ class HandoffSession {
   absl::StatusOr<HandoffReceived> Take(const HandoffHello& hello);
   // Tells the old kvd the outcome: OK once this process serves (the old one exits), else why not.
   void Finish(const absl::Status& serving);
+  // Whether the running kvd's process has ended (gone or a zombie): after Take failed that way,
+  // nothing else serves and the successor starts afresh.
+  bool PeerGone() const;
 
  private:
-  explicit HandoffSession(UniqueFd fd) : fd_(std::move(fd)) {}
+  HandoffSession(UniqueFd fd, pid_t peer) : fd_(std::move(fd)), peer_(peer) {}
   UniqueFd fd_;
+  pid_t peer_ = 0;
 };
 
 }  // namespace kvd

@@ -190,14 +190,16 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
 
   absl::Mutex handoff_mu;
-  std::optional<absl::Status> handoff_outcome;
-  auto daemon = kvd::Daemon::Start(options, takeover, [&handoff_mu, &handoff_outcome](absl::Status outcome) {
+  std::optional<std::pair<absl::Status, kvd::HandoffNext>> handoff_outcome;
+  const kvd::Daemon::HandoffHook on_handoff = [&handoff_mu, &handoff_outcome](absl::Status outcome,
+                                                                               kvd::HandoffNext next) {
     {
       absl::MutexLock lock(&handoff_mu);
-      handoff_outcome = std::move(outcome);
+      handoff_outcome.emplace(std::move(outcome), next);
     }
     kill(getpid(), SIGUSR2);
-  });
+  };
+  auto daemon = kvd::Daemon::Start(options, takeover, on_handoff);
   if (!daemon.ok()) {
     std::cerr << "kvd: " << daemon.status().message() << "\n";
     return 1;
@@ -213,38 +215,64 @@ int main(int argc, char** argv) {
   NotifySystemd("READY=1");
   // With WatchdogSec= in the unit, systemd restarts kvd unless it hears WATCHDOG=1 in time: sent
   // only while the engine answers and the listener serves a Ping (Daemon::Probe).
-  absl::Notification stop_watchdog;
-  std::thread watchdog;
-  if (absl::Duration period = WatchdogPeriod(); period > absl::ZeroDuration()) {
-    watchdog = std::thread([&stop_watchdog, period, d = daemon->get()] {
-      bool failing = false;
-      do {
-        if (absl::Status s = d->Probe(period); s.ok()) {
-          NotifySystemd("WATCHDOG=1");
-          if (failing) spdlog::info("watchdog: kvd answers again");
-          failing = false;
-        } else if (!failing) {
-          spdlog::error("watchdog: {}; not telling systemd kvd is alive (it restarts kvd after WatchdogSec)",
-                        s.ToString());
-          failing = true;
-        }
-      } while (!stop_watchdog.WaitForNotificationWithTimeout(period));
-    });
-  }
+  struct Watchdog {
+    absl::Notification stop;
+    std::thread thread;
+    ~Watchdog() {
+      stop.Notify();
+      if (thread.joinable()) thread.join();
+    }
+  };
+  const auto start_watchdog = [](kvd::Daemon* d) {
+    auto w = std::make_unique<Watchdog>();
+    if (absl::Duration period = WatchdogPeriod(); period > absl::ZeroDuration()) {
+      w->thread = std::thread([stop = &w->stop, period, d] {
+        bool failing = false;
+        do {
+          if (absl::Status s = d->Probe(period); s.ok()) {
+            NotifySystemd("WATCHDOG=1");
+            if (failing) spdlog::info("watchdog: kvd answers again");
+            failing = false;
+          } else if (!failing) {
+            spdlog::error("watchdog: {}; not telling systemd kvd is alive (it restarts kvd after WatchdogSec)",
+                          s.ToString());
+            failing = true;
+          }
+        } while (!stop->WaitForNotificationWithTimeout(period));
+      });
+    }
+    return w;
+  };
+  std::unique_ptr<Watchdog> watchdog = start_watchdog(daemon->get());
 
   int sig = 0;
-  sigwait(&signals, &sig);
-  if (sig == SIGUSR2) {
-    absl::Status outcome;
+  for (;;) {
+    sigwait(&signals, &sig);
+    if (sig != SIGUSR2) break;
+    std::pair<absl::Status, kvd::HandoffNext> outcome{absl::OkStatus(), kvd::HandoffNext::kExit};
     {
       absl::MutexLock lock(&handoff_mu);
-      outcome = handoff_outcome.value_or(absl::OkStatus());
+      if (handoff_outcome.has_value()) outcome = *std::exchange(handoff_outcome, std::nullopt);
     }
-    stop_watchdog.Notify();
-    if (watchdog.joinable()) watchdog.join();
-    if (!outcome.ok()) {
-      spdlog::error("handoff failed after this kvd stopped serving: {}; exiting (a supervisor restart, or "
-                    "`kvd --takeover` again, brings kvd back)", outcome.ToString());
+    watchdog.reset();
+    if (outcome.second != kvd::HandoffNext::kExit) {
+      // The successor never got the memory, or got it and is gone: serve again (server/handoff.h).
+      const bool keep_index = outcome.second == kvd::HandoffNext::kResumeWithIndex;
+      spdlog::error("handoff failed after this kvd stopped serving: {}; serving again on the same sockets and "
+                    "memory, {}", outcome.first.ToString(),
+                    keep_index ? "cache as it was" : "with an empty index (the successor may have written blocks)");
+      auto resumed = kvd::Daemon::Resume(std::move(*daemon), keep_index, on_handoff);
+      if (!resumed.ok()) {
+        spdlog::error("could not serve again: {}", resumed.status().ToString());
+        return 1;
+      }
+      *daemon = std::move(*resumed);
+      watchdog = start_watchdog(daemon->get());
+      continue;
+    }
+    if (!outcome.first.ok()) {
+      spdlog::error("handoff failed after this kvd stopped serving, and the new kvd may still run: {}; exiting",
+                    outcome.first.ToString());
       daemon->reset();
       return 1;
     }
@@ -267,8 +295,7 @@ int main(int argc, char** argv) {
     timespec zero{0, 0};
     return sigtimedwait(&signals, nullptr, &zero) > 0;
   });
-  stop_watchdog.Notify();
-  if (watchdog.joinable()) watchdog.join();
+  watchdog.reset();
   daemon->reset();
   spdlog::info("kvd stopped");
   return 0;

@@ -19,13 +19,16 @@ namespace kvd {
 absl::StatusOr<std::unique_ptr<SlabSideChannel>> SlabSideChannel::Start(
     const std::string& path, const DeviceArena* arena, AttachmentRegistry* registry,
     const AccessPolicy* policy, UniqueFd adopted) {
-  absl::StatusOr<UniqueFd> listen_fd = adopted.valid() ? std::move(adopted) : ListenUnix(path, 0660);
+  const bool adopting = adopted.valid();
+  absl::StatusOr<UniqueFd> listen_fd = adopting ? std::move(adopted) : ListenUnix(path, 0660);
   if (!listen_fd.ok()) return listen_fd.status();
   int pipe_fds[2];
   if (pipe2(pipe_fds, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
-  return std::unique_ptr<SlabSideChannel>(new SlabSideChannel(
+  std::unique_ptr<SlabSideChannel> channel(new SlabSideChannel(
       path, std::move(*listen_fd), UniqueFd(pipe_fds[0]), UniqueFd(pipe_fds[1]), arena, registry,
       policy));
+  channel->released_ = adopting;  // a predecessor bound the file: it is not this channel's to remove
+  return channel;
 }
 
 SlabSideChannel::SlabSideChannel(std::string path, UniqueFd listen_fd, UniqueFd wake_read,

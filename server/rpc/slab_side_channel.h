@@ -44,7 +44,7 @@ class SlabSideChannel {
                                                                 AttachmentRegistry* registry,
                                                                 const AccessPolicy* policy = nullptr,
                                                                 UniqueFd adopted = UniqueFd());
-  ~SlabSideChannel();  // stops the thread and removes the socket file (unless released)
+  ~SlabSideChannel();  // stops the thread and removes the socket file (unless released or adopted)
   // Stops serving (connections in progress are cut) and returns the listening socket, which stays
   // bound: connections queue there until its new owner accepts them. The file is left in place.
   UniqueFd Release();
@@ -76,7 +76,8 @@ class SlabSideChannel {
   const AccessPolicy* policy_;
   absl::Mutex mu_;
   std::list<std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
-  bool released_ = false;  // Release() gave the socket away: its file is not ours to remove
+  // Release() gave the socket away, or it was adopted: its file is not this channel's to remove.
+  bool released_ = false;
   std::thread thread_;  // declared last: started once everything above exists
 };
 

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
@@ -136,6 +137,88 @@ TEST_CASE("The Kubernetes rollout: the old pod's kvd hands over, waits, and exit
   ProcessResult after = RunWorker({"--target=" + d.target(), "--id=after", "--prompt-range=0:22"});
   REQUIRE(JsonInt(after.out, "cached_tokens") == 20);
   REQUIRE(w.Running());
+}
+
+// A request against `d` for the 22-token prompt; retried while nothing serves yet (a resuming
+// kvd takes a moment). REQUIREs success with no wrong byte; returns its cached tokens.
+int64_t ServedPrompt(DaemonProcess& d, const std::string& id) {
+  ProcessResult r;
+  for (int i = 0; i < 50; ++i) {
+    r = RunWorker({"--target=" + d.target(), "--id=" + id, "--prompt-range=0:22"});
+    if (r.exit_code == 0) break;
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  INFO(r.out << d.Log());
+  REQUIRE(r.exit_code == 0);
+  REQUIRE(JsonInt(r.out, "mismatches") == 0);
+  return JsonInt(r.out, "cached_tokens");
+}
+
+TEST_CASE("Either process killed at any step of a handoff: the survivor serves, never a wrong byte",
+          "[integration][handoff]") {
+  struct Case {
+    const char* step;
+    bool old_side;       // which process dies there
+    int64_t cached;      // what the survivor serves the cached prompt with
+    const char* why;
+  };
+  const Case cases[] = {
+      {"after-answer", true, 0, "the old kvd died before stopping: the new one starts afresh"},
+      {"after-stop", true, 0, "the old kvd died stopped: the new one starts afresh"},
+      {"after-package", true, 20, "the old kvd died once the package was out: the new one serves it"},
+      {"after-hello", false, 20, "the new kvd died before the package: the old one serves on, cache as it was"},
+      {"after-package", false, 0, "the new kvd died holding the package: the old one serves on, empty index"},
+      {"before-done", false, 0, "the new kvd died serving: the old one serves on, empty index"},
+  };
+  for (const Case& c : cases) {
+    DYNAMIC_SECTION(c.step << (c.old_side ? " (old kvd killed)" : " (new kvd killed)")) {
+      INFO(c.why);
+      if (c.old_side) setenv("KVD_TEST_HANDOFF_FAULT", c.step, 1);
+      DaemonProcess d(SmallPoolConfig(64));
+      unsetenv("KVD_TEST_HANDOFF_FAULT");
+      REQUIRE(ServedPrompt(d, "seed") == 0);
+      if (!c.old_side) setenv("KVD_TEST_HANDOFF_FAULT", c.step, 1);
+      const bool took_over = d.TakeOver();
+      unsetenv("KVD_TEST_HANDOFF_FAULT");
+      REQUIRE(took_over == c.old_side);
+      REQUIRE(ServedPrompt(d, "after") == c.cached);
+      REQUIRE(ServedPrompt(d, "again") == 20);
+    }
+  }
+}
+
+TEST_CASE("A takeover from another user, or from an incompatible version, is refused and changes nothing",
+          "[integration][handoff]") {
+  DaemonProcess d(SmallPoolConfig(64));
+  REQUIRE(ServedPrompt(d, "seed") == 0);
+  const std::string path = d.dir() + "/kvd.sock.handoff";
+  SECTION("a Hello of another handoff protocol") {
+    absl::StatusOr<UniqueFd> c = ConnectUnix(path);
+    REQUIRE(c.ok());
+    // kvd.handoff.v1.Hello{protocol: 99}: field 1, varint.
+    REQUIRE(SendMessage(c->get(), std::string("\x08\x63", 2), {}).ok());
+    absl::StatusOr<ReceivedMessage> answer = ReceiveMessage(c->get(), 4096, 0);
+    REQUIRE(answer.ok());
+    REQUIRE(absl::StrContains(answer->payload, "handoff protocol 99"));
+  }
+  SECTION("another user") {
+    if (geteuid() != 0) {
+      WARN("not root: cannot become another user; skipped");
+      return;
+    }
+    const pid_t child = fork();
+    if (child == 0) {
+      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+      // The socket is 0600: the kernel refuses the connection outright.
+      _exit(ConnectUnix(path).ok() ? 1 : 0);
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    REQUIRE(WIFEXITED(status));
+    REQUIRE(WEXITSTATUS(status) == 0);
+  }
+  REQUIRE(ServedPrompt(d, "after") == 20);
+  REQUIRE(kill(d.pid(), 0) == 0);
 }
 
 }  // namespace
