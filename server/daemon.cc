@@ -171,8 +171,23 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options, bool take
                received.snapshot.sessions.size(), received.requests_ended);
   absl::StatusOr<std::unique_ptr<Daemon>> d = Assemble(std::move(options), &received, std::move(on_handoff));
   session->Finish(d.status());
-  if (!d.ok()) spdlog::error("handoff: this kvd did not start ({}); the old one has stopped", d.status().ToString());
+  if (!d.ok()) {
+    spdlog::error("handoff: this kvd did not start ({}); the old one serves again", d.status().ToString());
+    return d;
+  }
+  (*d)->ListenForMetrics();
   return d;
+}
+
+void Daemon::ListenForMetrics() {
+  // The predecessor closes the endpoint as it exits, just after it is told this kvd serves.
+  const std::string& listen = options_.server.metrics_listen;
+  absl::Status bound = metrics_->Listen(listen);
+  for (int i = 0; i < 100 && !bound.ok(); ++i) {
+    absl::SleepFor(absl::Milliseconds(50));
+    bound = metrics_->Listen(listen);
+  }
+  if (!bound.ok()) spdlog::error("metrics: {}; serving without /metrics", bound.ToString());
 }
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Resume(std::unique_ptr<Daemon> stopped, bool keep_index,
@@ -188,6 +203,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Resume(std::unique_ptr<Daemon> s
   if (keep_index) own.snapshot = std::move(stopped->handed_snapshot_);
   absl::StatusOr<std::unique_ptr<Daemon>> d = Assemble(stopped->options_, &own, std::move(on_handoff));
   stopped.reset();
+  if (d.ok()) (*d)->ListenForMetrics();
   return d;
 }
 
@@ -223,7 +239,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
   }
   if (d->tiers_ != nullptr) d->cache_->SetEvictionSink(d->tiers_.get());
   d->workers_ = std::make_unique<AttachmentRegistry>(SystemClock::Get(), so.lease_ttl);
-  KVD_ASSIGN_OR_RETURN(d->metrics_, Metrics::Start(so.metrics_listen, d->cache_.get(),
+  // A successor binds the metrics address only once its predecessor has let it go (Start).
+  KVD_ASSIGN_OR_RETURN(d->metrics_, Metrics::Start(received != nullptr ? "" : so.metrics_listen, d->cache_.get(),
                                                    [w = d->workers_.get()] { return static_cast<int64_t>(w->size()); },
                                                    d->arena_->backend(),
                                                    d->tiers_.get(), d->router_events_.get()));
@@ -399,8 +416,10 @@ absl::StatusOr<HandoffOffer> Daemon::StopForHandoff() {
   for (const HandleInfo& h : cache_->ListHandles()) {
     if (cache_->Release(h.id, /*completed=*/false).ok()) ++offer.requests_ended;
   }
-  // Their ports and the disk tier go to the successor: close them before it opens them.
-  metrics_.reset();
+  // The disk tier and the router events' ports go to the successor: close them before it opens
+  // them. The metrics endpoint stays up (closing it takes civetweb half a second) but reads
+  // nothing; the successor binds its address once this process has let it go (Start).
+  metrics_->DetachSources();
   router_events_.reset();
   if (tiers_ != nullptr) {
     cache_->SetEvictionSink(nullptr);

@@ -73,6 +73,8 @@ class Daemon {
   static absl::StatusOr<std::unique_ptr<Daemon>> Assemble(Options options, HandoffReceived* received,
                                                           HandoffHook on_handoff);
   void ReapLapsedLeases();
+  // A successor's metrics endpoint, once the predecessor let the address go (retried for 5 s).
+  void ListenForMetrics();
   // The handoff listener's `stop` hook: stops serving, ends live requests, closes the tiers, the
   // metrics endpoint and the router events (their ports go to the successor) and exports the index.
   absl::StatusOr<HandoffOffer> StopForHandoff() ABSL_LOCKS_EXCLUDED(lifecycle_mu_);

@@ -276,6 +276,7 @@ int main(int argc, char** argv) {
       daemon->reset();
       return 1;
     }
+    daemon->reset();  // lets the metrics address go, which the successor is waiting to bind
     if (after_handoff == "wait") {
       spdlog::info("handed over: the new kvd serves; waiting for SIGTERM (--after-handoff=wait)");
       sigset_t stop;
@@ -284,7 +285,6 @@ int main(int argc, char** argv) {
       sigaddset(&stop, SIGINT);
       sigwait(&stop, &sig);
     }
-    daemon->reset();
     spdlog::info("handed over: kvd exits, its successor serves");
     return 0;
   }

@@ -8,6 +8,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/vocab/status_macros.h"
 #include "server/core/kv_cache.h"
 #include "server/events/router_event_publisher.h"
 #include "server/obs/process_stats.h"
@@ -28,7 +30,16 @@ class CacheCollector final : public prometheus::Collectable {
       : cache_(cache), workers_(std::move(workers)), backend_(std::move(backend)), tiers_(tiers),
         router_events_(router_events) {}
 
+  // From now on Collect reads none of the borrowed sources (they may go); returns once no Collect
+  // is reading them.
+  void Detach() {
+    absl::MutexLock lock(&mu_);
+    detached_ = true;
+  }
+
   std::vector<MetricFamily> Collect() const override {
+    absl::ReaderMutexLock lock(&mu_);
+    if (detached_) return {};
     const CacheReport r = cache_->Report();
     std::vector<MetricFamily> out;
     auto family = [&out](const char* name, const char* help, MetricType type) -> MetricFamily& {
@@ -179,6 +190,8 @@ class CacheCollector final : public prometheus::Collectable {
     add(family("kvd_remote_corrupt_total", "Redis values that failed verification (never served).", MetricType::Counter), r.corrupt);
   }
 
+  mutable absl::Mutex mu_;
+  bool detached_ ABSL_GUARDED_BY(mu_) = false;
   const KvCache* cache_;
   const std::function<int64_t()> workers_;
   const std::string backend_;
@@ -204,22 +217,27 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Start(const std::string& liste
                             .Name("kvd_admission_wait_seconds")
                             .Help("Time each Start waited for room in the KV budget (0: admitted at once), by pool and outcome.")
                             .Register(*m->registry_);
-  auto collector = std::make_shared<CacheCollector>(cache, std::move(workers), backend, tiers, router_events);
-  if (!listen.empty()) {
-    try {
-      m->exposer_ = std::make_unique<prometheus::Exposer>(listen);
-    } catch (const std::exception& e) {
-      return absl::UnavailableError(absl::StrCat("cannot serve /metrics on ", listen, ": ", e.what()));
-    }
-    m->exposer_->RegisterCollectable(m->registry_);
-    m->exposer_->RegisterCollectable(collector);
-    auto ports = m->exposer_->GetListeningPorts();
-    m->port_ = ports.empty() ? 0 : ports[0];
-  }
-  // The exposer holds weak pointers: keep the collector alive here.
-  m->collector_ = std::move(collector);
+  // The exposer holds weak pointers: the collector lives here.
+  m->collector_ = std::make_shared<CacheCollector>(cache, std::move(workers), backend, tiers, router_events);
+  KVD_RETURN_IF_ERROR(m->Listen(listen));
   return m;
 }
+
+absl::Status Metrics::Listen(const std::string& listen) {
+  if (listen.empty() || exposer_ != nullptr) return absl::OkStatus();
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(listen);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("cannot serve /metrics on ", listen, ": ", e.what()));
+  }
+  exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(collector_);
+  auto ports = exposer_->GetListeningPorts();
+  port_ = ports.empty() ? 0 : ports[0];
+  return absl::OkStatus();
+}
+
+void Metrics::DetachSources() { static_cast<CacheCollector*>(collector_.get())->Detach(); }
 
 Metrics::~Metrics() = default;
 

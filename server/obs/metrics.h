@@ -49,6 +49,12 @@ class Metrics {
   void ObserveAdmissionWait(absl::string_view pool, absl::string_view outcome, double seconds);
   // The bound port, or 0 when not serving.
   int port() const { return port_; }
+  // Starts serving on `listen` when not serving yet (a successor at a hot handoff binds only once
+  // its predecessor has let the port go). UNAVAILABLE when the address cannot be bound.
+  absl::Status Listen(const std::string& listen);
+  // Scrapes stop reading the cache, tiers and router events (which may then go); the endpoint
+  // still answers, with RPC histograms only. Returns once no scrape reads them.
+  void DetachSources();
 
  private:
   Metrics() = default;

@@ -9,11 +9,18 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <thread>
+
 #include <catch2/catch.hpp>
+#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gpu/fd_passing.h"
+#include "kvd/v1/kvd.grpc.pb.h"
 #include "tests/integration/harness.h"
 
 namespace kvd {
@@ -139,6 +146,68 @@ TEST_CASE("The Kubernetes rollout: the old pod's kvd hands over, waits, and exit
   REQUIRE(w.Running());
 }
 
+TEST_CASE("Hot handoff under load: 8 workers, 10 takeovers, nothing fails but KvdRestarted, every prefix hits",
+          "[integration][handoff]") {
+  DaemonProcess d(SmallPoolConfig(256));
+  std::vector<std::unique_ptr<WorkerProcess>> workers;
+  for (int i = 0; i < 8; ++i) {
+    workers.push_back(std::make_unique<WorkerProcess>(std::vector<std::string>{
+        "--target=" + d.target(), absl::StrCat("--id=load", i), absl::StrCat("--prompt-range=", 1000 * i, ":22"),
+        "--requests=1000000", "--pause-ms=5"}));
+  }
+  for (auto& w : workers) {
+    for (int i = 0; i < 3; ++i) REQUIRE(w->WaitForLine("{", absl::Seconds(30)).ok());  // each prompt cached
+  }
+  // Ping latency through the handoffs (reported, not asserted: a benchmark's figure).
+  std::atomic<bool> stop{false};
+  std::vector<double> ping_ms;
+  int64_t ping_failures = 0;
+  double longest_gap_ms = 0;  // longest time without a successful Ping (a fresh channel after each failure)
+  std::thread pinger([&] {
+    absl::Time last_ok = absl::Now();
+    while (!stop.load()) {
+      // Reconnect at once (gRPC's default first back-off is a second): what is measured is kvd.
+      grpc::ChannelArguments args;
+      args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 10);
+      args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 10);
+      args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 50);
+      auto stub = v1::Kvd::NewStub(grpc::CreateCustomChannel(d.target(), grpc::InsecureChannelCredentials(), args));
+      while (!stop.load()) {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+        v1::PingResponse resp;
+        const absl::Time t0 = absl::Now();
+        const grpc::Status s = stub->Ping(&ctx, v1::PingRequest(), &resp);
+        const absl::Time t1 = absl::Now();
+        if (!s.ok()) {
+          ++ping_failures;
+          absl::SleepFor(absl::Milliseconds(1));
+          break;  // a new channel: gRPC's reconnect back-off is the client's, not kvd's
+        }
+        ping_ms.push_back(absl::ToDoubleMilliseconds(t1 - t0));
+        longest_gap_ms = std::max(longest_gap_ms, absl::ToDoubleMilliseconds(t1 - last_ok));
+        last_ok = t1;
+        absl::SleepFor(absl::Milliseconds(2));
+      }
+    }
+  });
+  for (int k = 0; k < 10; ++k) {
+    INFO("takeover " << k);
+    REQUIRE(d.TakeOver());
+    REQUIRE(d.WaitPredecessorExit(absl::Seconds(10)).value_or(-1) == 0);
+    for (auto& w : workers) REQUIRE(JsonInt(NextRequestAfterReattach(*w), "cached_tokens") == 20);
+  }
+  stop = true;
+  pinger.join();
+  for (auto& w : workers) REQUIRE(w->Running());
+  std::sort(ping_ms.begin(), ping_ms.end());
+  REQUIRE(!ping_ms.empty());
+  WARN("Ping through 10 handoffs under load: " << ping_ms.size() << " pings, p50 "
+       << ping_ms[ping_ms.size() / 2] << " ms, p99 " << ping_ms[ping_ms.size() * 99 / 100] << " ms, max "
+       << ping_ms.back() << " ms; longest time without an answer " << longest_gap_ms << " ms; " << ping_failures
+       << " failed (UNAVAILABLE/CANCELLED while the sockets changed hands)");
+}
+
 // A request against `d` for the 22-token prompt; retried while nothing serves yet (a resuming
 // kvd takes a moment). REQUIREs success with no wrong byte; returns its cached tokens.
 int64_t ServedPrompt(DaemonProcess& d, const std::string& id) {
@@ -159,14 +228,16 @@ TEST_CASE("Either process killed at any step of a handoff: the survivor serves, 
   struct Case {
     const char* step;
     bool old_side;       // which process dies there
-    int64_t cached;      // what the survivor serves the cached prompt with
+    int64_t cached;      // what the survivor serves the cached prompt with; -1: 20 or 0
     const char* why;
   };
   const Case cases[] = {
       {"after-answer", true, 0, "the old kvd died before stopping: the new one starts afresh"},
       {"after-stop", true, 0, "the old kvd died stopped: the new one starts afresh"},
       {"after-package", true, 20, "the old kvd died once the package was out: the new one serves it"},
-      {"after-hello", false, 20, "the new kvd died before the package: the old one serves on, cache as it was"},
+      // Whether the package still went out depends on how fast the killed process's socket closes:
+      // either the old kvd keeps its index, or it cannot know and resumes with an empty one.
+      {"after-hello", false, -1, "the new kvd died before the package: the old one serves on"},
       {"after-package", false, 0, "the new kvd died holding the package: the old one serves on, empty index"},
       {"before-done", false, 0, "the new kvd died serving: the old one serves on, empty index"},
   };
@@ -181,7 +252,8 @@ TEST_CASE("Either process killed at any step of a handoff: the survivor serves, 
       const bool took_over = d.TakeOver();
       unsetenv("KVD_TEST_HANDOFF_FAULT");
       REQUIRE(took_over == c.old_side);
-      REQUIRE(ServedPrompt(d, "after") == c.cached);
+      const int64_t cached = ServedPrompt(d, "after");
+      REQUIRE((c.cached >= 0 ? cached == c.cached : (cached == 20 || cached == 0)));
       REQUIRE(ServedPrompt(d, "again") == 20);
     }
   }
