@@ -19,6 +19,7 @@
 #include "gpu/fd_passing.h"
 #include "gpu/slab_layout.h"
 #include "kvd/handoff/v1/handoff.pb.h"
+#include "proto/convert.h"
 #include "proto/vocab/status_macros.h"
 #include "server/build_info.h"
 #include "server/slab_fd_store.h"
@@ -59,14 +60,7 @@ absl::StatusOr<M> ReceiveProto(int fd, std::vector<UniqueFd>* fds = nullptr) {
 }
 
 void ToProto(const CacheSnapshot& in, pb::Snapshot* out) {
-  for (const Namespace& ns : in.namespaces) {
-    pb::Namespace* n = out->add_namespaces();
-    n->set_pool(ns.pool);
-    n->set_adapter(ns.adapter);
-    for (const std::string& k : ns.media_keys) n->add_media_keys(k);
-    n->set_method(ns.method);
-    n->set_cache_salt(ns.cache_salt);
-  }
+  for (const Namespace& ns : in.namespaces) ::kvd::ToProto(ns, out->add_namespaces());
   out->mutable_blocks()->Reserve(static_cast<int>(in.blocks.size()));
   for (const CacheSnapshot::Block& b : in.blocks) {
     pb::Block* p = out->add_blocks();
@@ -89,14 +83,7 @@ void ToProto(const CacheSnapshot& in, pb::Snapshot* out) {
 
 CacheSnapshot FromProto(const pb::Snapshot& in) {
   CacheSnapshot out;
-  for (const pb::Namespace& n : in.namespaces()) {
-    Namespace& ns = out.namespaces.emplace_back();
-    ns.pool = n.pool();
-    ns.adapter = n.adapter();
-    ns.media_keys.assign(n.media_keys().begin(), n.media_keys().end());
-    ns.method = n.method();
-    ns.cache_salt = n.cache_salt();
-  }
+  for (const v1::Namespace& n : in.namespaces()) out.namespaces.push_back(::kvd::FromProto(n));
   out.blocks.reserve(in.blocks_size());
   for (const pb::Block& p : in.blocks()) {
     CacheSnapshot::Block& b = out.blocks.emplace_back();

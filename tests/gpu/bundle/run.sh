@@ -81,22 +81,28 @@ record gpu_tests "$rc" "$secs" "$(tail -3 "$out/gpu_tests.log")"
 run cuda_bench 90 "$here/kvd_cuda_bench" --max-gib="${KVD_IPC_MAX_GIB:-8}"
 record cuda_bench "$rc" "$secs" "$(cat "$out/cuda_bench.log")"
 
+# write_config [POOL KEY: VALUE]: the pool of steps 5 and 5b (one more key when given) in $tmp/kvd.yaml.
+write_config() {
+  printf 'pools:\n  - name: default\n    block_tokens: 16\n    num_layers: 8\n    bytes_per_token_per_layer: 1024\n    capacity_blocks: 1024\n    max_model_len: 8192\n' >"$tmp/kvd.yaml"
+  [ -z "${1:-}" ] || printf '    %s\n' "$1" >>"$tmp/kvd.yaml"
+}
+
+# start_kvd READY_FILE LOG [FLAGS...]: kvd on $tmp/kvd.yaml and $tmp/kvd.sock, CUDA backend; sets
+# $kvd_pid; true once it serves.
+start_kvd() {
+  local ready=$1 log=$2
+  shift 2
+  "$here/kvd" --config="$tmp/kvd.yaml" --listen="unix://$tmp/kvd.sock" --metrics-listen=off --backend=cuda \
+    --ready-file="$ready" "$@" >"$log" 2>&1 &
+  kvd_pid=$!
+  for _ in $(seq 1 250); do [ -e "$ready" ] || ! kill -0 "$kvd_pid" 2>/dev/null && break; sleep 0.04; done
+  [ -e "$ready" ]
+}
+
 # 5. Two daemon-backed worker processes share device blocks, bytes verified.
 tmp=$(mktemp -d)
-cat >"$tmp/kvd.yaml" <<'YAML'
-pools:
-  - name: default
-    block_tokens: 16
-    num_layers: 8
-    bytes_per_token_per_layer: 1024
-    capacity_blocks: 1024
-    max_model_len: 8192
-YAML
-"$here/kvd" --config="$tmp/kvd.yaml" --listen="unix://$tmp/kvd.sock" --metrics-listen=off --backend=cuda \
-  --ready-file="$tmp/ready" >"$out/daemon.log" 2>&1 &
-kvd_pid=$!
-for _ in $(seq 1 250); do [ -e "$tmp/ready" ] || ! kill -0 "$kvd_pid" 2>/dev/null && break; sleep 0.04; done
-if [ -e "$tmp/ready" ]; then
+write_config
+if start_kvd "$tmp/ready" "$out/daemon.log"; then
   run worker_a 60 "$here/kvd_example_worker" --target="unix://$tmp/kvd.sock" --id=a --prompt-range=0:1000 --gen=16
   a_rc=$rc a_secs=$secs
   run worker_b 60 "$here/kvd_example_worker" --target="unix://$tmp/kvd.sock" --id=b --prompt-range=0:1000 --gen=16
@@ -113,24 +119,7 @@ kill "$kvd_pid" 2>/dev/null; wait "$kvd_pid" 2>/dev/null; rm -rf "$tmp"
 # its sockets, the VMM slab's fd and the index; worker b then hits the same 992 tokens in the same
 # device memory, bytes verified, and A has exited 0.
 tmp=$(mktemp -d)
-sed 's/^    max_model_len: 8192$/    max_model_len: 8192\n    allocator: vmm/' >"$tmp/kvd.yaml" <<'YAML'
-pools:
-  - name: default
-    block_tokens: 16
-    num_layers: 8
-    bytes_per_token_per_layer: 1024
-    capacity_blocks: 1024
-    max_model_len: 8192
-YAML
-start_kvd() {  # start_kvd READY_FILE LOG [FLAGS...]: sets $kvd_pid; true once it serves
-  local ready=$1 log=$2
-  shift 2
-  "$here/kvd" --config="$tmp/kvd.yaml" --listen="unix://$tmp/kvd.sock" --metrics-listen=off --backend=cuda \
-    --ready-file="$ready" "$@" >"$log" 2>&1 &
-  kvd_pid=$!
-  for _ in $(seq 1 250); do [ -e "$ready" ] || ! kill -0 "$kvd_pid" 2>/dev/null && break; sleep 0.04; done
-  [ -e "$ready" ]
-}
+write_config "allocator: vmm"
 if start_kvd "$tmp/ready_a" "$out/handoff_a.log"; then
   old_pid=$kvd_pid
   run handoff_worker_a 60 "$here/kvd_example_worker" --target="unix://$tmp/kvd.sock" --id=a --prompt-range=0:1000 --gen=16
