@@ -322,7 +322,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
     d->options_.server.listen = absl::StrCat(so.listen.substr(0, so.listen.size() - 1), port);
   }
   d->reaper_ = std::thread([raw = d.get()] { raw->ReapLapsedLeases(); });
-  if (on_handoff != nullptr && !so.handoff_socket.empty()) {
+  if (on_handoff != nullptr && !so.handoff_socket.empty() && d->peers_ != nullptr) {  // Unix listen only
     HandoffListener::Hooks hooks;
     hooks.check = [raw = d.get()](const HandoffHello& hello) {
       return CheckSuccessor(hello, raw->arena_->backend(), raw->arena_->slabs(), raw->options_.cache.pools);

@@ -79,6 +79,16 @@ void ToProto(const CacheSnapshot& in, pb::Snapshot* out) {
     for (int64_t b : s.protected_blocks) p->add_protected_blocks(b);
     p->set_expires_unix_ns(absl::ToUnixNanos(s.expires_at));
   }
+  for (const CacheSnapshot::Checkpoint& c : in.checkpoints) {
+    pb::Checkpoint* p = out->add_checkpoints();
+    p->set_id(c.id.value());
+    p->set_ns(c.ns);
+    p->mutable_tokens()->Add(c.tokens.begin(), c.tokens.end());
+    p->set_engine_state(c.engine_state);
+    p->mutable_blocks()->Add(c.blocks.begin(), c.blocks.end());
+    p->mutable_cached()->Add(c.cached.begin(), c.cached.end());
+    p->set_expires_unix_ns(absl::ToUnixNanos(c.expires_at));
+  }
 }
 
 CacheSnapshot FromProto(const pb::Snapshot& in) {
@@ -101,6 +111,16 @@ CacheSnapshot FromProto(const pb::Snapshot& in) {
     s.worker = WorkerId(p.worker());
     s.protected_blocks.assign(p.protected_blocks().begin(), p.protected_blocks().end());
     s.expires_at = absl::FromUnixNanos(p.expires_unix_ns());
+  }
+  for (const pb::Checkpoint& p : in.checkpoints()) {
+    CacheSnapshot::Checkpoint& c = out.checkpoints.emplace_back();
+    c.id = RequestId(p.id());
+    c.ns = p.ns();
+    c.tokens.assign(p.tokens().begin(), p.tokens().end());
+    c.engine_state = p.engine_state();
+    c.blocks.assign(p.blocks().begin(), p.blocks().end());
+    c.cached.assign(p.cached().begin(), p.cached().end());
+    c.expires_at = absl::FromUnixNanos(p.expires_unix_ns());
   }
   return out;
 }

@@ -6,8 +6,9 @@
 // What crosses (proto/kvd/handoff/v1/handoff.proto states the messages and their order): the
 // gRPC and side sockets' listening descriptors; every slab's memfd (the new arena adopts them, so
 // the memory workers mapped stays where it is and their mappings stay valid); and a CacheSnapshot
-// (server/core/cache_snapshot.h) in a sealed memfd: the index, recency and sessions. Requests that
-// were live end (their clients see KvdRestarted and admit them again); the old process finishes
+// (server/core/cache_snapshot.h) in a sealed memfd: the index, recency, sessions and the
+// checkpoints of interrupted requests. Requests that were live end as interrupted (their clients
+// see KvdRestarted and admit them again, resuming from their checkpoints); the old process finishes
 // its disk tier's queued writes and closes it before it hands over, and the new one reloads it.
 //
 // Compatibility: the two ends must speak the same kHandoffProtocol and configure the same pools

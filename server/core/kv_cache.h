@@ -154,13 +154,15 @@ class KvCache final : public TierPort {
   void EmitExternal(const std::vector<CacheEvent>& events) override ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- hot handoff (kv_cache_handoff.cc; cache_snapshot.h) ---
-  // Every cached block with its structure and recency, and the sessions. O(cache size) under the
+  // Every cached block with its structure and recency, the sessions, and the checkpoints of
+  // interrupted requests (end live requests first: theirs are not exported). O(cache size) under the
   // mutex: called only once the daemon serves nothing (the handoff has shut its gRPC server
   // down), so no caller waits behind the scan.
   CacheSnapshot ExportSnapshot() const ABSL_LOCKS_EXCLUDED(mu_);
   // Re-creates `snapshot` in this cache, each block at its index (its bytes are in the adopted
-  // slab), recency and SLRU tiers kept; listeners hear each block as stored. Returns the blocks
-  // indexed. FAILED_PRECONDITION unless the cache holds nothing yet (no block, request, session
+  // slab), recency and SLRU tiers kept, checkpoints resumable as before (within this
+  // configuration's checkpoint budgets; one that does not fit is dropped); listeners hear each
+  // block as stored. Returns the blocks indexed. FAILED_PRECONDITION unless the cache holds nothing yet (no block, request, session
   // or checkpoint); INVALID_ARGUMENT naming the first field that does not fit this cache's pools
   // (pool, index, token count, parent order, namespace): nothing changes then.
   absl::StatusOr<int64_t> ImportSnapshot(const CacheSnapshot& snapshot) ABSL_LOCKS_EXCLUDED(mu_);

@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/kv_cache.h"
 #include "proto/vocab/status_macros.h"
@@ -39,6 +40,24 @@ CacheSnapshot KvCache::ExportSnapshot() const {
     position.emplace(b, static_cast<int64_t>(out.blocks.size()) - 1);
   }
   const absl::Time now = clock_->Now();
+  absl::flat_hash_map<Namespace, uint32_t> ns_index;
+  for (uint32_t i = 0; i < out.namespaces.size(); ++i) ns_index.emplace(out.namespaces[i], i);
+  for (const auto& [id, ckpt] : checkpoints_) {
+    if (!ckpt->orphaned || ckpt->expires_at <= now) continue;  // live ones end before an export
+    CacheSnapshot::Checkpoint& c = out.checkpoints.emplace_back();
+    c.id = id;
+    auto [it, added] = ns_index.try_emplace(ckpt->ns, static_cast<uint32_t>(out.namespaces.size()));
+    if (added) out.namespaces.push_back(ckpt->ns);
+    c.ns = it->second;
+    c.tokens = ckpt->tokens;
+    c.engine_state = ckpt->engine_state;
+    c.blocks = ckpt->blocks;
+    c.expires_at = ckpt->expires_at;
+    for (BlockIndex b : ckpt->blocks) {
+      const BlockState& st = pools_[ckpt->pool]->blocks[b];
+      c.cached.push_back(st.kind == BlockState::Kind::kCached ? position.at(st.node) : -1);
+    }
+  }
   for (const auto& [id, session] : sessions_) {
     if (session.expires_at <= now) continue;
     CacheSnapshot::Session& s = out.sessions.emplace_back();
@@ -94,6 +113,33 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
     }
   }
 
+  // Checkpoints: their own blocks must be free of every cached block and of each other.
+  std::vector<absl::flat_hash_set<BlockIndex>> taken(pool_geometries_.size());
+  for (const CacheSnapshot::Block& b : snap.blocks) taken[b.pool].insert(b.index);
+  for (const CacheSnapshot::Checkpoint& c : snap.checkpoints) {
+    const auto bad = [&c](absl::string_view what) {
+      return absl::InvalidArgumentError(absl::StrCat("snapshot checkpoint '", c.id.value(), "': ", what));
+    };
+    if (c.id.value().empty()) return absl::InvalidArgumentError("snapshot checkpoint without an id");
+    if (c.ns >= snap.namespaces.size()) return bad("unknown namespace");
+    absl::StatusOr<PoolId> pool = FindPool(snap.namespaces[c.ns].pool);
+    if (!pool.ok()) return bad("its pool is not configured");
+    const PoolGeometry& g = pool_geometries_[*pool];
+    if (c.tokens.empty() || static_cast<int64_t>(c.tokens.size()) > g.max_model_len ||
+        c.blocks.size() != c.cached.size() || static_cast<int64_t>(c.blocks.size()) > g.BlocksFor(c.tokens.size())) {
+      return bad("its tokens and blocks do not fit the pool");
+    }
+    for (size_t i = 0; i < c.blocks.size(); ++i) {
+      const int64_t pos = c.cached[i];
+      if (pos >= n || pos < -1 || (pos >= 0 && (snap.blocks[pos].pool != *pool || snap.blocks[pos].index != c.blocks[i]))) {
+        return bad(absl::StrCat("block ", i, " names a cached block that is not there"));
+      }
+      if (pos < 0 && (c.blocks[i] >= static_cast<uint64_t>(g.capacity_blocks) || !taken[*pool].insert(c.blocks[i]).second)) {
+        return bad(absl::StrCat("block ", c.blocks[i], " is past the pool or not its own"));
+      }
+    }
+  }
+
   int64_t indexed = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -134,6 +180,54 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
       nodes[i]->reused = snap.blocks[i].reused;
       last_tick_ = std::max(last_tick_, snap.blocks[i].last_use);
       ++indexed;
+    }
+    // Interrupted requests' checkpoints: their own blocks owned again, their cached ones referenced.
+    for (const CacheSnapshot::Checkpoint& c : snap.checkpoints) {
+      if (c.expires_at <= clock_->Now() || checkpoints_.contains(c.id)) continue;
+      const PoolId pool_id = *FindPool(snap.namespaces[c.ns].pool);
+      Pool& pool = *pools_[pool_id];
+      bool whole = true;
+      for (size_t i = 0; i < c.blocks.size(); ++i) whole &= c.cached[i] < 0 || nodes[c.cached[i]] != nullptr;
+      if (!whole) continue;  // a block it reads was not indexed
+      std::vector<BlockIndex> own;
+      for (size_t i = 0; i < c.blocks.size(); ++i) {
+        if (c.cached[i] < 0) own.push_back(c.blocks[i]);
+      }
+      KVD_CHECK(pool.allocator.Claim(own).ok());  // checked free above
+      auto rec = std::make_unique<CheckpointRecord>();
+      rec->serial = next_serial_++;
+      for (size_t i = 0; i < c.blocks.size(); ++i) {
+        if (c.cached[i] >= 0) {
+          RefLocked(pool_id, c.blocks[i], /*touch=*/false);
+          continue;
+        }
+        BlockState& s = pool.blocks[c.blocks[i]];
+        s.kind = BlockState::Kind::kOwned;
+        s.refs = 1;
+        s.owner = rec->serial;
+        ++pool.num_owned;
+      }
+      rec->id = c.id;
+      rec->pool = pool_id;
+      rec->ns = snap.namespaces[c.ns];
+      rec->tokens = c.tokens;
+      rec->blocks = c.blocks;
+      rec->engine_state = c.engine_state;
+      rec->state_bytes = static_cast<int64_t>(c.engine_state.size() + c.tokens.size() * sizeof(Token));
+      rec->orphaned = true;
+      rec->charged_blocks = static_cast<int64_t>(c.blocks.size());
+      rec->expires_at = c.expires_at;
+      const int64_t charge_bytes = ledger_.BytesOf(pool_id, rec->charged_blocks);
+      if (orphan_blocks_bytes_ + charge_bytes > options_.checkpoint_budget_bytes ||
+          checkpoint_state_bytes_ + rec->state_bytes > options_.checkpoint_state_bytes ||
+          !ledger_.Reserve(pool_id, rec->charged_blocks).ok()) {
+        UnrefTableLocked(pool_id, rec->blocks);  // this configuration has no room for it
+        continue;
+      }
+      ChargeCheckpointStateLocked(*rec, +1);
+      orphans_.emplace(std::make_pair(rec->expires_at, rec->serial), rec->id);
+      orphan_blocks_bytes_ += charge_bytes;
+      checkpoints_.emplace(rec->id, std::move(rec));
     }
     for (int64_t i = n - 1; i >= 0; --i) UnrefLocked(snap.blocks[i].pool, snap.blocks[i].index, /*touch=*/false);
     for (const CacheSnapshot::Session& in : snap.sessions) {

@@ -71,6 +71,25 @@ TEST_CASE("A hot handoff keeps every cached byte where it lies; the worker keeps
   REQUIRE(w.Running());
 }
 
+TEST_CASE("A generation live at the handoff resumes on the new kvd from its checkpoint, byte-exact",
+          "[integration][handoff]") {
+  DaemonProcess d(SmallPoolConfig(64));  // no disk tier: the checkpoint crosses in the snapshot
+  WorkerProcess victim({"--target", d.target(), "--id", "gen", "--prompt-range", "100:10", "--gen", "20",
+                        "--checkpoint-every", "5", "--hang-after-checkpoint"});
+  REQUIRE(victim.WaitForLine("CHECKPOINTED", absl::Seconds(20)).ok());
+  REQUIRE(d.TakeOver());  // ends the live generation as interrupted: its checkpoint is kept
+  REQUIRE(d.WaitPredecessorExit(absl::Seconds(10)).value_or(-1) == 0);
+  victim.Kill(SIGKILL);
+  ProcessResult resumed = RunWorker({"--target", d.target(), "--id", "gen2", "--resume-from", "gen",
+                                     "--prompt-range", "100:10", "--gen", "20"});
+  INFO(resumed.out << d.Log());
+  REQUIRE(resumed.exit_code == 0);
+  REQUIRE(JsonBool(resumed.out, "resumed"));
+  REQUIRE(JsonInt(resumed.out, "cached_tokens") == 15);
+  REQUIRE(JsonInt(resumed.out, "mismatches") == 0);
+  REQUIRE(JsonInt(resumed.out, "tokens") == 30);
+}
+
 TEST_CASE("A successor with other pools is refused, and the running kvd keeps serving",
           "[integration][handoff]") {
   DaemonProcess d(SmallPoolConfig(64));

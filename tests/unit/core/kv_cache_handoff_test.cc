@@ -3,6 +3,8 @@
 // keep sessions, and refuse a snapshot that does not fit — changing nothing.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+
 #include "absl/strings/match.h"
 
 #include "server/core/kv_cache.h"
@@ -84,6 +86,42 @@ TEST_CASE("An imported snapshot serves the same prefixes from the same blocks, i
   RequireInvariants(*fresh);
 }
 
+TEST_CASE("An interrupted request's checkpoint crosses the handoff and resumes in the same blocks",
+          "[core][handoff]") {
+  FakeClock clock;
+  auto old_cache = MakeCache(SmallOptions(16), &clock);
+  Cached(*old_cache, "prefix", Seq(0, 9));  // 2 cached blocks the generation below reads
+  RequestSpec gen = Spec("gen", Seq(0, 9), /*max_new=*/10);
+  Start(*old_cache, gen);
+  REQUIRE(old_cache->Extend(gen.id, 3).ok());  // 12 tokens: 3 blocks, the third its own
+  const auto tokens = Concat(Seq(0, 9), {900, 901, 902});
+  REQUIRE(old_cache->Checkpoint(gen.id, tokens, "sampler-state").ok());
+  const std::vector<BlockIndex> table = old_cache->GetHandle(gen.id)->blocks;
+  REQUIRE(old_cache->Release(gen.id, /*completed=*/false).ok());  // what a handoff does to live requests
+
+  const CacheSnapshot snap = old_cache->ExportSnapshot();
+  REQUIRE(snap.checkpoints.size() == 1);
+  auto fresh = MakeCache(SmallOptions(16), &clock);
+  REQUIRE(fresh->ImportSnapshot(snap).ok());
+  REQUIRE(fresh->Report().orphaned_checkpoints == 1);
+  RequireInvariants(*fresh);
+  // Its own block is not handed out to anyone else meanwhile.
+  RequestSpec other = Spec("other", Seq(500, 52));  // 13 blocks: every one not held
+  const AcquireResult taken = Start(*fresh, other);
+  REQUIRE(std::find(taken.blocks.begin(), taken.blocks.end(), table[2]) == taken.blocks.end());
+  REQUIRE(fresh->Release(other.id, true).ok());
+
+  RequestSpec again = Spec("gen-again", Seq(0, 9), 10);
+  again.resume_from = RequestId("gen");
+  const AcquireResult r = Start(*fresh, again);
+  REQUIRE(r.resumed);
+  REQUIRE(r.resumed_tokens == tokens);
+  REQUIRE(r.engine_state == "sampler-state");
+  REQUIRE(std::vector<BlockIndex>(r.blocks.begin(), r.blocks.begin() + 3) == table);
+  REQUIRE(r.cached_tokens == 12);
+  RequireInvariants(*fresh);
+}
+
 TEST_CASE("A snapshot that does not fit is refused, naming the field, and changes nothing", "[core][handoff]") {
   FakeClock clock;
   auto source = MakeCache(SmallOptions(16), &clock);
@@ -118,6 +156,16 @@ TEST_CASE("A snapshot that does not fit is refused, naming the field, and change
   SECTION("a namespace of an unconfigured pool") {
     bad.namespaces[0].pool = "other";
     expect = "'other'";
+  }
+  SECTION("a checkpoint claiming a cached block as its own") {
+    CacheSnapshot::Checkpoint c;
+    c.id = RequestId("ck");
+    c.tokens = Seq(0, 8);
+    c.blocks = {good.blocks[0].index};
+    c.cached = {-1};
+    c.expires_at = clock.Now() + absl::Seconds(60);
+    bad.checkpoints.push_back(c);
+    expect = "not its own";
   }
   SECTION("a session protecting a block that is not there") {
     bad.sessions.push_back({SessionId("s"), WorkerId("w"), {5}, clock.Now() + absl::Seconds(60)});
