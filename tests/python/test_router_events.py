@@ -76,6 +76,20 @@ def replay(ctx, endpoint, start):
     return out
 
 
+def replay_settled(ctx, endpoint, start, wait_s=10.0):
+    """replay() until two answers 0.3 s apart agree: the publisher thread sends what the daemon
+    queued (a warm restart's reload, the last request's blocks) a moment after the daemon answers."""
+    deadline = time.monotonic() + wait_s
+    got = replay(ctx, endpoint, start)
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        again = replay(ctx, endpoint, start)
+        if again == got and got:
+            return got
+        got = again
+    return got
+
+
 def events_of(payloads):
     for seq in sorted(payloads):
         ts, events, rank = msgpack.unpackb(payloads[seq], raw=False)
@@ -119,7 +133,7 @@ def main():
                 with c.request(f"fill-{k}", pool="m", prompt=p) as r:
                     r.publish(p)
             cached = c.report().pools[0].cached_blocks
-            sub.drain()
+            sub.drain(idle_s=1.5)
 
             seqs = sorted(sub.batches)
             first_missing = next((s for s in range(max(seqs) + 1) if s not in sub.batches), None) if seqs else 0
@@ -173,7 +187,7 @@ def main():
 
             # Close: flush to disk, clear the cache -> AllBlocksCleared.
             c._rpc("Close", kvd_pb2.CloseRequest())
-            sub.drain()
+            sub.drain(idle_s=1.5)
             after = dict((s, p) for s, (_, p) in sub.batches.items() if s > max(seqs))
             kinds = [e[0] for _, _, _, e in events_of(after)]
             check(kinds == ["AllBlocksCleared"], f"Close announces AllBlocksCleared ({kinds})")
@@ -181,7 +195,7 @@ def main():
 
         # Warm restart: "cleared", then the reloaded blocks, parents first, medium DISK, same ids.
         daemon = start_daemon(kvd, tmp, "b")
-        got = replay(ctx, f"ipc://{tmp}/replay", 0)
+        got = replay_settled(ctx, f"ipc://{tmp}/replay", 0)
         evs = [e for _, _, _, e in events_of(got)]
         check(evs and evs[0][0] == "AllBlocksCleared", "restart: AllBlocksCleared first")
         reloaded = [i for e in evs if e[0] == "BlockStored" for i in e[1]]
@@ -205,7 +219,7 @@ def main():
         with Client(daemon.target, worker_name="ev-map") as c:
             with c.request("m1", pool="m", prompt=a, adapter="lora-x") as r:
                 r.publish(a)
-        got = replay(ctx, f"ipc://{tmp}/replay", 0)
+        got = replay_settled(ctx, f"ipc://{tmp}/replay", 0)
         batches = [msgpack.unpackb(got[s], raw=False) for s in sorted(got)]
         check(batches and all(isinstance(b, dict) and set(b) == {"ts", "events", "data_parallel_rank"} for b in batches),
               "map format: batches are maps of ts, events, data_parallel_rank")
