@@ -7,7 +7,20 @@
 // error and are admitted again.
 //
 // Plain data in the engine's vocabulary; the handoff (server/handoff.h) converts it to and from
-// its wire form, and KvCache::ImportSnapshot validates every field before it changes anything.
+// its wire form.
+//
+// KvCache::ExportSnapshot: every cached block with its structure and recency, the sessions, and
+// the checkpoints of interrupted requests (end live requests first: theirs are not exported).
+// O(cache size) under the engine's mutex: called only once the daemon serves nothing (the handoff
+// has shut its gRPC server down), so no caller waits behind the scan.
+//
+// KvCache::ImportSnapshot: re-creates a snapshot, each block at its index (its bytes are in the
+// adopted slab), recency and SLRU tiers kept, checkpoints resumable as before (within this
+// configuration's checkpoint budgets; one that does not fit is dropped); listeners hear each block
+// as stored. Returns the blocks indexed. FAILED_PRECONDITION unless the cache holds nothing yet
+// (no block, request, session or checkpoint); INVALID_ARGUMENT naming the first field that does
+// not fit this cache's pools (pool, index, token count, parent order, namespace, a checkpoint's
+// blocks): nothing changes then.
 #pragma once
 
 #include <cstdint>

@@ -119,15 +119,13 @@ class KvCache final : public TierPort {
   // Expires sessions and orphaned checkpoints past their TTL, then evicts every unprotected,
   // unreferenced cached block idle for at least `max_idle`.
   GcStats Gc(absl::Duration max_idle = absl::ZeroDuration()) ABSL_LOCKS_EXCLUDED(mu_);
-  // Execution boundary: in each pool used above the high watermark, evicts unprotected,
-  // unreferenced blocks down to the low watermark. Returns blocks evicted. Never touches a
-  // referenced block.
+  // Execution boundary: in each pool used above the high watermark, evicts unprotected, unreferenced
+  // blocks down to the low watermark (never a referenced one). Returns blocks evicted.
   int64_t Boundary() ABSL_LOCKS_EXCLUDED(mu_);
   // Evicts every unreferenced cached block, protected or not. Returns blocks evicted.
   int64_t ClearCache() ABSL_LOCKS_EXCLUDED(mu_);
 
-  // OK when `id` is live and held by `worker`: NOT_FOUND when not live, PERMISSION_DENIED when
-  // another worker holds it.
+  // OK when `id` is live and held by `worker`: NOT_FOUND when not live, PERMISSION_DENIED when another's.
   absl::Status CheckOwner(const RequestId& id, const WorkerId& worker) const ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<HandleInfo> ListHandles() const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<HandleInfo> GetHandle(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -153,18 +151,8 @@ class KvCache final : public TierPort {
       ABSL_LOCKS_EXCLUDED(mu_);
   void EmitExternal(const std::vector<CacheEvent>& events) override ABSL_LOCKS_EXCLUDED(mu_);
 
-  // --- hot handoff (kv_cache_handoff.cc; cache_snapshot.h) ---
-  // Every cached block with its structure and recency, the sessions, and the checkpoints of
-  // interrupted requests (end live requests first: theirs are not exported). O(cache size) under the
-  // mutex: called only once the daemon serves nothing (the handoff has shut its gRPC server
-  // down), so no caller waits behind the scan.
+  // --- hot handoff (kv_cache_handoff.cc; the contracts are in cache_snapshot.h) ---
   CacheSnapshot ExportSnapshot() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Re-creates `snapshot` in this cache, each block at its index (its bytes are in the adopted
-  // slab), recency and SLRU tiers kept, checkpoints resumable as before (within this
-  // configuration's checkpoint budgets; one that does not fit is dropped); listeners hear each
-  // block as stored. Returns the blocks indexed. FAILED_PRECONDITION unless the cache holds nothing yet (no block, request, session
-  // or checkpoint); INVALID_ARGUMENT naming the first field that does not fit this cache's pools
-  // (pool, index, token count, parent order, namespace): nothing changes then.
   absl::StatusOr<int64_t> ImportSnapshot(const CacheSnapshot& snapshot) ABSL_LOCKS_EXCLUDED(mu_);
 
   const EventLog& events() const { return events_; }
@@ -239,8 +227,7 @@ class KvCache final : public TierPort {
   // Unrefs a block table tail first, so the head of a prefix is the most recently used.
   void UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // `count` owned blocks for `owner`, evicting as needed. RESOURCE_EXHAUSTED, changing nothing,
-  // when free + reclaimable blocks are too few.
+  // `count` owned blocks for `owner`, evicting as needed; RESOURCE_EXHAUSTED (no change) if too few.
   absl::StatusOr<std::vector<BlockIndex>> AllocateOwnedLocked(PoolId pool, int64_t count,
                                                               uint64_t owner)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -255,8 +242,7 @@ class KvCache final : public TierPort {
   uint64_t NextTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // kv_cache_maintenance.cc: sessions, expiry, pressure, reports.
-  // Reads the clock for this operation (op_now_ns_) and drops sessions and orphaned checkpoints
-  // past their TTL. Every mutating operation calls it first.
+  // Reads the clock (op_now_ns_), drops sessions and orphans past their TTL. Every mutation's first.
   void ExpireLocked(GcStats* stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateSessionLocked(const Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropSessionLocked(const SessionId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
