@@ -89,18 +89,21 @@ CUmemAllocationProp Properties(int device) {
   return prop;
 }
 
+// `size` rounded up to a multiple of `granularity`.
+int64_t RoundUp(int64_t size, size_t granularity) {
+  return static_cast<int64_t>((static_cast<size_t>(size) + granularity - 1) / granularity * granularity);
+}
+
 }  // namespace
 
 absl::StatusOr<VmmSlab> VmmSlab::Create(int device, int64_t size) {
   KVD_RETURN_IF_ERROR(CheckApi(device));
   KVD_CUDA_SCOPED_DEVICE(device);
-  const CUmemAllocationProp prop = Properties(device);
-  size_t granularity = 0;
-  KVD_RETURN_IF_ERROR(DriverStatus(Api().granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
-                                   "cuMemGetAllocationGranularity"));
   VmmSlab slab;
   slab.device_ = device;
-  slab.size_ = static_cast<int64_t>((static_cast<size_t>(size) + granularity - 1) / granularity * granularity);
+  KVD_ASSIGN_OR_RETURN(const size_t granularity, slab.Granularity());
+  slab.size_ = RoundUp(size, granularity);
+  const CUmemAllocationProp prop = Properties(device);
   CUmemGenericAllocationHandle handle = 0;
   KVD_RETURN_IF_ERROR(DriverStatus(Api().create(&handle, static_cast<size_t>(slab.size_), &prop, 0),
                                    absl::StrCat("cuMemCreate(", slab.size_, ") on device ", device)));
@@ -109,51 +112,50 @@ absl::StatusOr<VmmSlab> VmmSlab::Create(int device, int64_t size) {
   KVD_RETURN_IF_ERROR(DriverStatus(Api().export_handle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
                                    "cuMemExportToShareableHandle"));
   slab.fd_ = UniqueFd(fd);
-  CUdeviceptr ptr = 0;
-  KVD_RETURN_IF_ERROR(DriverStatus(Api().reserve(&ptr, static_cast<size_t>(slab.size_), granularity, 0, 0),
-                                   "cuMemAddressReserve"));
-  slab.ptr_ = ptr;
-  KVD_RETURN_IF_ERROR(DriverStatus(Api().map(ptr, static_cast<size_t>(slab.size_), 0, handle, 0), "cuMemMap"));
-  CUmemAccessDesc access{};
-  access.location = prop.location;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  KVD_RETURN_IF_ERROR(DriverStatus(Api().set_access(ptr, static_cast<size_t>(slab.size_), &access, 1), "cuMemSetAccess"));
-  KVD_CUDA_RETURN_IF_ERROR(cudaMemset(reinterpret_cast<void*>(ptr), 0, static_cast<size_t>(slab.size_)), "cudaMemset");
+  KVD_RETURN_IF_ERROR(slab.MapAll(granularity));
+  KVD_CUDA_RETURN_IF_ERROR(cudaMemset(slab.data(), 0, static_cast<size_t>(slab.size_)), "cudaMemset");
   KVD_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   return slab;
 }
 
 absl::StatusOr<VmmSlab> VmmSlab::Import(int device, UniqueFd fd, int64_t size) {
+  if (size <= 0) return absl::InvalidArgumentError(absl::StrCat("a VMM slab of ", size, " bytes"));
   KVD_RETURN_IF_ERROR(CheckApi(device));
   KVD_CUDA_SCOPED_DEVICE(device);
   VmmSlab slab;
   slab.device_ = device;
-  slab.size_ = size;
   slab.fd_ = std::move(fd);
+  KVD_ASSIGN_OR_RETURN(const size_t granularity, slab.Granularity());
+  slab.size_ = RoundUp(size, granularity);  // as Create rounded it
   CUmemGenericAllocationHandle handle = 0;
   KVD_RETURN_IF_ERROR(DriverStatus(
       Api().import_handle(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(slab.fd_.get())),
                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
       "cuMemImportFromShareableHandle"));
   slab.handle_ = handle;
-  const CUmemAllocationProp prop = Properties(device);
+  KVD_RETURN_IF_ERROR(slab.MapAll(granularity));
+  return slab;
+}
+
+absl::StatusOr<size_t> VmmSlab::Granularity() const {
+  const CUmemAllocationProp prop = Properties(device_);
   size_t granularity = 0;
   KVD_RETURN_IF_ERROR(DriverStatus(Api().granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
                                    "cuMemGetAllocationGranularity"));
-  if (size <= 0) return absl::InvalidArgumentError(absl::StrCat("a VMM slab of ", size, " bytes"));
-  size = static_cast<int64_t>((static_cast<size_t>(size) + granularity - 1) / granularity * granularity);  // as Create
-  slab.size_ = size;
+  return granularity;
+}
+
+absl::Status VmmSlab::MapAll(size_t granularity) {
   CUdeviceptr ptr = 0;
-  KVD_RETURN_IF_ERROR(DriverStatus(Api().reserve(&ptr, static_cast<size_t>(size), granularity, 0, 0),
+  KVD_RETURN_IF_ERROR(DriverStatus(Api().reserve(&ptr, static_cast<size_t>(size_), granularity, 0, 0),
                                    "cuMemAddressReserve"));
-  slab.ptr_ = ptr;
-  KVD_RETURN_IF_ERROR(DriverStatus(Api().map(ptr, static_cast<size_t>(size), 0, handle, 0),
-                                   "cuMemMap (the fd must be a VMM slab of this size)"));
+  ptr_ = ptr;  // freed by Reset from here on
+  KVD_RETURN_IF_ERROR(DriverStatus(Api().map(ptr, static_cast<size_t>(size_), 0, handle_, 0),
+                                   "cuMemMap (an imported fd must be a VMM slab of this size)"));
   CUmemAccessDesc access{};
-  access.location = prop.location;
+  access.location = Properties(device_).location;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  KVD_RETURN_IF_ERROR(DriverStatus(Api().set_access(ptr, static_cast<size_t>(size), &access, 1), "cuMemSetAccess"));
-  return slab;
+  return DriverStatus(Api().set_access(ptr, static_cast<size_t>(size_), &access, 1), "cuMemSetAccess");
 }
 
 VmmSlab::VmmSlab(VmmSlab&& o) noexcept

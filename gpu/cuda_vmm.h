@@ -16,6 +16,7 @@
 // Compiled only with the CUDA toolkit (KVD_HAVE_CUDA).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "absl/status/statusor.h"
@@ -44,6 +45,10 @@ class VmmSlab {
 
  private:
   VmmSlab() = default;
+  // The device's allocation granularity for these slabs.
+  absl::StatusOr<size_t> Granularity() const;
+  // Reserves size_ bytes of address space, maps handle_ there and makes it read-write from device_.
+  absl::Status MapAll(size_t granularity);
   void Reset();
 
   uint64_t handle_ = 0;  // CUmemGenericAllocationHandle
