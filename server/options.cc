@@ -313,6 +313,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
        "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes", "checkpoint_state_bytes",
        "max_checkpoint_state_bytes_per_worker", "boundary_high_watermark",
        "boundary_low_watermark", "event_buffer", "eviction_policy", "slru_main_fraction", "slru_ghost_fraction",
+       "horizon_probation", "horizon_main", "horizon_sample_every", "horizon_margin",
        "max_requests_per_worker", "max_bytes_per_worker", "pools", "tiers", "router_events", "tls_cert_file",
        "tls_key_file", "tls_client_ca_file", "allowed_uids", "allowed_gids", "socket_group"}));
   ServerOptions& s = options->server;
@@ -349,14 +350,18 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(Read(root, "boundary_high_watermark", &c.boundary_high_watermark, where));
   KVD_RETURN_IF_ERROR(Read(root, "boundary_low_watermark", &c.boundary_low_watermark, where));
   KVD_RETURN_IF_ERROR(Read(root, "event_buffer", &c.event_buffer, where));
-  std::string policy = c.eviction_policy == EvictionPolicy::kSlru ? "slru" : "lru";
+  std::string policy(EvictionPolicyName(c.eviction_policy));
   KVD_RETURN_IF_ERROR(Read(root, "eviction_policy", &policy, where));
-  if (policy != "lru" && policy != "slru") {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": eviction_policy must be lru or slru, not '", policy, "'"));
+  if (!ParseEvictionPolicy(policy, &c.eviction_policy)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": eviction_policy must be lru, slru or horizon, not '", policy, "'"));
   }
-  c.eviction_policy = policy == "slru" ? EvictionPolicy::kSlru : EvictionPolicy::kLru;
   KVD_RETURN_IF_ERROR(Read(root, "slru_main_fraction", &c.slru_main_fraction, where));
   KVD_RETURN_IF_ERROR(Read(root, "slru_ghost_fraction", &c.slru_ghost_fraction, where));
+  KVD_RETURN_IF_ERROR(Read(root, "horizon_probation", &c.horizon_probation, where));
+  KVD_RETURN_IF_ERROR(Read(root, "horizon_main", &c.horizon_main, where));
+  KVD_RETURN_IF_ERROR(Read(root, "horizon_sample_every", &c.horizon_sample_every, where));
+  KVD_RETURN_IF_ERROR(Read(root, "horizon_margin", &c.horizon_margin, where));
   KVD_RETURN_IF_ERROR(Read(root, "max_requests_per_worker", &c.max_requests_per_worker, where));
   KVD_RETURN_IF_ERROR(ReadSize(root, "max_bytes_per_worker", &c.max_bytes_per_worker, where));
   if (const YAML::Node tiers = root["tiers"]) {
@@ -414,10 +419,13 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "boundary_high_watermark" << YAML::Value << c.boundary_high_watermark;
   out << YAML::Key << "boundary_low_watermark" << YAML::Value << c.boundary_low_watermark;
   out << YAML::Key << "event_buffer" << YAML::Value << c.event_buffer;
-  out << YAML::Key << "eviction_policy" << YAML::Value
-      << (c.eviction_policy == EvictionPolicy::kSlru ? "slru" : "lru");
+  out << YAML::Key << "eviction_policy" << YAML::Value << std::string(EvictionPolicyName(c.eviction_policy));
   out << YAML::Key << "slru_main_fraction" << YAML::Value << c.slru_main_fraction;
   out << YAML::Key << "slru_ghost_fraction" << YAML::Value << c.slru_ghost_fraction;
+  out << YAML::Key << "horizon_probation" << YAML::Value << c.horizon_probation;
+  out << YAML::Key << "horizon_main" << YAML::Value << c.horizon_main;
+  out << YAML::Key << "horizon_sample_every" << YAML::Value << c.horizon_sample_every;
+  out << YAML::Key << "horizon_margin" << YAML::Value << c.horizon_margin;
   out << YAML::Key << "max_requests_per_worker" << YAML::Value << c.max_requests_per_worker;
   out << YAML::Key << "max_bytes_per_worker" << YAML::Value << c.max_bytes_per_worker;
   out << YAML::Key << "pools" << YAML::Value << YAML::BeginSeq;

@@ -37,6 +37,7 @@
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/tools/self_spawn.h"
+#include "client/tools/prefill_cost.h"
 #include "client/tools/trace.h"
 #include "client/tools/trace_bounds.h"
 #include "proto/vocab/default_paths.h"
@@ -60,6 +61,7 @@ struct Flags {
 
 struct Totals {
   int64_t requests = 0, prompt_tokens = 0, hit_tokens = 0, waits = 0, failures = 0;
+  double prompt_flops = 0, saved_flops = 0;  // prefill compute (prefill_cost.h, Llama-3-8B shape)
   std::map<std::string, std::vector<double>> latency_us;
 };
 
@@ -137,9 +139,12 @@ int Child(const Flags& f, const std::vector<kvd::bench::TraceRequest>& trace) {
     ++t.requests;
     t.prompt_tokens += static_cast<int64_t>(spec.prompt.size());
     t.hit_tokens += acquired->cached_tokens;
+    const kvd::bench::PrefillCost cost;
+    t.prompt_flops += cost.Flops(0, static_cast<int64_t>(spec.prompt.size()));
+    t.saved_flops += cost.Flops(0, acquired->cached_tokens);
   }
   std::cout << "STATS " << t.requests << " " << t.prompt_tokens << " " << t.hit_tokens << " " << t.waits
-            << " " << t.failures << "\n";
+            << " " << t.failures << " " << absl::StrFormat("%.6e %.6e", t.prompt_flops, t.saved_flops) << "\n";
   for (const auto& [method, v] : t.latency_us) {
     std::cout << "LAT " << method;
     for (double x : v) std::cout << " " << absl::StrFormat("%.1f", x);
@@ -237,10 +242,13 @@ int main(int argc, char** argv) {
     const std::string& out = child.out;
     for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
       std::vector<std::string> w = absl::StrSplit(line, ' ', absl::SkipEmpty());
-      if (w[0] == "STATS" && w.size() == 6) {
+      if (w[0] == "STATS" && w.size() == 8) {
         int64_t v[5];
         for (int i = 0; i < 5; ++i) (void)absl::SimpleAtoi(w[i + 1], &v[i]);
         all.requests += v[0], all.prompt_tokens += v[1], all.hit_tokens += v[2], all.waits += v[3], all.failures += v[4];
+        double flops[2] = {0, 0};
+        for (int i = 0; i < 2; ++i) (void)absl::SimpleAtod(w[i + 6], &flops[i]);
+        all.prompt_flops += flops[0], all.saved_flops += flops[1];
       } else if (w[0] == "LAT" && w.size() >= 2) {
         auto& dst = all.latency_us[w[1]];
         for (size_t i = 2; i < w.size(); ++i) {
@@ -260,15 +268,26 @@ int main(int argc, char** argv) {
   }
   const int64_t daemon_hits = static_cast<int64_t>(after->hit_tokens - before->hit_tokens);
   const double hit_rate = all.prompt_tokens ? double(all.hit_tokens) / all.prompt_tokens : 0;
-  const double unlimited = f.bounds ? kvd::bench::UnlimitedHitRate(*trace, g.block_tokens) : -1;
-  const double belady = f.bounds ? kvd::bench::FarthestNextUseHitRate(*trace, g.block_tokens, g.capacity_blocks) : -1;
+  const double saved = all.prompt_flops > 0 ? all.saved_flops / all.prompt_flops : 0;
+  const kvd::bench::PrefillCost cost;
+  kvd::bench::TraceTally unlimited, belady;
+  if (f.bounds) {
+    unlimited = kvd::bench::UnlimitedBound(*trace, g.block_tokens, cost, trace->size());
+    belady = kvd::bench::FarthestNextUseBound(*trace, g.block_tokens, g.capacity_blocks, cost, trace->size());
+  }
 
   std::printf("trace %s: %lld requests by %d workers in %.1f s (%.1f requests/s)\n", f.trace.c_str(),
               static_cast<long long>(all.requests), f.workers, seconds, all.requests / seconds);
   std::printf("pool %s: %lld blocks of %d tokens\n", f.pool.c_str(), static_cast<long long>(g.capacity_blocks), g.block_tokens);
   std::printf("hit rate (tokens): %.2f%%   prefill tokens saved: %lld   daemon-counted hit tokens: %lld\n",
               100 * hit_rate, static_cast<long long>(all.hit_tokens), static_cast<long long>(daemon_hits));
-  if (f.bounds) std::printf("bounds: unlimited cache %.2f%%, farthest-next-use at this capacity %.2f%%\n", 100 * unlimited, 100 * belady);
+  std::printf("prefill compute saved (Llama-3-8B shape, docs/performance.md): %.2f%% (%.3g of %.3g FLOPs)\n",
+              100 * saved, all.saved_flops, all.prompt_flops);
+  if (f.bounds) {
+    std::printf("bounds: unlimited cache %.2f%% hit, %.2f%% saved; farthest-next-use at this capacity %.2f%% hit, "
+                "%.2f%% saved\n", 100 * unlimited.all.hit_rate(), 100 * unlimited.all.saved_fraction(),
+                100 * belady.all.hit_rate(), 100 * belady.all.saved_fraction());
+  }
   std::printf("admissions that waited: %lld   requests refused: %lld\n", static_cast<long long>(all.waits),
               static_cast<long long>(all.failures));
   std::printf("| RPC | calls | p50 (us) | p99 (us) | p999 (us) |\n|---|---|---|---|---|\n");
@@ -284,10 +303,13 @@ int main(int argc, char** argv) {
     std::ofstream(f.json) << absl::StrFormat(
         "{\"requests\": %d, \"workers\": %d, \"seconds\": %.3f, \"requests_per_second\": %.2f, "
         "\"prompt_tokens\": %d, \"hit_tokens\": %d, \"daemon_hit_tokens\": %d, \"hit_rate\": %.6f, "
-        "\"unlimited_bound\": %.6f, \"farthest_next_use_bound\": %.6f, \"waits\": %d, \"refused\": %d, "
-        "\"latency\": {%s}}\n",
+        "\"compute_saved\": %.6f, \"unlimited_bound\": %.6f, \"unlimited_compute_saved\": %.6f, "
+        "\"farthest_next_use_bound\": %.6f, \"farthest_next_use_compute_saved\": %.6f, \"waits\": %d, "
+        "\"refused\": %d, \"latency\": {%s}}\n",
         all.requests, f.workers, seconds, all.requests / seconds, all.prompt_tokens, all.hit_tokens, daemon_hits,
-        hit_rate, unlimited, belady, all.waits, all.failures, json_lat.str());
+        hit_rate, saved, f.bounds ? unlimited.all.hit_rate() : -1, f.bounds ? unlimited.all.saved_fraction() : -1,
+        f.bounds ? belady.all.hit_rate() : -1, f.bounds ? belady.all.saved_fraction() : -1, all.waits, all.failures,
+        json_lat.str());
   }
   return 0;
 }

@@ -24,22 +24,34 @@ int64_t MaxHit(const TraceRequest& r, int32_t bt) {
 
 }  // namespace
 
-double UnlimitedHitRate(const std::vector<TraceRequest>& trace, int32_t bt) {
+size_t HoldoutStart(const std::vector<TraceRequest>& trace, double fraction) {
+  if (trace.empty() || fraction <= 0) return trace.size();
+  const double first = static_cast<double>(trace.front().timestamp_ms);
+  const double span = static_cast<double>(trace.back().timestamp_ms) - first;
+  const double from = first + (1 - fraction) * span;
+  for (size_t i = 0; i < trace.size(); ++i) {
+    if (static_cast<double>(trace[i].timestamp_ms) >= from) return i;
+  }
+  return trace.size();
+}
+
+TraceTally UnlimitedBound(const std::vector<TraceRequest>& trace, int32_t bt, const PrefillCost& cost,
+                          size_t holdout_from) {
   absl::flat_hash_set<uint64_t> seen;
-  int64_t total = 0, hit = 0;
-  for (const TraceRequest& r : trace) {
-    total += r.input_length;
+  TraceTally tally;
+  for (size_t i = 0; i < trace.size(); ++i) {
+    const TraceRequest& r = trace[i];
     const int64_t full = FullBlocks(r, bt), cap = MaxHit(r, bt);
     int64_t h = 0;
     while (h < cap && seen.contains(BlockId(r, h, bt))) ++h;
-    hit += h * bt;
+    tally.Add(cost, i, holdout_from, r.input_length, h * bt);
     for (int64_t j = 0; j < full; ++j) seen.insert(BlockId(r, j, bt));
   }
-  return total == 0 ? 0 : static_cast<double>(hit) / total;
+  return tally;
 }
 
-double FarthestNextUseHitRate(const std::vector<TraceRequest>& trace, int32_t bt,
-                              int64_t capacity_blocks) {
+TraceTally FarthestNextUseBound(const std::vector<TraceRequest>& trace, int32_t bt, int64_t capacity_blocks,
+                                const PrefillCost& cost, size_t holdout_from) {
   // Next use of each reference, by request index.
   constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
   absl::flat_hash_map<uint64_t, int64_t> last_seen;
@@ -56,14 +68,13 @@ double FarthestNextUseHitRate(const std::vector<TraceRequest>& trace, int32_t bt
   }
   absl::flat_hash_map<uint64_t, int64_t> cached;  // id -> its next use
   std::set<std::pair<int64_t, uint64_t>> by_next;
-  int64_t total = 0, hit = 0;
+  TraceTally tally;
   for (size_t i = 0; i < trace.size(); ++i) {
     const TraceRequest& r = trace[i];
-    total += r.input_length;
     const int64_t full = FullBlocks(r, bt), cap = MaxHit(r, bt);
     int64_t h = 0;
     while (h < cap && cached.contains(BlockId(r, h, bt))) ++h;
-    hit += h * bt;
+    tally.Add(cost, i, holdout_from, r.input_length, h * bt);
     for (int64_t j = 0; j < full; ++j) {
       const uint64_t id = BlockId(r, j, bt);
       auto it = cached.find(id);
@@ -81,7 +92,7 @@ double FarthestNextUseHitRate(const std::vector<TraceRequest>& trace, int32_t bt
       by_next.erase(victim);
     }
   }
-  return total == 0 ? 0 : static_cast<double>(hit) / total;
+  return tally;
 }
 
 }  // namespace kvd::bench

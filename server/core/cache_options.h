@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "proto/vocab/pool_geometry.h"
 #include "server/core/pressure_monitor.h"
@@ -17,7 +18,15 @@ enum class EvictionPolicy {
   kLru,   // least recently used leaf first (SGLang's radix cache, vLLM's free queue)
   kSlru,  // segmented: blocks never reused go first; reuse, or a re-store soon after eviction
           // (a ghost list of evicted keys), promotes a block to the main segment
+  kHorizon,  // SLRU's segments, but the pool follows whichever of SLRU's order and a reuse-horizon
+             // order (blocks past a horizon first, else the newest probation block) a pair of
+             // sampled shadow caches finds hitting more (eviction_queue.h, policy_duel.h)
 };
+
+// "lru", "slru", "horizon": the config's and the benchmarks' names.
+absl::string_view EvictionPolicyName(EvictionPolicy policy);
+// False (and *policy unchanged) for an unknown name.
+bool ParseEvictionPolicy(absl::string_view name, EvictionPolicy* policy);
 
 struct CacheOptions {
   // Pools served; at least one, names unique.
@@ -58,6 +67,15 @@ struct CacheOptions {
   // kSlru: keys of evicted never-reused blocks remembered, as a multiple of a pool's blocks.
   // Default 4.
   double slru_ghost_fraction = 4.0;
+  // kHorizon: a probation / main block unused while this many times the pool's blocks were stored
+  // is overdue (evicted first); one pool key in `horizon_sample_every` feeds the shadow caches (0:
+  // no shadows, the horizon order always); the horizon order is followed while its shadow hits
+  // more than `horizon_margin` times the recency shadow. Defaults 2, 4, 16 and 1.1. kHorizon also
+  // uses slru_main_fraction (as a share of the evictable blocks only) and slru_ghost_fraction.
+  double horizon_probation = 2.0;
+  double horizon_main = 4.0;
+  int64_t horizon_sample_every = 16;
+  double horizon_margin = 1.1;
 
   // Per worker (attachment) limits, so that one worker cannot take the node; 0 disables.
   // Live requests one worker may hold. Default 65536.

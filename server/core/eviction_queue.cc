@@ -6,7 +6,7 @@ namespace kvd {
 
 void EvictionQueue::Insert(CachedBlock* block) {
   const Tier tier = block->protect_count > 0 ? kProtected : block->reused ? kMain : kProbation;
-  tiers_[tier].emplace(Order{block->last_use, block->serial}, block);
+  tiers_[tier].emplace(Key{block->last_use, block->serial}, block);
   block->queued = true;
   block->queue_tier = tier;
 }
@@ -24,7 +24,7 @@ void EvictionQueue::Push(CachedBlock* block) {
 
 void EvictionQueue::Remove(CachedBlock* block) {
   if (!block->queued) return;
-  size_t n = tiers_[block->queue_tier].erase(Order{block->last_use, block->serial});
+  size_t n = tiers_[block->queue_tier].erase(Key{block->last_use, block->serial});
   KVD_CHECK(n == 1);
   block->queued = false;
 }
@@ -33,7 +33,19 @@ CachedBlock* EvictionQueue::Oldest(Tier tier) const {
   return tiers_[tier].empty() ? nullptr : tiers_[tier].begin()->second;
 }
 
+CachedBlock* EvictionQueue::Newest(Tier tier) const {
+  return tiers_[tier].empty() ? nullptr : tiers_[tier].rbegin()->second;
+}
+
+CachedBlock* EvictionQueue::HorizonVictim() const {
+  if (CachedBlock* b = Oldest(kProbation); Overdue(b, probation_horizon_)) return b;
+  if (CachedBlock* b = Oldest(kMain); Overdue(b, main_horizon_)) return b;
+  if (CachedBlock* b = Newest(kProbation)) return b;
+  return Newest(kMain);
+}
+
 CachedBlock* EvictionQueue::UnprotectedVictim() const {
+  if (order_ == Order::kHorizon) return HorizonVictim();
   const double main = static_cast<double>(size(kMain));
   const double all = main + static_cast<double>(size(kProbation));
   if (main > main_share_ * all) {

@@ -7,8 +7,16 @@
 //   kMain       - blocks that were reused, or re-stored soon after being evicted (SLRU policy),
 //   kProtected  - blocks a session protects (soft: they go only when nothing else is left).
 // Victims come from the lowest non-empty tier. Push, Remove and Peek are O(log n) in the number
-// of queued blocks; nothing scans the cache. Between probation and main, the victim is the oldest
-// probation block unless main holds more than its share of the unprotected queue.
+// of queued blocks; nothing scans the cache.
+//
+// Which unprotected block goes first depends on the order in force (set_order):
+//   kRecency (LRU and SLRU) - the oldest probation block, unless main holds more than its share of
+//     the unprotected queue (then main's oldest);
+//   kHorizon (the horizon policy, docs/architecture.md "Eviction") - a block unused for longer than
+//     its tier's horizon first (probation's oldest, then main's); otherwise the *newest* probation
+//     block, then the newest main block. Ages count blocks stored in the pool since the block's
+//     last use (`use_clock` against clock()), so the horizon scales with the pool, not with time.
+// Both orders evict only queued leaves, so every invariant above holds under either.
 // Thread-compatible: the caller serializes access.
 #pragma once
 
@@ -24,6 +32,7 @@ namespace kvd {
 class EvictionQueue {
  public:
   enum Tier : uint8_t { kProbation = 0, kMain = 1, kProtected = 2 };
+  enum class Order : uint8_t { kRecency, kHorizon };
 
   // REQUIRES: !block->queued. Files the block by protect_count (kProtected), reused (kMain) and
   // last_use.
@@ -36,6 +45,8 @@ class EvictionQueue {
   CachedBlock* PeekUnprotected() const;
   // The oldest block of one tier, or nullptr.
   CachedBlock* Oldest(Tier tier) const;
+  // The most recently used block of one tier, or nullptr.
+  CachedBlock* Newest(Tier tier) const;
 
   int64_t size() const { return size(kProbation) + size(kMain) + size(kProtected); }
   int64_t size(Tier tier) const { return static_cast<int64_t>(tiers_[tier].size()); }
@@ -48,13 +59,34 @@ class EvictionQueue {
     main_max_ = max_blocks;
   }
 
+  // The pool's store clock: blocks stored in the pool so far. KvCache ticks it once per stored
+  // block and stamps a block's use_clock with it whenever it stamps last_use.
+  uint64_t clock() const { return clock_; }
+  void TickClock() { ++clock_; }
+  // kHorizon: how many stored blocks may pass since a probation / main block's last use before it
+  // is overdue.
+  void set_horizons(int64_t probation_blocks, int64_t main_blocks) {
+    probation_horizon_ = probation_blocks;
+    main_horizon_ = main_blocks;
+  }
+  void set_order(Order order) { order_ = order; }
+  Order order() const { return order_; }
+
  private:
   CachedBlock* UnprotectedVictim() const;
+  CachedBlock* HorizonVictim() const;
+  bool Overdue(const CachedBlock* block, int64_t horizon) const {
+    return block != nullptr && static_cast<uint32_t>(clock_ - block->use_clock) > horizon;
+  }
   void Insert(CachedBlock* block);
   double main_share_ = 1.0;
   int64_t main_max_ = std::numeric_limits<int64_t>::max();
-  using Order = std::pair<uint64_t, uint64_t>;  // (last_use, serial)
-  absl::btree_map<Order, CachedBlock*> tiers_[3];
+  uint64_t clock_ = 0;
+  int64_t probation_horizon_ = std::numeric_limits<uint32_t>::max();
+  int64_t main_horizon_ = std::numeric_limits<uint32_t>::max();
+  Order order_ = Order::kRecency;
+  using Key = std::pair<uint64_t, uint64_t>;  // (last_use, serial)
+  absl::btree_map<Key, CachedBlock*> tiers_[3];
 };
 
 }  // namespace kvd

@@ -59,7 +59,36 @@ absl::Status CacheOptions::Validate() const {
   if (!(0 <= slru_ghost_fraction && slru_ghost_fraction <= 16)) {
     return absl::InvalidArgumentError(absl::StrCat("slru_ghost_fraction must be in [0, 16], not ", slru_ghost_fraction));
   }
+  if (!(0 < horizon_probation && horizon_probation <= 64) || !(0 < horizon_main && horizon_main <= 64)) {
+    return absl::InvalidArgumentError(absl::StrCat("horizon_probation and horizon_main must be in (0, 64], not ",
+                                                   horizon_probation, " and ", horizon_main));
+  }
+  if (!(0 <= horizon_sample_every && horizon_sample_every <= 1024)) {
+    return absl::InvalidArgumentError(absl::StrCat("horizon_sample_every must be in [0, 1024], not ", horizon_sample_every));
+  }
+  if (!(1 <= horizon_margin && horizon_margin <= 10)) {
+    return absl::InvalidArgumentError(absl::StrCat("horizon_margin must be in [1, 10], not ", horizon_margin));
+  }
   return pressure.Validate();
+}
+
+absl::string_view EvictionPolicyName(EvictionPolicy policy) {
+  switch (policy) {
+    case EvictionPolicy::kLru: return "lru";
+    case EvictionPolicy::kSlru: return "slru";
+    case EvictionPolicy::kHorizon: return "horizon";
+  }
+  return "unknown";
+}
+
+bool ParseEvictionPolicy(absl::string_view name, EvictionPolicy* policy) {
+  for (EvictionPolicy p : {EvictionPolicy::kLru, EvictionPolicy::kSlru, EvictionPolicy::kHorizon}) {
+    if (name == EvictionPolicyName(p)) {
+      *policy = p;
+      return true;
+    }
+  }
+  return false;
 }
 
 std::string PublishOutcomeName(PublishOutcome outcome) {
@@ -91,7 +120,7 @@ KvCache::KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes)
                // SLRU remembers the keys of evicted probation blocks (ghosts); LRU none.
                std::vector<int64_t> ghosts;
                for (const auto& p : options_.pools) {
-                 ghosts.push_back(options_.eviction_policy == EvictionPolicy::kSlru
+                 ghosts.push_back(options_.eviction_policy != EvictionPolicy::kLru
                                       ? static_cast<int64_t>(options_.slru_ghost_fraction * p.capacity_blocks)
                                       : 0);
                }
@@ -106,12 +135,23 @@ KvCache::KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes)
                 return limits;
               }()),
       pressure_(options_.pressure) {
-  const bool slru = options_.eviction_policy == EvictionPolicy::kSlru;
   for (const auto& g : options_.pools) {
     auto pool = std::make_unique<Pool>(g);
-    if (slru) {
+    if (options_.eviction_policy == EvictionPolicy::kSlru) {
       pool->queue.set_main_limits(options_.slru_main_fraction,
                                   static_cast<int64_t>(options_.slru_main_fraction * g.capacity_blocks));
+    } else if (options_.eviction_policy == EvictionPolicy::kHorizon) {
+      PolicyDuel::Options d;
+      d.capacity_blocks = g.capacity_blocks;
+      d.probation_horizon = static_cast<int64_t>(options_.horizon_probation * g.capacity_blocks);
+      d.main_horizon = static_cast<int64_t>(options_.horizon_main * g.capacity_blocks);
+      d.main_share = options_.slru_main_fraction;
+      d.sample_every = options_.horizon_sample_every;
+      d.margin = options_.horizon_margin;
+      if (d.sample_every > 0) pool->duel = std::make_unique<PolicyDuel>(d);
+      pool->queue.set_order(EvictionQueue::Order::kHorizon);  // without shadows; else the duel sets it per use
+      pool->queue.set_main_limits(options_.slru_main_fraction, std::numeric_limits<int64_t>::max());
+      pool->queue.set_horizons(d.probation_horizon, d.main_horizon);
     }
     pools_.push_back(std::move(pool));
   }
@@ -299,7 +339,8 @@ absl::StatusOr<AcquireResult> KvCache::AcquirePrefixLocked(Request& req) {
   }
   for (CachedBlock* b : hit) {
     RefLocked(req.pool, b->address.index);
-    if (options_.eviction_policy == EvictionPolicy::kSlru) b->reused = true;  // referenced: not queued
+    if (options_.eviction_policy != EvictionPolicy::kLru) b->reused = true;  // referenced: not queued
+    NoteUseLocked(pool, *b, /*reused=*/true);
   }
   absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, fresh, req.serial);
   KVD_CHECK(owned.ok());

@@ -15,6 +15,7 @@
 #include "server/core/event_log.h"
 #include "server/core/eviction_sink.h"
 #include "server/core/eviction_queue.h"
+#include "server/core/policy_duel.h"
 #include "proto/vocab/pool_geometry.h"
 #include "server/core/prefix_index.h"
 #include "server/core/pressure_monitor.h"
@@ -37,6 +38,7 @@ struct Pool {
   int64_t num_cached = 0;
   int64_t num_cached_unreferenced = 0;
   absl::flat_hash_map<BlockIndex, int32_t> pins;  // PinBlocks references, by block
+  std::unique_ptr<PolicyDuel> duel;                // horizon policy only
   explicit Pool(PoolGeometry g)
       : geometry(std::move(g)), allocator(geometry.capacity_blocks), blocks(geometry.capacity_blocks) {}
 };

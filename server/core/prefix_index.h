@@ -47,6 +47,7 @@ struct CachedBlock {
 
   int32_t num_children = 0;       // cached blocks whose parent is this one
   int32_t protect_count = 0;      // sessions protecting this block
+  uint32_t use_clock = 0;         // the pool's store clock at the last use (EvictionQueue::clock)
   uint64_t last_use = 0;          // recency tick (KvCache's logical clock)
   bool queued = false;            // in its pool's eviction queue
   uint8_t queue_tier = 0;         // EvictionQueue::Tier it is filed under, while queued

@@ -50,10 +50,15 @@ absl::StatusOr<ReplayStats> ReplayThroughCache(const std::vector<TraceRequest>& 
   o.eviction_policy = options.policy;
   o.slru_main_fraction = options.slru_main_fraction;
   o.slru_ghost_fraction = options.slru_ghost_fraction;
+  o.horizon_probation = options.horizon_probation;
+  o.horizon_main = options.horizon_main;
+  o.horizon_sample_every = options.horizon_sample_every;
+  o.horizon_margin = options.horizon_margin;
   const int64_t rss_before = ResidentBytes();
   KVD_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(o, SystemClock::Get()));
 
   ReplayStats stats;
+  const PrefillCost cost(options.model);
   using Clock = std::chrono::steady_clock;
   Clock::duration inside{};
   const size_t n = options.limit_requests > 0
@@ -87,6 +92,8 @@ absl::StatusOr<ReplayStats> ReplayThroughCache(const std::vector<TraceRequest>& 
     ++stats.requests;
     stats.prompt_tokens += static_cast<int64_t>(spec.prompt.size());
     stats.hit_tokens += acquired.cached_tokens;
+    stats.reuse.Add(cost, i, options.holdout_from, static_cast<int64_t>(spec.prompt.size()),
+                    acquired.cached_tokens);
     stats.prompt_blocks += static_cast<int64_t>(acquired.blocks.size());
   }
   stats.cache_seconds = std::chrono::duration<double>(inside).count();

@@ -7,7 +7,9 @@
 
 #include "absl/status/statusor.h"
 #include "server/core/cache_options.h"
+#include "client/tools/prefill_cost.h"
 #include "client/tools/trace.h"
+#include "client/tools/trace_bounds.h"
 
 namespace kvd::bench {
 
@@ -18,6 +20,12 @@ struct ReplayOptions {
   EvictionPolicy policy = EvictionPolicy::kSlru;
   double slru_main_fraction = 0.5;
   double slru_ghost_fraction = 4.0;
+  double horizon_probation = 2.0;
+  double horizon_main = 4.0;
+  int64_t horizon_sample_every = 16;
+  double horizon_margin = 1.1;
+  size_t holdout_from = SIZE_MAX;        // requests from this index on are also tallied apart
+  ModelShape model;                      // for the compute-saved figures
 };
 
 struct ReplayStats {
@@ -25,6 +33,7 @@ struct ReplayStats {
   int64_t skipped = 0;           // larger than the whole pool by themselves
   int64_t prompt_tokens = 0;
   int64_t hit_tokens = 0;
+  TraceTally reuse;              // hit tokens and prefill compute saved, all and held out
   int64_t prompt_blocks = 0;     // full and partial blocks handled
   double cache_seconds = 0;      // time inside KvCache calls only
   int64_t indexed_blocks = 0;    // at the end

@@ -69,10 +69,17 @@ constexpr char kUsage[] =
     "  --capacity-tokens=N,...   device capacities to replay, in tokens (default 3000000,50000000)\n"
     "  --block-tokens=N          tokens per block (default 16)\n"
     "  --limit=N                 replay only the first N requests (default: all)\n"
-    "  --policy=lru|slru         eviction policy (default: the engine's, slru)\n"
+    "  --policy=lru|slru|horizon eviction policy (default: the engine's, slru)\n"
     "  --slru-main=F             SLRU main segment fraction, (0, 1) (default 0.5)\n"
     "  --slru-ghost=F            SLRU ghost keys per pool block, [0, 16] (default 4)\n"
+    "  --horizon-probation=F     horizon policy: probation horizon, in pool capacities (default 2)\n"
+    "  --horizon-main=F          horizon policy: main horizon, in pool capacities (default 4)\n"
+    "  --horizon-sample=N        horizon policy: one key in N feeds the shadow caches (default 16;\n"
+    "                            0: no shadows, the horizon order always)\n"
+    "  --horizon-margin=F        horizon policy: its shadow must hit F times the recency one's (default 1.1)\n"
     "  --bounds=on|off           also compute the unlimited and farthest-next-use bounds (default on)\n"
+    "  --holdout=F               also report the trace's last F by time apart (default 0.3333)\n"
+    "  --model=L,H,HEADS,KV,FFN  model shape for compute saved (default Llama-3-8B: 32,4096,32,8,14336)\n"
     "  --hash-sample=N           prompts for the hashing-vs-read comparison; 0 skips it (default 2000)\n"
     "  --help                    this text\n";
 
@@ -85,6 +92,7 @@ int main(int argc, char** argv) {
   ReplayOptions base;
   size_t hash_sample = 2000;
   bool bounds = true;
+  double holdout = 1.0 / 3;
   for (int i = 1; i < argc; ++i) {
     std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
     const std::string& key = kv[0];
@@ -107,8 +115,22 @@ int main(int argc, char** argv) {
     } else if (key == "--limit") {
       ok = absl::SimpleAtoi(value, &base.limit_requests);
     } else if (key == "--policy") {
-      ok = value == "lru" || value == "slru";
-      base.policy = value == "slru" ? kvd::EvictionPolicy::kSlru : kvd::EvictionPolicy::kLru;
+      ok = kvd::ParseEvictionPolicy(value, &base.policy);
+    } else if (key == "--horizon-probation") {
+      ok = absl::SimpleAtod(value, &base.horizon_probation);
+    } else if (key == "--horizon-margin") {
+      ok = absl::SimpleAtod(value, &base.horizon_margin);
+    } else if (key == "--horizon-sample") {
+      ok = absl::SimpleAtoi(value, &base.horizon_sample_every);
+    } else if (key == "--horizon-main") {
+      ok = absl::SimpleAtod(value, &base.horizon_main);
+    } else if (key == "--holdout") {
+      ok = absl::SimpleAtod(value, &holdout) && holdout >= 0 && holdout < 1;
+    } else if (key == "--model") {
+      std::vector<std::string> v = absl::StrSplit(value, ',');
+      ok = v.size() == 5 && absl::SimpleAtoi(v[0], &base.model.layers) && absl::SimpleAtoi(v[1], &base.model.hidden) &&
+           absl::SimpleAtoi(v[2], &base.model.heads) && absl::SimpleAtoi(v[3], &base.model.kv_heads) &&
+           absl::SimpleAtoi(v[4], &base.model.ffn) && base.model.heads > 0;
     } else if (key == "--slru-main") {
       ok = absl::SimpleAtod(value, &base.slru_main_fraction);
     } else if (key == "--slru-ghost") {
@@ -136,13 +158,22 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", trace.status().ToString().c_str());
     return 1;
   }
-  std::printf("trace %s: %zu requests; infinite-cache hit rate at 512-token blocks: %.1f%%\n",
-              trace_path.c_str(), trace->size(), 100 * kvd::bench::InfiniteCacheHitRate(*trace));
-  std::printf("unlimited cache at %d-token blocks: %.1f%%\n", base.block_tokens,
-              100 * kvd::bench::UnlimitedHitRate(*trace, base.block_tokens));
-  std::printf("| capacity (tokens) | requests | hit rate | farthest-next-use bound | lookups/s | tokens/s | "
+  base.holdout_from = kvd::bench::HoldoutStart(*trace, holdout);
+  const kvd::bench::PrefillCost cost(base.model);
+  const kvd::bench::TraceTally unlimited = kvd::bench::UnlimitedBound(*trace, base.block_tokens, cost, base.holdout_from);
+  std::printf("trace %s: %zu requests (held out: the last %zu, from t=%.0f s); policy %s; "
+              "infinite-cache hit rate at 512-token blocks: %.1f%%\n",
+              trace_path.c_str(), trace->size(), trace->size() - base.holdout_from,
+              base.holdout_from < trace->size() ? (*trace)[base.holdout_from].timestamp_ms / 1e3 : 0.0,
+              std::string(kvd::EvictionPolicyName(base.policy)).c_str(),
+              100 * kvd::bench::InfiniteCacheHitRate(*trace));
+  std::printf("unlimited cache at %d-token blocks: %.2f%% hit, %.2f%% compute saved; held out %.2f%%, %.2f%%\n",
+              base.block_tokens, 100 * unlimited.all.hit_rate(), 100 * unlimited.all.saved_fraction(),
+              100 * unlimited.holdout.hit_rate(), 100 * unlimited.holdout.saved_fraction());
+  std::printf("| capacity (tokens) | requests | hit rate | compute saved | bound hit | bound saved | "
+              "held-out hit | held-out saved | held-out bound hit | held-out bound saved | lookups/s | tokens/s | "
               "ns/block | indexed blocks | evicted | RSS growth/indexed block |\n"
-              "|---|---|---|---|---|---|---|---|---|---|\n");
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int64_t cap : capacities) {
     ReplayOptions o = base;
     o.capacity_tokens = cap;
@@ -151,12 +182,17 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "%s\n", s.status().ToString().c_str());
       return 1;
     }
-    const double bound = bounds ? kvd::bench::FarthestNextUseHitRate(*trace, base.block_tokens,
-                                                                     cap / base.block_tokens)
-                                : -0.01;
-    std::printf("| %lld | %lld | %.1f%% | %.1f%% | %.0f | %.3g | %.0f | %lld | %lld | %.0f B |\n",
-                static_cast<long long>(cap), static_cast<long long>(s->requests),
-                100 * s->hit_rate(), 100 * bound, s->requests / s->cache_seconds,
+    kvd::bench::TraceTally bound;
+    if (bounds) {
+      bound = kvd::bench::FarthestNextUseBound(*trace, base.block_tokens, cap / base.block_tokens, cost,
+                                               base.holdout_from);
+    }
+    std::printf("| %lld | %lld | %.2f%% | %.2f%% | %.2f%% | %.2f%% | %.2f%% | %.2f%% | %.2f%% | %.2f%% | %.0f | %.3g "
+                "| %.0f | %lld | %lld | %.0f B |\n",
+                static_cast<long long>(cap), static_cast<long long>(s->requests), 100 * s->hit_rate(),
+                100 * s->reuse.all.saved_fraction(), 100 * bound.all.hit_rate(), 100 * bound.all.saved_fraction(),
+                100 * s->reuse.holdout.hit_rate(), 100 * s->reuse.holdout.saved_fraction(),
+                100 * bound.holdout.hit_rate(), 100 * bound.holdout.saved_fraction(), s->requests / s->cache_seconds,
                 s->prompt_tokens / s->cache_seconds, 1e9 * s->cache_seconds / s->prompt_blocks,
                 static_cast<long long>(s->indexed_blocks), static_cast<long long>(s->evicted_blocks),
                 s->indexed_blocks ? double(s->rss_growth_bytes) / s->indexed_blocks : 0.0);

@@ -27,9 +27,10 @@ int64_t Extreme(FuzzedDataProvider& in, int64_t lo, int64_t hi) {
 
 using namespace kvd;
 
-CacheOptions Options(bool slru) {
+CacheOptions Options(int policy) {
   CacheOptions o;
-  o.eviction_policy = slru ? EvictionPolicy::kSlru : EvictionPolicy::kLru;
+  o.eviction_policy = policy == 1 ? EvictionPolicy::kSlru : policy == 2 ? EvictionPolicy::kHorizon : EvictionPolicy::kLru;
+  o.horizon_sample_every = 1;  // the 24-block pool's shadows see every key
   PoolGeometry g;
   g.name = "m";
   g.block_tokens = 4;
@@ -65,7 +66,7 @@ void Check(const KvCache& cache, int op) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
   FakeClock clock;
-  auto cache = KvCache::Create(Options(in.ConsumeBool()), &clock);
+  auto cache = KvCache::Create(Options(in.ConsumeIntegralInRange<int>(0, 2)), &clock);
   if (!cache.ok()) std::abort();
   KvCache& c = **cache;
   const auto id = [&] { return RequestId("r" + std::to_string(in.ConsumeIntegralInRange<int>(0, 7))); };

@@ -96,8 +96,15 @@ TEST_CASE("kvd-bench replays deterministically and agrees with the daemon's coun
     REQUIRE(JsonDouble(reports[run], "unlimited_bound") == Approx(NaiveUnlimited(reqs)).epsilon(1e-5));
     REQUIRE(JsonDouble(reports[run], "farthest_next_use_bound") <= JsonDouble(reports[run], "unlimited_bound") + 1e-9);
     REQUIRE(JsonDouble(reports[run], "hit_rate") <= JsonDouble(reports[run], "farthest_next_use_bound") + 1e-9);
+    // Compute saved: positive, below the hit rate (a prefix is the cheap part of a prompt), and
+    // within the bounds' in the same order.
+    REQUIRE(JsonDouble(reports[run], "compute_saved") > 0);
+    REQUIRE(JsonDouble(reports[run], "compute_saved") < JsonDouble(reports[run], "hit_rate"));
+    REQUIRE(JsonDouble(reports[run], "farthest_next_use_compute_saved") <=
+            JsonDouble(reports[run], "unlimited_compute_saved") + 1e-9);
   }
   REQUIRE(JsonDouble(reports[0], "hit_rate") == JsonDouble(reports[1], "hit_rate"));
+  REQUIRE(JsonDouble(reports[0], "compute_saved") == JsonDouble(reports[1], "compute_saved"));
 }
 
 }  // namespace

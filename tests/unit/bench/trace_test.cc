@@ -54,5 +54,42 @@ TEST_CASE("Replaying a generated trace reuses exactly the shared prefixes", "[be
   REQUIRE(LoadTrace("/nonexistent/trace.jsonl").status().code() == absl::StatusCode::kNotFound);
 }
 
+TEST_CASE("Replays are deterministic and within the offline bound under every policy", "[bench][replay]") {
+  // Conversations: each turn extends the previous turn's prompt by two hash ids; 40 conversations
+  // interleaved so that reuse comes back after many other requests.
+  std::vector<TraceRequest> trace;
+  uint64_t next_id = 1;
+  std::vector<std::vector<uint64_t>> convs(40);
+  for (int turn = 0; turn < 4; ++turn) {
+    for (size_t c = 0; c < convs.size(); ++c) {
+      convs[c].push_back(next_id++);
+      convs[c].push_back(next_id++);
+      trace.push_back(TraceRequest{.timestamp_ms = static_cast<int64_t>(trace.size()),
+                                   .input_length = static_cast<int64_t>(convs[c].size()) * 512 + 1,
+                                   .output_length = 4, .hash_ids = convs[c]});
+    }
+  }
+  const int64_t capacity_tokens = 64 * 512;
+  const PrefillCost cost;
+  const TraceTally bound = FarthestNextUseBound(trace, 512, capacity_tokens / 512, cost, trace.size());
+  for (EvictionPolicy policy : {EvictionPolicy::kLru, EvictionPolicy::kSlru, EvictionPolicy::kHorizon}) {
+    INFO("policy " << EvictionPolicyName(policy));
+    ReplayOptions o{.capacity_tokens = capacity_tokens, .block_tokens = 512, .policy = policy};
+    o.horizon_sample_every = 1;
+    o.holdout_from = trace.size() / 2;
+    auto first = ReplayThroughCache(trace, o);
+    auto second = ReplayThroughCache(trace, o);
+    REQUIRE(first.ok());
+    REQUIRE(second.ok());
+    REQUIRE(first->hit_tokens == second->hit_tokens);
+    REQUIRE(first->evicted_blocks == second->evicted_blocks);
+    REQUIRE(first->reuse.all.hit_tokens == first->hit_tokens);
+    REQUIRE(first->reuse.all.saved_flops == second->reuse.all.saved_flops);
+    REQUIRE(first->reuse.holdout.requests == static_cast<int64_t>(trace.size() - trace.size() / 2));
+    REQUIRE(first->hit_tokens <= bound.all.hit_tokens);
+    REQUIRE(first->reuse.all.saved_fraction() <= first->reuse.all.hit_rate());
+  }
+}
+
 }  // namespace
 }  // namespace kvd::bench
