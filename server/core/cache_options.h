@@ -70,11 +70,11 @@ struct CacheOptions {
   // kHorizon: a probation / main block unused while this many times the pool's blocks were stored
   // is overdue (evicted first); one pool key in `horizon_sample_every` feeds the shadow caches (0:
   // no shadows, the horizon order always); the horizon order is followed while its shadow hits
-  // more than `horizon_margin` times the recency shadow. Defaults 2, 4, 16 and 1.1. kHorizon also
+  // more than `horizon_margin` times the recency shadow. Defaults 0.01, 4, 32 and 1.1. kHorizon also
   // uses slru_main_fraction (as a share of the evictable blocks only) and slru_ghost_fraction.
-  double horizon_probation = 2.0;
+  double horizon_probation = 0.01;
   double horizon_main = 4.0;
-  int64_t horizon_sample_every = 16;
+  int64_t horizon_sample_every = 32;
   double horizon_margin = 1.1;
 
   // Per worker (attachment) limits, so that one worker cannot take the node; 0 disables.

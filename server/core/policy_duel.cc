@@ -4,10 +4,12 @@
 
 namespace kvd {
 
-PolicyDuel::PolicyDuel(const Options& options)
-    : options_(options),
-      capacity_(std::max<int64_t>(1, options.capacity_blocks / std::max<int64_t>(1, options.sample_every))) {
-  options_.sample_every = std::max<int64_t>(1, options_.sample_every);
+PolicyDuel::PolicyDuel(const Options& options) : options_(options) {
+  // A big pool samples more sparsely, so that a shadow stays small enough to sit in cache.
+  options_.sample_every = std::max({int64_t{1}, options_.sample_every, options.capacity_blocks / kMaxShadowKeys});
+  capacity_ = std::max<int64_t>(1, options.capacity_blocks / options_.sample_every);
+  decay_ = 1 - 1 / (std::max(options_.memory, 0.01) * static_cast<double>(capacity_));
+  threshold_ = UINT64_MAX / static_cast<uint64_t>(options_.sample_every);
   shadows_[0].order = EvictionQueue::Order::kRecency;
   shadows_[1].order = EvictionQueue::Order::kHorizon;
 }
@@ -15,7 +17,7 @@ PolicyDuel::PolicyDuel(const Options& options)
 void PolicyDuel::Access(const BlockKey& key, bool reused, uint64_t clock) {
   if (!Sampled(key)) return;
   for (Shadow& s : shadows_) {
-    s.score *= options_.decay;
+    s.score *= decay_;
     Touch(s, key, reused, clock);
   }
 }

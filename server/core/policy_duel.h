@@ -3,9 +3,10 @@
 // both as miniature shadow caches over a fixed sample of block keys (one key in `sample_every`,
 // chosen by hash, so every shadow sees the same keys) with 1/sample_every of the pool's capacity
 // each, counts the hits each shadow would have had with exponential decay, and answers the order
-// whose shadow hits more (by a margin: the recency order is SLRU's, the safer default). Shadows hold keys only (no tokens, no prefix structure), so a shadow
-// costs a few ordered-map operations per sampled block: with the default 1 in 16, under a tenth
-// of the engine's per-block work.
+// whose shadow hits more (by a margin: the recency order is SLRU's, the safer default). Shadows
+// hold keys only (no tokens, no prefix structure) and at most kMaxShadowKeys each (a big pool
+// samples more sparsely), so a shadow costs a few cache-resident ordered-map operations per
+// sampled block.
 //
 // Thread-compatible: KvCache calls it under its mutex. It never touches block data.
 #pragma once
@@ -27,10 +28,13 @@ class PolicyDuel {
     int64_t probation_horizon = 0;  // as EvictionQueue::set_horizons, in the pool's store clock
     int64_t main_horizon = 0;
     double main_share = 0.5;        // the recency shadow's SLRU share
-    int64_t sample_every = 16;      // one key in this many is simulated; ≥ 1
-    double decay = 0.999;           // each sampled access multiplies both scores by this
+    int64_t sample_every = 32;      // one key in this many (at least capacity / kMaxShadowKeys)
+    // Scores decay by 1 - 1/(memory × shadow capacity) per sampled access: they weigh about the
+    // last `memory` shadow-fulls of accesses, the same span of the pool's traffic at any size.
+    double memory = 4;
     double margin = 1.1;            // horizon wins when its score exceeds recency's × margin
   };
+  static constexpr int64_t kMaxShadowKeys = 8192;
   explicit PolicyDuel(const Options& options);
 
   // Records one use of `key` at store clock `clock`: a hit when the block was cached, else a
@@ -43,7 +47,8 @@ class PolicyDuel {
                                                  : EvictionQueue::Order::kRecency;
   }
   double score(EvictionQueue::Order order) const { return shadows_[static_cast<int>(order)].score; }
-  bool Sampled(const BlockKey& key) const { return (key.lo ^ (key.hi >> 7)) % options_.sample_every == 0; }
+  // Keys are XXH3 hashes: one in sample_every falls below the threshold (a compare, no division).
+  bool Sampled(const BlockKey& key) const { return key.lo <= threshold_; }
 
  private:
   using Stamp = std::pair<uint64_t, uint64_t>;  // (clock, serial)
@@ -62,6 +67,8 @@ class PolicyDuel {
 
   Options options_;
   int64_t capacity_;
+  uint64_t threshold_;
+  double decay_;
   uint64_t serial_ = 0;
   Shadow shadows_[2];
 };

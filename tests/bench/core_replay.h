@@ -20,9 +20,9 @@ struct ReplayOptions {
   EvictionPolicy policy = EvictionPolicy::kSlru;
   double slru_main_fraction = 0.5;
   double slru_ghost_fraction = 4.0;
-  double horizon_probation = 2.0;
+  double horizon_probation = 0.01;
   double horizon_main = 4.0;
-  int64_t horizon_sample_every = 16;
+  int64_t horizon_sample_every = 32;
   double horizon_margin = 1.1;
   size_t holdout_from = SIZE_MAX;        // requests from this index on are also tallied apart
   ModelShape model;                      // for the compute-saved figures

@@ -72,9 +72,9 @@ constexpr char kUsage[] =
     "  --policy=lru|slru|horizon eviction policy (default: the engine's, slru)\n"
     "  --slru-main=F             SLRU main segment fraction, (0, 1) (default 0.5)\n"
     "  --slru-ghost=F            SLRU ghost keys per pool block, [0, 16] (default 4)\n"
-    "  --horizon-probation=F     horizon policy: probation horizon, in pool capacities (default 2)\n"
+    "  --horizon-probation=F     horizon policy: probation horizon, in pool capacities (default 0.01)\n"
     "  --horizon-main=F          horizon policy: main horizon, in pool capacities (default 4)\n"
-    "  --horizon-sample=N        horizon policy: one key in N feeds the shadow caches (default 16;\n"
+    "  --horizon-sample=N        horizon policy: one key in N feeds the shadow caches (default 32;\n"
     "                            0: no shadows, the horizon order always)\n"
     "  --horizon-margin=F        horizon policy: its shadow must hit F times the recency one's (default 1.1)\n"
     "  --bounds=on|off           also compute the unlimited and farthest-next-use bounds (default on)\n"
@@ -197,6 +197,6 @@ int main(int argc, char** argv) {
                 static_cast<long long>(s->indexed_blocks), static_cast<long long>(s->evicted_blocks),
                 s->indexed_blocks ? double(s->rss_growth_bytes) / s->indexed_blocks : 0.0);
   }
-  HashVersusRead(*trace, hash_sample, base.block_tokens);
+  if (hash_sample > 0) HashVersusRead(*trace, hash_sample, base.block_tokens);
   return 0;
 }

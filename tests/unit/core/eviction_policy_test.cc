@@ -73,7 +73,8 @@ TEST_CASE("The horizon order leaves protected blocks for last", "[core][policy]"
   REQUIRE(q.PeekUnprotected() == nullptr);
 }
 
-BlockKey Key(uint64_t i) { return BlockKey{i * 0x9e3779b97f4a7c15ULL, i}; }
+// Keys as the engine makes them: well-mixed 128-bit hashes.
+BlockKey Key(uint64_t i) { return ChainBlockKey(BlockKey{}, BlockKey{1, 2}, std::vector<Token>{static_cast<Token>(i)}); }
 
 TEST_CASE("The duel prefers the horizon order on a loop larger than the cache", "[core][policy]") {
   // A loop over 3x the cache's keys: recency evicts each key before its reuse and hits only
