@@ -17,6 +17,22 @@ namespace {
 
 using namespace kvd::testing;
 
+// The daemon's report once every dead worker's requests are released (their Attach streams end),
+// checked for exact accounting: only orphaned checkpoints hold budget, every block is in one state.
+CacheReport SettledReport(client::Client& observer) {
+  CacheReport r;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  do {
+    absl::SleepFor(absl::Milliseconds(20));
+    r = *observer.Report();
+  } while (r.live_requests != 0 && absl::Now() < deadline);
+  REQUIRE(r.live_requests == 0);
+  REQUIRE(r.reserved_bytes == r.checkpoint_bytes);
+  const PoolReport& pool = r.pools[0];
+  REQUIRE(pool.free_blocks + pool.owned_blocks + pool.cached_blocks == pool.capacity_blocks);
+  return r;
+}
+
 TEST_CASE("Over 100 workers killed at random points leak nothing and lose nothing",
           "[integration][fault]") {
   DaemonProcess d(SmallPoolConfig(8192), {"--lease-ttl=2"});
@@ -57,18 +73,8 @@ TEST_CASE("Over 100 workers killed at random points leak nothing and lose nothin
   WARN(kills << " workers killed with SIGKILL (" << hung << " right after a checkpoint)");
   REQUIRE(kills >= 100);
 
-  // Every dead worker's requests are released once its Attach stream ends.
-  CacheReport r;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  do {
-    absl::SleepFor(absl::Milliseconds(20));
-    r = *(*observer)->Report();
-  } while (r.live_requests != 0 && absl::Now() < deadline);
-  REQUIRE(r.live_requests == 0);
-  // Accounting is exact: only orphaned checkpoints hold budget, every block is in one state.
-  REQUIRE(r.reserved_bytes == r.checkpoint_bytes);
-  const PoolReport& pool = r.pools[0];
-  REQUIRE(pool.free_blocks + pool.owned_blocks + pool.cached_blocks == pool.capacity_blocks);
+  // Every dead worker's requests are released once its Attach stream ends; accounting is exact.
+  CacheReport r = SettledReport(**observer);
   REQUIRE(r.orphaned_checkpoints >= hung);
   // The published prefix survived every kill.
   REQUIRE(*(*observer)->PeekPrefixLen(Namespace{.pool = "default"}, Range(0, 41)) == 40);
@@ -139,17 +145,7 @@ TEST_CASE("Under the horizon policy a churning pool serves exact bytes while wor
   }
   REQUIRE(kills >= 12);
   REQUIRE(verified > 0);  // reused prefixes were read and checked, not only written
-  CacheReport r;
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  do {
-    absl::SleepFor(absl::Milliseconds(20));
-    r = *(*observer)->Report();
-  } while (r.live_requests != 0 && absl::Now() < deadline);
-  REQUIRE(r.live_requests == 0);
-  REQUIRE(r.reserved_bytes == r.checkpoint_bytes);
-  const PoolReport& pool = r.pools[0];
-  REQUIRE(pool.free_blocks + pool.owned_blocks + pool.cached_blocks == pool.capacity_blocks);
-  REQUIRE(pool.owned_blocks == 0);
+  REQUIRE(SettledReport(**observer).pools[0].owned_blocks == 0);
   // What survived the churn still reads back exactly.
   for (int i = 0; i < 8; ++i) {
     ProcessResult res = RunWorker({"--target", d.target(), "--id", absl::StrCat("v", i), "--prompt-range",

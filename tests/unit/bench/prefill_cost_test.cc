@@ -50,8 +50,10 @@ TEST_CASE("Farthest-next-use on a small trace, worked by hand", "[bench][bounds]
   // hit. r2 brings block 3 into a full cache: block 3 is never used again, 1 is next used by r3
   // and 2 by r4, so farthest-next-use drops 3 and both later requests hit one block. (LRU would
   // drop 1 for 3, then 2 for 1, and hit nothing.)
-  const std::vector<TraceRequest> trace = {Request(0, 513, {1}), Request(1, 513, {2}), Request(2, 513, {3}),
-                                           Request(3, 513, {1}), Request(4, 513, {2})};
+  // (The one extra token is a second, partial block: ids 100+ are never full blocks.)
+  const std::vector<TraceRequest> trace = {Request(0, 513, {1, 100}), Request(1, 513, {2, 101}),
+                                           Request(2, 513, {3, 102}), Request(3, 513, {1, 103}),
+                                           Request(4, 513, {2, 104})};
   const PrefillCost cost;
   const size_t holdout = HoldoutStart(trace, 0.4);  // timestamps >= 0 + 0.6 × 4 = 2.4
   REQUIRE(holdout == 3);

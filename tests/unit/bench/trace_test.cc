@@ -65,7 +65,7 @@ TEST_CASE("Replays are deterministic and within the offline bound under every po
       convs[c].push_back(next_id++);
       convs[c].push_back(next_id++);
       trace.push_back(TraceRequest{.timestamp_ms = static_cast<int64_t>(trace.size()),
-                                   .input_length = static_cast<int64_t>(convs[c].size()) * 512 + 1,
+                                   .input_length = static_cast<int64_t>(convs[c].size()) * 512,
                                    .output_length = 4, .hash_ids = convs[c]});
     }
   }

@@ -76,16 +76,21 @@ TEST_CASE("The horizon order leaves protected blocks for last", "[core][policy]"
 // Keys as the engine makes them: well-mixed 128-bit hashes.
 BlockKey Key(uint64_t i) { return ChainBlockKey(BlockKey{}, BlockKey{1, 2}, std::vector<Token>{static_cast<Token>(i)}); }
 
-TEST_CASE("The duel prefers the horizon order on a loop larger than the cache", "[core][policy]") {
-  // A loop over 3x the cache's keys: recency evicts each key before its reuse and hits only
-  // what SLRU's main segment happens to hold; the horizon order keeps the oldest keys and hits on
-  // them every lap.
+// A duel that sees every key, over 100 blocks, with horizons beyond the tests' reach.
+PolicyDuel::Options FullDuel() {
   PolicyDuel::Options o;
   o.capacity_blocks = 100;
   o.probation_horizon = 1000;
   o.main_horizon = 1000;
   o.sample_every = 1;
-  PolicyDuel duel(o);
+  return o;
+}
+
+TEST_CASE("The duel prefers the horizon order on a loop larger than the cache", "[core][policy]") {
+  // A loop over 3x the cache's keys: recency evicts each key before its reuse and hits only
+  // what SLRU's main segment happens to hold; the horizon order keeps the oldest keys and hits on
+  // them every lap.
+  PolicyDuel duel(FullDuel());
   uint64_t clock = 0;
   for (int lap = 0; lap < 6; ++lap) {
     for (uint64_t k = 0; k < 300; ++k) duel.Access(Key(k), /*reused=*/lap > 0, ++clock);
@@ -97,12 +102,7 @@ TEST_CASE("The duel prefers the horizon order on a loop larger than the cache", 
 TEST_CASE("The duel prefers the recency order when reuse comes soon", "[core][policy]") {
   // Each key is used twice, 30 stores apart, in a cache of 100: recency keeps every key until its
   // reuse; the horizon order evicts the newest keys, which are the ones about to be reused.
-  PolicyDuel::Options o;
-  o.capacity_blocks = 100;
-  o.probation_horizon = 1000;
-  o.main_horizon = 1000;
-  o.sample_every = 1;
-  PolicyDuel duel(o);
+  PolicyDuel duel(FullDuel());
   uint64_t clock = 0;
   for (uint64_t k = 0; k < 2000; ++k) {
     duel.Access(Key(k), false, ++clock);
