@@ -340,7 +340,7 @@ absl::StatusOr<AcquireResult> KvCache::AcquirePrefixLocked(Request& req) {
   for (CachedBlock* b : hit) {
     RefLocked(req.pool, b->address.index);
     if (options_.eviction_policy != EvictionPolicy::kLru) b->reused = true;  // referenced: not queued
-    NoteUseLocked(pool, *b, /*reused=*/true);
+    pool.NoteUse(*b, /*reused=*/true);
   }
   absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, fresh, req.serial);
   KVD_CHECK(owned.ok());

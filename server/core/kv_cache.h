@@ -240,8 +240,6 @@ class KvCache final : public TierPort {
   void SetProtectionLocked(PoolId pool, CachedBlock* node, int delta)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t NextTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void StampUseLocked(Pool& pool, CachedBlock& node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // last_use, use_clock
-  void NoteUseLocked(Pool& pool, const CachedBlock& node, bool reused) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // kv_cache_maintenance.cc: sessions, expiry, pressure, reports.
   // Reads the clock (op_now_ns_), drops sessions and orphans past their TTL. Every mutation's first.

@@ -15,17 +15,6 @@ uint64_t KvCache::NextTickLocked() {
   return last_tick_;
 }
 
-void KvCache::StampUseLocked(Pool& pool, CachedBlock& node) {
-  node.last_use = NextTickLocked();
-  node.use_clock = static_cast<uint32_t>(pool.queue.clock());
-}
-
-void KvCache::NoteUseLocked(Pool& pool, const CachedBlock& node, bool reused) {
-  if (pool.duel == nullptr) return;
-  pool.duel->Access(node.key, reused, pool.queue.clock());
-  pool.queue.set_order(pool.duel->preferred());
-}
-
 void KvCache::RefLocked(PoolId pool_id, BlockIndex index, bool touch) {
   Pool& pool = *pools_[pool_id];
   BlockState& s = pool.blocks[index];
@@ -35,7 +24,7 @@ void KvCache::RefLocked(PoolId pool_id, BlockIndex index, bool touch) {
       pool.queue.Remove(s.node);
       --pool.num_cached_unreferenced;
     }
-    if (touch) StampUseLocked(pool, *s.node);
+    if (touch) pool.StampUse(*s.node, NextTickLocked());
   }
   ++s.refs;
 }
@@ -53,7 +42,7 @@ void KvCache::UnrefLocked(PoolId pool_id, BlockIndex index, bool touch) {
     return;
   }
   ++pool.num_cached_unreferenced;
-  if (touch) StampUseLocked(pool, *s.node);
+  if (touch) pool.StampUse(*s.node, NextTickLocked());
   if (s.node->num_children == 0) pool.queue.Push(s.node);
 }
 
@@ -184,9 +173,9 @@ CachedBlock* KvCache::CacheBlockLocked(PoolId pool_id, NamespaceRoot* root, Cach
   --pool.num_owned;
   ++pool.num_cached;
   pool.queue.TickClock();
-  StampUseLocked(pool, *node);
+  pool.StampUse(*node, NextTickLocked());
   if (was_ghost) node->reused = true;
-  NoteUseLocked(pool, *node, was_ghost);
+  pool.NoteUse(*node, was_ghost);
   CacheEvent& e = scratch_event_;
   e.kind = CacheEventKind::kStored;
   e.pool = pool.geometry.name;

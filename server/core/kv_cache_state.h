@@ -41,6 +41,18 @@ struct Pool {
   std::unique_ptr<PolicyDuel> duel;                // horizon policy only
   explicit Pool(PoolGeometry g)
       : geometry(std::move(g)), allocator(geometry.capacity_blocks), blocks(geometry.capacity_blocks) {}
+  // A use of a cached block: its recency tick and the pool's store clock (EvictionQueue).
+  void StampUse(CachedBlock& node, uint64_t tick) const {
+    node.last_use = tick;
+    node.use_clock = static_cast<uint32_t>(queue.clock());
+  }
+  // Tells the horizon policy's duel of a use (a hit, or a store that was or was not `reused`) and
+  // files the order it prefers. No-op under other policies.
+  void NoteUse(const CachedBlock& node, bool reused) {
+    if (duel == nullptr) return;
+    duel->Access(node.key, reused, queue.clock());
+    queue.set_order(duel->preferred());
+  }
 };
 struct Request {
   RequestSpec spec;
