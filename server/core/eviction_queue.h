@@ -63,6 +63,7 @@ class EvictionQueue {
   // block and stamps a block's use_clock with it whenever it stamps last_use.
   uint64_t clock() const { return clock_; }
   void TickClock() { ++clock_; }
+  void set_clock(uint64_t clock) { clock_ = clock; }  // PolicyDuel's shadows follow the pool's
   // kHorizon: how many stored blocks may pass since a probation / main block's last use before it
   // is overdue.
   void set_horizons(int64_t probation_blocks, int64_t main_blocks) {

@@ -1,6 +1,7 @@
 #include "server/core/policy_duel.h"
 
 #include <algorithm>
+#include <limits>
 
 namespace kvd {
 
@@ -10,12 +11,17 @@ PolicyDuel::PolicyDuel(const Options& options) : options_(options) {
   capacity_ = std::max<int64_t>(1, options.capacity_blocks / options_.sample_every);
   decay_ = 1 - 1 / (std::max(options_.memory, 0.01) * static_cast<double>(capacity_));
   threshold_ = UINT64_MAX / static_cast<uint64_t>(options_.sample_every);
-  shadows_[0].order = EvictionQueue::Order::kRecency;
-  shadows_[1].order = EvictionQueue::Order::kHorizon;
+  for (Shadow& s : shadows_) {
+    s.queue.set_main_limits(options_.main_share, std::numeric_limits<int64_t>::max());
+    s.queue.set_horizons(options_.probation_horizon, options_.main_horizon);
+  }
+  shadows_[0].queue.set_order(EvictionQueue::Order::kRecency);
+  shadows_[1].queue.set_order(EvictionQueue::Order::kHorizon);
 }
 
 void PolicyDuel::Access(const BlockKey& key, bool reused, uint64_t clock) {
   if (!Sampled(key)) return;
+  ++serial_;
   for (Shadow& s : shadows_) {
     s.score *= decay_;
     Touch(s, key, reused, clock);
@@ -23,45 +29,27 @@ void PolicyDuel::Access(const BlockKey& key, bool reused, uint64_t clock) {
 }
 
 void PolicyDuel::Touch(Shadow& s, const BlockKey& key, bool reused, uint64_t clock) {
-  const Stamp stamp{clock, ++serial_};
-  auto it = s.entries.find(key);
-  if (it != s.entries.end()) {  // a hit in this shadow: the key moves to main, newest
+  auto [it, stored] = s.blocks.try_emplace(key);
+  CachedBlock& b = it->second;
+  if (stored) {
+    b.key = key;
+    b.reused = reused;
+  } else {  // a hit in this shadow: the key moves to main, newest
     s.score += 1;
-    s.segments[it->second.main].erase(it->second.stamp);
-    it->second = Entry{true, stamp};
-    s.segments[1].emplace(stamp, key);
-    return;
+    s.queue.Remove(&b);
+    b.reused = true;
   }
-  s.entries.emplace(key, Entry{reused, stamp});
-  s.segments[reused].emplace(stamp, key);
-  while (static_cast<int64_t>(s.entries.size()) > capacity_) EvictOne(s, clock);
-}
-
-void PolicyDuel::EvictOne(Shadow& s, uint64_t clock) {
-  auto& probation = s.segments[0];
-  auto& main = s.segments[1];
-  // The shadow's clock runs at the pool's pace while it holds 1/sample_every of the keys, so the
-  // horizons (in the pool's stored blocks) apply unscaled.
-  auto overdue = [clock](const absl::btree_map<Stamp, BlockKey>& seg, int64_t horizon) {
-    return !seg.empty() && static_cast<int64_t>(clock - seg.begin()->first.first) > horizon;
-  };
-  absl::btree_map<Stamp, BlockKey>* from = nullptr;
-  bool newest = false;
-  if (s.order == EvictionQueue::Order::kRecency) {
-    const double m = static_cast<double>(main.size());
-    const double all = m + static_cast<double>(probation.size());
-    from = (!main.empty() && (m > options_.main_share * all || probation.empty())) ? &main : &probation;
-  } else if (overdue(probation, options_.probation_horizon)) {
-    from = &probation;
-  } else if (overdue(main, options_.main_horizon)) {
-    from = &main;
-  } else {
-    from = probation.empty() ? &main : &probation;
-    newest = true;
+  // Accesses are stamped in order, so recency is the access count; ages are in the pool's clock.
+  b.serial = serial_;
+  b.last_use = serial_;
+  b.use_clock = static_cast<uint32_t>(clock);
+  s.queue.set_clock(clock);
+  s.queue.Push(&b);
+  while (static_cast<int64_t>(s.blocks.size()) > capacity_) {
+    CachedBlock* victim = s.queue.Peek();
+    s.queue.Remove(victim);
+    s.blocks.erase(victim->key);
   }
-  auto victim = newest ? std::prev(from->end()) : from->begin();
-  s.entries.erase(victim->second);
-  from->erase(victim);
 }
 
 }  // namespace kvd

@@ -3,19 +3,17 @@
 // both as miniature shadow caches over a fixed sample of block keys (one key in `sample_every`,
 // chosen by hash, so every shadow sees the same keys) with 1/sample_every of the pool's capacity
 // each, counts the hits each shadow would have had with exponential decay, and answers the order
-// whose shadow hits more (by a margin: the recency order is SLRU's, the safer default). Shadows
-// hold keys only (no tokens, no prefix structure) and at most kMaxShadowKeys each (a big pool
-// samples more sparsely), so a shadow costs a few cache-resident ordered-map operations per
-// sampled block.
+// whose shadow hits more (by a margin: the recency order is SLRU's, the safer default). Each
+// shadow is an EvictionQueue in its order over stand-in nodes (keys only: no tokens, no prefix
+// structure), at most kMaxShadowKeys of them (a big pool samples more sparsely; ~2 MB a pool), so
+// a shadow costs a few ordered-map operations per sampled block.
 //
 // Thread-compatible: KvCache calls it under its mutex. It never touches block data.
 #pragma once
 
 #include <cstdint>
-#include <utility>
 
-#include "absl/container/btree_map.h"
-#include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
 #include "proto/vocab/block_key.h"
 #include "server/core/eviction_queue.h"
 
@@ -51,19 +49,14 @@ class PolicyDuel {
   bool Sampled(const BlockKey& key) const { return key.lo <= threshold_; }
 
  private:
-  using Stamp = std::pair<uint64_t, uint64_t>;  // (clock, serial)
-  struct Entry {
-    bool main = false;
-    Stamp stamp;
-  };
+  // A shadow is an EvictionQueue in one order over stand-in nodes for its keys (no parent, no
+  // tokens), so it evicts by exactly the rules the pool would follow.
   struct Shadow {
-    EvictionQueue::Order order;
-    absl::btree_map<Stamp, BlockKey> segments[2];  // probation, main: oldest first
-    absl::flat_hash_map<BlockKey, Entry> entries;
+    EvictionQueue queue;
+    absl::node_hash_map<BlockKey, CachedBlock> blocks;  // stable addresses: the queue holds them
     double score = 0;
   };
   void Touch(Shadow& shadow, const BlockKey& key, bool reused, uint64_t clock);
-  void EvictOne(Shadow& shadow, uint64_t clock);
 
   Options options_;
   int64_t capacity_;
