@@ -250,6 +250,22 @@ class Client:
             self._channel.close()
             raise KvdUnavailable(target, connect_timeout_s) from None
         self._stub = kvd_pb2_grpc.KvdStub(self._channel)
+        try:
+            heartbeat_s = self._attach_first(heartbeat_s, map_slabs, cuda_runtime)
+        except BaseException:
+            # A refused or failed attach leaves no channel behind: an unclosed gRPC channel with an
+            # ended stream can hang the interpreter's exit (grpc/grpc#6666, #17214).
+            self._closed.set()
+            self._channel.close()
+            raise
+        self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True)
+        self._beat.start()
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True)
+        self._supervisor.start()
+
+    def _attach_first(self, heartbeat_s, map_slabs, cuda_runtime):
+        """The first attach: worker id, pools and slab mappings (KvdError if kvd refuses); returns the
+        heartbeat period, shortened to a third of kvd's lease."""
         attached = self._open_stream()
         self.worker_id = attached.worker_id
         self.backend = attached.backend
@@ -262,10 +278,7 @@ class Client:
         elif map_slabs and self.backend == "cuda":
             self.map_cuda_slabs(cuda_runtime)
         self.attached.set()
-        self._beat = threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True)
-        self._beat.start()
-        self._supervisor = threading.Thread(target=self._supervise, daemon=True)
-        self._supervisor.start()
+        return heartbeat_s
 
     def _open_stream(self):
         """A new attach stream on the current channel; the Attached reply (KvdError if refused)."""
