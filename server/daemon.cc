@@ -224,6 +224,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
     // Before Load: a warm restart's reload is announced to routers too.
     RouterEventsOptions ro = d->options_.router_events;
     ro.device_medium = d->arena_->backend() == "cuda" ? "GPU" : "CPU";
+    for (const PoolGeometry& g : d->options_.cache.pools) ro.pools.push_back(g.name);
     KVD_ASSIGN_OR_RETURN(d->router_events_, RouterEventPublisher::Start(std::move(ro)));
     d->router_events_->Attach(d->cache_.get());
   }

@@ -2,6 +2,8 @@
 
 #include <grp.h>
 
+#include <map>
+
 #include <yaml-cpp/yaml.h>
 
 #include "absl/strings/match.h"
@@ -155,8 +157,28 @@ absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOpt
 
 absl::Status ReadRouterEvents(const YAML::Node& node, const std::string& where, RouterEventsOptions* r) {
   KVD_RETURN_IF_ERROR(CheckKeys(node, where,
-                                {"endpoint", "replay_endpoint", "topic", "node", "hash_seed", "format",
-                                 "data_parallel_rank", "buffer_batches", "max_batch_events", "send_hwm"}));
+                                {"endpoint", "endpoint_mode", "replay_endpoint", "replay_topic_frame", "topic", "node",
+                                 "hash_seed", "format", "medium", "data_parallel_rank", "buffer_batches",
+                                 "max_batch_events", "send_hwm"}));
+  KVD_RETURN_IF_ERROR(Read(node, "endpoint_mode", &r->endpoint_mode, where));
+  KVD_RETURN_IF_ERROR(Read(node, "replay_topic_frame", &r->replay_topic_frame, where));
+  // medium: one word for every pool, or a map of pool name to word.
+  if (const YAML::Node m = node["medium"]) {
+    if (m.IsScalar()) {
+      r->medium[""] = m.as<std::string>();
+    } else if (m.IsMap()) {
+      for (const auto& kv : m) {
+        if (!kv.second.IsScalar()) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ": medium: pool '", kv.first.as<std::string>(),
+                                                         "': expected a single word such as GPU"));
+        }
+        r->medium[kv.first.as<std::string>()] = kv.second.as<std::string>();
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": medium: expected a word (every pool) or a map of "
+                                                     "pool name to word"));
+    }
+  }
   KVD_RETURN_IF_ERROR(Read(node, "endpoint", &r->endpoint, where));
   KVD_RETURN_IF_ERROR(Read(node, "replay_endpoint", &r->replay_endpoint, where));
   KVD_RETURN_IF_ERROR(Read(node, "topic", &r->topic, where));
@@ -291,6 +313,15 @@ absl::Status Options::Validate() const {
   if (r.max_batch_events < 1) return absl::InvalidArgumentError(absl::StrCat("router_events.max_batch_events must be >= 1, not ", r.max_batch_events));
   if (r.send_hwm < 0) return absl::InvalidArgumentError(absl::StrCat("router_events.send_hwm must be >= 0, not ", r.send_hwm));
   if (r.data_parallel_rank < 0) return absl::InvalidArgumentError(absl::StrCat("router_events.data_parallel_rank must be >= 0, not ", r.data_parallel_rank));
+  if (r.endpoint_mode != "auto" && r.endpoint_mode != "bind" && r.endpoint_mode != "connect") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("router_events.endpoint_mode must be auto, bind or connect, not '", r.endpoint_mode, "'"));
+  }
+  if (r.enabled()) {
+    RouterEventsOptions named = r;
+    for (const PoolGeometry& g : cache.pools) named.pools.push_back(g.name);
+    KVD_RETURN_IF_ERROR(CheckRouterTopics(named));
+  }
   return cache.Validate();
 }
 
@@ -474,7 +505,9 @@ std::string FormatConfig(const Options& o) {
   const RouterEventsOptions& r = o.router_events;
   out << YAML::Key << "router_events" << YAML::Value << YAML::BeginMap;
   out << YAML::Key << "endpoint" << YAML::Value << r.endpoint;
+  out << YAML::Key << "endpoint_mode" << YAML::Value << r.endpoint_mode;
   out << YAML::Key << "replay_endpoint" << YAML::Value << r.replay_endpoint;
+  out << YAML::Key << "replay_topic_frame" << YAML::Value << r.replay_topic_frame;
   out << YAML::Key << "topic" << YAML::Value << r.topic;
   out << YAML::Key << "node" << YAML::Value << r.node;
   out << YAML::Key << "hash_seed" << YAML::Value << YAML::DoubleQuoted << r.hash_seed;
@@ -483,6 +516,17 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "max_batch_events" << YAML::Value << r.max_batch_events;
   out << YAML::Key << "send_hwm" << YAML::Value << r.send_hwm;
   out << YAML::Key << "format" << YAML::Value << r.format;
+  if (!r.medium.empty()) {
+    out << YAML::Key << "medium" << YAML::Value;
+    if (r.medium.size() == 1 && r.medium.contains("")) {
+      out << r.medium.at("");
+    } else {
+      std::map<std::string, std::string> sorted(r.medium.begin(), r.medium.end());
+      out << YAML::BeginMap;
+      for (const auto& [pool, medium] : sorted) out << YAML::Key << pool << YAML::Value << medium;
+      out << YAML::EndMap;
+    }
+  }
   out << YAML::EndMap << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }

@@ -4,14 +4,18 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
 #include <msgpack.hpp>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
+#include "proto/vocab/status_macros.h"
 #include "server/core/kv_cache.h"
 #include "spdlog/spdlog.h"
 
@@ -46,7 +50,51 @@ std::string HostName() {
   return name;
 }
 
+const std::string kDiskMedium = "DISK";
+
+std::string RenderTopic(const RouterEventsOptions& o, const std::string& node, const std::string& pool) {
+  return absl::StrReplaceAll(o.topic, {{"{node}", node}, {"{pool}", pool}});
+}
+
 }  // namespace
+
+bool RouterEndpointBinds(const std::string& endpoint, const std::string& mode) {
+  if (mode == "bind") return true;
+  if (mode == "connect") return false;
+  // vLLM's ZmqEventPublisher._socket_setup (vllm/distributed/kv_events.py at 0181ea3173e5).
+  return absl::StrContains(endpoint, "*") || absl::StrContains(endpoint, "::") ||
+         absl::StartsWith(endpoint, "ipc://") || absl::StartsWith(endpoint, "inproc://");
+}
+
+absl::Status CheckRouterTopics(const RouterEventsOptions& o) {
+  const std::string node = o.node.empty() ? HostName() : o.node;
+  for (const std::string& a : o.pools) {
+    for (const std::string& b : o.pools) {
+      if (a == b) continue;
+      const std::string ta = RenderTopic(o, node, a);
+      const std::string tb = RenderTopic(o, node, b);
+      if (absl::StartsWith(tb, ta)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "router_events.topic: pool '", a, "' publishes on '", ta, "', a prefix of pool '", b, "''s topic '", tb,
+            "' (a ZMQ subscription matches prefixes, so a router subscribed to one would receive both): rename a "
+            "pool, or put text after {pool} in router_events.topic"));
+      }
+    }
+  }
+  for (const auto& [pool, medium] : o.medium) {
+    if (!pool.empty() && std::find(o.pools.begin(), o.pools.end(), pool) == o.pools.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("router_events.medium: no pool named '", pool, "'"));
+    }
+    if (medium.empty() || !std::all_of(medium.begin(), medium.end(), [](char c) {
+          return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_';
+        })) {
+      return absl::InvalidArgumentError(absl::StrCat("router_events.medium", pool.empty() ? "" : " of pool '", pool,
+                                                     pool.empty() ? "" : "'", " must be a word such as GPU or CPU, not '",
+                                                     medium, "'"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 // The router events of one pool, in order, while a batch is being assembled.
 struct RouterEventPublisher::Batch {
@@ -71,6 +119,11 @@ absl::StatusOr<std::unique_ptr<RouterEventPublisher>> RouterEventPublisher::Star
   if (options.endpoint.empty()) return absl::InvalidArgumentError("router_events.endpoint is empty");
   if (options.buffer_batches < 1) return absl::InvalidArgumentError("router_events.buffer_batches must be >= 1");
   if (options.max_batch_events < 1) return absl::InvalidArgumentError("router_events.max_batch_events must be >= 1");
+  if (options.endpoint_mode != "auto" && options.endpoint_mode != "bind" && options.endpoint_mode != "connect") {
+    return absl::InvalidArgumentError(absl::StrCat("router_events.endpoint_mode must be auto, bind or connect, not '",
+                                                   options.endpoint_mode, "'"));
+  }
+  KVD_RETURN_IF_ERROR(CheckRouterTopics(options));
   if (options.node.empty()) options.node = HostName();
   std::unique_ptr<RouterEventPublisher> p(new RouterEventPublisher(std::move(options)));
   const RouterEventsOptions& o = p->options_;
@@ -81,8 +134,10 @@ absl::StatusOr<std::unique_ptr<RouterEventPublisher>> RouterEventPublisher::Star
   const int linger = 0;
   zmq_setsockopt(p->pub_, ZMQ_SNDHWM, &hwm, sizeof(hwm));
   zmq_setsockopt(p->pub_, ZMQ_LINGER, &linger, sizeof(linger));
-  if (zmq_bind(p->pub_, o.endpoint.c_str()) != 0) {
-    return absl::UnavailableError(absl::StrCat("router_events.endpoint ", o.endpoint, ": ", zmq_strerror(errno)));
+  const bool bind = RouterEndpointBinds(o.endpoint, o.endpoint_mode);
+  if ((bind ? zmq_bind(p->pub_, o.endpoint.c_str()) : zmq_connect(p->pub_, o.endpoint.c_str())) != 0) {
+    return absl::UnavailableError(absl::StrCat("router_events.endpoint ", o.endpoint, " (", bind ? "bind" : "connect",
+                                               "): ", zmq_strerror(errno)));
   }
   if (!o.replay_endpoint.empty()) {
     p->replay_ = zmq_socket(p->ctx_, ZMQ_ROUTER);
@@ -95,7 +150,7 @@ absl::StatusOr<std::unique_ptr<RouterEventPublisher>> RouterEventPublisher::Star
   p->wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (p->wake_fd_ < 0) return absl::InternalError(absl::StrCat("eventfd: ", std::strerror(errno)));
   p->thread_ = std::thread([raw = p.get()] { raw->Run(); });
-  spdlog::info("router events on {} (replay {}), topic {}", o.endpoint,
+  spdlog::info("router events {} {} (replay {}), topic {}", bind ? "bound to" : "connecting to", o.endpoint,
                o.replay_endpoint.empty() ? "off" : o.replay_endpoint, o.topic);
   return p;
 }
@@ -147,7 +202,13 @@ RouterEventStats RouterEventPublisher::Stats() const {
 }
 
 std::string RouterEventPublisher::TopicOf(const std::string& pool) const {
-  return absl::StrReplaceAll(options_.topic, {{"{node}", options_.node}, {"{pool}", pool}});
+  return RenderTopic(options_, options_.node, pool);
+}
+
+const std::string& RouterEventPublisher::MediumOf(const std::string& pool) const {
+  auto it = options_.medium.find(pool);
+  if (it == options_.medium.end()) it = options_.medium.find("");  // one word for every pool
+  return it != options_.medium.end() ? it->second : options_.device_medium;
 }
 
 void RouterEventPublisher::Run() {
@@ -228,7 +289,7 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
         Known& k = known_[e.key];
         k.hash = h;
         ++k.stored;
-        const std::string medium = e.medium == "disk" ? "DISK" : options_.device_medium;
+        const std::string& medium = e.medium == "disk" ? kDiskMedium : MediumOf(e.pool);
         start(e.pool, e.time);
         Batch::Event* last = batch.events.empty() ? nullptr : &batch.events.back();
         if (last != nullptr && last->kind == CacheEventKind::kStored && e.has_parent &&
@@ -255,11 +316,12 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
         const uint64_t id = RouterHasher::EventId(it->second.hash);
         if (--it->second.stored <= 0) known_.erase(it);
         start(e.pool, e.time);
+        const std::string& medium = MediumOf(e.pool);
         Batch::Event* last = batch.events.empty() ? nullptr : &batch.events.back();
-        if (last != nullptr && last->kind == CacheEventKind::kRemoved && last->medium == options_.device_medium) {
+        if (last != nullptr && last->kind == CacheEventKind::kRemoved && last->medium == medium) {
           last->ids.push_back(id);
         } else {
-          Batch::Event out{CacheEventKind::kRemoved, options_.device_medium};
+          Batch::Event out{CacheEventKind::kRemoved, medium};
           out.ids.push_back(id);
           batch.events.push_back(std::move(out));
         }
@@ -356,15 +418,16 @@ void RouterEventPublisher::Send(const std::string& pool, const Batch& batch) {
   key("data_parallel_rank");
   pk.pack_int64(options_.data_parallel_rank);
 
-  const uint64_t seq = next_sequence_++;
+  Topic& topic = topics_[pool];
+  if (topic.name.empty()) topic.name = TopicOf(pool);
+  const uint64_t seq = topic.next_sequence++;
   const std::string seq_bytes = BigEndian8(static_cast<int64_t>(seq));
-  const std::string topic = TopicOf(pool);
   std::string payload(buf.data(), buf.size());
-  if (!SendFrames(pub_, {topic, seq_bytes, payload})) {
-    spdlog::warn("router events: send of batch {} failed: {}", seq, zmq_strerror(errno));
+  if (!SendFrames(pub_, {topic.name, seq_bytes, payload})) {
+    spdlog::warn("router events: send of batch {} of {} failed: {}", seq, topic.name, zmq_strerror(errno));
   }
-  buffer_.push_back(Buffered{seq, std::move(payload)});
-  while (static_cast<int64_t>(buffer_.size()) > options_.buffer_batches) buffer_.pop_front();
+  topic.buffer.push_back(Buffered{seq, std::move(payload)});
+  while (static_cast<int64_t>(topic.buffer.size()) > options_.buffer_batches) topic.buffer.pop_front();
   absl::MutexLock lock(&stats_mu_);
   ++stats_.batches;
   stats_.events += batch.events.size();
@@ -390,21 +453,37 @@ void RouterEventPublisher::ServeReplay() {
       absl::MutexLock lock(&stats_mu_);
       ++stats_.replay_requests;
     }
-    if (frames.size() != 3 || frames[2].size() != 8) {
-      spdlog::warn("router events: ignoring a replay request of {} frames (want identity, empty, "
+    // [identity, "", start] for every topic, or [identity, "", topic, start] for one.
+    if ((frames.size() != 3 && frames.size() != 4) || frames.back().size() != 8) {
+      spdlog::warn("router events: ignoring a replay request of {} frames (want identity, empty, [topic,] "
                    "8-byte start sequence)", frames.size());
       continue;
     }
     const std::string& identity = frames[0];
-    const int64_t start = FromBigEndian8(reinterpret_cast<const uint8_t*>(frames[2].data()));
+    const int64_t start = FromBigEndian8(reinterpret_cast<const uint8_t*>(frames.back().data()));
+    const std::string* only = frames.size() == 4 ? &frames[2] : nullptr;
+    const bool topic_frame = options_.replay_topic_frame;
     uint64_t sent = 0;
-    for (const Buffered& b : buffer_) {
-      if (static_cast<int64_t>(b.sequence) < start) continue;
-      const std::string seq = BigEndian8(static_cast<int64_t>(b.sequence));
-      if (!SendFrames(replay_, {identity, "", seq, b.payload})) break;
-      ++sent;
+    bool ok = true;
+    for (const std::string& pool : pools_) {
+      auto it = topics_.find(pool);
+      if (it == topics_.end() || (only != nullptr && it->second.name != *only)) continue;
+      const Topic& t = it->second;
+      for (const Buffered& b : t.buffer) {
+        if (static_cast<int64_t>(b.sequence) < start) continue;
+        const std::string seq = BigEndian8(static_cast<int64_t>(b.sequence));
+        ok = topic_frame ? SendFrames(replay_, {identity, "", t.name, seq, b.payload})
+                         : SendFrames(replay_, {identity, "", seq, b.payload});
+        if (!ok) break;
+        ++sent;
+      }
+      if (!ok) break;
     }
-    SendFrames(replay_, {identity, "", BigEndian8(-1), ""});
+    if (topic_frame) {
+      SendFrames(replay_, {identity, "", "", BigEndian8(-1), ""});
+    } else {
+      SendFrames(replay_, {identity, "", BigEndian8(-1), ""});
+    }
     absl::MutexLock lock(&stats_mu_);
     stats_.replayed_batches += sent;
   }

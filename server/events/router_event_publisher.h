@@ -1,22 +1,29 @@
 // RouterEventPublisher streams kvd's cache events to cluster routers in the wire format vLLM's
-// ZmqEventPublisher uses (and SGLang and the llm-d KV-cache indexer consume):
+// ZmqEventPublisher uses (and SGLang, the llm-d KV-cache indexer and NVIDIA Dynamo consume):
 //
 //   PUB socket, one message per batch, three frames:
 //     topic                 (options.topic with {node} and {pool} filled in; one topic per pool)
-//     sequence number       (8 bytes, big-endian, one counter over all topics, first batch 0)
+//     sequence number       (8 bytes, big-endian; one counter per topic, first batch 0)
 //     msgpack payload       [timestamp (float seconds), [event, ...], data_parallel_rank]
-//   events, arrays led by their type name:
-//     ["BlockStored", [block ids], parent id or nil, [token ids], block_size, lora_id (nil), medium]
+//   events, arrays led by their type name (or maps, format "vllm-map"):
+//     ["BlockStored", [block ids], parent id or nil, [token ids], block_size, lora_id (nil), medium,
+//      lora_name]
 //     ["BlockRemoved", [block ids], medium]
 //     ["AllBlocksCleared"]
-//   ROUTER replay socket: a request [identity, "", start sequence (8 bytes BE)] gets every
-//   buffered batch from that sequence on as [identity, "", sequence, payload], then
-//   [identity, "", -1 (8 bytes), ""] to mark the end.
+//   The PUB socket binds or connects by vLLM's rule (mode "auto": bind when the endpoint is a
+//   wildcard, "::", ipc:// or inproc://; connect otherwise), so a central indexer can bind and
+//   every node connect to it.
+//   ROUTER replay socket: a request [identity, "", start sequence (8 bytes BE)], or
+//   [identity, "", topic, start sequence] for one topic, gets every buffered batch of the topic(s)
+//   from that sequence on as [identity, "", topic, sequence, payload] (vLLM >= 0.26, PR #45177;
+//   without the topic frame when replay_topic_frame is false), then the end marker
+//   [identity, "", "", -1 (8 bytes), ""] ([identity, "", -1, ""] without topic frames).
 //
 // Block ids are router hashes (router_hash.h), so a router hashing prompts itself matches them.
 // Consecutive blocks of one chain stored together become one BlockStored; consecutive removals
-// one BlockRemoved. medium: options.device_medium for the device pool (G1), "DISK" for blocks a
-// warm restart reloaded onto G3. Demotions and promotions between lower tiers are not announced.
+// one BlockRemoved. medium: options.medium[pool] (default options.device_medium) for the device
+// pool (G1), "DISK" for blocks a warm restart reloaded onto G3. Demotions and promotions between
+// lower tiers are not announced.
 //
 // The cache's event listener only queues (never blocks on ZMQ); one thread owns both sockets,
 // hashes, encodes, sends and serves replays. Thread-safe.
@@ -31,6 +38,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "server/core/event_log.h"
@@ -41,9 +49,12 @@ namespace kvd {
 class KvCache;
 
 struct RouterEventsOptions {
-  // ZMQ endpoint the PUB socket binds, e.g. "tcp://*:5557" or "ipc:///run/kvd/events". Empty
-  // disables router events.
+  // ZMQ endpoint of the PUB socket, e.g. "tcp://*:5557" or "ipc:///run/kvd/events" (bound), or
+  // "tcp://indexer:5557" (connected, for an indexer that binds). Empty disables router events.
   std::string endpoint;
+  // "auto" (vLLM's rule: bind a wildcard, "::", ipc:// or inproc:// endpoint, connect to any
+  // other), "bind" or "connect".
+  std::string endpoint_mode = "auto";
   // ZMQ endpoint of the ROUTER replay socket. Empty: no replay.
   std::string replay_endpoint;
   // Topic of each batch; "{node}" becomes `node`, "{pool}" the pool (model) name.
@@ -54,8 +65,11 @@ struct RouterEventsOptions {
   std::string hash_seed = "0";
   // data_parallel_rank in every batch.
   int64_t data_parallel_rank = 0;
-  // Batches kept for replay.
+  // Batches kept for replay, per topic.
   int64_t buffer_batches = 10000;
+  // Replay replies carry the topic before the sequence (vLLM >= 0.26, llm-d); false: the older
+  // [sequence, payload] replies.
+  bool replay_topic_frame = true;
   // Most events in one batch.
   int64_t max_batch_events = 1024;
   // Events waiting for the publisher thread before new ones are dropped (the router then sees
@@ -65,6 +79,11 @@ struct RouterEventsOptions {
   int64_t send_hwm = 100000;
   // The medium of device-pool blocks: "GPU" on the CUDA backend, "CPU" on the host backend.
   std::string device_medium = "GPU";
+  // Per pool: the medium routers are told instead of device_medium (a host-backend pool a router
+  // should score as GPU memory, say). Keys name configured pools; the key "" applies to every pool.
+  absl::flat_hash_map<std::string, std::string> medium;
+  // The pools whose events are published (their topics must not prefix-match each other).
+  std::vector<std::string> pools;
   // Wire format of a batch (docs/integration.md, "Router events"):
   //   "vllm"      msgpack arrays, as vLLM's array-era KVEventBatch: [ts, [events], dp_rank] with
   //               BlockStored = [tag, block_hashes, parent, token_ids, block_size, lora_id,
@@ -84,8 +103,15 @@ struct RouterEventStats {
   uint64_t replayed_batches = 0;
   uint64_t dropped = 0;            // cache events dropped (queue full)
   uint64_t unhashable = 0;         // stored blocks whose parent's hash was unknown (not announced)
-  uint64_t last_sequence = 0;      // of the last batch sent (valid when batches > 0)
+  uint64_t last_sequence = 0;      // of the last batch sent, in its topic (valid when batches > 0)
 };
+
+// Whether the PUB socket binds `endpoint` under `mode` ("auto", "bind" or "connect").
+bool RouterEndpointBinds(const std::string& endpoint, const std::string& mode);
+// OK when no pool's topic is a prefix of another's (a ZMQ subscription is a prefix match, so a
+// router subscribed to "kv@n1@m" would also receive "kv@n1@m2"); INVALID_ARGUMENT naming both
+// topics otherwise. Also checks that options.medium names only configured pools.
+absl::Status CheckRouterTopics(const RouterEventsOptions& options);
 
 class RouterEventPublisher {
  public:
@@ -116,6 +142,7 @@ class RouterEventPublisher {
   void Send(const std::string& pool, const Batch& batch); // publisher thread only
   void ServeReplay();                                     // publisher thread only
   std::string TopicOf(const std::string& pool) const;
+  const std::string& MediumOf(const std::string& pool) const;
 
   const RouterEventsOptions options_;
   const RouterHasher hasher_;
@@ -137,12 +164,16 @@ class RouterEventPublisher {
 
   // Publisher thread only.
   absl::flat_hash_map<BlockKey, Known> known_;
-  uint64_t next_sequence_ = 0;
   struct Buffered {
     uint64_t sequence;
     std::string payload;
   };
-  std::deque<Buffered> buffer_;
+  struct Topic {
+    std::string name;
+    uint64_t next_sequence = 0;
+    std::deque<Buffered> buffer;  // the last buffer_batches batches, for replay
+  };
+  absl::flat_hash_map<std::string, Topic> topics_;  // by pool
 
   std::thread thread_;  // last: joined first
 };

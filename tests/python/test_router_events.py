@@ -7,12 +7,16 @@ and cbor2 (plain, LoRA adapter, cache salt); removals name stored blocks; the li
 rebuilds matches the daemon's cached blocks; lost batches are recovered through the ROUTER replay
 socket byte for byte; a late subscriber rebuilds everything by replay; Close announces
 AllBlocksCleared; a warm restart announces the reloaded blocks (medium DISK) with the same ids.
+Topics: one sequence per pool, replay by topic with vLLM >= 0.26's topic frame (and without it),
+a medium per pool, topics that would prefix-match refused, and a PUB socket that connects to a
+router that binds (llm-d's central mode).
 
 Usage: test_router_events.py KVD_BINARY   (PYTHONPATH=<build>/python)
 """
 import hashlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -60,30 +64,38 @@ class Subscriber:
                 deadline = time.monotonic() + idle_s
 
 
-def replay(ctx, endpoint, start):
-    """Asks the replay socket for every batch from `start`; returns {seq: payload}."""
+def replay(ctx, endpoint, start, topic=None, topic_frame=True, with_topics=False):
+    """Asks the replay socket for every batch from `start` (of `topic`, or of every topic); returns
+    {seq: payload}, or {(topic, seq): payload} with `with_topics`. Replies are [topic, seq, payload]
+    (vLLM >= 0.26) or [seq, payload] (topic_frame=False); the end marker's sequence is -1."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(endpoint)
-    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    dealer.send_multipart([b""] + ([topic] if topic is not None else []) + [start.to_bytes(8, "big")])
     out = {}
     while dealer.poll(5000):
-        _, seq, payload = dealer.recv_multipart()
+        frames = dealer.recv_multipart()
+        if topic_frame:
+            _, t, seq, payload = frames
+        else:
+            (_, seq, payload), t = frames, None
         s = int.from_bytes(seq, "big", signed=True)
         if s == -1:
+            if payload != b"" or (topic_frame and t != b""):
+                check(False, f"replay end marker is ['', -1, ''] (got {frames[1:]})")
             break
-        out[s] = payload
+        out[(t, s) if with_topics else s] = payload
     dealer.close(0)
     return out
 
 
-def replay_settled(ctx, endpoint, start, wait_s=10.0):
+def replay_settled(ctx, endpoint, start, wait_s=10.0, **kw):
     """replay() until two answers 0.3 s apart agree: the publisher thread sends what the daemon
     queued (a warm restart's reload, the last request's blocks) a moment after the daemon answers."""
     deadline = time.monotonic() + wait_s
-    got = replay(ctx, endpoint, start)
+    got = replay(ctx, endpoint, start, **kw)
     while time.monotonic() < deadline:
         time.sleep(0.3)
-        again = replay(ctx, endpoint, start)
+        again = replay(ctx, endpoint, start, **kw)
         if again == got and got:
             return got
         got = again
@@ -97,14 +109,79 @@ def events_of(payloads):
             yield seq, ts, rank, e
 
 
-def start_daemon(kvd, tmp, name, fmt=None):
-    config = (f"pools:\n  - name: m\n    block_tokens: {BT}\n    num_layers: 1\n"
-              "    bytes_per_token_per_layer: 8\n    capacity_blocks: 24\n    max_model_len: 200\n"
-              f"tiers:\n  host_bytes: 0\n  disk_dir: {tmp}/disk\n"
-              f"router_events:\n  endpoint: ipc://{tmp}/events\n  replay_endpoint: ipc://{tmp}/replay\n"
-              f"  node: n1\n  hash_seed: \"{SEED}\"\n  data_parallel_rank: 2\n  max_batch_events: 3\n"
-              + (f"  format: {fmt}\n" if fmt else ""))
-    return Daemon(kvd, tmp, config, name=name)
+def events_config(tmp, pools=("m",), endpoint=None, extra=""):
+    config = "pools:\n"
+    for p in pools:
+        config += (f"  - name: {p}\n    block_tokens: {BT}\n    num_layers: 1\n"
+                   "    bytes_per_token_per_layer: 8\n    capacity_blocks: 24\n    max_model_len: 200\n")
+    return config + (f"tiers:\n  host_bytes: 0\n  disk_dir: {tmp}/disk\n"
+                     f"router_events:\n  endpoint: {endpoint or f'ipc://{tmp}/events'}\n"
+                     f"  replay_endpoint: ipc://{tmp}/replay\n"
+                     f"  node: n1\n  hash_seed: \"{SEED}\"\n  data_parallel_rank: 2\n  max_batch_events: 3\n" + extra)
+
+
+def start_daemon(kvd, tmp, name, fmt=None, extra=""):
+    return Daemon(kvd, tmp, events_config(tmp, extra=(f"  format: {fmt}\n" if fmt else "") + extra), name=name)
+
+
+def refused(kvd, tmp, config):
+    """kvd --print-config on `config`: (exit code, stderr)."""
+    path = os.path.join(tmp, "refused.yaml")
+    with open(path, "w") as f:
+        f.write(config)
+    out = subprocess.run([kvd, "--config=" + path, "--print-config"], capture_output=True, text=True, timeout=30)
+    return out.returncode, out.stderr
+
+
+def prove_topics(kvd, tmp, ctx):
+    """Per-pool topics: one sequence each, topics that cannot prefix-match, a medium per pool, the
+    replay topic frame, and a PUB socket that connects to a router that binds (llm-d's central mode)."""
+    code, err = refused(kvd, tmp, events_config(tmp, pools=("m", "m2")))
+    check(code == 2 and "kv@n1@m'" in err and "kv@n1@m2" in err,
+          f"pools m and m2 under topic kv@{{node}}@{{pool}}: refused, naming both topics ({err.strip()[-160:]})")
+    for bad, word in (("  endpoint_mode: sideways\n", "endpoint_mode"), ("  medium:\n    x: GPU\n", "no pool named 'x'"),
+                      ("  medium: G/PU\n", "G/PU")):
+        code, err = refused(kvd, tmp, events_config(tmp, extra=bad))
+        check(code == 2 and word in err, f"router_events {bad.strip()!r}: refused naming {word}")
+
+    # The router binds; kvd's PUB connects (a tcp endpoint without a wildcard).
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@n1@")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    shutil.rmtree(os.path.join(tmp, "disk"), ignore_errors=True)  # nothing reloaded: every block is live
+    d = Daemon(kvd, tmp, events_config(tmp, pools=("m", "n"), endpoint=f"tcp://127.0.0.1:{port}",
+                                       extra="  medium:\n    n: GPU\n"), name="topics")
+    try:
+        # A bound SUB attaches an accepted connection (and sends it the subscription) only while it
+        # is polled, as a router's receive loop does; batches sent before that are replayed below.
+        sub.poll(500)
+        time.sleep(0.2)
+        with Client(d.target, worker_name="topics") as c:
+            for k in range(4):
+                for pool in ("m", "n"):
+                    p = [50 * k + t + (0 if pool == "m" else 7) for t in range(13)]
+                    with c.request(f"{pool}-{k}", pool=pool, prompt=p) as r:
+                        r.publish(p)
+        live = {}
+        while sub.poll(1500):
+            topic, seq, payload = sub.recv_multipart()
+            live[(topic, int.from_bytes(seq, "big"))] = payload
+        check(len(live) > 0, f"a connecting PUB delivers to a binding SUB ({len(live)} batches)")
+        both = replay_settled(ctx, f"ipc://{tmp}/replay", 0, with_topics=True)
+        check(all(both.get(k) == v for k, v in live.items()), "replay of every topic has each live batch, byte for byte")
+        for pool, medium in (("m", "CPU"), ("n", "GPU")):
+            topic = f"kv@n1@{pool}".encode()
+            mine = replay(ctx, f"ipc://{tmp}/replay", 0, topic=topic, with_topics=True)
+            seqs = sorted(s for _, s in mine)
+            check(mine and all(t == topic for t, _ in mine) and seqs == list(range(len(seqs))),
+                  f"topic {pool}: its own sequence 0..{len(seqs) - 1} without gaps; a topic's replay holds only it")
+            check(mine == {k: v for k, v in both.items() if k[0] == topic}, f"topic {pool}: its replay = its share of the whole")
+            media = {e[6] for _, _, _, e in events_of({s: p for (_, s), p in mine.items()}) if e[0] in ("BlockStored",)}
+            check(media == {medium}, f"pool {pool}: medium {medium} ({media})")
+        check(replay(ctx, f"ipc://{tmp}/replay", 0, topic=b"kv@n1@zz") == {}, "replay of an unknown topic: just the end marker")
+    finally:
+        d.stop()
+        sub.close(0)
 
 
 def main():
@@ -213,14 +290,15 @@ def main():
 
         # router_events.format: vllm-map — vLLM's msgspec structs as tagged maps.
         shutil.rmtree(os.path.join(tmp, "disk"), ignore_errors=True)
-        daemon = start_daemon(kvd, tmp, "c", fmt="vllm-map")
+        daemon = start_daemon(kvd, tmp, "c", fmt="vllm-map", extra="  replay_topic_frame: false\n")
         sub = Subscriber(ctx, f"ipc://{tmp}/events")
         time.sleep(0.3)
         with Client(daemon.target, worker_name="ev-map") as c:
             with c.request("m1", pool="m", prompt=a, adapter="lora-x") as r:
                 r.publish(a)
-        got = replay_settled(ctx, f"ipc://{tmp}/replay", 0)
+        got = replay_settled(ctx, f"ipc://{tmp}/replay", 0, topic_frame=False)
         batches = [msgpack.unpackb(got[s], raw=False) for s in sorted(got)]
+        check(len(got) > 0, "replay_topic_frame: false answers [seq, payload] (vLLM before 0.26)")
         check(batches and all(isinstance(b, dict) and set(b) == {"ts", "events", "data_parallel_rank"} for b in batches),
               "map format: batches are maps of ts, events, data_parallel_rank")
         evs = [e for b in batches for e in b["events"]]
@@ -230,6 +308,8 @@ def main():
         check(all(e["lora_name"] == "lora-x" for e in st) and
               [i for e in st for i in e["block_hashes"]] == expected["lora"],
               "map format: the same ids, and lora_name the adapter")
+        daemon.stop()
+        prove_topics(kvd, tmp, ctx)
     finally:
         daemon.stop()
         ctx.destroy(0)
