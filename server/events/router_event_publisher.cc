@@ -77,7 +77,7 @@ absl::Status CheckRouterTopics(const RouterEventsOptions& o) {
         return absl::InvalidArgumentError(absl::StrCat(
             "router_events.topic: pool '", a, "' publishes on '", ta, "', a prefix of pool '", b, "''s topic '", tb,
             "' (a ZMQ subscription matches prefixes, so a router subscribed to one would receive both): rename a "
-            "pool, or put text after {pool} in router_events.topic"));
+            "pool, or change router_events.topic"));
       }
     }
   }

@@ -120,6 +120,77 @@ def events_config(tmp, pools=("m",), endpoint=None, extra=""):
                      f"  node: n1\n  hash_seed: \"{SEED}\"\n  data_parallel_rank: 2\n  max_batch_events: 3\n" + extra)
 
 
+def fnv64a(data):
+    h = 0xcbf29ce484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+class LlmdIndexer:
+    """llm-d's KV-cache indexer as its source defines it (llm-d/llm-d-kv-cache at 7be76e119ca5:
+    pkg/kvevents/engineadapter/vllm_adapter.go, common.go, pkg/kvevents/pool.go,
+    pkg/kvcache/kvblock/token_processor.go, in_memory.go). It decodes array-format batches by field
+    position (tag, block_hashes, parent, token_ids, block_size, then optional lora_id, medium,
+    lora_name, extra_keys), takes pod and model from the topic "kv@pod@model", and re-keys every
+    block with its own scheme: FNV-64a over canonical CBOR [parent, tokens, extra], the chain's root
+    FNV-64a(cbor[FNV-64a(seed), null, model]), where model is lora_name when set. Engine ids only
+    link parents and name removals."""
+
+    def __init__(self, block_size, seed=""):
+        self.bs = block_size
+        self.init = fnv64a(seed.encode())
+        self.eng_to_req = {}   # engine key -> request key
+        self.pods = {}         # request key -> {(pod, tier)}
+
+    def _hash(self, parent, tokens, extra):
+        return fnv64a(cbor2.dumps([parent, tokens, extra], canonical=True))
+
+    def request_keys(self, tokens, model, parent=None):
+        prefix = parent if parent is not None else self._hash(self.init, None, model)
+        keys = []
+        for i in range(len(tokens) // self.bs):
+            prefix = self._hash(prefix, tokens[i * self.bs:(i + 1) * self.bs], None)
+            keys.append(prefix)
+        return keys
+
+    def consume(self, topic, payload):
+        parts = topic.decode().split("@")
+        pod, model = (parts[1], parts[2]) if len(parts) == 3 else (topic.decode(), "")
+        ts, events = msgpack.unpackb(payload, raw=False)[:2]
+        for f in events:
+            if f[0] == "BlockStored":
+                tier = (f[6] if len(f) > 6 and f[6] else "gpu").lower()
+                eff = f[7] if len(f) > 7 and f[7] else model
+                parent = None
+                if f[2] is not None:
+                    if f[2] not in self.eng_to_req:
+                        continue  # llm-d logs "Failed to get request key for parent block" and skips
+                    parent = self.eng_to_req[f[2]]
+                reqs = self.request_keys(f[3], eff, parent)
+                for ek, rk in zip(f[1], reqs):
+                    self.eng_to_req[ek] = rk
+                    self.pods.setdefault(rk, set()).add((pod, tier))
+            elif f[0] == "BlockRemoved":
+                tier = (f[2] if len(f) > 2 and f[2] else "gpu").lower()
+                for ek in f[1]:
+                    rk = self.eng_to_req.get(ek)
+                    if rk is not None:
+                        self.pods.get(rk, set()).discard((pod, tier))
+            elif f[0] == "AllBlocksCleared":
+                for entries in self.pods.values():
+                    entries.difference_update({e for e in entries if e[0] == pod})
+
+    def hits(self, tokens, model, pod):
+        """Leading blocks of `tokens` that the indexer scores on `pod` (a router's lookup)."""
+        n = 0
+        for rk in self.request_keys(tokens, model):
+            if not any(e[0] == pod for e in self.pods.get(rk, ())):
+                break
+            n += 1
+        return n
+
+
 def start_daemon(kvd, tmp, name, fmt=None, extra=""):
     return Daemon(kvd, tmp, events_config(tmp, extra=(f"  format: {fmt}\n" if fmt else "") + extra), name=name)
 
@@ -204,6 +275,8 @@ def main():
             expected["b"] = vllm_ids(b)
             expected["lora"] = vllm_ids(a, lambda i: ("lora-x",))
             expected["salt"] = vllm_ids(a, lambda i: ("tenant-1",) if i == 0 else None)
+            sub.drain(idle_s=0.5)
+            before_fill = max(sub.batches)  # the last batch of the four requests: nothing evicted yet
             # Fill the 24-block pool so that older blocks are evicted (BlockRemoved).
             for k in range(5):
                 p = [1000 * (k + 1) + t for t in range(17)]
@@ -254,6 +327,32 @@ def main():
                   len(set(expected["salt"]) & set(expected["plain"])) == 0, "adapter and salt give distinct ids")
             check(len(removed) > 0 and set(removed) <= set(all_stored), f"{len(removed)} removals, all of stored blocks")
             check(len(live) == cached, f"router's live set = daemon's cached blocks ({len(live)} vs {cached})")
+
+            # llm-d's indexer, fed the same stream, finds each request's blocks on this node under
+            # its own keys: LoRA blocks under the adapter's name, never under the base model.
+            llmd = LlmdIndexer(BT)
+            for seq in seqs:
+                if seq <= before_fill:
+                    llmd.consume(b"kv@n1@m", full[seq])
+            check(llmd.hits(a, "m", "n1") == 4 and llmd.hits(b, "m", "n1") == 4,
+                  "llm-d: both base prompts score all their blocks on the node, under its own keys")
+            check(llmd.hits(a, "lora-x", "n1") == 4, "llm-d: the adapter's blocks score under lora_name")
+            check(llmd.hits(a, "lora-y", "n1") == 0, "llm-d: another adapter scores nothing")
+            lora_engine = set(expected["lora"])
+            lora_reqs = {llmd.eng_to_req[i] for i in lora_engine}
+            check(lora_reqs == set(llmd.request_keys(a, "lora-x")) and not lora_reqs & set(llmd.request_keys(a, "m")),
+                  "llm-d: LoRA blocks are indexed under the adapter, none under the base model")
+            for seq in seqs:
+                if seq > before_fill:
+                    llmd.consume(b"kv@n1@m", full[seq])
+            on_node = {rk for rk, e in llmd.pods.items() if ("n1", "cpu") in e}
+            check(cached - len(expected["salt"]) <= len(on_node) <= cached,
+                  f"llm-d: after evictions its index holds the node's cached blocks ({len(on_node)} keys for {cached} "
+                  "blocks; it ignores the cache salt, so a salted chain shares the plain one's keys)")
+            fill_keys = [k for k in range(5) if all(
+                i in live for i in vllm_ids([1000 * (k + 1) + t for t in range(17)]))]
+            check(all(llmd.hits([1000 * (k + 1) + t for t in range(17)], "m", "n1") == 4 for k in fill_keys),
+                  "llm-d: the fill prompts still cached score all 4 blocks")
 
             # Lost batches come back byte-identical through replay.
             lost = seqs[2:5]
