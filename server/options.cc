@@ -289,9 +289,11 @@ absl::Status Options::Validate() const {
   }
   const RemoteTierOptions& g4 = tiers.remote;
   if (g4.enabled()) {
-    if (!absl::StartsWith(g4.url, "redis://") && !absl::StartsWith(g4.url, "unix:///")) {
+    if (!absl::StartsWith(g4.url, "redis://") && !absl::StartsWith(g4.url, "unix:///") &&
+        !absl::StartsWith(g4.url, "redis-cluster://")) {
       return absl::InvalidArgumentError(
-          absl::StrCat("tiers.redis_url must be redis://host:port[/db] or unix:///path, not '", RedactUrl(g4.url), "'"));
+          absl::StrCat("tiers.redis_url must be redis://host:port[/db], unix:///path or "
+                       "redis-cluster://host:port[,host:port...], not '", RedactUrl(g4.url), "'"));
     }
     if (g4.key_prefix.empty()) return absl::InvalidArgumentError("tiers.redis_key_prefix is empty");
     if (g4.ttl < absl::Seconds(1)) return absl::InvalidArgumentError("tiers.redis_ttl_s must be >= 1");

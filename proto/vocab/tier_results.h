@@ -28,6 +28,10 @@ struct RemoteStats {
   uint64_t oom_refusals = 0;       // values Redis refused with OOM (full, noeviction): skipped
   std::string eviction_policy;     // Redis's maxmemory-policy, when CONFIG GET answered
   int64_t maxmemory = -1;          // Redis's maxmemory in bytes (0: unbounded; -1: unknown)
+  bool cluster = false;            // a Redis Cluster (redis-cluster:// URL)
+  int64_t cluster_masters = 0;     // masters in the slot map last read
+  uint64_t moved = 0, asked = 0;   // MOVED and ASK redirections followed
+  uint64_t slot_refreshes = 0;     // slot maps read (CLUSTER SLOTS)
   std::string last_error;
 };
 

@@ -188,6 +188,17 @@ class CacheCollector final : public prometheus::Collectable {
     add(family("kvd_remote_skipped_total", "Redis calls skipped during a failure back-off.", MetricType::Counter), r.skipped);
     add(family("kvd_remote_oom_refusals_total", "Values Redis refused for want of memory (full under noeviction): skipped.", MetricType::Counter), r.oom_refusals);
     add(family("kvd_remote_corrupt_total", "Redis values that failed verification (never served).", MetricType::Counter), r.corrupt);
+    if (r.cluster) {
+      MetricFamily& redirects = family("kvd_remote_cluster_redirects_total",
+                                       "Redis Cluster redirections followed: moved (the slot has a new master), "
+                                       "ask (the slot is migrating).", MetricType::Counter);
+      add(redirects, r.moved, {{"kind", "moved"}});
+      add(redirects, r.asked, {{"kind", "ask"}});
+      add(family("kvd_remote_cluster_slot_refreshes_total", "Redis Cluster slot maps read (CLUSTER SLOTS).",
+                 MetricType::Counter), r.slot_refreshes);
+      add(family("kvd_remote_cluster_masters", "Masters in the Redis Cluster slot map last read.", MetricType::Gauge),
+          r.cluster_masters);
+    }
   }
 
   mutable absl::Mutex mu_;

@@ -7,6 +7,7 @@
 #include <sys/time.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <optional>
 #include <string_view>
 
@@ -18,19 +19,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "proto/vocab/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace kvd {
-namespace {
 
-struct ReplyDeleter {
-  void operator()(redisReply* r) const { freeReplyObject(r); }
-};
-using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
-
-
-
-}  // namespace
+void RemoteTier::ReplyDeleter::operator()(redisReply* r) const { freeReplyObject(r); }
 
 class RemoteTier::Connection {
  public:
@@ -73,14 +68,17 @@ class RemoteTier::Connection {
 };
 
 std::string RedactUrl(absl::string_view url) {
-  if (!absl::StartsWith(url, "redis://")) return std::string(url);
-  const absl::string_view rest = url.substr(8);
+  const absl::string_view scheme = absl::StartsWith(url, "redis://")           ? "redis://"
+                                   : absl::StartsWith(url, "redis-cluster://") ? "redis-cluster://"
+                                                                               : "";
+  if (scheme.empty()) return std::string(url);
+  const absl::string_view rest = url.substr(scheme.size());
   const size_t at = rest.rfind('@');
   if (at == absl::string_view::npos) return std::string(url);
   const absl::string_view auth = rest.substr(0, at);
   const size_t colon = auth.find(':');
   const absl::string_view user = colon == absl::string_view::npos ? "" : auth.substr(0, colon);
-  return absl::StrCat("redis://", user, ":***@", rest.substr(at + 1));
+  return absl::StrCat(scheme, user, ":***@", rest.substr(at + 1));
 }
 
 absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions options) {
@@ -93,8 +91,9 @@ absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions o
     if (t->unix_path_.empty() || t->unix_path_[0] != '/') {
       return absl::InvalidArgumentError(absl::StrCat("tiers.redis_url: want unix:///absolute/path, not '", url, "'"));
     }
-  } else if (absl::StartsWith(raw, "redis://")) {
-    std::string rest = raw.substr(8);
+  } else if (absl::StartsWith(raw, "redis://") || absl::StartsWith(raw, "redis-cluster://")) {
+    t->cluster_ = absl::StartsWith(raw, "redis-cluster://");
+    std::string rest = raw.substr(t->cluster_ ? 16 : 8);
     if (size_t at = rest.rfind('@'); at != std::string::npos) {
       std::string auth = rest.substr(0, at);
       rest = rest.substr(at + 1);
@@ -106,7 +105,25 @@ absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions o
         t->password_ = auth;
       }
     }
-    if (size_t slash = rest.find('/'); slash != std::string::npos) {
+    if (t->cluster_) {
+      // Seed nodes; a cluster has database 0 only.
+      if (rest.find('/') != std::string::npos) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tiers.redis_url: a Redis Cluster has no database number: '", url, "'"));
+      }
+      for (absl::string_view node : absl::StrSplit(rest, ',', absl::SkipEmpty())) {
+        absl::StatusOr<RedisEndpoint> ep = ParseRedisEndpoint(node);
+        if (!ep.ok()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("tiers.redis_url: cluster node ", ep.status().message(), " in '", url, "'"));
+        }
+        t->seeds_.push_back(*std::move(ep));
+      }
+      if (t->seeds_.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat("tiers.redis_url: no cluster node in '", url, "'"));
+      }
+      rest.clear();
+    } else if (size_t slash = rest.find('/'); slash != std::string::npos) {
       if (!absl::SimpleAtoi(rest.substr(slash + 1), &t->db_) || t->db_ < 0) {
         return absl::InvalidArgumentError(absl::StrCat("tiers.redis_url: bad database number in '", url, "'"));
       }
@@ -119,10 +136,12 @@ absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions o
       rest = rest.substr(0, colon);
     }
     t->host_ = rest;
-    if (t->host_.empty()) return absl::InvalidArgumentError(absl::StrCat("tiers.redis_url: no host in '", url, "'"));
+    if (t->host_.empty() && !t->cluster_) {
+      return absl::InvalidArgumentError(absl::StrCat("tiers.redis_url: no host in '", url, "'"));
+    }
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tiers.redis_url: want redis://host:port[/db] or unix:///path, not '", url, "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tiers.redis_url: want redis://host:port[/db], unix:///path or redis-cluster://host:port,..., not '", url, "'"));
   }
   if (!t->options_.password_file.empty()) {
     std::ifstream in(t->options_.password_file);
@@ -154,6 +173,7 @@ absl::StatusOr<std::unique_ptr<RemoteTier>> RemoteTier::Open(RemoteTierOptions o
   {
     absl::MutexLock lock(&t->mu_);
     t->stats_.available = true;
+    t->stats_.cluster = t->cluster_;
   }
   return t;
 }
@@ -202,46 +222,59 @@ absl::Status RemoteTier::Fail(const std::string& what) {
     spdlog::warn("redis tier {}: {}; skipped for {}", display_url(), what, absl::FormatDuration(options_.retry_after));
   }
   stats_.last_error = what;
-  idle_.clear();  // a failure usually means the server went away: reconnect afresh
+  idle_.clear();        // a failure usually means a server went away: reconnect afresh
+  slots_stale_ = true;  // and, in a cluster, its slots may have moved (a replica promoted)
   return absl::UnavailableError(absl::StrCat("redis tier: ", what));
 }
 
-absl::StatusOr<std::unique_ptr<RemoteTier::Connection>> RemoteTier::Take() {
-  {
-    absl::MutexLock lock(&mu_);
-    ++stats_.calls;
-  }
+absl::Status RemoteTier::Begin() {
+  absl::MutexLock lock(&mu_);
+  ++stats_.calls;
   if (!available()) {
-    absl::MutexLock lock(&mu_);
     ++stats_.skipped;
     return absl::UnavailableError("redis tier: skipped after a recent failure");
   }
-  {
-    absl::MutexLock lock(&mu_);
-    if (!idle_.empty()) {
-      std::unique_ptr<Connection> c = std::move(idle_.back());
-      idle_.pop_back();
-      return c;
-    }
-  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<RemoteTier::Connection>> RemoteTier::Connect(const RedisEndpoint* node) {
   const timeval connect_tv = absl::ToTimeval(options_.connect_timeout);
-  redisContext* raw = unix_path_.empty() ? redisConnectWithTimeout(host_.c_str(), port_, connect_tv)
-                                         : redisConnectUnixWithTimeout(unix_path_.c_str(), connect_tv);
-  if (raw == nullptr) return Fail("cannot allocate a connection");
+  redisContext* raw = node != nullptr      ? redisConnectWithTimeout(node->host.c_str(), node->port, connect_tv)
+                      : unix_path_.empty() ? redisConnectWithTimeout(host_.c_str(), port_, connect_tv)
+                                           : redisConnectUnixWithTimeout(unix_path_.c_str(), connect_tv);
+  const std::string where = node != nullptr ? absl::StrCat(" ", node->name()) : "";
+  if (raw == nullptr) return absl::UnavailableError("cannot allocate a connection");
   auto c = std::make_unique<Connection>(raw);
-  if (raw->err != 0) return Fail(absl::StrCat("connect: ", raw->errstr));
+  if (raw->err != 0) return absl::UnavailableError(absl::StrCat("connect", where, ": ", raw->errstr));
   redisSetTimeout(raw, absl::ToTimeval(options_.io_timeout));
   redisEnableKeepAlive(raw);
   if (!password_.empty()) {
     absl::StatusOr<Reply> r = username_.empty() ? c->Command({"AUTH", password_})
                                                 : c->Command({"AUTH", username_, password_});
-    if (!r.ok()) return Fail(absl::StrCat("AUTH: ", r.status().message()));
+    if (!r.ok()) return absl::UnavailableError(absl::StrCat("AUTH", where, ": ", r.status().message()));
   }
   if (db_ != 0) {
     const std::string db = std::to_string(db_);
-    if (absl::StatusOr<Reply> r = c->Command({"SELECT", db}); !r.ok()) return Fail(absl::StrCat("SELECT: ", r.status().message()));
+    if (absl::StatusOr<Reply> r = c->Command({"SELECT", db}); !r.ok()) {
+      return absl::UnavailableError(absl::StrCat("SELECT: ", r.status().message()));
+    }
   }
   CheckMemoryPolicy(*c);
+  return c;
+}
+
+absl::StatusOr<std::unique_ptr<RemoteTier::Connection>> RemoteTier::Take(const RedisEndpoint* node) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = idle_.find(node != nullptr ? node->name() : std::string());
+    if (it != idle_.end() && !it->second.empty()) {
+      std::unique_ptr<Connection> c = std::move(it->second.back());
+      it->second.pop_back();
+      return c;
+    }
+  }
+  absl::StatusOr<std::unique_ptr<Connection>> c = Connect(node);
+  if (!c.ok()) return Fail(std::string(c.status().message()));
   return c;
 }
 
@@ -275,29 +308,148 @@ void RemoteTier::CheckMemoryPolicy(Connection& c) {
   }
 }
 
-void RemoteTier::Return(std::unique_ptr<Connection> c) {
+void RemoteTier::Return(const RedisEndpoint* node, std::unique_ptr<Connection> c) {
   absl::MutexLock lock(&mu_);
-  if (idle_.size() < 8) idle_.push_back(std::move(c));
+  std::vector<std::unique_ptr<Connection>>& pool = idle_[node != nullptr ? node->name() : std::string()];
+  if (pool.size() < 8) pool.push_back(std::move(c));
+}
+
+absl::StatusOr<std::shared_ptr<const RedisSlotMap>> RemoteTier::Slots() {
+  std::vector<RedisEndpoint> ask;
+  {
+    absl::MutexLock lock(&mu_);
+    if (slots_ != nullptr && !slots_stale_) return slots_;
+    if (slots_ != nullptr) ask = slots_->masters();
+  }
+  ask.insert(ask.end(), seeds_.begin(), seeds_.end());
+  std::string last_error = "no node to ask";
+  for (const RedisEndpoint& node : ask) {
+    absl::StatusOr<std::unique_ptr<Connection>> c = Connect(&node);
+    if (!c.ok()) {
+      last_error = std::string(c.status().message());
+      continue;
+    }
+    absl::StatusOr<Reply> r = (*c)->Command({"CLUSTER", "SLOTS"});
+    if (!r.ok()) {
+      last_error = absl::StrCat("CLUSTER SLOTS on ", node.name(), ": ", r.status().message());
+      continue;
+    }
+    absl::StatusOr<RedisSlotMap> map = RedisSlotMap::FromClusterSlots(**r, node.host);
+    if (!map.ok()) {
+      last_error = std::string(map.status().message());
+      continue;
+    }
+    auto shared = std::make_shared<const RedisSlotMap>(*std::move(map));
+    absl::MutexLock lock(&mu_);
+    slots_ = shared;
+    slots_stale_ = false;
+    ++stats_.slot_refreshes;
+    stats_.cluster_masters = static_cast<int64_t>(shared->masters().size());
+    return shared;
+  }
+  return Fail(absl::StrCat("no cluster node gave its slot map (", last_error, ")"));
+}
+
+absl::Status RemoteTier::FollowRedirect(size_t key, int per_key, const AppendFn& append,
+                                        std::vector<Reply>& replies) {
+  for (int hop = 0; hop < 4; ++hop) {
+    if (replies[0] == nullptr || replies[0]->type != REDIS_REPLY_ERROR) return absl::OkStatus();
+    const std::optional<RedisRedirect> to =
+        ParseRedisRedirect(absl::string_view(replies[0]->str, replies[0]->len));
+    if (!to.has_value()) return absl::OkStatus();  // another error: the caller's to judge
+    {
+      absl::MutexLock lock(&mu_);
+      if (to->ask) {
+        ++stats_.asked;
+      } else {
+        ++stats_.moved;
+        slots_stale_ = true;  // the slot has a new owner: read the map again before the next call
+      }
+    }
+    absl::StatusOr<std::unique_ptr<Connection>> c = Take(&to->to);
+    if (!c.ok()) return c.status();
+    for (int j = 0; j < per_key; ++j) {
+      if (to->ask) (*c)->Append({"ASKING"});  // good for the next command only
+      append(**c, key, j);
+    }
+    for (int j = 0; j < per_key; ++j) {
+      if (to->ask) {
+        absl::StatusOr<Reply> ok = (*c)->Read();
+        if (!ok.ok()) return Fail(absl::StrCat("ASKING on ", to->to.name(), ": ", ok.status().message()));
+      }
+      absl::StatusOr<Reply> r = (*c)->Read();
+      if (!r.ok()) return Fail(absl::StrCat(to->to.name(), ": ", r.status().message()));
+      replies[static_cast<size_t>(j)] = *std::move(r);
+    }
+    Return(&to->to, *std::move(c));
+  }
+  return Fail("a key was redirected more than 4 times");
+}
+
+absl::Status RemoteTier::Exchange(const std::vector<std::string>& keys, int per_key, const AppendFn& append,
+                                  const DoneFn& done) {
+  KVD_RETURN_IF_ERROR(Begin());
+  // Which node each key goes to: its slot's master in a cluster, else the one server.
+  std::vector<const RedisEndpoint*> nodes = {nullptr};
+  std::vector<size_t> node_of(keys.size(), 0);
+  std::shared_ptr<const RedisSlotMap> map;
+  if (cluster_) {
+    absl::StatusOr<std::shared_ptr<const RedisSlotMap>> m = Slots();
+    if (!m.ok()) return m.status();
+    map = *std::move(m);
+    nodes.clear();
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const RedisEndpoint* node = map->MasterOf(RedisKeySlot(keys[i]));
+      if (node == nullptr) return Fail(absl::StrCat("no master serves slot ", RedisKeySlot(keys[i])));
+      auto it = std::find(nodes.begin(), nodes.end(), node);
+      node_of[i] = static_cast<size_t>(it - nodes.begin());
+      if (it == nodes.end()) nodes.push_back(node);
+    }
+  }
+  std::vector<std::unique_ptr<Connection>> conns(nodes.size());
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    absl::StatusOr<std::unique_ptr<Connection>> c = Take(nodes[n]);
+    if (!c.ok()) return c.status();
+    conns[n] = *std::move(c);
+  }
+  // Every node's pipeline goes out before any reply is read: the round trips overlap.
+  for (size_t i = 0; i < keys.size(); ++i) {
+    for (int j = 0; j < per_key; ++j) append(*conns[node_of[i]], i, j);
+  }
+  std::vector<Reply> replies(static_cast<size_t>(per_key));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    Connection& c = *conns[node_of[i]];
+    for (int j = 0; j < per_key; ++j) {
+      absl::StatusOr<Reply> r = c.Read();
+      if (!r.ok()) {
+        return Fail(absl::StrCat(nodes[node_of[i]] != nullptr ? nodes[node_of[i]]->name() + ": " : "",
+                                 r.status().message()));
+      }
+      replies[static_cast<size_t>(j)] = *std::move(r);
+    }
+    if (cluster_) KVD_RETURN_IF_ERROR(FollowRedirect(i, per_key, append, replies));
+    if (absl::Status s = done(i, replies); !s.ok()) return Fail(std::string(s.message()));
+  }
+  for (size_t n = 0; n < nodes.size(); ++n) Return(nodes[n], std::move(conns[n]));
+  absl::MutexLock lock(&mu_);
+  stats_.failing = false;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> RemoteTier::RunLength(const std::vector<std::string>& keys) {
   if (keys.empty()) return 0;
-  absl::StatusOr<std::unique_ptr<Connection>> c = Take();
-  if (!c.ok()) return c.status();
-  for (const std::string& k : keys) (*c)->Append({"EXISTS", k});
   int64_t run = 0;
   bool contiguous = true;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    absl::StatusOr<Reply> r = (*c)->Read();
-    if (!r.ok()) return Fail(absl::StrCat("EXISTS: ", r.status().message()));
-    if ((*r)->type != REDIS_REPLY_INTEGER) return Fail("EXISTS: unexpected reply");
-    contiguous &= (*r)->integer == 1;
-    if (contiguous) ++run;
-  }
-  Return(*std::move(c));
+  KVD_RETURN_IF_ERROR(Exchange(
+      keys, 1, [&](Connection& c, size_t i, int) { c.Append({"EXISTS", keys[i]}); },
+      [&](size_t, std::vector<Reply>& r) {
+        if (r[0]->type != REDIS_REPLY_INTEGER) return absl::InternalError("EXISTS: unexpected reply");
+        contiguous &= r[0]->integer == 1;
+        if (contiguous) ++run;
+        return absl::OkStatus();
+      }));
   absl::MutexLock lock(&mu_);
   ++stats_.lookups;
-  stats_.failing = false;
   stats_.hit_blocks += static_cast<uint64_t>(run);
   return run;
 }
@@ -305,35 +457,38 @@ absl::StatusOr<int64_t> RemoteTier::RunLength(const std::vector<std::string>& ke
 absl::Status RemoteTier::Fetch(const std::vector<std::string>& keys,
                               const std::function<bool(size_t, const absl::string_view*)>& consume) {
   if (keys.empty()) return absl::OkStatus();
-  absl::StatusOr<std::unique_ptr<Connection>> c = Take();
-  if (!c.ok()) return c.status();
   const std::string ttl_ms = std::to_string(absl::ToInt64Milliseconds(options_.ttl));
-  for (const std::string& k : keys) {
-    (*c)->Append({"GET", k});
-    (*c)->Append({"PEXPIRE", k, ttl_ms});
-  }
   uint64_t bytes = 0, blocks = 0;
   bool wanted = true;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    absl::StatusOr<Reply> get = (*c)->Read();
-    if (!get.ok()) return Fail(absl::StrCat("GET: ", get.status().message()));
-    absl::StatusOr<Reply> expire = (*c)->Read();
-    if (!expire.ok()) return Fail(absl::StrCat("PEXPIRE: ", expire.status().message()));
-    if ((*get)->type != REDIS_REPLY_STRING && (*get)->type != REDIS_REPLY_NIL) return Fail("GET: unexpected reply");
-    if (!wanted) continue;  // drain the rest of the pipeline so the connection stays usable
-    if ((*get)->type == REDIS_REPLY_STRING) {
-      const absl::string_view value((*get)->str, (*get)->len);
-      bytes += value.size();
-      ++blocks;
-      wanted = consume(i, &value);
-    } else {
-      wanted = consume(i, nullptr);
-    }
-  }
-  Return(*std::move(c));
+  KVD_RETURN_IF_ERROR(Exchange(
+      keys, 2,
+      [&](Connection& c, size_t i, int j) {
+        if (j == 0) {
+          c.Append({"GET", keys[i]});
+        } else {
+          c.Append({"PEXPIRE", keys[i], ttl_ms});
+        }
+      },
+      [&](size_t i, std::vector<Reply>& r) {
+        if (r[0]->type != REDIS_REPLY_STRING && r[0]->type != REDIS_REPLY_NIL) {
+          return absl::InternalError(absl::StrCat(
+              "GET: unexpected reply", r[0]->type == REDIS_REPLY_ERROR ? ": " : "",
+              r[0]->type == REDIS_REPLY_ERROR ? std::string(r[0]->str, r[0]->len) : ""));
+        }
+        if (!wanted) return absl::OkStatus();  // drain the rest of the pipeline so the connection stays usable
+        if (r[0]->type == REDIS_REPLY_STRING) {
+          const absl::string_view value(r[0]->str, r[0]->len);
+          bytes += value.size();
+          ++blocks;
+          wanted = consume(i, &value);
+        } else {
+          wanted = consume(i, nullptr);
+        }
+        r[0].reset();  // one value's memory at a time
+        return absl::OkStatus();
+      }));
   absl::MutexLock lock(&mu_);
   stats_.fetched_blocks += blocks;
-  stats_.failing = false;
   stats_.fetched_bytes += bytes;
   return absl::OkStatus();
 }
@@ -341,53 +496,48 @@ absl::Status RemoteTier::Fetch(const std::vector<std::string>& keys,
 absl::StatusOr<std::vector<bool>> RemoteTier::Refresh(const std::vector<std::string>& keys) {
   std::vector<bool> present(keys.size(), false);
   if (keys.empty()) return present;
-  absl::StatusOr<std::unique_ptr<Connection>> c = Take();
-  if (!c.ok()) return c.status();
   const std::string ttl_ms = std::to_string(absl::ToInt64Milliseconds(options_.ttl));
-  for (const std::string& k : keys) (*c)->Append({"PEXPIRE", k, ttl_ms});
   uint64_t refreshed = 0;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    absl::StatusOr<Reply> r = (*c)->Read();
-    if (!r.ok() || (*r)->type != REDIS_REPLY_INTEGER) {
-      return Fail(absl::StrCat("PEXPIRE: ", r.ok() ? "unexpected reply" : r.status().message()));
-    }
-    present[i] = (*r)->integer == 1;
-    refreshed += present[i] ? 1 : 0;
-  }
-  Return(*std::move(c));
+  KVD_RETURN_IF_ERROR(Exchange(
+      keys, 1, [&](Connection& c, size_t i, int) { c.Append({"PEXPIRE", keys[i], ttl_ms}); },
+      [&](size_t i, std::vector<Reply>& r) {
+        if (r[0]->type != REDIS_REPLY_INTEGER) return absl::InternalError("PEXPIRE: unexpected reply");
+        present[i] = r[0]->integer == 1;
+        refreshed += present[i] ? 1 : 0;
+        return absl::OkStatus();
+      }));
   absl::MutexLock lock(&mu_);
   stats_.refreshed_blocks += refreshed;
-  stats_.failing = false;
   return present;
 }
 
 absl::Status RemoteTier::Store(const std::vector<std::pair<std::string, std::string>>& items) {
   if (items.empty()) return absl::OkStatus();
-  absl::StatusOr<std::unique_ptr<Connection>> c = Take();
-  if (!c.ok()) return c.status();
   const std::string ttl_ms = std::to_string(absl::ToInt64Milliseconds(options_.ttl));
-  for (const auto& [key, value] : items) (*c)->Append({"SET", key, value, "PX", ttl_ms});
+  std::vector<std::string> keys;
+  keys.reserve(items.size());
+  for (const auto& item : items) keys.push_back(item.first);
   uint64_t bytes = 0;
   uint64_t stored = 0;
   uint64_t oom = 0;
   std::string oom_reply;
-  for (const auto& [key, value] : items) {
-    absl::StatusOr<Reply> r = (*c)->Read();
-    if (r.ok() && (*r)->type == REDIS_REPLY_ERROR && absl::StartsWith(absl::string_view((*r)->str, (*r)->len), "OOM")) {
-      ++oom;  // full under noeviction: this value is skipped; the connection and the tier are fine
-      oom_reply.assign((*r)->str, (*r)->len);
-      continue;
-    }
-    if (!r.ok() || (*r)->type == REDIS_REPLY_ERROR) {
-      return Fail(absl::StrCat("SET: ", r.ok() ? std::string((*r)->str, (*r)->len) : std::string(r.status().message())));
-    }
-    bytes += value.size();
-    ++stored;
-  }
-  Return(*std::move(c));
+  KVD_RETURN_IF_ERROR(Exchange(
+      keys, 1,
+      [&](Connection& c, size_t i, int) { c.Append({"SET", items[i].first, items[i].second, "PX", ttl_ms}); },
+      [&](size_t i, std::vector<Reply>& r) {
+        if (r[0]->type == REDIS_REPLY_ERROR) {
+          const absl::string_view error(r[0]->str, r[0]->len);
+          if (!absl::StartsWith(error, "OOM")) return absl::InternalError(absl::StrCat("SET: ", error));
+          ++oom;  // full under noeviction: this value is skipped; the connection and the tier are fine
+          oom_reply = std::string(error);
+          return absl::OkStatus();
+        }
+        bytes += items[i].second.size();
+        ++stored;
+        return absl::OkStatus();
+      }));
   absl::MutexLock lock(&mu_);
   stats_.uploaded_blocks += stored;
-  stats_.failing = false;
   stats_.uploaded_bytes += bytes;
   if (oom == 0) return absl::OkStatus();
   stats_.oom_refusals += oom;

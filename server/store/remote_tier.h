@@ -15,7 +15,16 @@
 //
 // Never stalls a request: every call has connect and I/O timeouts; after a failure the tier is
 // skipped (calls return UNAVAILABLE at once, counted) for `retry_after`, then tried again.
-// Thread-safe: each call takes a connection from a small pool.
+// Thread-safe: each call takes connections from small per-node pools.
+//
+// Redis Cluster (redis-cluster://[user:password@]host:port,host:port,...: seed nodes): every key
+// goes to the master serving its hash slot (redis_cluster.h; the slot map is read with CLUSTER
+// SLOTS from any node that answers, and again after a MOVED or a failed node). A call's commands
+// are pipelined per node — one round trip to each master involved, all in flight together — and
+// each key's replies are handled in key order. A MOVED reply is followed at once to the node it
+// names (and the map refreshed); an ASK (a slot being migrated) is followed with ASKING, for that
+// key only. A master that dies fails the call (the back-off, as for a single server) until its
+// replica is promoted and the map names it.
 #pragma once
 
 #include <atomic>
@@ -30,12 +39,15 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
-#include "server/store/value_cipher.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
+#include "server/store/redis_cluster.h"
+#include "server/store/value_cipher.h"
 #include "proto/vocab/block_key.h"
 #include "server/store/tier_types.h"
 
 struct redisContext;
+struct redisReply;
 
 namespace kvd {
 
@@ -46,7 +58,8 @@ std::string RedactUrl(absl::string_view url);
 class RemoteTier {
  public:
   // Parses the URL (INVALID_ARGUMENT naming what is wrong); connects lazily, so a server that is
-  // down at start-up only makes the tier unavailable until it is back.
+  // down at start-up only makes the tier unavailable until it is back. URLs:
+  // redis://[[user]:password@]host:port[/db], unix:///path, redis-cluster://[[user]:password@]host:port[,host:port...].
   // The password comes from options.password_file, else $KVD_REDIS_PASSWORD, else the URL; no
   // error message names it.
   static absl::StatusOr<std::unique_ptr<RemoteTier>> Open(RemoteTierOptions options);
@@ -89,14 +102,39 @@ class RemoteTier {
 
  private:
   class Connection;  // RAII hiredis context
+  struct ReplyDeleter {
+    void operator()(redisReply* r) const;
+  };
+  using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
+  // Appends command `command` (0-based, of the call's per-key commands) of key `key` to `c`.
+  using AppendFn = std::function<void(Connection& c, size_t key, int command)>;
+  // Handles key `key`'s replies (in key order); a non-OK status fails the call.
+  using DoneFn = std::function<absl::Status(size_t key, std::vector<Reply>& replies)>;
+
   explicit RemoteTier(RemoteTierOptions options);
 
-  // A connected, authenticated connection from the pool or a new one; UNAVAILABLE during a
-  // back-off or when connecting fails.
-  absl::StatusOr<std::unique_ptr<Connection>> Take() ABSL_LOCKS_EXCLUDED(mu_);
-  void Return(std::unique_ptr<Connection> c) ABSL_LOCKS_EXCLUDED(mu_);
+  // Counts a call; UNAVAILABLE (counted as skipped) during a back-off.
+  absl::Status Begin() ABSL_LOCKS_EXCLUDED(mu_);
+  // A new connected, authenticated connection to `node` (nullptr: the single server of a
+  // redis:// or unix:// URL); no back-off on failure (the caller decides).
+  absl::StatusOr<std::unique_ptr<Connection>> Connect(const RedisEndpoint* node) ABSL_LOCKS_EXCLUDED(mu_);
+  // A pooled connection to `node`, or a new one; a failure to connect starts the back-off.
+  absl::StatusOr<std::unique_ptr<Connection>> Take(const RedisEndpoint* node) ABSL_LOCKS_EXCLUDED(mu_);
+  void Return(const RedisEndpoint* node, std::unique_ptr<Connection> c) ABSL_LOCKS_EXCLUDED(mu_);
   // Records a failure and starts the back-off; returns UNAVAILABLE with `what`.
   absl::Status Fail(const std::string& what) ABSL_LOCKS_EXCLUDED(mu_);
+  // The cluster's slot map, read again (CLUSTER SLOTS from the known masters, then the seeds)
+  // when none is held or it went stale; UNAVAILABLE when no node answers.
+  absl::StatusOr<std::shared_ptr<const RedisSlotMap>> Slots() ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs `per_key` commands for each of `keys` — pipelined per node — and hands each key's
+  // replies to `done` in key order, following MOVED and ASK for a key on the spot. I/O failures
+  // and errors `done` returns fail the call (the back-off).
+  absl::Status Exchange(const std::vector<std::string>& keys, int per_key, const AppendFn& append,
+                        const DoneFn& done) ABSL_LOCKS_EXCLUDED(mu_);
+  // Re-sends key `key`'s commands where the MOVED or ASK in replies[0] points (a few hops at most);
+  // leaves `replies` as they are when replies[0] is no redirection.
+  absl::Status FollowRedirect(size_t key, int per_key, const AppendFn& append, std::vector<Reply>& replies)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // On a new connection: reads maxmemory and maxmemory-policy (CONFIG GET) into the stats and
   // warns once when Redis will refuse writes when full instead of evicting (noeviction) or has no
   // memory bound. A server that does not allow CONFIG is left unchecked (logged at debug).
@@ -108,10 +146,15 @@ class RemoteTier {
   std::unique_ptr<ValueCipher> cipher_;
   int port_ = 6379;
   int db_ = 0;
+  bool cluster_ = false;
+  std::vector<RedisEndpoint> seeds_;  // redis-cluster:// nodes to read the slot map from
   std::atomic<int64_t> down_until_ns_{0};
 
   mutable absl::Mutex mu_;
-  std::vector<std::unique_ptr<Connection>> idle_ ABSL_GUARDED_BY(mu_);
+  // Idle connections by node name ("" for the single server).
+  absl::flat_hash_map<std::string, std::vector<std::unique_ptr<Connection>>> idle_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const RedisSlotMap> slots_ ABSL_GUARDED_BY(mu_);
+  bool slots_stale_ ABSL_GUARDED_BY(mu_) = true;
   RemoteStats stats_ ABSL_GUARDED_BY(mu_);
   bool warned_policy_ ABSL_GUARDED_BY(mu_) = false;
   bool warned_oom_ ABSL_GUARDED_BY(mu_) = false;

@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "tests/integration/harness.h"
+#include "tests/integration/remote_fixture.h"
 #include "tests/util/free_port.h"
 
 namespace kvd {
@@ -72,36 +73,6 @@ class RedisServer {
   int port_;
   pid_t pid_ = -1;
 };
-
-std::string Config(const std::string& redis_url, const std::string& disk_dir) {
-  return absl::StrCat(SmallPoolConfig(64), "tiers:\n  disk_dir: ", disk_dir, "\n  codec: lz4\n",
-                      "  redis_url: ", redis_url, "\n  redis_retry_after_s: 0.2\n");
-}
-
-// The value of the first metric line starting with `series` (name plus labels), or -1.
-void WaitForMetric(const DaemonProcess& d, const std::string& series, int64_t at_least) {
-  for (int i = 0; i < 400 && Metric(d, series) < at_least; ++i) absl::SleepFor(absl::Milliseconds(10));
-  REQUIRE(Metric(d, series) >= at_least);
-}
-
-// The example worker over tokens [start, start + len); REQUIREs every reused byte is right.
-ProcessResult Work(const DaemonProcess& d, const std::string& id, int start, int len) {
-  ProcessResult r = RunWorker({"--target", d.target(), "--id", id, "--prompt-range", absl::StrCat(start, ":", len)});
-  INFO(r.out);
-  REQUIRE(r.exit_code == 0);
-  REQUIRE(JsonInt(r.out, "mismatches") == 0);
-  return r;
-}
-
-// `kvdctl status` of `d` (REQUIREs it succeeds).
-std::string KvdctlStatus(const DaemonProcess& d) {
-  ProcessResult r = RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "status"});
-  INFO(r.out);
-  REQUIRE(r.exit_code == 0);
-  return r.out;
-}
-
-const std::string kUploaded = "kvd_remote_blocks_total{direction=\"uploaded\"}";
 
 TEST_CASE("Two daemons share a prefix through Redis; a node with an empty disk starts warm",
           "[integration][remote]") {

@@ -17,14 +17,16 @@ absl::StatusOr<std::unique_ptr<RemoteTier>> OpenUrl(const std::string& url) {
   return RemoteTier::Open(o);
 }
 
-TEST_CASE("RemoteTier URLs: redis://, unix://; anything else is INVALID_ARGUMENT", "[store][remote]") {
+TEST_CASE("RemoteTier URLs: redis://, unix://, redis-cluster://; anything else is INVALID_ARGUMENT", "[store][remote]") {
   for (const char* ok : {"redis://127.0.0.1:6379", "redis://cache", "redis://:secret@cache:7000/3",
-                         "redis://user:pw@10.0.0.1:6380", "unix:///run/redis/redis.sock"}) {
+                         "redis://user:pw@10.0.0.1:6380", "unix:///run/redis/redis.sock",
+                         "redis-cluster://10.0.0.1:7000", "redis-cluster://u:pw@a:7000,b:7001,[::1]:7002"}) {
     INFO(ok);
     REQUIRE(OpenUrl(ok).ok());
   }
   for (const char* bad : {"http://cache:6379", "redis://", "redis://cache:99999", "redis://cache:6379/x",
-                          "unix://relative.sock", "cache:6379"}) {
+                          "unix://relative.sock", "cache:6379", "redis-cluster://", "redis-cluster://a:7000/1",
+                          "redis-cluster://a:7000,b", "redis-cluster://a:70000"}) {
     INFO(bad);
     absl::StatusOr<std::unique_ptr<RemoteTier>> t = OpenUrl(bad);
     REQUIRE(t.status().code() == absl::StatusCode::kInvalidArgument);
@@ -38,6 +40,7 @@ TEST_CASE("Redis passwords never appear in messages or printed URLs", "[store][r
   REQUIRE(RedactUrl("redis://hunter2@cache") == "redis://:***@cache");
   REQUIRE(RedactUrl("redis://cache:6379") == "redis://cache:6379");
   REQUIRE(RedactUrl("unix:///run/redis.sock") == "unix:///run/redis.sock");
+  REQUIRE(RedactUrl("redis-cluster://ops:hunter2@a:7000,b:7001") == "redis-cluster://ops:***@a:7000,b:7001");
   for (const char* bad : {"redis://:hunter2@cache:99999", "redis://ops:hunter2@cache:1/x", "redis://:hunter2@"}) {
     INFO(bad);
     absl::StatusOr<std::unique_ptr<RemoteTier>> t = OpenUrl(bad);
