@@ -3,7 +3,10 @@
 #include <sys/random.h>
 #include <xxhash.h>
 
+#include <optional>
+
 #include "absl/strings/str_cat.h"
+#include "proto/vocab/media_span.h"
 #include "absl/time/clock.h"
 
 namespace kvd {
@@ -45,6 +48,9 @@ Namespace FromProto(const v1::Namespace& p) {
   ns.pool = p.pool();
   ns.adapter = p.adapter();
   ns.media_keys.assign(p.media_keys().begin(), p.media_keys().end());
+  for (const v1::MediaItem& m : p.media()) {
+    ns.media_keys.push_back(PositionedMediaKey(MediaSpan{m.identifier(), m.offset(), m.length()}));
+  }
   ns.method = p.method();
   ns.cache_salt = p.cache_salt();
   return ns;
@@ -53,7 +59,16 @@ Namespace FromProto(const v1::Namespace& p) {
 void ToProto(const Namespace& ns, v1::Namespace* p) {
   p->set_pool(ns.pool);
   p->set_adapter(ns.adapter);
-  for (const auto& m : ns.media_keys) p->add_media_keys(m);
+  for (const auto& m : ns.media_keys) {
+    if (std::optional<MediaSpan> span = ParsePositionedMediaKey(m)) {
+      v1::MediaItem* item = p->add_media();
+      item->set_identifier(span->identifier);
+      item->set_offset(static_cast<uint32_t>(span->offset));
+      item->set_length(static_cast<uint32_t>(span->length));
+    } else {
+      p->add_media_keys(m);
+    }
+  }
   p->set_method(ns.method);
   p->set_cache_salt(ns.cache_salt);
 }

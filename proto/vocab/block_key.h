@@ -38,7 +38,9 @@ struct BlockKey {
 struct Namespace {
   std::string pool;                     // pool (model) name; required
   std::string adapter;                  // LoRA adapter name, empty for the base model
-  std::vector<std::string> media_keys;  // prepared-media keys, in prompt order
+  // Prepared-media keys, in prompt order. An entry made by PositionedMediaKey also says which
+  // prompt positions the item covers (what the wire's Namespace.media items become).
+  std::vector<std::string> media_keys;
   std::string method;                   // engine method / variant, empty for the default
   std::string cache_salt;               // tenant isolation salt, empty for none
 

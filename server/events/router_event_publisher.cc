@@ -266,6 +266,7 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
     switch (e.kind) {
       case CacheEventKind::kCleared: {
         known_.clear();
+        for (auto& [pool_name, topic] : topics_) topic.live.clear();
         for (const std::string& p : pools_) {
           start(p, e.time);
           batch.events.push_back(Batch::Event{CacheEventKind::kCleared});
@@ -274,6 +275,7 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
       }
       case CacheEventKind::kStored: {
         const RouterHash* parent = nullptr;
+        int64_t depth = 0;
         if (e.has_parent) {
           auto it = known_.find(e.parent_key);
           if (it == known_.end()) {
@@ -281,15 +283,19 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
             break;
           }
           parent = &it->second.hash;
+          depth = it->second.depth + 1;
         }
-        const std::vector<std::string> extra =
-            RouterExtraKeys(e.adapter, e.media_keys, e.cache_salt, e.method, !e.has_parent);
+        const int64_t start_pos = depth * e.block_tokens;
+        const std::vector<RouterExtraKey> extra = RouterExtraKeys(e.adapter, e.media_keys, e.cache_salt, e.method,
+                                                                  start_pos, start_pos + e.block_tokens);
         const RouterHash h = hasher_.BlockHash(parent, e.tokens, extra);
         const uint64_t parent_id = parent != nullptr ? RouterHasher::EventId(*parent) : 0;
         Known& k = known_[e.key];
         k.hash = h;
+        k.depth = depth;
         ++k.stored;
         const std::string& medium = e.medium == "disk" ? kDiskMedium : MediumOf(e.pool);
+        if (++topics_[e.pool].live[{RouterHasher::EventId(h), medium}] > 1) break;  // the router has it already
         start(e.pool, e.time);
         Batch::Event* last = batch.events.empty() ? nullptr : &batch.events.back();
         if (last != nullptr && last->kind == CacheEventKind::kStored && e.has_parent &&
@@ -315,8 +321,12 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
         if (it == known_.end()) break;  // never announced
         const uint64_t id = RouterHasher::EventId(it->second.hash);
         if (--it->second.stored <= 0) known_.erase(it);
-        start(e.pool, e.time);
         const std::string& medium = MediumOf(e.pool);
+        auto& live = topics_[e.pool].live;
+        auto lit = live.find(std::make_pair(id, medium));
+        if (lit != live.end() && --lit->second > 0) break;  // another cached block still has this id
+        if (lit != live.end()) live.erase(lit);
+        start(e.pool, e.time);
         Batch::Event* last = batch.events.empty() ? nullptr : &batch.events.back();
         if (last != nullptr && last->kind == CacheEventKind::kRemoved && last->medium == medium) {
           last->ids.push_back(id);

@@ -34,6 +34,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -134,6 +135,7 @@ class RouterEventPublisher {
   struct Known {
     RouterHash hash;
     int32_t stored = 0;  // stored events minus removed events seen for this key
+    int64_t depth = 0;   // the block's index in its prompt (0 for a first block)
   };
 
   explicit RouterEventPublisher(RouterEventsOptions options);
@@ -172,6 +174,11 @@ class RouterEventPublisher {
     std::string name;
     uint64_t next_sequence = 0;
     std::deque<Buffered> buffer;  // the last buffer_batches batches, for replay
+    // Cached kvd blocks behind each announced id: two blocks of different namespaces can share an
+    // id (a block before a prompt's image carries no media key, as in vLLM), so an id is stored
+    // when its first block comes and removed when its last goes.
+    // Keyed by (id, medium): the same id on another medium is another entry for a router.
+    absl::flat_hash_map<std::pair<uint64_t, std::string>, int32_t> live;
   };
   absl::flat_hash_map<std::string, Topic> topics_;  // by pool
 

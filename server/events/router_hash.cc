@@ -2,6 +2,9 @@
 
 #include <openssl/sha.h>
 
+#include <optional>
+
+#include "proto/vocab/media_span.h"
 #include "server/events/cbor_writer.h"
 
 namespace kvd {
@@ -22,7 +25,7 @@ RouterHasher::RouterHasher(const std::string& seed) {
 }
 
 RouterHash RouterHasher::BlockHash(const RouterHash* parent, absl::Span<const Token> tokens,
-                                   absl::Span<const std::string> extra_keys) const {
+                                   absl::Span<const RouterExtraKey> extra_keys) const {
   CborWriter w;
   w.Array(3);
   w.Bytes(parent != nullptr ? *parent : root_);
@@ -32,7 +35,15 @@ RouterHash RouterHasher::BlockHash(const RouterHash* parent, absl::Span<const To
     w.Null();
   } else {
     w.Array(extra_keys.size());
-    for (const std::string& k : extra_keys) w.Text(k);
+    for (const RouterExtraKey& k : extra_keys) {
+      if (k.positioned) {
+        w.Array(2);
+        w.Text(k.text);
+        w.Int(k.offset);
+      } else {
+        w.Text(k.text);
+      }
+    }
   }
   return Sha256(w.data());
 }
@@ -43,15 +54,20 @@ uint64_t RouterHasher::EventId(const RouterHash& h) {
   return v;
 }
 
-std::vector<std::string> RouterExtraKeys(const std::string& adapter,
-                                         const std::vector<std::string>& media_keys,
-                                         const std::string& cache_salt, const std::string& method,
-                                         bool first_block) {
-  std::vector<std::string> keys;
-  if (!adapter.empty()) keys.push_back(adapter);
-  keys.insert(keys.end(), media_keys.begin(), media_keys.end());
-  if (first_block && !cache_salt.empty()) keys.push_back(cache_salt);
-  if (!method.empty()) keys.push_back(method);
+std::vector<RouterExtraKey> RouterExtraKeys(const std::string& adapter, const std::vector<std::string>& media_keys,
+                                            const std::string& cache_salt, const std::string& method,
+                                            int64_t block_start, int64_t block_end) {
+  std::vector<RouterExtraKey> keys;
+  if (!adapter.empty()) keys.push_back({adapter});
+  for (const std::string& m : media_keys) {
+    if (std::optional<MediaSpan> span = ParsePositionedMediaKey(m)) {
+      if (span->Overlaps(block_start, block_end)) keys.push_back({span->identifier, true, span->offset - block_start});
+    } else {
+      keys.push_back({m});
+    }
+  }
+  if (block_start == 0 && !cache_salt.empty()) keys.push_back({cache_salt});
+  if (!method.empty()) keys.push_back({method});
   return keys;
 }
 

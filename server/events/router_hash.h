@@ -8,7 +8,7 @@
 //
 // with canonical CBOR (cbor2.dumps(..., canonical=True)); the chain carries the full 32-byte
 // digests and only the identifier reported in events is cut to 64 bits. extra_keys is null or an
-// array of text strings (see RouterExtraKeys).
+// array of text strings and [text, integer] pairs (see RouterExtraKeys).
 #pragma once
 
 #include <array>
@@ -24,6 +24,17 @@ namespace kvd {
 
 using RouterHash = std::array<uint8_t, 32>;
 
+// One extra key: a text string, or (with `positioned`) the pair [text, offset] vLLM gives a
+// multimodal item — its identifier and its offset from the block's first position.
+struct RouterExtraKey {
+  std::string text;
+  bool positioned = false;
+  int64_t offset = 0;
+  bool operator==(const RouterExtraKey& o) const {
+    return text == o.text && positioned == o.positioned && offset == o.offset;
+  }
+};
+
 class RouterHasher {
  public:
   explicit RouterHasher(const std::string& seed);
@@ -32,7 +43,7 @@ class RouterHasher {
   // `parent` is nullptr for the first block of a prompt (the root is used). Empty `extra_keys`
   // encodes as null, as vLLM hashes a block without LoRA, media or salt.
   RouterHash BlockHash(const RouterHash* parent, absl::Span<const Token> tokens,
-                       absl::Span<const std::string> extra_keys) const;
+                       absl::Span<const RouterExtraKey> extra_keys) const;
   // The identifier events carry: the digest's last 8 bytes as a big-endian integer.
   static uint64_t EventId(const RouterHash& h);
 
@@ -40,14 +51,15 @@ class RouterHasher {
   RouterHash root_;
 };
 
-// The extra keys of a block, in vLLM's order: the LoRA adapter name, then the media keys, then the
-// cache salt on the first block only. kvd's `method` (no vLLM equivalent) comes last, so that
-// namespaces a router cannot tell apart still get distinct identifiers. Media keys are added to
-// every block, since kvd does not know which token positions an image covers (vLLM adds a media
-// hash only to the blocks it overlaps): routers match media prompts only if they do the same.
-std::vector<std::string> RouterExtraKeys(const std::string& adapter,
-                                         const std::vector<std::string>& media_keys,
-                                         const std::string& cache_salt, const std::string& method,
-                                         bool first_block);
+// The extra keys of the block taking prompt positions [block_start, block_end), in vLLM's order
+// (vllm/v1/core/kv_cache_utils.py, generate_block_hash_extra_keys, at 001cabc1be16): the LoRA
+// adapter name; for each positioned media item the block overlaps (media_span.h), the pair
+// (identifier, item offset - block_start); the cache salt on the first block only. Media keys
+// without positions are added to every block (routers match those prompts only if they do the
+// same). kvd's `method` (no vLLM equivalent) comes last, so that namespaces a router cannot tell
+// apart still get distinct identifiers.
+std::vector<RouterExtraKey> RouterExtraKeys(const std::string& adapter, const std::vector<std::string>& media_keys,
+                                            const std::string& cache_salt, const std::string& method,
+                                            int64_t block_start, int64_t block_end);
 
 }  // namespace kvd

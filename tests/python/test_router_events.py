@@ -204,6 +204,49 @@ def refused(kvd, tmp, config):
     return out.returncode, out.stderr
 
 
+def prove_media(kvd, tmp, ctx):
+    """Positioned media follow vLLM's per-block rule: (identifier, offset - block start) only in the
+    blocks an item overlaps, so a block before the image keeps the plain prompt's id — announced
+    once while any block behind it is cached, removed when the last goes."""
+    shutil.rmtree(os.path.join(tmp, "disk"), ignore_errors=True)
+    d = start_daemon(kvd, tmp, "media")
+    try:
+        a = list(range(200, 217))  # 4 full blocks
+        with Client(d.target, worker_name="media") as c:
+            for rid, kw in (("plain", {}), ("image", {"media": [("img-1", 5, 6)]}),
+                            ("legacy", {"media_keys": ["img-2"]})):
+                with c.request(rid, pool="m", prompt=a, **kw) as r:
+                    r.publish(a)
+            stored_before = replay_settled(ctx, f"ipc://{tmp}/replay", 0)
+            for k in range(6):  # 24 new blocks: everything above is evicted
+                p = [5000 + 100 * k + t for t in range(17)]
+                with c.request(f"fill-{k}", pool="m", prompt=p) as r:
+                    r.publish(p)
+            cached = c.report().pools[0].cached_blocks
+        got = replay_settled(ctx, f"ipc://{tmp}/replay", 0)
+    finally:
+        d.stop()
+    plain = vllm_ids(a)
+    image = vllm_ids(a, lambda i: (("img-1", 5 - 4 * i),) if 4 * i < 11 and 5 < 4 * i + 4 else None)
+    legacy = vllm_ids(a, lambda i: ("img-2",))
+    check(image[0] == plain[0] and len(set(image[1:]) & set(plain)) == 0,
+          "media: the block before the image keeps the plain id; the blocks it overlaps (and after) differ")
+    first = [i for _, _, _, e in events_of(stored_before) if e[0] == "BlockStored" for i in e[1]]
+    check(all(i in first for i in image[1:]) and all(i in first for i in legacy),
+          "media: ids equal vLLM's, (identifier, offset from the block start) in the overlapped blocks")
+    check(first.count(plain[0]) == 1, f"media: the shared id is announced once ({first.count(plain[0])})")
+    live, removed = set(), []
+    for _, _, _, e in events_of(got):
+        if e[0] == "BlockStored":
+            live.update(e[1])
+        elif e[0] == "BlockRemoved":
+            removed.extend(e[1])
+            live.difference_update(e[1])
+    check(removed.count(plain[0]) == 1, "media: the shared id is removed once, with the last block behind it")
+    check(len(live) == cached and not live & set(plain + image + legacy),
+          f"media: the router's live set = the daemon's cached blocks ({len(live)} vs {cached})")
+
+
 def prove_topics(kvd, tmp, ctx):
     """Per-pool topics: one sequence each, topics that cannot prefix-match, a medium per pool, the
     replay topic frame, and a PUB socket that connects to a router that binds (llm-d's central mode)."""
@@ -408,6 +451,7 @@ def main():
               [i for e in st for i in e["block_hashes"]] == expected["lora"],
               "map format: the same ids, and lora_name the adapter")
         daemon.stop()
+        prove_media(kvd, tmp, ctx)
         prove_topics(kvd, tmp, ctx)
     finally:
         daemon.stop()

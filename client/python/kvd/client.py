@@ -532,10 +532,13 @@ class Client:
         return per_layer.reshape(p.num_layers, p.block_tokens, -1)
 
     def request(self, request_id, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="",
-                adapter="", media_keys=(), wait_s=10.0):
+                adapter="", media_keys=(), media=(), wait_s=10.0):
         """Admit (the daemon waits while the budget is full, up to wait_s) and acquire, in one
-        round trip (Start): a Request context manager."""
-        ns = kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt, adapter=adapter, media_keys=list(media_keys))
+        round trip (Start): a Request context manager. `media`: (identifier, offset, length) of each
+        multimodal item, in prompt order (router events key only the blocks an item overlaps, as
+        vLLM does); `media_keys`: identifiers without positions (every block)."""
+        ns = kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt, adapter=adapter, media_keys=list(media_keys),
+                               media=[kvd_pb2.MediaItem(identifier=i, offset=o, length=n) for i, o, n in media])
         deadline = time.monotonic() + wait_s
         while True:
             # While kvd restarts, a new request waits (within wait_s) for the re-attachment.

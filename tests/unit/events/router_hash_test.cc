@@ -5,6 +5,7 @@
 
 #include "absl/strings/escaping.h"
 #include "server/events/cbor_writer.h"
+#include "proto/vocab/media_span.h"
 #include "server/events/router_hash.h"
 
 namespace kvd {
@@ -64,7 +65,7 @@ TEST_CASE("Router hashes equal vLLM's sha256_cbor chain", "[events]") {
   REQUIRE(Hex(h1) == "6cbb08a604ade4f149180a474cf5ed34659a3d2dddef8b287292cf72cc6e1f2a");
   REQUIRE(RouterHasher::EventId(h1) == 8255889158886530858ull);
   const Token b2[] = {5, 6, 7, 8};
-  const std::vector<std::string> extra = {"lora-x", "tenant"};
+  const std::vector<RouterExtraKey> extra = {{"lora-x"}, {"tenant"}};
   const RouterHash h2 = hasher.BlockHash(&h1, b2, extra);
   REQUIRE(Hex(h2) == "446521088b97dc4ce8a3f88ac4a1c03ecdd8d68d2d860a2e6a21d89d496d3fb0");
   REQUIRE(RouterHasher::EventId(h2) == 7647631812305174448ull);
@@ -74,12 +75,45 @@ TEST_CASE("Router hashes equal vLLM's sha256_cbor chain", "[events]") {
   REQUIRE(RouterHasher("0").BlockHash(nullptr, b1, {}) != h1);
 }
 
+TEST_CASE("Positioned media hash as vLLM's (identifier, offset from the block start) pairs", "[events]") {
+  // Python: sha256(cbor2.dumps((h1, (5, 6, 7, 8), ("lora-x", ("img-9", -3), ("img-7", 2))), canonical=True))
+  const RouterHasher hasher("1234");
+  const Token b1[] = {1, 2, 3, 4};
+  const Token b2[] = {5, 6, 7, 8};
+  const RouterHash h1 = hasher.BlockHash(nullptr, b1, {});
+  const std::vector<RouterExtraKey> extra = {{"lora-x"}, {"img-9", true, -3}, {"img-7", true, 2}};
+  const RouterHash h2 = hasher.BlockHash(&h1, b2, extra);
+  REQUIRE(Hex(h2) == "2cc79d104b9a0ad0d09d8e212d32e157450d8d666c2036715b5bdc1f8800d205");
+  REQUIRE(RouterHasher::EventId(h2) == 6583097308315963909ull);
+}
+
 TEST_CASE("Router extra keys follow vLLM's order; the salt only on the first block", "[events]") {
-  REQUIRE(RouterExtraKeys("", {}, "", "", true).empty());
-  REQUIRE(RouterExtraKeys("lora", {"img1", "img2"}, "salt", "", true) ==
-          std::vector<std::string>{"lora", "img1", "img2", "salt"});
-  REQUIRE(RouterExtraKeys("lora", {}, "salt", "", false) == std::vector<std::string>{"lora"});
-  REQUIRE(RouterExtraKeys("", {}, "", "fp8", false) == std::vector<std::string>{"fp8"});
+  using K = std::vector<RouterExtraKey>;
+  REQUIRE(RouterExtraKeys("", {}, "", "", 0, 16).empty());
+  REQUIRE(RouterExtraKeys("lora", {"img1", "img2"}, "salt", "", 0, 16) == K{{"lora"}, {"img1"}, {"img2"}, {"salt"}});
+  REQUIRE(RouterExtraKeys("lora", {}, "salt", "", 16, 32) == K{{"lora"}});
+  REQUIRE(RouterExtraKeys("", {}, "", "fp8", 16, 32) == K{{"fp8"}});
+}
+
+TEST_CASE("A positioned media item keys only the blocks it overlaps, with its offset in each", "[events]") {
+  // An image on positions [5, 11) with 4-token blocks: blocks 1 ([4, 8)) and 2 ([8, 12)).
+  const std::vector<std::string> media = {PositionedMediaKey({"img", 5, 6})};
+  using K = std::vector<RouterExtraKey>;
+  REQUIRE(RouterExtraKeys("", media, "", "", 0, 4).empty());
+  REQUIRE(RouterExtraKeys("", media, "", "", 4, 8) == K{{"img", true, 1}});
+  REQUIRE(RouterExtraKeys("", media, "", "", 8, 12) == K{{"img", true, -3}});
+  REQUIRE(RouterExtraKeys("", media, "", "", 12, 16).empty());
+  // Two items in one block, in prompt order, between the adapter and the salt.
+  const std::vector<std::string> two = {PositionedMediaKey({"a", 1, 1}), PositionedMediaKey({"b", 3, 2})};
+  REQUIRE(RouterExtraKeys("lora", two, "salt", "", 0, 4) == K{{"lora"}, {"a", true, 1}, {"b", true, 3}, {"salt"}});
+  // The key form round-trips; other media keys are not positioned.
+  const std::optional<MediaSpan> span = ParsePositionedMediaKey(PositionedMediaKey({"sha:1+2", 7, 9}));
+  REQUIRE(span.has_value());
+  REQUIRE((span->identifier == "sha:1+2" && span->offset == 7 && span->length == 9));
+  for (const char* other : {"img1", "mm@", "mm@1+2", "mm@x+2:id", "mm@-1+2:id", "mm@3:id"}) {
+    INFO(other);
+    REQUIRE_FALSE(ParsePositionedMediaKey(other).has_value());
+  }
 }
 
 }  // namespace
