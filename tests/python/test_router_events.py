@@ -9,7 +9,9 @@ socket byte for byte; a late subscriber rebuilds everything by replay; Close ann
 AllBlocksCleared; a warm restart announces the reloaded blocks (medium DISK) with the same ids.
 Topics: one sequence per pool, replay by topic with vLLM >= 0.26's topic frame (and without it),
 a medium per pool, topics that would prefix-match refused, and a PUB socket that connects to a
-router that binds (llm-d's central mode).
+router that binds (llm-d's central mode); positioned media keyed per overlapped block. The stream
+is also fed to decoders written from llm-d's and Dynamo's sources (LlmdIndexer, DynamoIndexer),
+whose rebuilt indexes must find each prompt's cached blocks under their own key schemes.
 
 Usage: test_router_events.py KVD_BINARY   (PYTHONPATH=<build>/python)
 """
@@ -188,6 +190,90 @@ class LlmdIndexer:
             if not any(e[0] == pod for e in self.pods.get(rk, ())):
                 break
             n += 1
+        return n
+
+
+class DynamoIndexer:
+    """NVIDIA Dynamo's KV router as its source defines it: ai-dynamo/dynamo at 4fb5a208fe6e,
+    lib/kv-router/src/zmq_wire/deserialize.rs (array or tagged-map events; BlockStored by position:
+    tag, block_hashes, parent, token_ids, block_size, lora_id (discarded), medium, lora_name,
+    extra_keys) and convert.rs (blocks whose block_size is not the router's kv_block_size are not
+    published; each block's tokens_hash is compute_block_hash_for_seq of its tokens and
+    lora_name); lib/kv-router/src/protocols.rs of the same API (BlockHashOptions{block_mm_infos,
+    lora_name, is_eagle}): XXH3-64 of the tokens as little-endian u32, seed 1337, plus
+    XXH3-64(lora_name) when one is set; StorageTier::from_kv_medium ("GPU"/"DEVICE" device,
+    "CPU_PINNED"/"CPU_TIER1" host, "DISK"/"NVME"/"CPU_TIER2" disk, anything else the device).
+    Blocks form a tree linked by the engine's ids; a request matches by walking its own local
+    hashes from the root."""
+
+    SEED = 1337
+
+    def __init__(self, kv_block_size):
+        import ctypes
+        self.lib = ctypes.CDLL("libxxhash.so.0")
+        self.lib.XXH3_64bits_withSeed.restype = ctypes.c_uint64
+        self.lib.XXH3_64bits_withSeed.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_uint64]
+        self.lib.XXH3_64bits.restype = ctypes.c_uint64
+        self.lib.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        self.bs = kv_block_size
+        self.nodes = {}     # engine id -> {"local", "parent", "workers": {(worker, tier)}}
+        self.children = {}  # (parent engine id or None, local hash) -> engine id
+        self.dropped = 0
+
+    def local_hashes(self, tokens, lora_name=None):
+        seed = self.SEED
+        if lora_name:
+            seed = (seed + self.lib.XXH3_64bits(lora_name.encode(), len(lora_name.encode()))) & (2 ** 64 - 1)
+        out = []
+        for i in range(len(tokens) // self.bs):
+            data = b"".join(t.to_bytes(4, "little") for t in tokens[i * self.bs:(i + 1) * self.bs])
+            out.append(self.lib.XXH3_64bits_withSeed(data, len(data), seed))
+        return out
+
+    @staticmethod
+    def tier(medium):
+        return {"GPU": "device", "DEVICE": "device", "CPU_PINNED": "host", "CPU_TIER1": "host",
+                "CPU_TIER2": "disk", "DISK": "disk", "NVME": "disk"}.get(medium or "", "device")
+
+    def consume(self, worker, payload):
+        batch = msgpack.unpackb(payload, raw=False)
+        events = batch["events"] if isinstance(batch, dict) else batch[1]
+        for e in events:
+            if isinstance(e, dict):
+                f = [e.get("type"), e.get("block_hashes"), e.get("parent_block_hash"), e.get("token_ids"),
+                     e.get("block_size"), None, e.get("medium"), e.get("lora_name")]
+                if f[0] == "BlockRemoved":
+                    f = [f[0], f[1], e.get("medium")]
+            else:
+                f = list(e) + [None] * 8
+            if f[0] == "BlockStored":
+                if f[4] != self.bs:
+                    self.dropped += len(f[1])  # "Block not published. Block size must be ..."
+                    continue
+                parent = f[2]
+                if parent is not None and parent not in self.nodes:
+                    continue
+                for ext, local in zip(f[1], self.local_hashes(f[3], f[7])):
+                    node = self.nodes.setdefault(ext, {"local": local, "parent": parent, "workers": set()})
+                    node["workers"].add((worker, self.tier(f[6])))
+                    self.children.setdefault((parent, local), ext)
+                    parent = ext
+            elif f[0] == "BlockRemoved":
+                for ext in f[1]:
+                    if ext in self.nodes:
+                        self.nodes[ext]["workers"].discard((worker, self.tier(f[2])))
+            elif f[0] == "AllBlocksCleared":
+                for node in self.nodes.values():
+                    node["workers"] = {w for w in node["workers"] if w[0] != worker}
+
+    def overlap(self, tokens, worker, lora_name=None):
+        """Blocks of `tokens` the router scores on `worker` (find_matches: the walk from the root)."""
+        parent, n = None, 0
+        for local in self.local_hashes(tokens, lora_name):
+            ext = self.children.get((parent, local))
+            if ext is None or not any(w[0] == worker for w in self.nodes[ext]["workers"]):
+                break
+            parent, n = ext, n + 1
         return n
 
 
@@ -385,9 +471,29 @@ def main():
             lora_reqs = {llmd.eng_to_req[i] for i in lora_engine}
             check(lora_reqs == set(llmd.request_keys(a, "lora-x")) and not lora_reqs & set(llmd.request_keys(a, "m")),
                   "llm-d: LoRA blocks are indexed under the adapter, none under the base model")
+            # Dynamo's router, fed the same stream with its kv_block_size equal to the pool's block,
+            # scores the same blocks under its own token hashes; with another block size it drops
+            # every block (a router configured for another block size must not score this node).
+            dynamo, dynamo_other = DynamoIndexer(BT), DynamoIndexer(2 * BT)
+            for seq in seqs:
+                if seq <= before_fill:
+                    dynamo.consume("n1", full[seq])
+                    dynamo_other.consume("n1", full[seq])
+            check(dynamo.overlap(a, "n1") == 4 and dynamo.overlap(b, "n1") == 4,
+                  "Dynamo: both base prompts score all their blocks, under its own token hashes")
+            check(dynamo.overlap(a, "n1", "lora-x") == 4 and dynamo.overlap(a, "n1", "lora-y") == 0,
+                  "Dynamo: the adapter's blocks score under lora_name, another adapter's none")
+            check(all(w[1] == "device" for n in dynamo.nodes.values() for w in n["workers"]),
+                  "Dynamo: medium CPU reads as its device tier at this version (router_events.medium can say GPU)")
+            check(dynamo_other.dropped > 0 and not dynamo_other.nodes and dynamo_other.overlap(a, "n1") == 0,
+                  f"Dynamo with kv_block_size {2 * BT}: every block dropped ({dynamo_other.dropped}), nothing scored")
             for seq in seqs:
                 if seq > before_fill:
                     llmd.consume(b"kv@n1@m", full[seq])
+                    dynamo.consume("n1", full[seq])
+            dyn_live = {ext for ext, n in dynamo.nodes.items() if n["workers"]}
+            check(dyn_live <= live and len(dyn_live) >= len(live) - len(expected["salt"]),
+                  f"Dynamo: after evictions its tree holds the node's blocks ({len(dyn_live)} of {len(live)})")
             on_node = {rk for rk, e in llmd.pods.items() if ("n1", "cpu") in e}
             check(cached - len(expected["salt"]) <= len(on_node) <= cached,
                   f"llm-d: after evictions its index holds the node's cached blocks ({len(on_node)} keys for {cached} "
@@ -450,6 +556,10 @@ def main():
         check(all(e["lora_name"] == "lora-x" for e in st) and
               [i for e in st for i in e["block_hashes"]] == expected["lora"],
               "map format: the same ids, and lora_name the adapter")
+        dm = DynamoIndexer(BT)
+        for seq in sorted(got):
+            dm.consume("n1", got[seq])
+        check(dm.overlap(a, "n1", "lora-x") == 4, "map format: Dynamo's decoder reads it (the adapter's 4 blocks score)")
         daemon.stop()
         prove_media(kvd, tmp, ctx)
         prove_topics(kvd, tmp, ctx)
