@@ -379,6 +379,14 @@ def prove_topics(kvd, tmp, ctx):
             media = {e[6] for _, _, _, e in events_of({s: p for (_, s), p in mine.items()}) if e[0] in ("BlockStored",)}
             check(media == {medium}, f"pool {pool}: medium {medium} ({media})")
         check(replay(ctx, f"ipc://{tmp}/replay", 0, topic=b"kv@n1@zz") == {}, "replay of an unknown topic: just the end marker")
+        # Careless or hostile replay requests are ignored; the socket keeps serving.
+        junk = ctx.socket(zmq.DEALER)
+        junk.connect(f"ipc://{tmp}/replay")
+        for frames in ([b""], [b"", b"\x00\x01"], [b"", b"kv@n1@m", b"x", b"\x00" * 8], [b"", b"\xff" * 8 + b"!"]):
+            junk.send_multipart(frames)
+        check(not junk.poll(500), "malformed replay requests get no answer")
+        junk.close(0)
+        check(replay(ctx, f"ipc://{tmp}/replay", 0, with_topics=True) == both, "after them, replay answers as before")
     finally:
         d.stop()
         sub.close(0)

@@ -108,5 +108,27 @@ TEST_CASE("A refused connection fails fast, then the tier is skipped until retry
   REQUIRE(t->Stats().errors == 2);
 }
 
+TEST_CASE("A cluster none of whose seeds answers fails fast and backs off like one server", "[store][remote][cluster]") {
+  RemoteTierOptions o;
+  const int a = testing::FreeLoopbackPort();
+  const int b = testing::FreeLoopbackPort();
+  REQUIRE((a > 0 && b > 0));
+  o.url = "redis-cluster://127.0.0.1:" + std::to_string(a) + ",127.0.0.1:" + std::to_string(b);
+  o.retry_after = absl::Milliseconds(300);
+  FakeClock clock;
+  o.clock = &clock;
+  auto t = *RemoteTier::Open(o);
+  REQUIRE(t->Stats().cluster);
+  const std::vector<std::string> keys = {"a", "b", "c"};
+  const absl::Status s = t->RunLength(keys).status();
+  REQUIRE(s.code() == absl::StatusCode::kUnavailable);
+  REQUIRE(std::string(s.message()).find("slot map") != std::string::npos);  // every seed was asked
+  REQUIRE(t->Stats().errors == 1);
+  REQUIRE(t->Stats().slot_refreshes == 0);
+  REQUIRE(t->Store({{"a", "1"}}).code() == absl::StatusCode::kUnavailable);  // skipped: no second attempt
+  REQUIRE(t->Stats().skipped == 1);
+  REQUIRE(t->Stats().errors == 1);
+}
+
 }  // namespace
 }  // namespace kvd
