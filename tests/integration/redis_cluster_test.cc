@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <map>
+#include <memory>
 #include <thread>
 
 #include <catch2/catch.hpp>
@@ -167,34 +168,47 @@ void Publish(const DaemonProcess& d, const std::string& tag, int start, int n) {
   WaitForMetric(d, kUploaded, before + 16 * n);
 }
 
-TEST_CASE("Daemons share prefixes through a Redis Cluster; keys spread over every master",
-          "[integration][remote][cluster]") {
+// A cluster, and a daemon on it that published prompts [start + 100 k, 65 tokens) for k < n.
+struct PublishedCluster {
+  PublishedCluster(int start, int n) : a(Config(cluster.url(), disks.path() + "/a")) { Publish(a, "a", start, n); }
+  // A new daemon on the cluster with its own empty disk.
+  std::unique_ptr<DaemonProcess> Node(const std::string& name) const {
+    return std::make_unique<DaemonProcess>(Config(cluster.url(), disks.path() + "/" + name));
+  }
   RedisCluster cluster;
   TempDir disks;
-  DaemonProcess a(Config(cluster.url(), disks.path() + "/a"));
-  Publish(a, "a", 10000, 6);
+  DaemonProcess a;
+};
+
+// Runs the same prompts on `d`: each a full hit (64 of 65 tokens), every reused byte checked.
+void ExpectFullHits(const DaemonProcess& d, const std::string& tag, int start, int n, int first = 0) {
+  for (int k = first; k < n; ++k) {
+    ProcessResult r = Work(d, absl::StrCat(tag, k), start + 100 * k, 65);
+    REQUIRE(JsonInt(r.out, "cached_tokens") == 64);
+    REQUIRE(JsonInt(r.out, "verified_bytes") == 64 * 2 * 16);
+  }
+}
+
+TEST_CASE("Daemons share prefixes through a Redis Cluster; keys spread over every master",
+          "[integration][remote][cluster]") {
+  PublishedCluster p(10000, 6);
+  RedisCluster& cluster = p.cluster;
   for (const RedisCluster::Node& m : cluster.Masters()) {
     INFO("master on port " << m.port);
     REQUIRE(cluster.KeysOn(m.port) > 0);  // 96 keys hashed over 16,384 slots: every master has some
   }
   // Another node with an empty disk reads all of it back (the worker checks every byte).
-  DaemonProcess b(Config(cluster.url(), disks.path() + "/b"));
-  for (int k = 0; k < 6; ++k) {
-    ProcessResult r = Work(b, absl::StrCat("b", k), 10000 + 100 * k, 65);
-    REQUIRE(JsonInt(r.out, "cached_tokens") == 64);
-    REQUIRE(JsonInt(r.out, "verified_bytes") == 64 * 2 * 16);
-  }
-  REQUIRE(Metric(b, "kvd_promotions_total{from=\"remote\"}") == 96);
-  REQUIRE(Metric(b, "kvd_remote_errors_total") == 0);
-  REQUIRE(KvdctlStatus(b).find("redis-cluster://") != std::string::npos);
+  std::unique_ptr<DaemonProcess> b = p.Node("b");
+  ExpectFullHits(*b, "b", 10000, 6);
+  REQUIRE(Metric(*b, "kvd_promotions_total{from=\"remote\"}") == 96);
+  REQUIRE(Metric(*b, "kvd_remote_errors_total") == 0);
+  REQUIRE(KvdctlStatus(*b).find("redis-cluster://") != std::string::npos);
 }
 
 TEST_CASE("A master killed mid-workload: no request fails, and its replica serves every byte",
           "[integration][remote][cluster]") {
-  RedisCluster cluster;
-  TempDir disks;
-  DaemonProcess a(Config(cluster.url(), disks.path() + "/a"));
-  Publish(a, "a", 20000, 6);
+  PublishedCluster p(20000, 6);
+  RedisCluster& cluster = p.cluster;
   // Every master has handed its writes to its replica (WAIT), so a promotion loses nothing.
   for (const RedisCluster::Node& m : cluster.Masters()) {
     REQUIRE(cluster.Cli(m.port, {"WAIT", "1", "5000"}).out.find("1") != std::string::npos);
@@ -204,35 +218,30 @@ TEST_CASE("A master killed mid-workload: no request fails, and its replica serve
 
   // Workers keep running on a second daemon while the master dies and its replica takes over:
   // every request succeeds with no wrong byte (the tier is skipped while the slots have no master).
-  DaemonProcess b(Config(cluster.url(), disks.path() + "/b"));
+  std::unique_ptr<DaemonProcess> b = p.Node("b");
   cluster.Kill(victim.port);
   const absl::Time until = absl::Now() + absl::Seconds(4);
-  for (int i = 0; absl::Now() < until; ++i) Work(b, absl::StrCat("during", i), 30000 + 100 * (i % 20), 65);
+  for (int i = 0; absl::Now() < until; ++i) Work(*b, absl::StrCat("during", i), 30000 + 100 * (i % 20), 65);
   cluster.WaitHealthy();  // the replica is a master now
   REQUIRE(cluster.Masters().size() == 3);
   for (const RedisCluster::Node& m : cluster.Masters()) REQUIRE(m.port != victim.port);
 
   // A fresh node reads every block published before the kill, those of the dead master's slots
   // from the promoted replica (the slot map read again: the dead seed is skipped).
-  DaemonProcess c(Config(cluster.url(), disks.path() + "/c"));
-  for (int k = 0; k < 6; ++k) {
-    ProcessResult r = Work(c, absl::StrCat("c", k), 20000 + 100 * k, 65);
-    REQUIRE(JsonInt(r.out, "cached_tokens") == 64);
-  }
-  REQUIRE(Metric(c, "kvd_promotions_total{from=\"remote\"}") == 96);
+  std::unique_ptr<DaemonProcess> c = p.Node("c");
+  ExpectFullHits(*c, "c", 20000, 6);
+  REQUIRE(Metric(*c, "kvd_promotions_total{from=\"remote\"}") == 96);
 }
 
 TEST_CASE("Resharding a slot range while lookups run: every lookup a full hit, no wrong byte",
           "[integration][remote][cluster]") {
-  RedisCluster cluster;
-  TempDir disks;
-  DaemonProcess a(Config(cluster.url(), disks.path() + "/a"));
-  Publish(a, "a", 40000, 8);
+  PublishedCluster p(40000, 8);
+  RedisCluster& cluster = p.cluster;
   std::vector<RedisCluster::Node> masters = cluster.Masters();
   REQUIRE(masters.size() == 3);
   // A daemon that read the slot map before the move.
-  DaemonProcess before(Config(cluster.url(), disks.path() + "/before"));
-  REQUIRE(JsonInt(Work(before, "before", 40000, 65).out, "cached_tokens") == 64);
+  std::unique_ptr<DaemonProcess> before = p.Node("before");
+  ExpectFullHits(*before, "before", 40000, 1);
 
   // Move 4,000 slots from one master to another in the background (redis-cli migrates the keys
   // slot by slot: ASK while a slot is migrating, MOVED once it is done).
@@ -250,7 +259,8 @@ TEST_CASE("Resharding a slot range while lookups run: every lookup a full hit, n
   int lookups = 0;
   int64_t redirects = 0;
   while (!done || lookups < 8) {
-    DaemonProcess r(Config(cluster.url(), absl::StrCat(disks.path(), "/r", lookups)));
+    std::unique_ptr<DaemonProcess> node = p.Node(absl::StrCat("r", lookups));
+    const DaemonProcess& r = *node;
     for (int k = 0; k < 8; ++k) {
       ProcessResult w = Work(r, absl::StrCat("r", lookups, "-", k), 40000 + 100 * k, 65);
       REQUIRE(JsonInt(w.out, "cached_tokens") == 64);
@@ -270,14 +280,11 @@ TEST_CASE("Resharding a slot range while lookups run: every lookup a full hit, n
   REQUIRE(after_second > after_first);  // the target took over most of the source's keys
   INFO(redirects << " redirections followed by " << lookups << " daemons during the move");
   // The daemon holding the old map meets MOVED for the slots that left, follows it, and reads all.
-  for (int k = 1; k < 8; ++k) {
-    REQUIRE(JsonInt(Work(before, absl::StrCat("before", k), 40000 + 100 * k, 65).out, "cached_tokens") == 64);
-  }
-  REQUIRE(Metric(before, "kvd_remote_cluster_redirects_total{kind=\"moved\"}") > 0);
-  REQUIRE(Metric(before, "kvd_remote_errors_total") == 0);
+  ExpectFullHits(*before, "before", 40000, 8, /*first=*/1);
+  REQUIRE(Metric(*before, "kvd_remote_cluster_redirects_total{kind=\"moved\"}") > 0);
+  REQUIRE(Metric(*before, "kvd_remote_errors_total") == 0);
   // Once the move is over, a new daemon reads the new map and everything.
-  DaemonProcess late(Config(cluster.url(), disks.path() + "/late"));
-  for (int k = 0; k < 8; ++k) REQUIRE(JsonInt(Work(late, absl::StrCat("late", k), 40000 + 100 * k, 65).out, "cached_tokens") == 64);
+  ExpectFullHits(*p.Node("late"), "late", 40000, 8);
 }
 
 }  // namespace
