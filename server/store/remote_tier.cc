@@ -427,7 +427,14 @@ absl::Status RemoteTier::Exchange(const std::vector<std::string>& keys, int per_
       }
       replies[static_cast<size_t>(j)] = *std::move(r);
     }
-    if (cluster_) KVD_RETURN_IF_ERROR(FollowRedirect(i, per_key, append, replies));
+    if (cluster_) {
+      KVD_RETURN_IF_ERROR(FollowRedirect(i, per_key, append, replies));
+    } else if (replies[0]->type == REDIS_REPLY_ERROR &&
+               ParseRedisRedirect(absl::string_view(replies[0]->str, replies[0]->len)).has_value()) {
+      // An operator's slip: a redis:// URL naming one node of a cluster.
+      return Fail(absl::StrCat("the server answered '", absl::string_view(replies[0]->str, replies[0]->len),
+                               "': it is a Redis Cluster node; name the cluster with redis-cluster://host:port,..."));
+    }
     if (absl::Status s = done(i, replies); !s.ok()) return Fail(std::string(s.message()));
   }
   for (size_t n = 0; n < nodes.size(); ++n) Return(nodes[n], std::move(conns[n]));

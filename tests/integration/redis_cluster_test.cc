@@ -203,6 +203,14 @@ TEST_CASE("Daemons share prefixes through a Redis Cluster; keys spread over ever
   REQUIRE(Metric(*b, "kvd_promotions_total{from=\"remote\"}") == 96);
   REQUIRE(Metric(*b, "kvd_remote_errors_total") == 0);
   REQUIRE(KvdctlStatus(*b).find("redis-cluster://") != std::string::npos);
+
+  // An operator's slip: one master named with redis://. Requests still work (the tier is
+  // skipped), and the error says what to write instead.
+  const int port = cluster.Masters().front().port;
+  DaemonProcess slip(Config(absl::StrCat("redis://127.0.0.1:", port), p.disks.path() + "/slip"));
+  for (int k = 0; k < 6; ++k) Work(slip, absl::StrCat("slip", k), 10000 + 100 * k, 65);
+  REQUIRE(Metric(slip, "kvd_remote_errors_total") >= 1);
+  REQUIRE(KvdctlStatus(slip).find("name the cluster with redis-cluster://") != std::string::npos);
 }
 
 TEST_CASE("A master killed mid-workload: no request fails, and its replica serves every byte",
