@@ -315,14 +315,10 @@ absl::Status Options::Validate() const {
   if (r.max_batch_events < 1) return absl::InvalidArgumentError(absl::StrCat("router_events.max_batch_events must be >= 1, not ", r.max_batch_events));
   if (r.send_hwm < 0) return absl::InvalidArgumentError(absl::StrCat("router_events.send_hwm must be >= 0, not ", r.send_hwm));
   if (r.data_parallel_rank < 0) return absl::InvalidArgumentError(absl::StrCat("router_events.data_parallel_rank must be >= 0, not ", r.data_parallel_rank));
-  if (r.endpoint_mode != "auto" && r.endpoint_mode != "bind" && r.endpoint_mode != "connect") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("router_events.endpoint_mode must be auto, bind or connect, not '", r.endpoint_mode, "'"));
-  }
   if (r.enabled()) {
     RouterEventsOptions named = r;
     for (const PoolGeometry& g : cache.pools) named.pools.push_back(g.name);
-    KVD_RETURN_IF_ERROR(CheckRouterTopics(named));
+    KVD_RETURN_IF_ERROR(CheckRouterEventsOptions(named));
   }
   return cache.Validate();
 }

@@ -66,7 +66,11 @@ bool RouterEndpointBinds(const std::string& endpoint, const std::string& mode) {
          absl::StartsWith(endpoint, "ipc://") || absl::StartsWith(endpoint, "inproc://");
 }
 
-absl::Status CheckRouterTopics(const RouterEventsOptions& o) {
+absl::Status CheckRouterEventsOptions(const RouterEventsOptions& o) {
+  if (o.endpoint_mode != "auto" && o.endpoint_mode != "bind" && o.endpoint_mode != "connect") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("router_events.endpoint_mode must be auto, bind or connect, not '", o.endpoint_mode, "'"));
+  }
   const std::string node = o.node.empty() ? HostName() : o.node;
   for (const std::string& a : o.pools) {
     for (const std::string& b : o.pools) {
@@ -119,11 +123,7 @@ absl::StatusOr<std::unique_ptr<RouterEventPublisher>> RouterEventPublisher::Star
   if (options.endpoint.empty()) return absl::InvalidArgumentError("router_events.endpoint is empty");
   if (options.buffer_batches < 1) return absl::InvalidArgumentError("router_events.buffer_batches must be >= 1");
   if (options.max_batch_events < 1) return absl::InvalidArgumentError("router_events.max_batch_events must be >= 1");
-  if (options.endpoint_mode != "auto" && options.endpoint_mode != "bind" && options.endpoint_mode != "connect") {
-    return absl::InvalidArgumentError(absl::StrCat("router_events.endpoint_mode must be auto, bind or connect, not '",
-                                                   options.endpoint_mode, "'"));
-  }
-  KVD_RETURN_IF_ERROR(CheckRouterTopics(options));
+  KVD_RETURN_IF_ERROR(CheckRouterEventsOptions(options));
   if (options.node.empty()) options.node = HostName();
   std::unique_ptr<RouterEventPublisher> p(new RouterEventPublisher(std::move(options)));
   const RouterEventsOptions& o = p->options_;

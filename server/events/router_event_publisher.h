@@ -109,10 +109,11 @@ struct RouterEventStats {
 
 // Whether the PUB socket binds `endpoint` under `mode` ("auto", "bind" or "connect").
 bool RouterEndpointBinds(const std::string& endpoint, const std::string& mode);
-// OK when no pool's topic is a prefix of another's (a ZMQ subscription is a prefix match, so a
-// router subscribed to "kv@n1@m" would also receive "kv@n1@m2"); INVALID_ARGUMENT naming both
-// topics otherwise. Also checks that options.medium names only configured pools.
-absl::Status CheckRouterTopics(const RouterEventsOptions& options);
+// OK when endpoint_mode is auto, bind or connect; no pool's topic is a prefix of another's (a ZMQ
+// subscription is a prefix match, so a router subscribed to "kv@n1@m" would also receive
+// "kv@n1@m2"); and options.medium names only configured pools, each with one word.
+// INVALID_ARGUMENT naming what is wrong otherwise (both topics, for an overlap).
+absl::Status CheckRouterEventsOptions(const RouterEventsOptions& options);
 
 class RouterEventPublisher {
  public:

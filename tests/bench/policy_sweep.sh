@@ -49,6 +49,15 @@ done
 cat "$out.md" >&2
 if command -v gnuplot > /dev/null; then
   paste "$tmp/lru.dat" "$tmp/slru.dat" "$tmp/horizon.dat" "$tmp/horizon-order-only.dat" > "$tmp/all.dat"
+  # One panel's series: hit rate (offset 0) or compute saved (offset 1) of the bound and each policy.
+  series() {
+    local o=$1
+    printf '"%s" using ($1/1e6):%d with linespoints title "farthest-next-use (offline bound)", ' "$tmp/all.dat" $((4 + o))
+    printf '"" using ($1/1e6):%d with linespoints title "horizon", ' $((22 + o))
+    printf '"" using ($1/1e6):%d with linespoints title "slru (default)", ' $((12 + o))
+    printf '"" using ($1/1e6):%d with linespoints title "lru", ' $((2 + o))
+    printf '"" using ($1/1e6):%d with linespoints dashtype 2 title "horizon order only"' $((32 + o))
+  }
   gnuplot <<GP
 set terminal pngcairo size 1200,500 noenhanced
 set output "$out.png"
@@ -58,17 +67,9 @@ set logscale x
 set grid
 set key bottom right
 set ylabel "token hit rate (%)"
-plot "$tmp/all.dat" using (\$1/1e6):4 with linespoints title "farthest-next-use (offline bound)", \
-     "" using (\$1/1e6):22 with linespoints title "horizon", \
-     "" using (\$1/1e6):12 with linespoints title "slru (default)", \
-     "" using (\$1/1e6):2 with linespoints title "lru", \
-     "" using (\$1/1e6):32 with linespoints dashtype 2 title "horizon order only"
+plot $(series 0)
 set ylabel "prefill compute saved (%, Llama-3-8B shape)"
-plot "$tmp/all.dat" using (\$1/1e6):5 with linespoints title "farthest-next-use (offline)", \
-     "" using (\$1/1e6):23 with linespoints title "horizon", \
-     "" using (\$1/1e6):13 with linespoints title "slru (default)", \
-     "" using (\$1/1e6):3 with linespoints title "lru", \
-     "" using (\$1/1e6):33 with linespoints dashtype 2 title "horizon order only"
+plot $(series 1)
 unset multiplot
 GP
   echo "wrote $out.png" >&2

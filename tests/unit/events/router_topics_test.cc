@@ -15,34 +15,37 @@ RouterEventsOptions WithPools(std::vector<std::string> pools) {
 }
 
 TEST_CASE("Topics that would prefix-match under ZMQ subscription are refused, naming both", "[events]") {
-  CHECK(CheckRouterTopics(WithPools({"m", "n", "llama"})).ok());
-  const absl::Status s = CheckRouterTopics(WithPools({"llama", "llama-70b"}));
+  CHECK(CheckRouterEventsOptions(WithPools({"m", "n", "llama"})).ok());
+  const absl::Status s = CheckRouterEventsOptions(WithPools({"llama", "llama-70b"}));
   REQUIRE(s.code() == absl::StatusCode::kInvalidArgument);
   CHECK(s.message().find("'kv@n1@llama'") != std::string::npos);
   CHECK(s.message().find("'kv@n1@llama-70b'") != std::string::npos);
   RouterEventsOptions fenced = WithPools({"llama", "llama-70b"});
   fenced.topic = "kv@{node}@{pool}@";  // text after {pool}: no topic is a prefix of another
-  CHECK(CheckRouterTopics(fenced).ok());
+  CHECK(CheckRouterEventsOptions(fenced).ok());
   RouterEventsOptions one = WithPools({"llama", "llama-70b"});
   one.topic = "kv@{node}";  // every pool on one topic would put two sequences on it
-  CHECK(CheckRouterTopics(one).code() == absl::StatusCode::kInvalidArgument);
+  CHECK(CheckRouterEventsOptions(one).code() == absl::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("A per-pool medium names a configured pool and is one word", "[events]") {
   RouterEventsOptions o = WithPools({"m", "n"});
   o.medium = {{"n", "GPU"}};
-  CHECK(CheckRouterTopics(o).ok());
+  CHECK(CheckRouterEventsOptions(o).ok());
   o.medium = {{"", "GPU"}};  // every pool
-  CHECK(CheckRouterTopics(o).ok());
+  CHECK(CheckRouterEventsOptions(o).ok());
   o.medium = {{"x", "GPU"}};
-  CHECK(CheckRouterTopics(o).message().find("no pool named 'x'") != std::string::npos);
+  CHECK(CheckRouterEventsOptions(o).message().find("no pool named 'x'") != std::string::npos);
   o.medium = {{"m", "G PU"}};
-  CHECK(CheckRouterTopics(o).code() == absl::StatusCode::kInvalidArgument);
+  CHECK(CheckRouterEventsOptions(o).code() == absl::StatusCode::kInvalidArgument);
   o.medium = {{"m", ""}};
-  CHECK(CheckRouterTopics(o).code() == absl::StatusCode::kInvalidArgument);
+  CHECK(CheckRouterEventsOptions(o).code() == absl::StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("The PUB socket binds or connects by vLLM's rule unless told", "[events]") {
+  RouterEventsOptions sideways = WithPools({"m"});
+  sideways.endpoint_mode = "sideways";
+  CHECK(CheckRouterEventsOptions(sideways).message().find("endpoint_mode") != std::string::npos);
   CHECK(RouterEndpointBinds("tcp://*:5557", "auto"));
   CHECK(RouterEndpointBinds("tcp://[::]:5557", "auto"));
   CHECK(RouterEndpointBinds("ipc:///run/kvd/events", "auto"));
