@@ -102,6 +102,8 @@ struct CheckpointSnapshot {
   std::vector<BlockIndex> blocks;  // hold the KV of `tokens` (the last one may be partial)
   std::string engine_state;
   bool orphaned = false;           // its generation was interrupted
+  uint64_t version = 0;            // names this content (TierPort::SetCheckpointDurable)
+  bool durable = false;            // a tier said G3 holds this version
 };
 
 struct SessionInfo {

@@ -65,15 +65,13 @@ class KvCache final : public TierPort {
   const CacheOptions& options() const { return options_; }
   int64_t max_engine_state_bytes() const override { return options_.max_engine_state_bytes; }
   const Clock* clock() const override { return clock_; }  // every TTL and recency (the tiers share it)
-  // NOT_FOUND for an unknown pool name.
-  absl::StatusOr<PoolId> FindPool(absl::string_view name) const;
+  absl::StatusOr<PoolId> FindPool(absl::string_view name) const;  // NOT_FOUND: unknown pool name
 
   // Reserves blocks for prompt + max_new_tokens (no credit for cached prefixes: the reservation
   // must cover the worst case that the prefix is evicted before Acquire). kWait when the budget
-  // has no room now. INVALID_ARGUMENT (bad spec), NOT_FOUND (pool), ALREADY_EXISTS (live id),
+  // has no room now (Fits: what Admit would answer now; holds nothing). INVALID_ARGUMENT (bad spec), NOT_FOUND (pool), ALREADY_EXISTS (live id),
   // OUT_OF_RANGE (past max_model_len, or larger than the whole budget or pool by itself).
   absl::StatusOr<AdmitResult> Admit(const RequestSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
-  // What Admit would answer now; holds nothing.
   absl::StatusOr<AdmitResult> Fits(const RequestSpec& spec) const ABSL_LOCKS_EXCLUDED(mu_);
   // All or nothing. NOT_FOUND (not admitted), FAILED_PRECONDITION (already acquired; resume of a
   // checkpoint in another namespace or one that does not continue the prompt).
@@ -145,6 +143,8 @@ class KvCache final : public TierPort {
   int64_t VisitCached(absl::Span<const CachedBlockRef> refs,
                       const std::function<void(const CachedBlockView&)>& fn) override ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<CheckpointSnapshot> SnapshotCheckpoints(bool pin) override ABSL_LOCKS_EXCLUDED(mu_);
+  void SetCheckpointDurable(const RequestId& id, uint64_t version, bool durable) override ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t checkpoints_not_durable() const override ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::vector<BlockIndex>> RestoreCheckpoint(const RequestId& id, const Namespace& ns,
                                                             std::vector<Token> tokens,
                                                             std::string engine_state) override
@@ -213,7 +213,7 @@ class KvCache final : public TierPort {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OrphanCheckpointLocked(CheckpointRecord& ckpt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropCheckpointLocked(const RequestId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Adds (sign +1) or removes (-1) a checkpoint's state bytes from the totals.
+  // Adds (sign +1) or removes (-1) a checkpoint's state bytes (and not-durable count) from the totals.
   void ChargeCheckpointStateLocked(const CheckpointRecord& ckpt, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Room for `bytes` more checkpoint state for `owner` (empty: no worker) when `replacing` (may be
   // null) goes: drops the oldest orphans for the total; RESOURCE_EXHAUSTED when still short.
@@ -279,6 +279,7 @@ class KvCache final : public TierPort {
   absl::btree_map<std::pair<absl::Time, uint64_t>, RequestId> orphans_ ABSL_GUARDED_BY(mu_);
   int64_t orphan_blocks_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t checkpoint_state_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // CheckpointRecord::state_bytes, all
+  int64_t checkpoints_not_durable_ ABSL_GUARDED_BY(mu_) = 0;  // records with !durable
   absl::flat_hash_map<WorkerId, int64_t> checkpoint_state_by_worker_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::btree_map<std::pair<absl::Time, SessionId>, bool> session_expiry_ ABSL_GUARDED_BY(mu_);

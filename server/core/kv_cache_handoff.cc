@@ -196,6 +196,7 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
       KVD_CHECK(pool.allocator.Claim(own).ok());  // checked free above
       auto rec = std::make_unique<CheckpointRecord>();
       rec->serial = next_serial_++;
+      rec->version = next_serial_++;  // not known to be on this daemon's G3 until a flush says so
       for (size_t i = 0; i < c.blocks.size(); ++i) {
         if (c.cached[i] >= 0) {
           RefLocked(pool_id, c.blocks[i], /*touch=*/false);

@@ -54,9 +54,10 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
     for (BlockIndex b : ckpt->blocks) ++refs[ckpt->pool][b];
   }
   if (orphan_bytes != orphan_blocks_bytes_) return fail("orphaned checkpoint bytes drifted");
-  int64_t state_bytes = 0;
+  int64_t state_bytes = 0, not_durable = 0;
   absl::flat_hash_map<WorkerId, int64_t> state_by_worker;
   for (const auto& [id, ckpt] : checkpoints_) {
+    not_durable += ckpt->durable ? 0 : 1;
     if (ckpt->state_bytes != static_cast<int64_t>(ckpt->engine_state.size() + ckpt->tokens.size() * sizeof(Token))) {
       return fail("checkpoint ", id.value(), "'s state bytes are wrong");
     }
@@ -66,6 +67,7 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
   if (state_bytes != checkpoint_state_bytes_ || state_by_worker != checkpoint_state_by_worker_) {
     return fail("checkpoint state bytes drifted");
   }
+  if (not_durable != checkpoints_not_durable_) return fail("not-durable checkpoint count drifted");
   if (state_bytes > options_.checkpoint_state_bytes) return fail("checkpoint state budget exceeded");
   if (orphan_bytes > options_.checkpoint_budget_bytes) return fail("checkpoint budget exceeded");
 

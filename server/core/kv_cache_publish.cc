@@ -223,6 +223,7 @@ absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> to
   existing = checkpoints_.find(id);  // making room drops orphans only, never this one
   auto rec = std::make_unique<CheckpointRecord>();
   rec->serial = req->serial;
+  rec->version = next_serial_++;
   rec->id = id;
   rec->pool = req->pool;
   rec->ns = req->spec.ns;
@@ -242,6 +243,7 @@ absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> to
 
 void KvCache::ChargeCheckpointStateLocked(const CheckpointRecord& ckpt, int sign) {
   checkpoint_state_bytes_ += sign * ckpt.state_bytes;
+  if (!ckpt.durable) checkpoints_not_durable_ += sign;
   if (ckpt.owner.empty()) return;
   int64_t& w = checkpoint_state_by_worker_[ckpt.owner];
   w += sign * ckpt.state_bytes;

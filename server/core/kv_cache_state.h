@@ -80,6 +80,8 @@ struct CheckpointRecord {
   bool orphaned = false;        // its request ended interrupted
   int64_t charged_blocks = 0;   // when orphaned: blocks charged to the ledger
   absl::Time expires_at;        // when orphaned
+  uint64_t version = 0;         // unique per record: names this content for the tiers
+  bool durable = false;         // a tier said G3 holds this version (TierPort::SetCheckpointDurable)
 };
 struct ProtectedRef { PoolId pool; BlockIndex index; uint64_t node_serial; };
 struct Session {

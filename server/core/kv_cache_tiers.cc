@@ -209,6 +209,8 @@ std::vector<CheckpointSnapshot> KvCache::SnapshotCheckpoints(bool pin) {
     s.blocks = ckpt->blocks;
     s.engine_state = ckpt->engine_state;
     s.orphaned = ckpt->orphaned;
+    s.version = ckpt->version;
+    s.durable = ckpt->durable;
     if (pin) {
       Pool& pool = *pools_[ckpt->pool];
       for (BlockIndex b : ckpt->blocks) {
@@ -219,6 +221,21 @@ std::vector<CheckpointSnapshot> KvCache::SnapshotCheckpoints(bool pin) {
     out.push_back(std::move(s));
   }
   return out;
+}
+
+void KvCache::SetCheckpointDurable(const RequestId& id, uint64_t version, bool durable) {
+  absl::MutexLock lock(&mu_);
+  auto it = checkpoints_.find(id);
+  if (it == checkpoints_.end()) return;
+  CheckpointRecord& ckpt = *it->second;
+  if (ckpt.durable == durable || (durable && ckpt.version != version)) return;
+  ckpt.durable = durable;
+  checkpoints_not_durable_ += durable ? -1 : 1;
+}
+
+int64_t KvCache::checkpoints_not_durable() const {
+  absl::MutexLock lock(&mu_);
+  return checkpoints_not_durable_;
 }
 
 absl::StatusOr<std::vector<BlockIndex>> KvCache::RestoreCheckpoint(const RequestId& id,
@@ -261,6 +278,8 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::RestoreCheckpoint(const Request
       }
       auto rec = std::make_unique<CheckpointRecord>();
       rec->serial = serial;
+      rec->version = next_serial_++;
+      rec->durable = true;  // restored from G3
       rec->id = id;
       rec->pool = pool_id;
       rec->ns = ns;

@@ -50,6 +50,13 @@ class TierPort {
   virtual int64_t VisitCached(absl::Span<const CachedBlockRef> refs,
                               const std::function<void(const CachedBlockView&)>& fn) = 0;
   virtual std::vector<CheckpointSnapshot> SnapshotCheckpoints(bool pin) = 0;
+  // Durability of checkpoints, kept by the engine so that a gauge never scans them.
+  // SetCheckpointDurable(id, version, true): G3 now holds the checkpoint as it was at `version`
+  // (CheckpointSnapshot::version); ignored when the checkpoint is gone or has changed since.
+  // (id, any, false): G3 lost its copy. checkpoints_not_durable: checkpoints a flush would write
+  // (created or changed since they were last written, restored ones start durable).
+  virtual void SetCheckpointDurable(const RequestId& id, uint64_t version, bool durable) = 0;
+  virtual int64_t checkpoints_not_durable() const = 0;
 
   // Warm restart. RestoreCheckpoint recreates an interrupted generation's checkpoint with fresh
   // blocks the caller then fills, charged to the checkpoint budget with a full TTL: NOT_FOUND

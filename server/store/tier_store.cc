@@ -27,6 +27,13 @@ absl::StatusOr<std::unique_ptr<TierStore>> TierStore::Open(TierOptions options,
     absl::MutexLock lock(&store->mu_);
     store->host_ = std::move(host);
   }
+  // The G1 keys, then their changes (before any traffic: nothing changes between the two).
+  {
+    std::vector<CachedBlockRef> g1 = cache->SnapshotCached();
+    absl::MutexLock lock(&store->mu_);
+    for (const CachedBlockRef& r : g1) store->g1_keys_.insert(r.key);
+  }
+  store->cache_listener_ = cache->AddEventListener([raw = store.get()](const CacheEvent& e) { raw->OnCacheEvent(e); });
   if (store->options_.remote.enabled()) {
     KVD_ASSIGN_OR_RETURN(store->remote_, RemoteTier::Open(store->options_.remote));
     if (store->options_.remote.write_through) {
@@ -49,6 +56,7 @@ TierStore::TierStore(TierOptions options, const DeviceArena* arena, TierPort* ca
 
 TierStore::~TierStore() {
   if (upload_listener_ >= 0) cache_->RemoveListenerAndWait(upload_listener_);
+  if (cache_listener_ >= 0) cache_->RemoveListenerAndWait(cache_listener_);
   uploader_.reset();
   readers_.reset();
   writer_.reset();
@@ -112,13 +120,17 @@ void TierStore::DropSlotsLocked(Entry& e) {
   g2_lru_.erase(e.lru_tick);
   host_->Free(e.slots);
   e.slots.clear();
+  RecountLocked(e);
 }
 
 void TierStore::EraseIfEmptyLocked(const BlockKey& key) {
   auto it = entries_.find(key);
   if (it == entries_.end()) return;
-  const Entry& e = it->second;
-  if (e.slots.empty() && e.spill == nullptr && e.segment == 0 && e.pins == 0) entries_.erase(it);
+  Entry& e = it->second;
+  if (e.slots.empty() && e.spill == nullptr && e.segment == 0 && e.pins == 0) {
+    UncountLocked(e);
+    entries_.erase(it);
+  }
 }
 
 bool TierStore::SpillLocked(const BlockKey& key, Entry& e, std::shared_ptr<const std::string> raw) {
@@ -130,6 +142,7 @@ bool TierStore::SpillLocked(const BlockKey& key, Entry& e, std::shared_ptr<const
   }
   spill_bytes_ += static_cast<int64_t>(raw->size());
   e.spill = std::move(raw);
+  RecountLocked(e);
   spill_queue_.push_back(key);
   ScheduleSpillWriteLocked();
   return true;
@@ -176,6 +189,7 @@ void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
     } else {
       e->header = BlockHeader(block);
       e->last_use = cache_->clock()->Now();
+      RecountLocked(*e);
     }
     slots = AllocateSlotsLocked(1);
     e = &entries_.at(block.key);  // slot allocation may have erased other entries (not this one)
@@ -205,6 +219,7 @@ void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
   if (slots.has_value()) {
     if (copied.ok() && !taken) {
       e.slots = *std::move(slots);
+      RecountLocked(e);
       TouchLocked(block.key, e);
       ++stats_.demotions[r][1];
       return;
@@ -410,6 +425,7 @@ absl::StatusOr<PrefetchInfo> TierStore::Prefetch(const Namespace& ns, absl::Span
           Entry& e = entries_.at(src.key);
           host_->Scatter(*slots, raw.data(), src.header.raw_length);
           e.slots = *std::move(slots);
+          RecountLocked(e);
           TouchLocked(src.key, e);
         }
       }
@@ -464,6 +480,7 @@ absl::Status TierStore::PutObject(const Namespace& ns, const std::string& key, a
     DropSlotsLocked(old);
     if (old.spill != nullptr) spill_bytes_ -= static_cast<int64_t>(old.spill->size());
     if (old.segment != 0) TombstoneLocked(k, old);
+    UncountLocked(old);
     entries_.erase(it);
   }
   Entry fresh;
@@ -474,18 +491,21 @@ absl::Status TierStore::PutObject(const Namespace& ns, const std::string& key, a
   fresh.header.raw_length = static_cast<int64_t>(bytes.size());
   fresh.last_use = cache_->clock()->Now();
   Entry& e = entries_.emplace(k, std::move(fresh)).first->second;
+  RecountLocked(e);
   if (host_ != nullptr) {
     if (auto slots = AllocateSlotsLocked(host_->SlotsFor(static_cast<int64_t>(bytes.size())))) {
       Entry& placed = entries_.at(k);
       host_->Scatter(*slots, reinterpret_cast<const uint8_t*>(bytes.data()),
                      static_cast<int64_t>(bytes.size()));
       placed.slots = *std::move(slots);
+      RecountLocked(placed);
       TouchLocked(k, placed);
       return absl::OkStatus();
     }
   }
   if (SpillLocked(k, e, std::make_shared<const std::string>(bytes))) return absl::OkStatus();
   --stats_.dropped;  // refused, not dropped
+  UncountLocked(entries_.at(k));
   entries_.erase(k);
   return absl::ResourceExhaustedError(absl::StrCat("no tier has room for an object of ",
                                                    bytes.size(), " bytes"));
@@ -549,6 +569,7 @@ absl::Status TierStore::DeleteObject(const Namespace& ns, const std::string& key
     TombstoneLocked(k, e);
     ScheduleSpillWriteLocked();  // persists the tombstone with the next manifest
   }
+  UncountLocked(e);
   entries_.erase(it);
   return absl::OkStatus();
 }
@@ -585,7 +606,9 @@ void TierStore::DropMemory() {
     DropSlotsLocked(e);
     if (e.spill != nullptr) spill_bytes_ -= static_cast<int64_t>(e.spill->size());
     e.spill = nullptr;
+    RecountLocked(e);
     if (e.segment == 0) {
+      UncountLocked(e);
       entries_.erase(it++);
     } else {
       ++it;

@@ -33,6 +33,7 @@
 #include "absl/container/btree_map.h"
 #include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -117,7 +118,12 @@ class TierStore final : public EvictionSink {
   void StopIdleDemotion() { idle_demotion_.store(false); }
   bool idle_demotion() const { return idle_demotion_.load() && options_.idle_demote_after > absl::ZeroDuration(); }
 
+  // Counters and gauges; reads counts kept incrementally (never a scan of any index).
   TierStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Recomputes Stats()'s gauges by scanning every index (this store's and the engine's) and
+  // compares: INTERNAL naming the first that drifted. Call while nothing else changes the engine
+  // (the store's own threads may run). Tests.
+  absl::Status CheckStatsForTesting() const ABSL_LOCKS_EXCLUDED(mu_);
   const TierOptions& options() const { return options_; }
   // Waits until no promotion, prefetch, object read or disk write is queued or running (their
   // callbacks have returned). The daemon calls it on shutdown before destroying the RPC server.
@@ -137,7 +143,19 @@ class TierStore final : public EvictionSink {
     uint64_t lru_tick = 0;                     // key of g2_lru_ while in G2
     absl::Time last_use;
     int32_t pins = 0;                          // readers copying from it, prefetch handles, a demotion filling it
+    uint8_t counted = 0;                       // the Tally bits it adds now (RecountLocked)
+    int64_t counted_spill_bytes = 0;           // its spill's size while counted as a pending spill
   };
+  // Stats()'s gauges over entries_, kept as entries change so that a scrape never scans the index
+  // (nor the engine's): RecountLocked(e) after any change of an entry's header, slots, spill or
+  // segment; UncountLocked(e) before it is erased. Keyed by e.header.key (equal to its map key).
+  // g1_keys_ mirrors the device index from its events (OnCacheEvent), so pending_snapshot_records
+  // counts G1 blocks without a copy on G3 without asking the engine.
+  struct Tally {
+    int64_t disk_records = 0, objects = 0, spill_records = 0, spill_bytes = 0, snapshot_records = 0;
+    int64_t g1_on_disk = 0;  // keys in g1_keys_ whose entry is counted as on G3
+  };
+  enum TallyBit : uint8_t { kOnDisk = 1, kObject = 2, kSpill = 4, kSnapshot = 8 };
   // Bytes to read somewhere below G1 (an entry a demotion is still filling has none yet).
   static bool HasBytes(const Entry& e) { return !e.slots.empty() || e.spill != nullptr || e.segment != 0; }
   struct Segment {
@@ -174,6 +192,14 @@ class TierStore final : public EvictionSink {
   bool SpillLocked(const BlockKey& key, Entry& e, std::shared_ptr<const std::string> raw)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseIfEmptyLocked(const BlockKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // tier_store_tally.cc: the gauges (Tally above).
+  void RecountLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UncountLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The engine's index events (its listener): maintains g1_keys_.
+  void OnCacheEvent(const CacheEvent& e) ABSL_LOCKS_EXCLUDED(mu_);
+  // Tells the engine about checkpoint copies G3 lost (lost_checkpoints_), outside mu_.
+  void ReportLostCheckpoints() ABSL_LOCKS_EXCLUDED(mu_);
   void ForgetPrefetchLocked(const WorkerId& owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   ReadSource PinForReadLocked(const BlockKey& key, Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnpinLocked(const BlockKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -248,6 +274,10 @@ class TierStore final : public EvictionSink {
   absl::flat_hash_map<WorkerId, int64_t> prefetches_of_ ABSL_GUARDED_BY(mu_);  // handles per owner
   uint64_t next_prefetch_ ABSL_GUARDED_BY(mu_) = 1;
   TierStats stats_ ABSL_GUARDED_BY(mu_);  // counters; gauges are filled by Stats()
+  Tally tally_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<BlockKey> g1_keys_ ABSL_GUARDED_BY(mu_);
+  std::vector<RequestId> lost_checkpoints_ ABSL_GUARDED_BY(mu_);  // G3 copies dropped, to report
+  int cache_listener_ = -1;  // OnCacheEvent's handle
 
   std::unique_ptr<RemoteTier> remote_;  // G4, or null
   int upload_listener_ = -1;

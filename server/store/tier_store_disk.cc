@@ -256,6 +256,7 @@ absl::Status TierStore::Load() {
         Entry& entry = entries_[h.key];
         entry.header = std::move(h);
         entry.segment = num;
+        RecountLocked(entry);
         ++seg.records;
         ++reloaded;
       }
@@ -321,12 +322,15 @@ void TierStore::FlushCheckpoints(FlushResult* result) {
   std::vector<CheckpointSnapshot> snaps = cache_->SnapshotCheckpoints(/*pin=*/true);
   std::vector<RecordHeader> headers;
   std::vector<std::shared_ptr<const std::string>> raws;
+  std::vector<std::pair<RequestId, uint64_t>> writing;  // (id, version) of each of `headers`
   absl::flat_hash_set<BlockKey> live;
   for (const CheckpointSnapshot& c : snaps) {
     const BlockKey key = CheckpointKey(c.id.value());
     live.insert(key);
+    // The engine knows whether this version was written (a rewrite with the same tokens may carry
+    // new engine state); the copy must still be here.
     bool durable = false;
-    {
+    if (c.durable) {
       absl::MutexLock lock(&mu_);
       auto it = entries_.find(key);
       durable = it != entries_.end() && it->second.segment != 0 &&
@@ -360,6 +364,7 @@ void TierStore::FlushCheckpoints(FlushResult* result) {
         h.layout_tag = layout_tags_[c.pool];
         headers.push_back(std::move(h));
         raws.push_back(std::move(raw));
+        writing.emplace_back(c.id, c.version);
       }
     } else {
       ++result->failed_blocks;
@@ -375,6 +380,7 @@ void TierStore::FlushCheckpoints(FlushResult* result) {
     } else {
       result->written_blocks += n;
       result->written_bytes += stored;
+      for (const auto& [id, version] : writing) cache_->SetCheckpointDurable(id, version, true);
     }
   }
   // Stored checkpoints whose generation completed (or expired) since must not come back.
@@ -491,6 +497,7 @@ void TierStore::WriteSpills() {
         if (it == entries_.end() || it->second.spill == nullptr) continue;
         spill_bytes_ -= static_cast<int64_t>(it->second.spill->size());
         it->second.spill = nullptr;
+        RecountLocked(it->second);
         ++stats_.dropped;
         EraseIfEmptyLocked(h.key);
       }
@@ -559,12 +566,15 @@ absl::Status TierStore::WriteSegmentOf(std::vector<RecordHeader> headers,
         spill_bytes_ -= static_cast<int64_t>(e.spill->size());
         e.spill = nullptr;
       }
+      RecountLocked(e);
     }
     stats_.raw_bytes_written += static_cast<uint64_t>(raw_total);
     stats_.stored_bytes_written += static_cast<uint64_t>(total);
   }
   *stored_bytes = total;
-  return WriteManifestNow(evicted);
+  absl::Status written = WriteManifestNow(evicted);
+  ReportLostCheckpoints();  // before the caller marks what it wrote durable
+  return written;
 }
 
 void TierStore::TombstoneLocked(const BlockKey& key, Entry& e) {
@@ -572,6 +582,7 @@ void TierStore::TombstoneLocked(const BlockKey& key, Entry& e) {
   auto seg = segments_.find(e.segment);
   if (seg != segments_.end()) --seg->second.records;
   e.segment = 0;
+  RecountLocked(e);
   manifest_dirty_ = true;
 }
 
@@ -594,7 +605,10 @@ std::vector<uint64_t> TierStore::EvictSegmentsLocked(int64_t bytes) {
       if (e.segment == number) keys.push_back(key);
     }
     for (const BlockKey& key : keys) {
-      entries_.at(key).segment = 0;
+      Entry& e = entries_.at(key);
+      e.segment = 0;
+      RecountLocked(e);
+      if (e.header.kind == RecordKind::kCheckpoint) lost_checkpoints_.push_back(RequestId(e.header.object_key));
       EraseIfEmptyLocked(key);
     }
     std::erase_if(manifest_.deleted, [&](const Tombstone& t) { return t.segment == number; });
@@ -822,50 +836,6 @@ std::vector<SavedPrefix> TierStore::SavedPrefixes() const {
     out.push_back(std::move(p));
   }
   return out;
-}
-
-TierStats TierStore::Stats() const {
-  const std::vector<CachedBlockRef> g1 = cache_->SnapshotCached();
-  const std::vector<CheckpointSnapshot> ckpts = cache_->SnapshotCheckpoints(/*pin=*/false);
-  absl::MutexLock lock(&mu_);
-  TierStats s = stats_;
-  for (const CheckpointSnapshot& c : ckpts) {
-    auto it = entries_.find(CheckpointKey(c.id.value()));
-    if (it == entries_.end() || it->second.segment == 0 || it->second.header.tokens != c.tokens) {
-      ++s.pending_checkpoints;
-    }
-  }
-  if (host_ != nullptr) {
-    s.host_capacity_bytes = host_->num_slots() * host_->slot_bytes();
-    s.host_used_bytes = (host_->num_slots() - host_->free_slots()) * host_->slot_bytes();
-  }
-  s.host_records = static_cast<int64_t>(g2_lru_.size());
-  s.disk_capacity_bytes = options_.disk_dir.empty() ? 0 : options_.disk_bytes;
-  s.disk_used_bytes = disk_used_;
-  s.disk_segments = static_cast<int64_t>(segments_.size());
-  for (const auto& [key, e] : entries_) {
-    if (e.segment != 0) ++s.disk_records;
-    if (e.header.kind == RecordKind::kObject) ++s.objects;
-    if (e.header.kind == RecordKind::kCheckpoint) continue;  // counted above
-    if (e.spill != nullptr) {
-      ++s.pending_spill_records;
-      s.pending_spill_bytes += static_cast<int64_t>(e.spill->size());
-    } else if (e.segment == 0 && !e.slots.empty()) {
-      ++s.pending_snapshot_records;
-    }
-  }
-  for (const CachedBlockRef& r : g1) {
-    auto it = entries_.find(r.key);
-    if (it == entries_.end() || it->second.segment == 0) ++s.pending_snapshot_records;
-  }
-  s.prefetch_handles = static_cast<int64_t>(prefetches_.size());
-  s.idle_demotion = idle_demotion();
-  if (remote_ != nullptr) {
-    s.remote_enabled = true;
-    s.remote_url = remote_->display_url();
-    s.remote = remote_->Stats();
-  }
-  return s;
 }
 
 void TierStore::WaitIdleForTesting() {

@@ -52,8 +52,17 @@ struct Node {
     REQUIRE(store->Load().ok());
   }
   ~Node() {
+    if (store && cache) CheckStats();
     if (cache) cache->SetEvictionSink(nullptr);
     store.reset();
+  }
+
+  // The store's incremental gauges against a scan of every index (once writes settle).
+  void CheckStats() {
+    store->WaitIdleForTesting();
+    const absl::Status s = store->CheckStatsForTesting();
+    INFO(s.ToString());
+    CHECK(s.ok());
   }
 
   // Block `b` of a request filled with a pattern derived from the token it starts with:
@@ -97,6 +106,7 @@ struct Node {
     }
     REQUIRE(cache->Release(spec.id, true).ok());
     REQUIRE(cache->CheckInvariantsForTesting().ok());
+    CheckStats();
     return cached;
   }
 };
