@@ -9,17 +9,22 @@ EventLog::EventLog(size_t capacity)
     : capacity_(std::max<size_t>(capacity, 1)),
       payload_bytes_(std::max(capacity_ * kPayloadBytesPerEvent, kMinPayloadBytes)),
       records_(capacity_),
-      payload_(payload_bytes_) {}
+      payload_(payload_bytes_) {
+  static_assert(sizeof(EventRecord) == 80, "one event is one fixed-size record");
+}
 
-void EventLog::PutLocked(uint64_t at, const void* src, size_t n) {
-  const size_t size = payload_.size();
-  const size_t start = static_cast<size_t>(at % size);
-  const size_t first = std::min(n, size - start);
-  std::memcpy(payload_.data() + start, src, first);
-  std::memcpy(payload_.data(), static_cast<const uint8_t*>(src) + first, n - first);
+void EventLog::PutLocked(const void* src, size_t n) {
+  if (n == 0) return;  // src may be null then
+  const size_t first = std::min(n, payload_bytes_ - payload_pos_);
+  std::memcpy(payload_.data() + payload_pos_, src, first);
+  if (first < n) std::memcpy(payload_.data(), static_cast<const uint8_t*>(src) + first, n - first);
+  payload_pos_ = first < n ? n - first : payload_pos_ + n;
+  if (payload_pos_ == payload_bytes_) payload_pos_ = 0;
+  payload_head_ += n;
 }
 
 void EventLog::GetLocked(uint64_t at, void* dst, size_t n) const {
+  if (n == 0) return;
   const size_t size = payload_.size();
   const size_t start = static_cast<size_t>(at % size);
   const size_t first = std::min(n, size - start);
@@ -51,16 +56,10 @@ uint64_t EventLog::Append(const CacheEvent& event) {
   r.truncated = r.pool_len != event.pool.size() || r.adapter_len != event.adapter.size() ||
                 r.medium_len != event.medium.size() || r.num_tokens != event.tokens.size();
   r.payload_at = payload_head_;
-  uint64_t at = payload_head_;
-  PutLocked(at, event.pool.data(), r.pool_len);
-  at += r.pool_len;
-  PutLocked(at, event.adapter.data(), r.adapter_len);
-  at += r.adapter_len;
-  PutLocked(at, event.medium.data(), r.medium_len);
-  at += r.medium_len;
-  PutLocked(at, event.tokens.data(), r.num_tokens * sizeof(Token));
-  at += r.num_tokens * sizeof(Token);
-  payload_head_ = at;
+  PutLocked(event.pool.data(), r.pool_len);
+  PutLocked(event.adapter.data(), r.adapter_len);
+  PutLocked(event.medium.data(), r.medium_len);
+  PutLocked(event.tokens.data(), r.num_tokens * sizeof(Token));
   return seq;
 }
 

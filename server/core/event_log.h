@@ -66,8 +66,8 @@ class EventLog {
     bool has_parent = false;
     bool truncated = false;  // its payload did not fit the byte ring
   };
-  // Copies `n` bytes into / out of the byte ring at stream offset `at` (wrapping).
-  void PutLocked(uint64_t at, const void* src, size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Appends `n` bytes to the byte ring / copies `n` bytes out of it from stream offset `at`.
+  void PutLocked(const void* src, size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void GetLocked(uint64_t at, void* dst, size_t n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   CacheEvent DecodeLocked(const EventRecord& r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -79,6 +79,7 @@ class EventLog {
   std::vector<EventRecord> records_ ABSL_GUARDED_BY(mu_);
   std::vector<uint8_t> payload_ ABSL_GUARDED_BY(mu_);
   uint64_t payload_head_ ABSL_GUARDED_BY(mu_) = 0;  // bytes ever written to the byte ring
+  size_t payload_pos_ ABSL_GUARDED_BY(mu_) = 0;     // payload_head_ % payload_bytes_
   uint64_t last_sequence_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
