@@ -145,6 +145,7 @@ class KvCache final : public TierPort {
   std::vector<CheckpointSnapshot> SnapshotCheckpoints(bool pin) override ABSL_LOCKS_EXCLUDED(mu_);
   void SetCheckpointDurable(const RequestId& id, uint64_t version, bool durable) override ABSL_LOCKS_EXCLUDED(mu_);
   int64_t checkpoints_not_durable() const override ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t cached_blocks() const override ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<std::vector<BlockIndex>> RestoreCheckpoint(const RequestId& id, const Namespace& ns,
                                                             std::vector<Token> tokens,
                                                             std::string engine_state) override
@@ -155,7 +156,7 @@ class KvCache final : public TierPort {
   CacheSnapshot ExportSnapshot() const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<int64_t> ImportSnapshot(const CacheSnapshot& snapshot) ABSL_LOCKS_EXCLUDED(mu_);
 
-  const EventLog& events() const { return events_; }
+  const EventLog& events() const { return events_; }  // WatchEvents replays from it
   int AddEventListener(EventListener fn) override ABSL_LOCKS_EXCLUDED(mu_);
   int AddPressureListener(PressureListener fn) ABSL_LOCKS_EXCLUDED(mu_);
   void RemoveListener(int handle) ABSL_LOCKS_EXCLUDED(mu_);

@@ -233,6 +233,13 @@ void KvCache::SetCheckpointDurable(const RequestId& id, uint64_t version, bool d
   checkpoints_not_durable_ += durable ? -1 : 1;
 }
 
+int64_t KvCache::cached_blocks() const {
+  absl::MutexLock lock(&mu_);
+  int64_t n = 0;
+  for (const auto& pool : pools_) n += pool->num_cached;
+  return n;
+}
+
 int64_t KvCache::checkpoints_not_durable() const {
   absl::MutexLock lock(&mu_);
   return checkpoints_not_durable_;

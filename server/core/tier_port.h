@@ -57,6 +57,8 @@ class TierPort {
   // (created or changed since they were last written, restored ones start durable).
   virtual void SetCheckpointDurable(const RequestId& id, uint64_t version, bool durable) = 0;
   virtual int64_t checkpoints_not_durable() const = 0;
+  // Blocks in the device index now, every pool (a count kept by the engine).
+  virtual int64_t cached_blocks() const = 0;
 
   // Warm restart. RestoreCheckpoint recreates an interrupted generation's checkpoint with fresh
   // blocks the caller then fills, charged to the checkpoint budget with a full TTL: NOT_FOUND

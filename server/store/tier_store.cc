@@ -27,13 +27,17 @@ absl::StatusOr<std::unique_ptr<TierStore>> TierStore::Open(TierOptions options,
     absl::MutexLock lock(&store->mu_);
     store->host_ = std::move(host);
   }
-  // The G1 keys, then their changes (before any traffic: nothing changes between the two).
-  {
+  // With a disk, the G1 keys, then their changes (before any traffic: nothing changes between the
+  // two). Without one no G1 block is on G3, and the engine's count of cached blocks is the answer.
+  if (!store->options_.disk_dir.empty()) {
     std::vector<CachedBlockRef> g1 = cache->SnapshotCached();
-    absl::MutexLock lock(&store->mu_);
-    for (const CachedBlockRef& r : g1) store->g1_keys_.insert(r.key);
+    {
+      absl::MutexLock lock(&store->mu_);
+      for (const CachedBlockRef& r : g1) store->g1_keys_.insert(r.key);
+    }
+    store->cache_listener_ =
+        cache->AddEventListener([raw = store.get()](const CacheEvent& e) { raw->OnCacheEvent(e); });
   }
-  store->cache_listener_ = cache->AddEventListener([raw = store.get()](const CacheEvent& e) { raw->OnCacheEvent(e); });
   if (store->options_.remote.enabled()) {
     KVD_ASSIGN_OR_RETURN(store->remote_, RemoteTier::Open(store->options_.remote));
     if (store->options_.remote.write_through) {

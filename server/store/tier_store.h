@@ -149,8 +149,10 @@ class TierStore final : public EvictionSink {
   // Stats()'s gauges over entries_, kept as entries change so that a scrape never scans the index
   // (nor the engine's): RecountLocked(e) after any change of an entry's header, slots, spill or
   // segment; UncountLocked(e) before it is erased. Keyed by e.header.key (equal to its map key).
-  // g1_keys_ mirrors the device index from its events (OnCacheEvent), so pending_snapshot_records
-  // counts G1 blocks without a copy on G3 without asking the engine.
+  // With a disk tier, g1_keys_ mirrors the device index from its events (OnCacheEvent), so
+  // pending_snapshot_records counts G1 blocks without a copy on G3 without a scan (the mirror costs
+  // a hash-set update per stored or removed block, after the engine's lock); without one, every G1
+  // block is pending and the engine's count (TierPort::cached_blocks) is used, with no listener.
   struct Tally {
     int64_t disk_records = 0, objects = 0, spill_records = 0, spill_bytes = 0, snapshot_records = 0;
     int64_t g1_on_disk = 0;  // keys in g1_keys_ whose entry is counted as on G3

@@ -60,7 +60,7 @@ void TierStore::OnCacheEvent(const CacheEvent& e) {
     case CacheEventKind::kRemoved: {
       const bool stored = e.kind == CacheEventKind::kStored;
       const bool changed = stored ? g1_keys_.insert(e.key).second : g1_keys_.erase(e.key) > 0;
-      if (!changed) return;
+      if (!changed || tally_.disk_records == 0) return;
       auto it = entries_.find(e.key);
       if (it != entries_.end() && (it->second.counted & kOnDisk)) tally_.g1_on_disk += stored ? 1 : -1;
       return;
@@ -83,6 +83,7 @@ void TierStore::ReportLostCheckpoints() {
 
 TierStats TierStore::Stats() const {
   const int64_t pending_checkpoints = cache_->checkpoints_not_durable();
+  const int64_t g1_cached = cache_listener_ >= 0 ? 0 : cache_->cached_blocks();
   absl::MutexLock lock(&mu_);
   TierStats s = stats_;
   s.pending_checkpoints = pending_checkpoints;
@@ -98,8 +99,8 @@ TierStats TierStore::Stats() const {
   s.objects = tally_.objects;
   s.pending_spill_records = tally_.spill_records;
   s.pending_spill_bytes = tally_.spill_bytes;
-  s.pending_snapshot_records =
-      tally_.snapshot_records + static_cast<int64_t>(g1_keys_.size()) - tally_.g1_on_disk;
+  const int64_t g1 = cache_listener_ >= 0 ? static_cast<int64_t>(g1_keys_.size()) : g1_cached;
+  s.pending_snapshot_records = tally_.snapshot_records + g1 - tally_.g1_on_disk;
   s.prefetch_handles = static_cast<int64_t>(prefetches_.size());
   s.idle_demotion = idle_demotion();
   if (remote_ != nullptr) {
@@ -153,7 +154,11 @@ absl::Status TierStore::CheckStatsForTesting() const {
     auto it = entries_.find(r.key);
     if (it != entries_.end() && it->second.segment != 0) ++want.g1_on_disk;
   }
-  if (g1_keys != g1_keys_) {
+  if (cache_listener_ < 0) {  // no disk: no mirror, the engine's count
+    if (cache_->cached_blocks() != static_cast<int64_t>(g1.size())) {
+      return absl::InternalError("the engine's count of cached blocks differs from its blocks");
+    }
+  } else if (g1_keys != g1_keys_) {
     return absl::InternalError(absl::StrCat("the store's copy of the G1 keys (", g1_keys_.size(),
                                             ") differs from the engine's (", g1_keys.size(), ")"));
   }
