@@ -238,7 +238,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
     KVD_ASSIGN_OR_RETURN(int64_t indexed, d->cache_->ImportSnapshot(received->snapshot));
     spdlog::info("handoff: {} cached block(s) indexed where they lie; nothing copied", indexed);
   }
-  if (d->tiers_ != nullptr) d->cache_->SetEvictionSink(d->tiers_.get());
+  if (d->tiers_ != nullptr) {
+    d->cache_->SetEvictionSink(d->tiers_.get());
+    if (d->options_.cache.demote_reserve > 0) d->mover_ = std::make_unique<DemotionMover>(d->cache_.get());
+  }
   d->workers_ = std::make_unique<AttachmentRegistry>(SystemClock::Get(), so.lease_ttl);
   // A successor binds the metrics address only once its predecessor has let it go (Start).
   KVD_ASSIGN_OR_RETURN(d->metrics_, Metrics::Start(received != nullptr ? "" : so.metrics_listen, d->cache_.get(),
@@ -423,6 +426,7 @@ absl::StatusOr<HandoffOffer> Daemon::StopForHandoff() {
   metrics_->DetachSources();
   router_events_.reset();
   if (tiers_ != nullptr) {
+    mover_.reset();
     cache_->SetEvictionSink(nullptr);
     tiers_.reset();  // finishes queued disk writes: the successor's Load reads a settled manifest
   }
@@ -451,6 +455,7 @@ Daemon::~Daemon() {
   side_.reset();
   router_events_.reset();  // stops listening to the cache
   if (tiers_ != nullptr) {
+    mover_.reset();
     cache_->SetEvictionSink(nullptr);
     tiers_.reset();  // finishes queued disk work while the cache and arena still live
   }

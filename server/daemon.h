@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/notification.h"
 #include "gpu/device_arena.h"
+#include "server/core/demotion_mover.h"
 #include "server/core/kv_cache.h"
 #include "server/events/router_event_publisher.h"
 #include "server/obs/metrics.h"
@@ -83,6 +84,7 @@ class Daemon {
   std::unique_ptr<KvCache> cache_;
   std::unique_ptr<DeviceArena> arena_;
   std::unique_ptr<TierStore> tiers_;  // null unless tiers are configured
+  std::unique_ptr<DemotionMover> mover_;  // with tiers and a demote_reserve; before tiers_ goes
   std::unique_ptr<RouterEventPublisher> router_events_;  // null unless configured
   std::unique_ptr<AttachmentRegistry> workers_;
   std::unique_ptr<Metrics> metrics_;

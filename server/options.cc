@@ -341,7 +341,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
        "drain_timeout_s", "log_level", "budget_bytes", "session_ttl_s", "session_max_protected_blocks",
        "checkpoint_budget_bytes", "checkpoint_ttl_s", "max_engine_state_bytes", "checkpoint_state_bytes",
        "max_checkpoint_state_bytes_per_worker", "boundary_high_watermark",
-       "boundary_low_watermark", "event_buffer", "eviction_policy", "slru_main_fraction", "slru_ghost_fraction",
+       "boundary_low_watermark", "demote_reserve", "event_buffer", "eviction_policy", "slru_main_fraction", "slru_ghost_fraction",
        "horizon_probation", "horizon_main", "horizon_sample_every", "horizon_margin",
        "max_requests_per_worker", "max_bytes_per_worker", "pools", "tiers", "router_events", "tls_cert_file",
        "tls_key_file", "tls_client_ca_file", "allowed_uids", "allowed_gids", "socket_group"}));
@@ -378,6 +378,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(ReadSize(root, "max_checkpoint_state_bytes_per_worker", &c.max_checkpoint_state_bytes_per_worker, where));
   KVD_RETURN_IF_ERROR(Read(root, "boundary_high_watermark", &c.boundary_high_watermark, where));
   KVD_RETURN_IF_ERROR(Read(root, "boundary_low_watermark", &c.boundary_low_watermark, where));
+  KVD_RETURN_IF_ERROR(Read(root, "demote_reserve", &c.demote_reserve, where));
   KVD_RETURN_IF_ERROR(Read(root, "event_buffer", &c.event_buffer, where));
   std::string policy(EvictionPolicyName(c.eviction_policy));
   KVD_RETURN_IF_ERROR(Read(root, "eviction_policy", &policy, where));
@@ -447,6 +448,7 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "max_checkpoint_state_bytes_per_worker" << YAML::Value << c.max_checkpoint_state_bytes_per_worker;
   out << YAML::Key << "boundary_high_watermark" << YAML::Value << c.boundary_high_watermark;
   out << YAML::Key << "boundary_low_watermark" << YAML::Value << c.boundary_low_watermark;
+  out << YAML::Key << "demote_reserve" << YAML::Value << c.demote_reserve;
   out << YAML::Key << "event_buffer" << YAML::Value << c.event_buffer;
   out << YAML::Key << "eviction_policy" << YAML::Value << std::string(EvictionPolicyName(c.eviction_policy));
   out << YAML::Key << "slru_main_fraction" << YAML::Value << c.slru_main_fraction;

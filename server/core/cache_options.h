@@ -57,6 +57,11 @@ struct CacheOptions {
   // Boundary(): when a pool's used fraction is above `high`, trim unreferenced blocks down to `low`.
   double boundary_high_watermark = 0.90;
   double boundary_low_watermark = 0.80;
+  // With lower tiers (an eviction sink): the fraction of each pool the data mover keeps free by
+  // demoting the next victims ahead of need (KvCache::DemoteAhead, DemotionMover), so the copies
+  // run on its thread instead of on the request that needs room. 0 (default): off, every demotion
+  // runs on the evicting request's thread. At most 0.5.
+  double demote_reserve = 0.0;
 
   // Eviction order. Default kSlru (beats kLru on the Mooncake traces at every size measured,
   // docs/performance.md); kLru for comparison.

@@ -50,6 +50,9 @@ absl::Status CacheOptions::Validate() const {
     return absl::InvalidArgumentError(
         "boundary_low_watermark and boundary_high_watermark must satisfy 0 < low <= high <= 1");
   }
+  if (!(0 <= demote_reserve && demote_reserve <= 0.5)) {
+    return absl::InvalidArgumentError(absl::StrCat("demote_reserve must be in [0, 0.5], not ", demote_reserve));
+  }
   if (event_buffer <= 0) return absl::InvalidArgumentError(absl::StrCat("event_buffer must be > 0, not ", event_buffer));
   if (max_requests_per_worker < 0) return absl::InvalidArgumentError(absl::StrCat("max_requests_per_worker must be >= 0, not ", max_requests_per_worker));
   if (max_bytes_per_worker < 0) return absl::InvalidArgumentError(absl::StrCat("max_bytes_per_worker must be >= 0, not ", max_bytes_per_worker));
@@ -137,6 +140,7 @@ KvCache::KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes)
       pressure_(options_.pressure) {
   for (const auto& g : options_.pools) {
     auto pool = std::make_unique<Pool>(g);
+    pool->reserve_blocks = static_cast<int64_t>(options_.demote_reserve * static_cast<double>(g.capacity_blocks));
     if (options_.eviction_policy == EvictionPolicy::kSlru) {
       pool->queue.set_main_limits(options_.slru_main_fraction,
                                   static_cast<int64_t>(options_.slru_main_fraction * g.capacity_blocks));

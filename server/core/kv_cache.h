@@ -133,6 +133,13 @@ class KvCache final : public TierPort {
   // Blocks evicted from now on (except by ClearCache) are offered to `sink` first. Borrowed; call
   // before serving, or with nullptr to stop.
   void SetEvictionSink(EvictionSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
+  // The data mover's step (demotion_mover.h): in each pool with fewer free blocks than its reserve
+  // (demote_reserve), demotes up to `max_blocks` unreferenced, unprotected blocks in eviction order
+  // through the sink, their copies run on this thread after the lock. Returns how many (0 without
+  // a sink). `wake` runs, without mu_ and one call at a time, after an operation leaves a pool
+  // below its reserve; SetMoverWake(nullptr) returns once no call of the old one is running.
+  int64_t DemoteAhead(int64_t max_blocks) ABSL_LOCKS_EXCLUDED(mu_);
+  void SetMoverWake(std::function<void()> wake) ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
   // A copy of a live request's spec. NOT_FOUND when not live.
   absl::StatusOr<RequestSpec> SpecOf(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);
   // TierPort (tier_port.h states the contracts).
@@ -296,6 +303,8 @@ class KvCache final : public TierPort {
   std::vector<std::pair<int, EventListener>> event_listeners_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<int, PressureListener>> pressure_listeners_ ABSL_GUARDED_BY(mu_);
   EvictionSink* sink_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::function<void()> mover_wake_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> demote_wanted_{false};  // set under mu_ when a pool falls below its reserve
   int demotions_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // RunDemotions calls using sink_ now
 };
 

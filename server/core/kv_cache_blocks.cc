@@ -94,6 +94,9 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool
     s.owner = owner;
   }
   pool.num_owned += static_cast<int64_t>(out->size());
+  if (sink_ != nullptr && pool.allocator.num_free() < pool.reserve_blocks) {
+    demote_wanted_.store(true, std::memory_order_relaxed);  // Deliver wakes the mover
+  }
   for (BlockIndex b : held) {  // already owned (by nobody) and pinned: now also this owner's
     BlockState& s = pool.blocks[b];
     s.owner = owner;

@@ -198,6 +198,15 @@ void KvCache::EmitLocked() {
 
 void KvCache::Deliver() {
   RunDemotions();
+  if (demote_wanted_.load(std::memory_order_relaxed)) {
+    absl::MutexLock deliver_lock(&deliver_mu_);  // SetMoverWake waits for it
+    std::function<void()> wake;
+    {
+      absl::MutexLock lock(&mu_);
+      if (demote_wanted_.exchange(false, std::memory_order_relaxed)) wake = mover_wake_;
+    }
+    if (wake) wake();
+  }
   // Cheap exit for the common case: nothing to deliver and no listener work.
   if (!outbox_pending_.load(std::memory_order_relaxed)) return;
   absl::MutexLock deliver_lock(&deliver_mu_);

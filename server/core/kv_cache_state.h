@@ -37,6 +37,7 @@ struct Pool {
   int64_t num_owned = 0;
   int64_t num_cached = 0;
   int64_t num_cached_unreferenced = 0;
+  int64_t reserve_blocks = 0;  // free blocks the data mover keeps (CacheOptions::demote_reserve)
   absl::flat_hash_map<BlockIndex, int32_t> pins;  // PinBlocks references, by block
   std::unique_ptr<PolicyDuel> duel;                // horizon policy only
   explicit Pool(PoolGeometry g)

@@ -37,6 +37,36 @@ void KvCache::SetEvictionSink(EvictionSink* sink) {
   sink_ = sink;
 }
 
+void KvCache::SetMoverWake(std::function<void()> wake) {
+  absl::MutexLock deliver_lock(&deliver_mu_);
+  absl::MutexLock lock(&mu_);
+  mover_wake_ = std::move(wake);
+}
+
+int64_t KvCache::DemoteAhead(int64_t max_blocks) {
+  int64_t demoted = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (sink_ == nullptr) return 0;
+    ExpireLocked(nullptr);
+    for (auto& p : pools_) {
+      Pool& pool = *p;
+      // This call's victims stay held until their copies are done (Deliver, below): count them.
+      int64_t taken = 0;
+      while (demoted < max_blocks && pool.allocator.num_free() + taken < pool.reserve_blocks) {
+        CachedBlock* victim = pool.queue.PeekUnprotected();
+        if (victim == nullptr) break;
+        EvictOneLocked(pool, victim, EvictReason::kCapacity);
+        ++taken;
+        ++demoted;
+      }
+    }
+    if (demoted > 0) UpdatePressureLocked();
+  }
+  Deliver();  // the copies (RunDemotions), on this thread; then the events
+  return demoted;
+}
+
 void KvCache::RunDemotions() {
   std::vector<cache_state::PendingDemotion>& all = cache_state::ThreadDemotions();
   std::vector<HeldBlock> mine;

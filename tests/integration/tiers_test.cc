@@ -123,6 +123,33 @@ TEST_CASE("A restarted daemon serves every flushed prefix at once, byte for byte
   REQUIRE(metrics->find("kvd_last_flush_durable 1") != std::string::npos);
 }
 
+TEST_CASE("The data mover keeps a reserve free and every demoted prefix still hits, byte for byte",
+          "[integration][tiers][mover]") {
+  TempDir disk;
+  DaemonProcess d(TierConfig(disk.path(), 16, "lz4", /*capacity_blocks=*/16) + "demote_reserve: 0.25\n");
+  // Four prompts of five full blocks each: more than G1's 16 blocks once the reserve is kept.
+  for (int p = 0; p < 4; ++p) REQUIRE(Work(d, absl::StrCat("fill", p), 1000 * p, 21) == 0);
+  // Every prefix hits again (from G1, or promoted from host memory), each byte verified.
+  for (int p = 0; p < 4; ++p) REQUIRE(Work(d, absl::StrCat("again", p), 1000 * p, 21) == 20);
+  // The mover refills the reserve after the last request took blocks: at least 4 of 16 free (a
+  // request's unpublished last block comes back free too).
+  bool reserve_kept = false;
+  std::string last;
+  const std::string free_gauge = "kvd_blocks{pool=\"default\",state=\"free\"} ";
+  for (int i = 0; i < 200 && !reserve_kept; ++i) {
+    absl::StatusOr<std::string> metrics = HttpGet(d.metrics_port(), "/metrics");
+    REQUIRE(metrics.ok());
+    last = *metrics;
+    const size_t at = metrics->find(free_gauge);
+    REQUIRE(at != std::string::npos);
+    reserve_kept = std::stoi(metrics->substr(at + free_gauge.size())) >= 4;
+    if (!reserve_kept) absl::SleepFor(absl::Milliseconds(50));
+  }
+  INFO(last);
+  REQUIRE(reserve_kept);
+  REQUIRE(last.find("kvd_demotions_total{reason=\"capacity\",to=\"host\"} 0") == std::string::npos);
+}
+
 TEST_CASE("kill -9 in the middle of flushes never serves a torn block and keeps every durable one",
           "[integration][tiers]") {
   TempDir disk;
