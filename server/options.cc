@@ -320,7 +320,12 @@ absl::Status Options::Validate() const {
     for (const PoolGeometry& g : cache.pools) named.pools.push_back(g.name);
     KVD_RETURN_IF_ERROR(CheckRouterEventsOptions(named));
   }
-  return cache.Validate();
+  KVD_RETURN_IF_ERROR(cache.Validate());
+  if (cache.demote_reserve > 0 && tiers.host_bytes <= 0 && tiers.disk_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "demote_reserve needs a tier to demote into (tiers.host_bytes or tiers.disk_dir)");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status LoadConfigFile(const std::string& path, Options* options) {

@@ -145,6 +145,7 @@ TEST_CASE("Every configuration error exits non-zero naming the field", "[integra
       {"max_message_bytes: 10\n", "max_message_bytes"},
       {"boundary_low_watermark: 0.99\n", "boundary_low_watermark"},
       {"demote_reserve: 0.9\n", "demote_reserve must be in [0, 0.5], not 0.9"},
+      {"demote_reserve: 0.1\n", "demote_reserve needs a tier to demote into"},
       {"budget_bytes: -5\n", "budget_bytes"},
       {"session_ttl_s: -1\n", "session_ttl_s"},
       {"event_buffer: 0\n", "event_buffer"},
