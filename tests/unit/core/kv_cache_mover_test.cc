@@ -143,7 +143,18 @@ TEST_CASE("The mover never reads a block a request can write (randomized, 4 thre
   for (int w = 0; w < 4; ++w) threads.emplace_back([&, w] { Drive(*cache, memory, w, 1500, &errors); });
   for (std::thread& t : threads) t.join();
   if (with_mover) {
-    CHECK(mover->demoted() > 100);  // the mover did most of the demoting
+    // How much the mover did depends on the scheduler (requests evict themselves when it lags);
+    // its contract does not: once things settle, the reserve is free again (or nothing is left
+    // that it may demote).
+    const int64_t reserve = kBlocks / 4;
+    bool settled = false;
+    for (int i = 0; i < 10000 && !settled; ++i) {
+      const PoolReport p = cache->Report().pools[0];
+      settled = p.free_blocks >= reserve || p.evictable_blocks == p.protected_blocks;
+      if (!settled) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    INFO("demoted ahead: " << mover->demoted());
+    CHECK(settled);
     mover.reset();
   }
 
