@@ -12,11 +12,7 @@
 namespace kvd {
 namespace {
 
-using testing::Node;
-using testing::ScopedDir;
-using testing::Seq;
-using testing::Spec;
-using testing::Tiers;
+using namespace kvd::testing;
 
 void RequireCounts(Node& node, int step, const std::string& op) {
   const absl::Status s = node.store->CheckStatsForTesting();
