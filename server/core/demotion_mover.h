@@ -9,6 +9,13 @@
 // The cache wakes it (KvCache::SetMoverWake) when an operation leaves a pool below its reserve;
 // it then demotes in batches of `batch_blocks` (each under one short hold of the engine's lock)
 // until every pool is back at its reserve or has nothing unprotected left to demote.
+//
+// The engine's side. KvCache::DemoteAhead(max_blocks): in each pool with fewer free blocks than
+// its reserve, demotes up to `max_blocks` unreferenced, unprotected blocks in eviction order
+// through the eviction sink, their copies run on the calling thread after the engine's lock;
+// returns how many (0 without a sink). KvCache::SetMoverWake(wake): `wake` runs, without the
+// engine's lock and one call at a time, after an operation leaves a pool below its reserve;
+// SetMoverWake(nullptr) returns once no call of the old one is running.
 // Thread-safe. Destruction stops the thread after its current batch and joins it; destroy it
 // before the eviction sink goes away.
 #pragma once

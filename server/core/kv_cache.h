@@ -69,8 +69,9 @@ class KvCache final : public TierPort {
 
   // Reserves blocks for prompt + max_new_tokens (no credit for cached prefixes: the reservation
   // must cover the worst case that the prefix is evicted before Acquire). kWait when the budget
-  // has no room now (Fits: what Admit would answer now; holds nothing). INVALID_ARGUMENT (bad spec), NOT_FOUND (pool), ALREADY_EXISTS (live id),
-  // OUT_OF_RANGE (past max_model_len, or larger than the whole budget or pool by itself).
+  // has no room now. INVALID_ARGUMENT (bad spec), NOT_FOUND (pool), ALREADY_EXISTS (live id),
+  // OUT_OF_RANGE (past max_model_len, or larger than the whole budget or pool by itself). Fits:
+  // what Admit would answer now; holds nothing.
   absl::StatusOr<AdmitResult> Admit(const RequestSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<AdmitResult> Fits(const RequestSpec& spec) const ABSL_LOCKS_EXCLUDED(mu_);
   // All or nothing. NOT_FOUND (not admitted), FAILED_PRECONDITION (already acquired; resume of a
@@ -133,15 +134,10 @@ class KvCache final : public TierPort {
   // Blocks evicted from now on (except by ClearCache) are offered to `sink` first. Borrowed; call
   // before serving, or with nullptr to stop.
   void SetEvictionSink(EvictionSink* sink) ABSL_LOCKS_EXCLUDED(mu_);
-  // The data mover's step (demotion_mover.h): in each pool with fewer free blocks than its reserve
-  // (demote_reserve), demotes up to `max_blocks` unreferenced, unprotected blocks in eviction order
-  // through the sink, their copies run on this thread after the lock. Returns how many (0 without
-  // a sink). `wake` runs, without mu_ and one call at a time, after an operation leaves a pool
-  // below its reserve; SetMoverWake(nullptr) returns once no call of the old one is running.
+  // The data mover's step and its wake-up (contracts in demotion_mover.h).
   int64_t DemoteAhead(int64_t max_blocks) ABSL_LOCKS_EXCLUDED(mu_);
   void SetMoverWake(std::function<void()> wake) ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
-  // A copy of a live request's spec. NOT_FOUND when not live.
-  absl::StatusOr<RequestSpec> SpecOf(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<RequestSpec> SpecOf(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);  // NOT_FOUND: not live
   // TierPort (tier_port.h states the contracts).
   absl::Status AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks) override ABSL_LOCKS_EXCLUDED(mu_);
@@ -184,8 +180,7 @@ class KvCache final : public TierPort {
   using Outbox = cache_state::Outbox;
   KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes);
   // kv_cache.cc: requests.
-  absl::StatusOr<PoolId> ValidateSpecLocked(const RequestSpec& spec) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<PoolId> ValidateSpecLocked(const RequestSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<AdmitResult> DecideLocked(const RequestSpec& spec, PoolId pool) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<AcquireResult> ResumeLocked(Request& req, CheckpointRecord& ckpt)
@@ -197,8 +192,7 @@ class KvCache final : public TierPort {
   // The distinct live publishers of `blocks`.
   std::vector<WorkerId> PublishersLocked(const std::vector<CachedBlock*>& blocks) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<Request*> FindRequestLocked(const RequestId& id) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Request*> FindRequestLocked(const RequestId& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t MaxHitBlocks(const Pool& pool, int64_t prompt_tokens) const;
   // RESOURCE_EXHAUSTED naming the limit when `worker` may not take `requests` more requests and
   // `bytes` more reserved bytes.
@@ -217,11 +211,10 @@ class KvCache final : public TierPort {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckKnownTokensLocked(const Request& req, absl::Span<const Token> tokens) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void LearnTokensLocked(Request& req, absl::Span<const Token> tokens)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void LearnTokensLocked(Request& req, absl::Span<const Token> tokens) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OrphanCheckpointLocked(CheckpointRecord& ckpt) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropCheckpointLocked(const RequestId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Adds (sign +1) or removes (-1) a checkpoint's state bytes (and not-durable count) from the totals.
+  // Adds (sign +1) or removes (-1) a checkpoint's state bytes and not-durable count from the totals.
   void ChargeCheckpointStateLocked(const CheckpointRecord& ckpt, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Room for `bytes` more checkpoint state for `owner` (empty: no worker) when `replacing` (may be
   // null) goes: drops the oldest orphans for the total; RESOURCE_EXHAUSTED when still short.
@@ -233,20 +226,17 @@ class KvCache final : public TierPort {
   void RefLocked(PoolId pool, BlockIndex index, bool touch = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnrefLocked(PoolId pool, BlockIndex index, bool touch = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unrefs a block table tail first, so the head of a prefix is the most recently used.
-  void UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `count` owned blocks for `owner`, evicting as needed; RESOURCE_EXHAUSTED (no change) if too few.
   absl::StatusOr<std::vector<BlockIndex>> AllocateOwnedLocked(PoolId pool, int64_t count,
                                                               uint64_t owner)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `key`, when given, is the block's chained key (computed before the lock).
   CachedBlock* CacheBlockLocked(PoolId pool, NamespaceRoot* root, CachedBlock* parent,
                                 BlockIndex index, absl::Span<const Token> tokens, const BlockKey* key = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void SetProtectionLocked(PoolId pool, CachedBlock* node, int delta)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetProtectionLocked(PoolId pool, CachedBlock* node, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t NextTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // kv_cache_maintenance.cc: sessions, expiry, pressure, reports.
@@ -258,8 +248,7 @@ class KvCache final : public TierPort {
   // Records `scratch_event_` (filled by the caller) in the event log and queues it for listeners.
   void EmitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   HandleInfo HandleOfLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  SessionInfo SessionInfoLocked(const SessionId& id, const Session& s) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SessionInfo SessionInfoLocked(const SessionId& id, const Session& s) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RunDemotions (OnEvict, without mu_, for each block this thread's operation evicted with a
   // sink set; then lets them go), then queued notifications in order. Every operation that can
   // evict calls it after releasing mu_ and before returning.

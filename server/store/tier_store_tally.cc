@@ -118,8 +118,8 @@ absl::Status TierStore::CheckStatsForTesting() const {
   const std::vector<CheckpointSnapshot> ckpts = cache_->SnapshotCheckpoints(/*pin=*/false);
   const int64_t not_durable = cache_->checkpoints_not_durable();
   auto check = [](const char* name, int64_t counted, int64_t scanned) {
-    return counted == scanned ? absl::OkStatus()
-                              : absl::InternalError(absl::StrCat(name, " is ", counted, ", a scan finds ", scanned));
+    if (counted == scanned) return absl::OkStatus();
+    return absl::InternalError(absl::StrCat(name, " is ", counted, ", a scan finds ", scanned));
   };
   absl::MutexLock lock(&mu_);
   int64_t pending_checkpoints = 0;
@@ -132,12 +132,15 @@ absl::Status TierStore::CheckStatsForTesting() const {
     auto it = entries_.find(CheckpointKey(c.id.value()));
     if (it == entries_.end() || it->second.segment == 0 || it->second.header.tokens != c.tokens ||
         !(it->second.header.ns == c.ns)) {
-      return absl::InternalError(absl::StrCat("checkpoint '", c.id.value(), "' is marked durable without its copy on G3"));
+      return absl::InternalError(
+          absl::StrCat("checkpoint '", c.id.value(), "' is marked durable without its copy on G3"));
     }
   }
   Tally want;
   for (const auto& [key, e] : entries_) {
-    if (!(e.header.key == key)) return absl::InternalError(absl::StrCat("entry ", key.ToHex(), " has another key"));
+    if (!(e.header.key == key)) {
+      return absl::InternalError(absl::StrCat("entry ", key.ToHex(), " has another key"));
+    }
     if (e.segment != 0) ++want.disk_records;
     if (e.header.kind == RecordKind::kObject) ++want.objects;
     if (e.header.kind == RecordKind::kCheckpoint) continue;
