@@ -21,7 +21,12 @@ uint8_t BitsOf(bool on_disk, RecordKind kind, bool spill, bool in_memory) {
 
 void TierStore::RecountLocked(Entry& e) {
   const uint8_t now = BitsOf(e.segment != 0, e.header.kind, e.spill != nullptr, !e.slots.empty());
-  const int64_t spill_bytes = (now & kSpill) ? static_cast<int64_t>(e.spill->size()) : 0;
+  CountAsLocked(e, now, (now & kSpill) ? static_cast<int64_t>(e.spill->size()) : 0);
+}
+
+void TierStore::UncountLocked(Entry& e) { CountAsLocked(e, 0, 0); }
+
+void TierStore::CountAsLocked(Entry& e, uint8_t now, int64_t spill_bytes) {
   const uint8_t was = e.counted;
   if (now == was && spill_bytes == e.counted_spill_bytes) return;
   auto delta = [&](TallyBit bit) { return ((now & bit) ? 1 : 0) - ((was & bit) ? 1 : 0); };
@@ -33,23 +38,6 @@ void TierStore::RecountLocked(Entry& e) {
   if (delta(kOnDisk) != 0 && g1_keys_.contains(e.header.key)) tally_.g1_on_disk += delta(kOnDisk);
   e.counted = now;
   e.counted_spill_bytes = spill_bytes;
-}
-
-void TierStore::UncountLocked(Entry& e) {
-  // As if it held nothing: every bit it adds is taken back.
-  const std::shared_ptr<const std::string> spill = std::move(e.spill);
-  const uint64_t segment = e.segment;
-  std::vector<uint32_t> slots = std::move(e.slots);
-  const RecordKind kind = e.header.kind;
-  e.spill = nullptr;
-  e.segment = 0;
-  e.slots.clear();
-  e.header.kind = RecordKind::kBlock;
-  RecountLocked(e);
-  e.spill = spill;
-  e.segment = segment;
-  e.slots = std::move(slots);
-  e.header.kind = kind;
 }
 
 void TierStore::OnCacheEvent(const CacheEvent& e) {
