@@ -195,10 +195,8 @@ class TierStore final : public EvictionSink {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EraseIfEmptyLocked(const BlockKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // tier_store_tally.cc: the gauges (Tally above).
-  void RecountLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void UncountLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Moves `e`'s share of the totals from what it was counted as to `now` (Tally bits).
+  void RecountLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // tier_store_tally.cc: Tally
+  void UncountLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);  // both: CountAsLocked(TallyBits)
   void CountAsLocked(Entry& e, uint8_t now, int64_t spill_bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The engine's index events (its listener): maintains g1_keys_.
   void OnCacheEvent(const CacheEvent& e) ABSL_LOCKS_EXCLUDED(mu_);

@@ -5,22 +5,16 @@
 #include "server/store/tier_store.h"
 
 namespace kvd {
-namespace {
-
-// The Tally bits an entry in this state adds. Checkpoints are counted by the engine
-// (TierPort::checkpoints_not_durable), so they add only to disk_records.
-uint8_t BitsOf(bool on_disk, RecordKind kind, bool spill, bool in_memory) {
-  uint8_t bits = on_disk ? 1 : 0;
-  if (kind == RecordKind::kObject) bits |= 2;
-  if (kind != RecordKind::kCheckpoint && spill) bits |= 4;
-  if (kind != RecordKind::kCheckpoint && !spill && !on_disk && in_memory) bits |= 8;
-  return bits;
-}
-
-}  // namespace
 
 void TierStore::RecountLocked(Entry& e) {
-  const uint8_t now = BitsOf(e.segment != 0, e.header.kind, e.spill != nullptr, !e.slots.empty());
+  // Checkpoints are counted by the engine (TierPort::checkpoints_not_durable): they add only to
+  // disk_records.
+  const bool on_disk = e.segment != 0, spill = e.spill != nullptr;
+  const bool pending = e.header.kind != RecordKind::kCheckpoint;
+  uint8_t now = on_disk ? kOnDisk : 0;
+  if (e.header.kind == RecordKind::kObject) now |= kObject;
+  if (pending && spill) now |= kSpill;
+  if (pending && !spill && !on_disk && !e.slots.empty()) now |= kSnapshot;
   CountAsLocked(e, now, (now & kSpill) ? static_cast<int64_t>(e.spill->size()) : 0);
 }
 
