@@ -6,8 +6,16 @@
 //   kProbation  - cached blocks not reused since they were stored (all blocks under plain LRU),
 //   kMain       - blocks that were reused, or re-stored soon after being evicted (SLRU policy),
 //   kProtected  - blocks a session protects (soft: they go only when nothing else is left).
-// Victims come from the lowest non-empty tier. Push, Remove and Peek are O(log n) in the number
-// of queued blocks; nothing scans the cache.
+// Victims come from the lowest non-empty tier. Nothing scans the cache.
+//
+// Each tier is an intrusive doubly-linked list (links in the block) kept in (last_use, serial)
+// order, plus an ordered spill for the blocks that cannot join it at either end. Recency ticks
+// grow, so almost every Push is the newest (appended) or, for a parent re-queued after its leaf was
+// evicted, the oldest (prepended): O(1), no allocation. A block that re-enters with a recency
+// strictly inside the list's range (a prefix released tail first, a block a flush held and let go,
+// an imported block) goes to the spill, a btree: O(log s) in the spill's size. The oldest of a tier
+// is the older of the list's head and the spill's first, so the order is exactly that of one
+// sorted set, and the next victims after the oldest are its list successors (to prefetch).
 //
 // Which unprotected block goes first depends on the order in force (set_order):
 //   kRecency (LRU and SLRU) - the oldest probation block, unless main holds more than its share of
@@ -49,7 +57,13 @@ class EvictionQueue {
   CachedBlock* Newest(Tier tier) const;
 
   int64_t size() const { return size(kProbation) + size(kMain) + size(kProtected); }
-  int64_t size(Tier tier) const { return static_cast<int64_t>(tiers_[tier].size()); }
+  int64_t size(Tier tier) const {
+    return lists_[tier].size + static_cast<int64_t>(spills_[tier].size());
+  }
+  // Queued blocks that sit in a spill rather than a list (a benchmark's and a test's figure).
+  int64_t spilled() const {
+    return static_cast<int64_t>(spills_[0].size() + spills_[1].size() + spills_[2].size());
+  }
   int64_t num_protected() const { return size(kProtected); }
   // SLRU: the share of the unprotected queue the main tier may keep before its own oldest block
   // is the victim (below it, probation goes first), and the most blocks main may hold at all
@@ -79,6 +93,13 @@ class EvictionQueue {
   bool Overdue(const CachedBlock* block, int64_t horizon) const {
     return block != nullptr && static_cast<uint32_t>(clock_ - block->use_clock) > horizon;
   }
+  using Key = std::pair<uint64_t, uint64_t>;  // (last_use, serial)
+  static Key KeyOf(const CachedBlock* b) { return Key{b->last_use, b->serial}; }
+  struct List {  // intrusive, oldest first, in Key order
+    CachedBlock* head = nullptr;
+    CachedBlock* tail = nullptr;
+    int64_t size = 0;
+  };
   void Insert(CachedBlock* block);
   double main_share_ = 1.0;
   int64_t main_max_ = std::numeric_limits<int64_t>::max();
@@ -86,8 +107,8 @@ class EvictionQueue {
   int64_t probation_horizon_ = std::numeric_limits<uint32_t>::max();
   int64_t main_horizon_ = std::numeric_limits<uint32_t>::max();
   Order order_ = Order::kRecency;
-  using Key = std::pair<uint64_t, uint64_t>;  // (last_use, serial)
-  absl::btree_map<Key, CachedBlock*> tiers_[3];
+  List lists_[3];
+  absl::btree_map<Key, CachedBlock*> spills_[3];
 };
 
 }  // namespace kvd

@@ -52,6 +52,9 @@ struct CachedBlock {
   bool queued = false;            // in its pool's eviction queue
   uint8_t queue_tier = 0;         // EvictionQueue::Tier it is filed under, while queued
   bool reused = false;            // SLRU policy: reused or re-stored after eviction (main tier)
+  bool queue_spilled = false;     // queued in its tier's ordered spill, not its recency list
+  CachedBlock* queue_prev = nullptr;  // recency list links, while queued and not spilled
+  CachedBlock* queue_next = nullptr;
 };
 
 struct NamespaceRoot {
