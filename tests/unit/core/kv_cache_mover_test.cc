@@ -4,13 +4,15 @@
 // it the block has returned, as a worker does). The sink runs without the engine's lock, while
 // those threads keep writing; every block it is handed must still hold exactly the tokens of the
 // view it is given (a block given to a writer before its copy ends would show the writer's
-// tokens), and must be in no live request's table but that of the call still evicting it.
+// tokens), and must be in no live request's table but that of the call still evicting it. The
+// events those threads cause reach a listener in sequence order.
 #include <atomic>
 #include <random>
 #include <thread>
 
 #include <catch2/catch.hpp>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "server/core/demotion_mover.h"
@@ -135,6 +137,26 @@ TEST_CASE("The mover never reads a block a request can write (randomized, 4 thre
   Memory memory;
   CheckingSink sink(&memory, &raw);
   cache->SetEvictionSink(&sink);
+  // Effects run after the lock, from whichever thread caused them; listeners must still see them
+  // in sequence order, each once, and a block's removal after its storing.
+  absl::Mutex seen_mu;
+  uint64_t last_sequence = 0;
+  absl::flat_hash_map<BlockKey, bool> stored;  // key -> stored now, as the events tell it
+  std::vector<std::string> order_failures;
+  const int listener = cache->AddEventListener([&](const CacheEvent& e) {
+    absl::MutexLock lock(&seen_mu);
+    auto fail = [&](std::string what) {
+      if (order_failures.size() < 10) order_failures.push_back(std::move(what));
+    };
+    if (e.sequence != last_sequence + 1) fail(absl::StrCat("event ", e.sequence, " after ", last_sequence));
+    last_sequence = e.sequence;
+    if (e.kind == CacheEventKind::kStored || e.kind == CacheEventKind::kRemoved) {
+      const bool storing = e.kind == CacheEventKind::kStored;
+      bool& now = stored[e.key];
+      if (now == storing) fail(absl::StrCat("event ", e.sequence, ": ", CacheEventKindName(e.kind), " twice in a row"));
+      now = storing;
+    }
+  });
   std::unique_ptr<DemotionMover> mover;
   if (with_mover) mover = std::make_unique<DemotionMover>(cache.get(), /*batch_blocks=*/4);
 
@@ -158,6 +180,12 @@ TEST_CASE("The mover never reads a block a request can write (randomized, 4 thre
     mover.reset();
   }
 
+  cache->RemoveListenerAndWait(listener);  // before the state it writes goes
+  {
+    absl::MutexLock lock(&seen_mu);
+    for (const std::string& f : order_failures) FAIL_CHECK(f);
+    CHECK(last_sequence > 1000);
+  }
   for (const std::string& f : sink.failures()) FAIL_CHECK(f);
   CHECK(sink.failures().empty());
   CHECK(errors.load() == 0);
