@@ -30,8 +30,9 @@ struct CachedBlockView {
   absl::Span<const Token> tokens;  // valid during the call
 };
 
-// The view of an index node. REQUIRES: `block` is in the index.
-CachedBlockView ViewOf(const CachedBlock& block);
+// The view of an index node whose tokens are `tokens` (PrefixIndex::TokensOf). REQUIRES: `block`
+// is in the index.
+CachedBlockView ViewOf(const CachedBlock& block, absl::Span<const Token> tokens);
 
 // A block's identity and tokens, owned: a CachedBlockView that outlives the cache's mutex (the
 // block itself stays held while the view is in use).

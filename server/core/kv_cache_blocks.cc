@@ -135,7 +135,7 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
   }
   const bool demote = sink_ != nullptr && reason != EvictReason::kClear;
   if (demote) {
-    cache_state::PendingDemotion d{this, HeldBlock(ViewOf(*victim))};
+    cache_state::PendingDemotion d{this, HeldBlock(ViewOf(*victim, index_.TokensOf(*victim)))};
     d.block.reason = reason;
     cache_state::ThreadDemotions().push_back(std::move(d));
   }
@@ -188,7 +188,8 @@ CachedBlock* KvCache::CacheBlockLocked(PoolId pool_id, NamespaceRoot* root, Cach
   e.parent_key = parent != nullptr ? parent->key : BlockKey{};
   e.block = index;
   e.block_tokens = pool.geometry.block_tokens;
-  e.tokens.assign(node->tokens.begin(), node->tokens.end());
+  const absl::Span<const Token> stored = index_.TokensOf(*node);
+  e.tokens.assign(stored.begin(), stored.end());
   e.media_keys = root->ns.media_keys;
   e.method = root->ns.method;
   e.cache_salt = root->ns.cache_salt;

@@ -36,7 +36,8 @@ CacheSnapshot KvCache::ExportSnapshot() const {
     e.ns = ns_it->second;
     e.last_use = b->last_use;
     e.reused = b->reused;
-    e.tokens.assign(b->tokens.begin(), b->tokens.end());
+    const absl::Span<const Token> tokens = index_.TokensOf(*b);
+    e.tokens.assign(tokens.begin(), tokens.end());
     position.emplace(b, static_cast<int64_t>(out.blocks.size()) - 1);
   }
   const absl::Time now = clock_->Now();

@@ -67,7 +67,7 @@ absl::StatusOr<PublishResult> KvCache::PlanPublishLocked(const Request& req,
     const BlockState& s = pool.blocks[blocks[i]];
     absl::Span<const Token> block_tokens = tokens.subspan(i * bt, bt);
     if (s.kind == BlockState::Kind::kCached) {
-      if (!std::equal(block_tokens.begin(), block_tokens.end(), s.node->tokens.begin())) {
+      if (!std::ranges::equal(block_tokens, index_.TokensOf(*s.node))) {
         return absl::InvalidArgumentError(
             absl::StrCat("tokens of position ", i, " differ from its cached block"));
       }

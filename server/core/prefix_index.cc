@@ -107,8 +107,9 @@ CachedBlock* PrefixIndex::FindChild(const NamespaceRoot& root, const CachedBlock
   if ((index & kGhost) != 0) return nullptr;  // absent (kNone) or a ghost
   CachedBlock* node = &pool.nodes[index];
   // The key only finds a candidate: verify the namespace, the chain and the tokens exactly.
-  if (node->root != &root || node->parent != parent || node->tokens.size() != tokens.size() ||
-      std::memcmp(node->tokens.data(), tokens.data(), tokens.size() * sizeof(Token)) != 0) {
+  if (node->root != &root || node->parent != parent || static_cast<int64_t>(tokens.size()) != pool.block_tokens ||
+      std::memcmp(&pool.tokens[static_cast<int64_t>(index) * pool.block_tokens], tokens.data(),
+                  tokens.size() * sizeof(Token)) != 0) {
     return nullptr;
   }
   return node;
@@ -146,7 +147,6 @@ CachedBlock* PrefixIndex::Insert(NamespaceRoot* root, CachedBlock* parent,
   node.root = root;
   node.address = address;
   node.serial = next_serial_++;
-  node.tokens = absl::MakeSpan(slab, tokens.size());
   if (parent != nullptr) ++parent->num_children;
   ++root->num_blocks;
   ++num_blocks_;

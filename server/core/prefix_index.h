@@ -34,15 +34,16 @@ namespace kvd {
 
 struct NamespaceRoot;
 
-// One cached, immutable full block. Fields below `tokens` are KvCache's bookkeeping. An aggregate
-// whose all-zero bytes are the "not cached" state, so node arrays start as untouched zero pages.
+// One cached, immutable full block; its tokens are in the pool's token slab (PrefixIndex::TokensOf).
+// Fields below `serial` are KvCache's bookkeeping. An aggregate whose all-zero bytes are the "not
+// cached" state, so node arrays start as untouched zero pages. 96 bytes: a node spans at most two
+// cache lines.
 struct CachedBlock {
   BlockKey key;
   CachedBlock* parent = nullptr;  // nullptr for the first block of a prefix
   NamespaceRoot* root = nullptr;  // nullptr: the slot holds no cached block
   BlockAddress address;
   uint64_t serial = 0;            // unique per insertion; never reused
-  absl::Span<Token> tokens;       // exactly block_tokens tokens, in the pool's token slab
   uint32_t publisher = 0;         // KvCache's index of the publishing worker; 0 = none
 
   int32_t num_children = 0;       // cached blocks whose parent is this one
@@ -56,6 +57,7 @@ struct CachedBlock {
   CachedBlock* queue_prev = nullptr;  // recency list links, while queued and not spilled
   CachedBlock* queue_next = nullptr;
 };
+static_assert(sizeof(CachedBlock) <= 96, "a node spans at most two cache lines");
 
 struct NamespaceRoot {
   Namespace ns;
@@ -105,6 +107,13 @@ class PrefixIndex {
   // Hints the CPU to load the table slot of `key` and the node and tokens of block `address` (an
   // Insert of them that follows soon then hits the cache).
   void Prefetch(BlockAddress address, const BlockKey& key) const;
+
+  // The block's tokens: exactly its pool's block_tokens, in the pool's token slab.
+  absl::Span<const Token> TokensOf(const CachedBlock& block) const {
+    const PoolNodes& pool = *pools_[block.address.pool];
+    return {&pool.tokens[static_cast<int64_t>(block.address.index) * pool.block_tokens],
+            static_cast<size_t>(pool.block_tokens)};
+  }
 
   // Ghosts remembered in `pool`.
   int64_t num_ghosts(PoolId pool) const { return pools_[pool]->ghosts; }
