@@ -11,11 +11,11 @@
 // Each tier is an intrusive doubly-linked list (links in the block) kept in (last_use, serial)
 // order, plus an ordered spill for the blocks that cannot join it at either end. Recency ticks
 // grow, so almost every Push is the newest (appended) or, for a parent re-queued after its leaf was
-// evicted, the oldest (prepended): O(1), no allocation. A block that re-enters with a recency
-// strictly inside the list's range (a prefix released tail first, a block a flush held and let go,
-// an imported block) goes to the spill, a btree: O(log s) in the spill's size. The oldest of a tier
-// is the older of the list's head and the spill's first, so the order is exactly that of one
-// sorted set, and the next victims after the oldest are its list successors (to prefetch).
+// evicted, the oldest (prepended): O(1), no allocation. A block that enters with a recency
+// strictly inside the list's range (main's oldest moved to probation when main is full, a block a
+// flush held and let go, a session's block changing tier) goes to the spill, a btree: O(log s) in
+// the spill's size. The oldest of a tier is the older of the list's head and the spill's first, so
+// the order is exactly that of one sorted set.
 //
 // Which unprotected block goes first depends on the order in force (set_order):
 //   kRecency (LRU and SLRU) - the oldest probation block, unless main holds more than its share of
