@@ -108,8 +108,7 @@ CachedBlock* PrefixIndex::FindChild(const NamespaceRoot& root, const CachedBlock
   CachedBlock* node = &pool.nodes[index];
   // The key only finds a candidate: verify the namespace, the chain and the tokens exactly.
   if (node->root != &root || node->parent != parent || static_cast<int64_t>(tokens.size()) != pool.block_tokens ||
-      std::memcmp(&pool.tokens[static_cast<int64_t>(index) * pool.block_tokens], tokens.data(),
-                  tokens.size() * sizeof(Token)) != 0) {
+      std::memcmp(TokensOf(*node).data(), tokens.data(), tokens.size() * sizeof(Token)) != 0) {
     return nullptr;
   }
   return node;
