@@ -60,7 +60,7 @@ class EvictionQueue {
   int64_t size(Tier tier) const {
     return lists_[tier].size + static_cast<int64_t>(spills_[tier].size());
   }
-  // Queued blocks that sit in a spill rather than a list (a benchmark's and a test's figure).
+  // Queued blocks that sit in a spill rather than a list (for tests).
   int64_t spilled() const {
     return static_cast<int64_t>(spills_[0].size() + spills_[1].size() + spills_[2].size());
   }

@@ -17,6 +17,7 @@
 namespace kvd {
 
 struct CachedBlock;
+class PrefixIndex;
 
 // A cached block as seen from outside the cache: where it is and what it holds.
 struct CachedBlockView {
@@ -30,9 +31,8 @@ struct CachedBlockView {
   absl::Span<const Token> tokens;  // valid during the call
 };
 
-// The view of an index node whose tokens are `tokens` (PrefixIndex::TokensOf). REQUIRES: `block`
-// is in the index.
-CachedBlockView ViewOf(const CachedBlock& block, absl::Span<const Token> tokens);
+// The view of a node of `index` (its tokens in the pool's slab). REQUIRES: `block` is in `index`.
+CachedBlockView ViewOf(const PrefixIndex& index, const CachedBlock& block);
 
 // A block's identity and tokens, owned: a CachedBlockView that outlives the cache's mutex (the
 // block itself stays held while the view is in use).

@@ -135,7 +135,7 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
   }
   const bool demote = sink_ != nullptr && reason != EvictReason::kClear;
   if (demote) {
-    cache_state::PendingDemotion d{this, HeldBlock(ViewOf(*victim, index_.TokensOf(*victim)))};
+    cache_state::PendingDemotion d{this, HeldBlock(ViewOf(index_, *victim))};
     d.block.reason = reason;
     cache_state::ThreadDemotions().push_back(std::move(d));
   }

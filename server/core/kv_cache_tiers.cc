@@ -9,7 +9,7 @@
 
 namespace kvd {
 
-CachedBlockView ViewOf(const CachedBlock& block, absl::Span<const Token> tokens) {
+CachedBlockView ViewOf(const PrefixIndex& index, const CachedBlock& block) {
   CachedBlockView v;
   v.pool = block.address.pool;
   v.index = block.address.index;
@@ -18,7 +18,7 @@ CachedBlockView ViewOf(const CachedBlock& block, absl::Span<const Token> tokens)
   v.key = block.key;
   v.has_parent = block.parent != nullptr;
   if (block.parent != nullptr) v.parent_key = block.parent->key;
-  v.tokens = tokens;
+  v.tokens = index.TokensOf(block);
   return v;
 }
 
@@ -207,7 +207,7 @@ int64_t KvCache::VisitCached(absl::Span<const CachedBlockRef> refs,
       if (ref.index >= pool.blocks.size()) continue;
       const BlockState& s = pool.blocks[ref.index];
       if (s.kind != BlockState::Kind::kCached || s.node == nullptr || s.node->key != ref.key) continue;
-      visits.emplace_back(ViewOf(*s.node, index_.TokensOf(*s.node)));
+      visits.emplace_back(ViewOf(index_, *s.node));
       // A referenced block's prefix must be referenced too (eviction goes leaf first).
       // Each block once, up to the first already held.
       for (const CachedBlock* n = s.node; n != nullptr && held.insert({ref.pool, n->address.index}).second;
