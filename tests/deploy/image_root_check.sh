@@ -59,7 +59,8 @@ trap cleanup_kvd EXIT
 chroot --userspec=10001:10001 "$root" /usr/local/bin/kvd --config=/etc/kvd/kvd.yaml --listen=unix:///run/kvd/kvd.sock \
   --metrics-listen=off --ready-file=/run/kvd/ready.json >"$root.kvd.log" 2>&1 &
 kvd_pid=$!
-for _ in $(seq 1 250); do [ -f "$root/run/kvd/ready.json" ] && break; kill -0 "$kvd_pid" 2>/dev/null || break; sleep 0.1; done
+# Up to 180 s: kvd pre-faults its pool before it binds, slow on a loaded 2-core machine.
+for _ in $(seq 1 1800); do [ -f "$root/run/kvd/ready.json" ] && break; kill -0 "$kvd_pid" 2>/dev/null || break; sleep 0.1; done
 [ -f "$root/run/kvd/ready.json" ] || { cat "$root.kvd.log" >&2; fail "kvd did not start in the image root"; }
 health=$(chroot "$root" /usr/local/bin/kvdctl --target=unix:///run/kvd/kvd.sock health) || fail "kvdctl health: $health"
 [ "$health" = SERVING ] || fail "kvdctl health says $health"

@@ -67,6 +67,10 @@ def install_validator(cache):
     return script, ""
 
 
+# How long kvd may take to become ready with the shipped configuration (see start_kvd below).
+READY_DEADLINE_S = 180
+
+
 def check_socket_dir(check, init_command, config_text, kvd):
     """The init container's command, then kvd as uid 10001, on hostPath-like directories."""
     tmp = tempfile.mkdtemp(prefix="kvd-hostpath-")
@@ -86,18 +90,22 @@ def check_socket_dir(check, init_command, config_text, kvd):
         os.chmod(config, 0o644)
 
         def start_kvd():
-            ready = os.path.join(tmp, "ready.json")
+            ready = os.path.join(run, "ready.json")
             if os.path.exists(ready):
                 os.remove(ready)
             p = subprocess.Popen(["setpriv", f"--reuid={KVD_UID}", f"--regid={KVD_UID}", "--clear-groups",
                                   kvd, "--config=" + config, "--listen=unix://" + os.path.join(run, "kvd.sock"),
                                   "--metrics-listen=off", "--ready-file=" + os.path.join(run, "ready.json")],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for _ in range(500):
-                if os.path.exists(os.path.join(run, "ready.json")) or p.poll() is not None:
+            # The shipped config pre-faults 4 GiB of pool and 1 GiB of host tier before kvd binds:
+            # ~5 s on an idle 2-core machine, over 10 s beside the integration tests under ASan.
+            # So wait on a deadline for the ready file (or an exit), not a count of short sleeps.
+            deadline = time.monotonic() + READY_DEADLINE_S
+            while time.monotonic() < deadline:
+                if os.path.exists(ready) or p.poll() is not None:
                     break
-                time.sleep(0.02)
-            served = p.poll() is None and os.path.exists(os.path.join(run, "kvd.sock"))
+                time.sleep(0.05)
+            served = p.poll() is None and os.path.exists(ready) and os.path.exists(os.path.join(run, "kvd.sock"))
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
             out = p.communicate(timeout=60)[0]
