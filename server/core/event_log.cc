@@ -10,7 +10,7 @@ EventLog::EventLog(size_t capacity)
       payload_bytes_(std::max(capacity_ * kPayloadBytesPerEvent, kMinPayloadBytes)),
       records_(capacity_),
       payload_(payload_bytes_) {
-  static_assert(sizeof(EventRecord) == 80, "one event is one fixed-size record");
+  static_assert(sizeof(RunRecord) == 64, "one run of events is one fixed-size record");
 }
 
 void EventLog::PutLocked(const void* src, size_t n) {
@@ -32,17 +32,39 @@ void EventLog::GetLocked(uint64_t at, void* dst, size_t n) const {
   std::memcpy(static_cast<uint8_t*>(dst) + first, payload_.data(), n - first);
 }
 
-uint64_t EventLog::Append(const CacheEvent& event) {
-  absl::MutexLock lock(&mu_);
-  const uint64_t seq = ++last_sequence_;
-  EventRecord& r = records_[(seq - 1) % records_.size()];
-  r.sequence = seq;
-  r.unix_ns = absl::ToUnixNanos(event.time);
+bool EventLog::ContinuesRunLocked(const CacheEvent& event, int64_t unix_ns) const {
+  if (num_runs_ == 0 || event.kind == CacheEventKind::kCleared) return false;
+  const RunRecord& r = records_[(num_runs_ - 1) % records_.size()];
+  if (r.truncated || r.kind != static_cast<uint8_t>(event.kind) || r.unix_ns != unix_ns ||
+      r.block_tokens != event.block_tokens || r.entry_tokens != event.tokens.size()) {
+    return false;
+  }
+  // A stored event continues the chain (its parent is the run's last block); any other kind
+  // carries no parent, so the decoded events are exactly the appended ones.
+  if (event.kind == CacheEventKind::kStored ? !(event.has_parent && event.parent_key == open_last_key_)
+                                            : (event.has_parent || !(event.parent_key == BlockKey{}))) {
+    return false;
+  }
+  if (event.pool != open_pool_ || event.adapter != open_adapter_ || event.medium != open_medium_) return false;
+  // A run stays within half the byte ring, so that a watcher can catch up on a whole one.
+  return r.names_bytes() + (size_t{r.count} + 1) * r.entry_bytes() <= payload_.size() / 2;
+}
+
+void EventLog::PutEntryLocked(const CacheEvent& event, uint32_t num_tokens) {
+  PutLocked(&event.key, sizeof(BlockKey));
+  PutLocked(&event.block, sizeof(BlockIndex));
+  PutLocked(event.tokens.data(), num_tokens * sizeof(Token));
+  open_last_key_ = event.key;
+}
+
+void EventLog::StartRunLocked(const CacheEvent& event, int64_t unix_ns, uint64_t seq) {
+  RunRecord& r = records_[num_runs_++ % records_.size()];
+  r.first_sequence = seq;
+  r.count = 1;
+  r.unix_ns = unix_ns;
   r.kind = static_cast<uint8_t>(event.kind);
-  r.key = event.key;
   r.parent_key = event.parent_key;
   r.has_parent = event.has_parent;
-  r.block = event.block;
   r.block_tokens = event.block_tokens;
   // A payload larger than the byte ring (names past their length fields, or tokens past the rest)
   // cannot be replayed: it is cut to fit and marked, and ReadAfter resyncs a watcher that needs it.
@@ -50,28 +72,56 @@ uint64_t EventLog::Append(const CacheEvent& event) {
   r.pool_len = static_cast<uint16_t>(std::min<size_t>({event.pool.size(), UINT16_MAX, quarter}));
   r.adapter_len = static_cast<uint16_t>(std::min<size_t>({event.adapter.size(), UINT16_MAX, quarter}));
   r.medium_len = static_cast<uint8_t>(std::min<size_t>({event.medium.size(), UINT8_MAX, quarter}));
-  const size_t names = size_t{r.pool_len} + r.adapter_len + r.medium_len;
-  const size_t room = (payload_.size() - names) / sizeof(Token);
-  r.num_tokens = static_cast<uint32_t>(std::min(event.tokens.size(), room));
+  const size_t room = (payload_.size() - r.names_bytes() - kEntryHeaderBytes) / sizeof(Token);
+  r.entry_tokens = static_cast<uint32_t>(std::min(event.tokens.size(), room));
   r.truncated = r.pool_len != event.pool.size() || r.adapter_len != event.adapter.size() ||
-                r.medium_len != event.medium.size() || r.num_tokens != event.tokens.size();
+                r.medium_len != event.medium.size() || r.entry_tokens != event.tokens.size();
   r.payload_at = payload_head_;
-  PutLocked(event.pool.data(), r.pool_len);
-  PutLocked(event.adapter.data(), r.adapter_len);
-  PutLocked(event.medium.data(), r.medium_len);
-  PutLocked(event.tokens.data(), r.num_tokens * sizeof(Token));
+  open_pool_.assign(event.pool, 0, r.pool_len);
+  open_adapter_.assign(event.adapter, 0, r.adapter_len);
+  open_medium_.assign(event.medium, 0, r.medium_len);
+  PutLocked(open_pool_.data(), r.pool_len);
+  PutLocked(open_adapter_.data(), r.adapter_len);
+  PutLocked(open_medium_.data(), r.medium_len);
+  PutEntryLocked(event, r.entry_tokens);
+}
+
+uint64_t EventLog::Append(const CacheEvent& event) {
+  const int64_t unix_ns = absl::ToUnixNanos(event.time);
+  absl::MutexLock lock(&mu_);
+  const uint64_t seq = ++last_sequence_;
+  if (ContinuesRunLocked(event, unix_ns)) {
+    ++records_[(num_runs_ - 1) % records_.size()].count;
+    PutEntryLocked(event, static_cast<uint32_t>(event.tokens.size()));
+  } else {
+    StartRunLocked(event, unix_ns, seq);
+  }
   return seq;
 }
 
-CacheEvent EventLog::DecodeLocked(const EventRecord& r) const {
+const EventLog::RunRecord* EventLog::FindRunLocked(uint64_t seq) const {
+  const uint64_t held = std::min<uint64_t>(num_runs_, records_.size());
+  // The last run whose first sequence is <= seq, by binary search over the held runs.
+  uint64_t lo = num_runs_ - held, hi = num_runs_;
+  if (held == 0 || records_[lo % records_.size()].first_sequence > seq) return nullptr;
+  while (hi - lo > 1) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    if (records_[mid % records_.size()].first_sequence <= seq) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return &records_[lo % records_.size()];
+}
+
+CacheEvent EventLog::DecodeLocked(const RunRecord& r, uint32_t i, const BlockKey& prev_key) const {
   CacheEvent e;
-  e.sequence = r.sequence;
+  e.sequence = r.first_sequence + i;
   e.kind = static_cast<CacheEventKind>(r.kind);
   e.time = absl::FromUnixNanos(r.unix_ns);
-  e.key = r.key;
-  e.parent_key = r.parent_key;
-  e.has_parent = r.has_parent;
-  e.block = r.block;
+  e.parent_key = i == 0 ? r.parent_key : (e.kind == CacheEventKind::kStored ? prev_key : BlockKey{});
+  e.has_parent = i == 0 ? r.has_parent : e.kind == CacheEventKind::kStored;
   e.block_tokens = r.block_tokens;
   uint64_t at = r.payload_at;
   e.pool.resize(r.pool_len);
@@ -82,9 +132,11 @@ CacheEvent EventLog::DecodeLocked(const EventRecord& r) const {
   at += r.adapter_len;
   e.medium.resize(r.medium_len);
   GetLocked(at, e.medium.data(), r.medium_len);
-  at += r.medium_len;
-  e.tokens.resize(r.num_tokens);
-  GetLocked(at, e.tokens.data(), r.num_tokens * sizeof(Token));
+  at += r.medium_len + uint64_t{i} * r.entry_bytes();
+  GetLocked(at, &e.key, sizeof(BlockKey));
+  GetLocked(at + sizeof(BlockKey), &e.block, sizeof(BlockIndex));
+  e.tokens.resize(r.entry_tokens);
+  GetLocked(at + kEntryHeaderBytes, e.tokens.data(), r.entry_tokens * sizeof(Token));
   return e;
 }
 
@@ -92,22 +144,34 @@ EventLog::ReadResult EventLog::ReadAfter(uint64_t last_seen, size_t max_events) 
   absl::MutexLock lock(&mu_);
   ReadResult out;
   if (last_seen >= last_sequence_) return out;
-  const uint64_t held = std::min<uint64_t>(last_sequence_, records_.size());
-  const uint64_t oldest = last_sequence_ - held + 1;
-  // Payloads are written in sequence order: the first one asked for is the oldest needed.
-  const EventRecord& first = records_[last_seen % records_.size()];
-  if (last_seen + 1 < oldest || payload_head_ - first.payload_at > payload_.size()) {
+  // Payloads are written in sequence order: the first run asked for is the oldest needed.
+  // Replay covers the last `capacity` events at most, as configured, however long the runs.
+  const RunRecord* run = last_sequence_ - last_seen > capacity_ ? nullptr : FindRunLocked(last_seen + 1);
+  if (run == nullptr || payload_head_ - run->payload_at > payload_.size()) {
     out.resync = true;
     return out;
   }
-  for (uint64_t s = last_seen + 1; s <= last_sequence_ && out.events.size() < max_events; ++s) {
-    const EventRecord& r = records_[(s - 1) % records_.size()];
+  size_t slot = static_cast<size_t>(run - records_.data());  // the next run is in the next slot
+  uint32_t i = static_cast<uint32_t>(last_seen + 1 - run->first_sequence);
+  BlockKey prev_key;  // the previous event's key: a stored event's parent within a run
+  if (i > 0) {
+    GetLocked(run->payload_at + run->names_bytes() + uint64_t{i - 1} * run->entry_bytes(), &prev_key,
+              sizeof(BlockKey));
+  }
+  while (out.events.size() < max_events) {
+    const RunRecord& r = records_[slot];
     if (r.truncated) {  // cannot be replayed whole
       out.events.clear();
       out.resync = true;
       return out;
     }
-    out.events.push_back(DecodeLocked(r));
+    for (; i < r.count && out.events.size() < max_events; ++i) {
+      out.events.push_back(DecodeLocked(r, i, prev_key));
+      prev_key = out.events.back().key;
+    }
+    if (i < r.count || r.first_sequence + r.count > last_sequence_) break;  // batch full, or the newest run
+    slot = (slot + 1) % records_.size();
+    i = 0;
   }
   return out;
 }
@@ -115,6 +179,11 @@ EventLog::ReadResult EventLog::ReadAfter(uint64_t last_seen, size_t max_events) 
 uint64_t EventLog::last_sequence() const {
   absl::MutexLock lock(&mu_);
   return last_sequence_;
+}
+
+uint64_t EventLog::num_runs() const {
+  absl::MutexLock lock(&mu_);
+  return num_runs_;
 }
 
 }  // namespace kvd

@@ -1,6 +1,8 @@
 #include "server/core/event_log.h"
 
 #include <catch2/catch.hpp>
+#include <random>
+#include <vector>
 
 namespace kvd {
 namespace {
@@ -107,6 +109,154 @@ TEST_CASE("EventLog's memory is fixed: long blocks shorten replay, never grow th
   REQUIRE_FALSE(all.resync);
   REQUIRE(all.events.size() == 4096);
   REQUIRE(small.ReadAfter(10000 - 4097, 10).resync);
+}
+
+CacheEvent ChainBlock(const BlockKey& key, const BlockKey* parent, BlockIndex block) {
+  CacheEvent e = Stored(block);
+  e.time = absl::FromUnixMillis(5);
+  e.pool = "llama";
+  e.adapter = "lora";
+  e.key = key;
+  e.has_parent = parent != nullptr;
+  if (parent != nullptr) e.parent_key = *parent;
+  e.block_tokens = 16;
+  e.tokens.assign(16, static_cast<Token>(block));
+  return e;
+}
+
+void RequireSame(const CacheEvent& got, const CacheEvent& want) {
+  REQUIRE(got.sequence == want.sequence);
+  REQUIRE(got.kind == want.kind);
+  REQUIRE(got.time == want.time);
+  REQUIRE(got.pool == want.pool);
+  REQUIRE(got.adapter == want.adapter);
+  REQUIRE(got.medium == want.medium);
+  REQUIRE(got.key == want.key);
+  REQUIRE(got.has_parent == want.has_parent);
+  REQUIRE(got.parent_key == want.parent_key);
+  REQUIRE(got.block == want.block);
+  REQUIRE(got.block_tokens == want.block_tokens);
+  REQUIRE(got.tokens == want.tokens);
+}
+
+TEST_CASE("EventLog keeps a chain of stored blocks, and a removal pass, as one record each", "[core][events]") {
+  EventLog log(64);
+  std::vector<CacheEvent> appended;
+  for (uint64_t b = 0; b < 40; ++b) {
+    const BlockKey key{b + 1, 7};
+    const BlockKey parent{b, 7};
+    appended.push_back(ChainBlock(key, b == 0 ? nullptr : &parent, static_cast<BlockIndex>(b)));
+    appended.back().sequence = log.Append(appended.back());
+  }
+  REQUIRE(log.num_runs() == 1);
+  for (uint64_t b = 40; b-- > 30;) {  // an eviction pass, leaf to root
+    CacheEvent e;
+    e.kind = CacheEventKind::kRemoved;
+    e.time = absl::FromUnixMillis(6);
+    e.pool = "llama";
+    e.adapter = "lora";
+    e.key = BlockKey{b + 1, 7};
+    e.block = static_cast<BlockIndex>(b);
+    e.block_tokens = 16;
+    appended.push_back(e);
+    appended.back().sequence = log.Append(e);
+  }
+  REQUIRE(log.num_runs() == 2);
+  // A watcher resuming anywhere, inside a run too, gets exactly the events it missed.
+  for (uint64_t seen = 0; seen <= appended.size(); ++seen) {
+    auto r = log.ReadAfter(seen, 1000);
+    REQUIRE_FALSE(r.resync);
+    REQUIRE(r.events.size() == appended.size() - seen);
+    for (size_t i = 0; i < r.events.size(); ++i) RequireSame(r.events[i], appended[seen + i]);
+  }
+  // Batches that end inside a run resume where they stopped.
+  std::vector<CacheEvent> batched;
+  for (uint64_t seen = 0;;) {
+    auto r = log.ReadAfter(seen, 7);
+    if (r.events.empty()) break;
+    batched.insert(batched.end(), r.events.begin(), r.events.end());
+    seen = batched.back().sequence;
+  }
+  REQUIRE(batched.size() == appended.size());
+  // Anything else starts a new run: another parent, time, adapter or kind.
+  const BlockKey other{999, 7};
+  CacheEvent next = ChainBlock(BlockKey{41, 7}, &other, 41);
+  log.Append(next);
+  REQUIRE(log.num_runs() == 3);
+  next = ChainBlock(BlockKey{42, 7}, &next.key, 42);
+  next.time = absl::FromUnixMillis(8);
+  log.Append(next);
+  REQUIRE(log.num_runs() == 4);
+  CacheEvent lora2 = ChainBlock(BlockKey{43, 7}, &next.key, 43);
+  lora2.time = next.time;
+  lora2.adapter = "other";
+  log.Append(lora2);
+  REQUIRE(log.num_runs() == 5);
+}
+
+TEST_CASE("EventLog splits a run longer than half its byte ring, so recent events stay replayable", "[core][events]") {
+  EventLog log(64);  // 64 KiB of payload (the minimum): ~780 16-token entries
+  for (uint64_t b = 0; b < 5000; ++b) {
+    const BlockKey parent{b, 3};
+    log.Append(ChainBlock(BlockKey{b + 1, 3}, b == 0 ? nullptr : &parent, static_cast<BlockIndex>(b)));
+  }
+  REQUIRE(log.num_runs() > 1);
+  auto r = log.ReadAfter(5000 - 32, 100);
+  REQUIRE_FALSE(r.resync);
+  REQUIRE(r.events.size() == 32);
+  REQUIRE(r.events.back().key == BlockKey{5000, 3});
+  REQUIRE(r.events.front().parent_key == BlockKey{5000 - 32, 3});
+}
+
+TEST_CASE("EventLog replays exactly what was appended, runs or not (randomized against a list)", "[core][events]") {
+  for (uint32_t seed = 1; seed <= 20; ++seed) {
+    std::mt19937_64 rng(seed);
+    const size_t capacity = 16 + rng() % 200;
+    EventLog log(capacity);
+    std::vector<CacheEvent> model;
+    BlockKey last_stored{};
+    int64_t now_ms = 0;
+    for (int step = 0; step < 3000; ++step) {
+      CacheEvent e;
+      const int dice = static_cast<int>(rng() % 100);
+      e.kind = dice < 70 ? CacheEventKind::kStored : dice < 97 ? CacheEventKind::kRemoved : CacheEventKind::kCleared;
+      if (rng() % 8 == 0) ++now_ms;
+      e.time = absl::FromUnixMillis(now_ms);
+      if (e.kind != CacheEventKind::kCleared) {
+        e.pool = rng() % 6 == 0 ? "bb" : "a";
+        e.adapter = rng() % 5 == 0 ? "x" : "";
+        e.medium = rng() % 9 == 0 ? "disk" : "";
+        e.key = BlockKey{rng(), rng()};
+        e.block = static_cast<BlockIndex>(rng() % 1000);
+        e.block_tokens = rng() % 7 == 0 ? 4 : 16;
+      }
+      if (e.kind == CacheEventKind::kStored) {
+        const int p = static_cast<int>(rng() % 10);
+        e.has_parent = p < 8;
+        e.parent_key = p < 7 ? last_stored : p < 8 ? BlockKey{rng(), 1} : BlockKey{};
+        e.tokens.assign(rng() % 11 == 0 ? 3 : static_cast<size_t>(e.block_tokens), static_cast<Token>(rng()));
+        e.tokens[0] = static_cast<Token>(step);
+        last_stored = e.key;
+      }
+      e.sequence = log.Append(e);
+      REQUIRE(e.sequence == model.size() + 1);
+      model.push_back(e);
+      if (step % 3 != 0) continue;
+      const uint64_t seen = rng() % (model.size() + 1);
+      const size_t max_events = 1 + rng() % 64;
+      auto r = log.ReadAfter(seen, max_events);
+      // The last capacity/2 events are always replayable (a run takes at most half the byte ring).
+      if (model.size() - seen <= capacity / 2) REQUIRE_FALSE(r.resync);
+      if (model.size() - seen > capacity) REQUIRE(r.resync);  // no deeper than configured
+      if (r.resync) {
+        REQUIRE(r.events.empty());
+        continue;
+      }
+      REQUIRE(r.events.size() == std::min<size_t>(max_events, model.size() - seen));
+      for (size_t i = 0; i < r.events.size(); ++i) RequireSame(r.events[i], model[seen + i]);
+    }
+    REQUIRE(log.num_runs() < model.size());  // chains did coalesce
+  }
 }
 
 }  // namespace
