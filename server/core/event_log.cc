@@ -34,7 +34,7 @@ void EventLog::GetLocked(uint64_t at, void* dst, size_t n) const {
 
 bool EventLog::ContinuesRunLocked(const CacheEvent& event, int64_t unix_ns) const {
   if (num_runs_ == 0 || event.kind == CacheEventKind::kCleared) return false;
-  const RunRecord& r = records_[(num_runs_ - 1) % records_.size()];
+  const RunRecord& r = records_[open_slot_];
   if (r.truncated || r.kind != static_cast<uint8_t>(event.kind) || r.unix_ns != unix_ns ||
       r.block_tokens != event.block_tokens || r.entry_tokens != event.tokens.size()) {
     return false;
@@ -51,14 +51,26 @@ bool EventLog::ContinuesRunLocked(const CacheEvent& event, int64_t unix_ns) cons
 }
 
 void EventLog::PutEntryLocked(const CacheEvent& event, uint32_t num_tokens) {
+  open_last_key_ = event.key;
+  const size_t token_bytes = num_tokens * sizeof(Token);
+  const size_t n = kEntryHeaderBytes + token_bytes;
+  if (payload_pos_ + n < payload_bytes_) {  // the common case: no wrap, one contiguous write
+    uint8_t* at = payload_.data() + payload_pos_;
+    std::memcpy(at, &event.key, sizeof(BlockKey));
+    std::memcpy(at + sizeof(BlockKey), &event.block, sizeof(BlockIndex));
+    if (token_bytes > 0) std::memcpy(at + kEntryHeaderBytes, event.tokens.data(), token_bytes);
+    payload_pos_ += n;
+    payload_head_ += n;
+    return;
+  }
   PutLocked(&event.key, sizeof(BlockKey));
   PutLocked(&event.block, sizeof(BlockIndex));
-  PutLocked(event.tokens.data(), num_tokens * sizeof(Token));
-  open_last_key_ = event.key;
+  PutLocked(event.tokens.data(), token_bytes);
 }
 
 void EventLog::StartRunLocked(const CacheEvent& event, int64_t unix_ns, uint64_t seq) {
-  RunRecord& r = records_[num_runs_++ % records_.size()];
+  open_slot_ = num_runs_++ == 0 || open_slot_ + 1 == records_.size() ? 0 : open_slot_ + 1;
+  RunRecord& r = records_[open_slot_];
   r.first_sequence = seq;
   r.count = 1;
   r.unix_ns = unix_ns;
@@ -91,7 +103,7 @@ uint64_t EventLog::Append(const CacheEvent& event) {
   absl::MutexLock lock(&mu_);
   const uint64_t seq = ++last_sequence_;
   if (ContinuesRunLocked(event, unix_ns)) {
-    ++records_[(num_runs_ - 1) % records_.size()].count;
+    ++records_[open_slot_].count;
     PutEntryLocked(event, static_cast<uint32_t>(event.tokens.size()));
   } else {
     StartRunLocked(event, unix_ns, seq);

@@ -106,6 +106,7 @@ class EventLog {
   uint64_t payload_head_ ABSL_GUARDED_BY(mu_) = 0;  // bytes ever written to the byte ring
   size_t payload_pos_ ABSL_GUARDED_BY(mu_) = 0;     // payload_head_ % payload_bytes_
   uint64_t num_runs_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t open_slot_ ABSL_GUARDED_BY(mu_) = 0;  // the newest run's slot, (num_runs_ - 1) % capacity_
   // The open run's names and last key, to test whether the next event continues it.
   std::string open_pool_ ABSL_GUARDED_BY(mu_), open_adapter_ ABSL_GUARDED_BY(mu_), open_medium_ ABSL_GUARDED_BY(mu_);
   BlockKey open_last_key_ ABSL_GUARDED_BY(mu_);
