@@ -1,6 +1,9 @@
 #include "server/core/key_table.h"
 
 #include <algorithm>
+#include <cstdlib>
+
+#include <sys/mman.h>
 
 #include "proto/vocab/status_macros.h"
 
@@ -18,11 +21,27 @@ int Log2SlotsFor(int64_t entries) {
 
 }  // namespace
 
+void KeyTable::FreeSlots::operator()(Slot* p) const { std::free(p); }
+
+std::unique_ptr<KeyTable::Slot[], KeyTable::FreeSlots> KeyTable::AllocateSlots(size_t n) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t bytes = n * sizeof(Slot);
+  Slot* p;
+  if (bytes >= kHuge) {
+    p = static_cast<Slot*>(std::aligned_alloc(kHuge, bytes));
+    if (p != nullptr) madvise(p, bytes, MADV_HUGEPAGE);
+  } else {
+    p = static_cast<Slot*>(std::malloc(bytes));
+  }
+  KVD_CHECK(p != nullptr);
+  std::fill_n(p, n, Slot{0, kNone});
+  return std::unique_ptr<Slot[], FreeSlots>(p);
+}
+
 KeyTable::KeyTable(int64_t expected) {
   const int log2 = Log2SlotsFor(expected);
   const size_t n = size_t{1} << log2;
-  slots_.reset(new Slot[n]);
-  std::fill_n(slots_.get(), n, Slot{0, kNone});
+  slots_ = AllocateSlots(n);
   mask_ = n - 1;
   shift_ = 32 - log2;
 }
@@ -45,10 +64,9 @@ void KeyTable::EraseAt(size_t hole) {
 void KeyTable::Grow() {
   const size_t old_n = mask_ + 1;
   KVD_CHECK(shift_ > 32 - kMaxLog2);
-  std::unique_ptr<Slot[]> old = std::move(slots_);
+  std::unique_ptr<Slot[], FreeSlots> old = std::move(slots_);
   const size_t n = old_n * 2;
-  slots_.reset(new Slot[n]);
-  std::fill_n(slots_.get(), n, Slot{0, kNone});
+  slots_ = AllocateSlots(n);
   mask_ = n - 1;
   --shift_;
   for (size_t i = 0; i < old_n; ++i) {

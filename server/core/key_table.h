@@ -9,6 +9,10 @@
 // Fibonacci hash of the tag (so entries can move and the table can grow from tags alone).
 //
 // Grows by doubling past 3/4 full (at most 2^31 slots); `expected` entries fit without growing.
+// A slot array of 2 MiB or more is 2 MiB-aligned and advised as huge pages (MADV_HUGEPAGE; a
+// kernel whose THP mode is "madvise" or "always" backs it with 2 MiB pages): every probe
+// is a random access, and with 4 KiB pages a 16 MiB table (an slru pool's, ghosts included)
+// misses the TLB on nearly every one (docs/performance.md, "Huge pages for the key table").
 // Thread-compatible.
 #pragma once
 
@@ -68,10 +72,14 @@ class KeyTable {
     }
     return i;
   }
+  struct FreeSlots {
+    void operator()(Slot* p) const;
+  };
+  static std::unique_ptr<Slot[], FreeSlots> AllocateSlots(size_t n);
   void Grow();
   void EraseAt(size_t hole);
 
-  std::unique_ptr<Slot[]> slots_;
+  std::unique_ptr<Slot[], FreeSlots> slots_;
   size_t mask_ = 0;
   int shift_ = 32;  // 32 - log2(slots)
   int64_t size_ = 0;
