@@ -259,6 +259,11 @@ TEST_CASE("Watchers get index events in order and can catch up or resync", "[int
   REQUIRE(missed.ok());
   REQUIRE_FALSE(missed->resync);
   REQUIRE(missed->events.front().sequence == 2);
+  // Sequence 2 is inside the run the publish recorded: it comes back whole, parent included.
+  REQUIRE(missed->events.front().has_parent);
+  REQUIRE(missed->events.front().parent_key == seen[0].key);
+  REQUIRE(missed->events.front().key == seen[1].key);
+  REQUIRE(missed->events.front().tokens == Range(4, 4));
 
   // Past the 4-event buffer, an old position must resync.
   REQUIRE(RunWorker(WorkerArgs(d, {"--id=b", "--prompt-range=50:17"})).exit_code == 0);  // 4 more
