@@ -16,9 +16,9 @@ gen=()
 command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
 CC=clang CXX=clang++ cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DKVD_FUZZ=ON -DKVD_BUILD_TESTS=OFF -DKVD_WITH_CUDA=OFF >/dev/null
-cmake --build "$build" -j "${KVD_JOBS:-2}" --target kvd_fuzz_core_ops kvd_fuzz_store_decode kvd_fuzz_service
+cmake --build "$build" -j "${KVD_JOBS:-2}" --target kvd_fuzz_core_ops kvd_fuzz_store_decode kvd_fuzz_service kvd_fuzz_remote_value
 mkdir -p "$build/crashes"
-for target in core_ops store_decode service; do
+for target in core_ops store_decode service remote_value; do
   work="$build/corpus-$target"
   rm -rf "$work" && mkdir -p "$work"
   cp "$root/tests/fuzz/corpus/$target/"* "$work/" 2>/dev/null || true

@@ -247,7 +247,8 @@ absl::StatusOr<std::unique_ptr<RemoteTier::Connection>> RemoteTier::Connect(cons
   auto c = std::make_unique<Connection>(raw);
   if (raw->err != 0) return absl::UnavailableError(absl::StrCat("connect", where, ": ", raw->errstr));
   redisSetTimeout(raw, absl::ToTimeval(options_.io_timeout));
-  redisEnableKeepAlive(raw);
+  // TCP keep-alive only: on an AF_UNIX socket hiredis fails the call and marks the context failed.
+  if (raw->connection_type == REDIS_CONN_TCP) redisEnableKeepAlive(raw);
   if (!password_.empty()) {
     absl::StatusOr<Reply> r = username_.empty() ? c->Command({"AUTH", password_})
                                                 : c->Command({"AUTH", username_, password_});

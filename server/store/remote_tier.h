@@ -4,13 +4,14 @@
 //
 // Keys: "<key_prefix>:<pool>:<salt tag>:<chained block key, 32 hex>", the salt tag being "-" or 16
 // hex digits of XXH3 of the tenant's cache_salt (the salt itself never leaves the node), so an
-// operator can list or drop one model's or one tenant's blocks by pattern. Values: a sealed G3
-// record header (pool, key, parent key, codec, lengths, checksum, layout tag, and instead of the
-// adapter, media, method, salt and tokens a ValueDigest of them, keyed by the cluster's secret)
-// followed by the stored bytes, the same codec and checksum as G3; a reader verifies all of it
-// against its own request, so a collision, a corrupt value or one sealed under another secret is a
-// miss, never served. With an encryption key file the stored bytes are AES-256-GCM ciphertext
-// (value_cipher.h) and the header names the key id. Every value carries a TTL; storing a block that is already
+// operator can list or drop one model's or one tenant's blocks by pattern. Values (remote_value.h):
+// a G3 record header (pool, key, parent key, codec, lengths, checksum, layout tag, and instead of
+// the adapter, media, method, salt and tokens a ValueDigest of them, keyed by the cluster's secret)
+// followed by the stored bytes, the header authenticated with the payload (an HMAC under the
+// secret, or the AEAD of the encryption key); a reader verifies all of it against its own request,
+// so a collision, a corrupt or forged value or one sealed under another secret is a miss, never
+// served. With an encryption key file the stored bytes are AES-256-GCM ciphertext (value_cipher.h)
+// and unencrypted values are refused. Every value carries a TTL; storing a block that is already
 // there only refreshes its TTL (no bytes sent).
 //
 // Never stalls a request: every call has connect and I/O timeouts; after a failure the tier is
@@ -42,6 +43,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
 #include "server/store/redis_cluster.h"
+#include "server/store/remote_value.h"
 #include "server/store/value_cipher.h"
 #include "proto/vocab/block_key.h"
 #include "server/store/tier_types.h"
@@ -72,6 +74,8 @@ class RemoteTier {
                           absl::Span<const Token> tokens) const;
   // The cipher of options.encryption_key_file, or nullptr when values are stored unencrypted.
   const ValueCipher* cipher() const { return cipher_.get(); }
+  // What seals and opens values (remote_value.h): the secret and the cipher.
+  RemoteValueKeys value_keys() const { return RemoteValueKeys{.secret = secret_, .cipher = cipher_.get()}; }
 
   // How many of `keys`, from the first, exist: one pipelined round trip of EXISTS.
   absl::StatusOr<int64_t> RunLength(const std::vector<std::string>& keys) ABSL_LOCKS_EXCLUDED(mu_);

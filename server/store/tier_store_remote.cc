@@ -4,7 +4,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/strip.h"
+#include "server/store/remote_value.h"
 #include "server/store/tier_store.h"
 #include "spdlog/spdlog.h"
 
@@ -73,54 +73,43 @@ void TierStore::UploadQueued() {
       name_of[batch[i].ref.key] = std::move(batch[i].name);
     }
     if (refs.empty()) continue;
-    // Copy each still-cached block out under the cache lock (as a flush does) straight into its
-    // value (header + stored bytes), compressing outside the lock.
-    std::vector<RecordHeader> headers;
+    // Copy each still-cached block out under the cache lock (as a flush does) with what identifies
+    // it, compressing and sealing outside the lock (remote_value.h).
+    std::vector<RemoteBlockIdentity> ids;
     std::vector<std::string> raws;
     std::vector<std::string> keys;
     cache_->VisitCached(refs, [&](const CachedBlockView& v) {
       std::string raw(static_cast<size_t>(pools_[v.pool].block_bytes_all_shards()), '\0');
       if (!arena_->ReadBlock(v.pool, v.index, reinterpret_cast<uint8_t*>(raw.data())).ok()) return;
-      // Sealed for a shared server: the value names its pool and key only; what identifies the
-      // block (adapter, media, method, salt, parent, tokens) travels as a keyed digest.
-      RecordHeader h = BlockHeader(v);
-      h.object_key = remote_->ValueDigest(v.root_key, v.key, v.has_parent ? &v.parent_key : nullptr, v.tokens);
-      h.ns = Namespace{.pool = v.ns->pool};
-      h.tokens.clear();
-      headers.push_back(std::move(h));
+      // A shared server sees the pool and key only; what identifies the block (adapter, media,
+      // method, salt, parent, tokens) travels as a keyed digest.
+      ids.push_back(RemoteBlockIdentity{
+          .pool = v.ns->pool,
+          .key = v.key,
+          .has_parent = v.has_parent,
+          .parent_key = v.parent_key,
+          .digest = remote_->ValueDigest(v.root_key, v.key, v.has_parent ? &v.parent_key : nullptr, v.tokens),
+          .layout_tag = layout_tags_[v.pool],
+          .raw_length = static_cast<int64_t>(raw.size())});
       keys.push_back(name_of[v.key]);
       raws.push_back(std::move(raw));
     });
-    if (headers.size() < refs.size()) remote_->CountUploadDropped(refs.size() - headers.size());
+    if (ids.size() < refs.size()) remote_->CountUploadDropped(refs.size() - ids.size());
     std::vector<std::pair<std::string, std::string>> items;
-    items.reserve(headers.size());
+    items.reserve(ids.size());
     std::string compressed;
-    for (size_t i = 0; i < headers.size(); ++i) {
-      RecordHeader& h = headers[i];
+    for (size_t i = 0; i < ids.size(); ++i) {
       const std::string& raw = raws[i];
-      h.codec = Compress(options_.codec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(raw.data()), raw.size()),
-                         &compressed);
-      std::string sealed;
-      const std::string* stored_ptr = h.codec == Codec::kNone ? &raw : &compressed;
-      if (const ValueCipher* cipher = remote_->cipher(); cipher != nullptr) {
-        // Encrypted after compression, bound to the value's identity digest; the key id rides in
-        // the header ("<digest>:<key id>") so keys can rotate.
-        absl::StatusOr<std::string> s = cipher->Seal(*stored_ptr, h.object_key);
-        if (!s.ok()) {
-          remote_->CountUploadDropped(1);
-          continue;
-        }
-        sealed = *std::move(s);
-        stored_ptr = &sealed;
-        h.object_key = absl::StrCat(h.object_key, ":", cipher->sealing_key_id());
+      const Codec codec = Compress(options_.codec, absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(raw.data()), raw.size()),
+                                   &compressed);
+      absl::StatusOr<std::string> value =
+          SealRemoteValue(ids[i], codec, codec == Codec::kNone ? absl::string_view(raw) : absl::string_view(compressed),
+                          remote_->value_keys());
+      if (!value.ok()) {
+        remote_->CountUploadDropped(1);
+        continue;
       }
-      const std::string& stored = *stored_ptr;
-      h.stored_length = static_cast<int64_t>(stored.size());
-      h.checksum = Checksum(stored.data(), stored.size());
-      std::string value;
-      EncodeRecordHeader(h, &value);
-      value += stored;
-      items.emplace_back(std::move(keys[i]), std::move(value));
+      items.emplace_back(std::move(keys[i]), *std::move(value));
     }
     if (!remote_->Store(items).ok()) remote_->CountUploadDropped(items.size());
   }
@@ -138,6 +127,7 @@ int64_t TierStore::FetchRemote(PoolId pool, const Namespace& ns, absl::Span<cons
   const BlockKey root_key = NamespaceRootKey(ns);
   names.resize(static_cast<size_t>(*run));
   std::vector<uint8_t> buf(static_cast<size_t>(raw_length));
+  std::string opened;  // decrypted bytes, reused across values
   int64_t copied = 0;
   const size_t depth = static_cast<size_t>(std::clamp<int64_t>(kFetchWindowBytes / raw_length, 1, kFetchMaxDepth));
   for (size_t start = 0; start < names.size(); start += depth) {
@@ -150,56 +140,25 @@ int64_t TierStore::FetchRemote(PoolId pool, const Namespace& ns, absl::Span<cons
         ok = false;
         return false;
       }
-      absl::string_view in = *value;
-      absl::StatusOr<RecordHeader> h = DecodeRecordHeader(&in);
       const absl::Span<const Token> tokens = prompt.subspan(static_cast<size_t>(i * bt), static_cast<size_t>(bt));
-      // object_key: "<digest>" or, encrypted, "<digest>:<key id>".
-      const std::string digest = remote_->ValueDigest(root_key, keys[i], i > 0 ? &keys[i - 1] : nullptr, tokens);
-      absl::string_view key_id;
-      bool digest_ok = false;
-      if (h.ok()) {
-        absl::string_view rest = h->object_key;
-        digest_ok = absl::ConsumePrefix(&rest, digest) && (rest.empty() || (rest[0] == ':' && rest.size() > 1));
-        if (digest_ok && !rest.empty()) key_id = rest.substr(1);
-      }
-      const bool valid =
-          h.ok() && h->kind == RecordKind::kBlock && h->key == keys[i] && h->ns.pool == ns.pool &&
-          h->has_parent == (i > 0) && (i == 0 || h->parent_key == keys[i - 1]) && h->tokens.empty() && digest_ok &&
-          h->layout_tag == layout_tags_[pool] && h->raw_length == raw_length &&
-          static_cast<int64_t>(in.size()) == h->stored_length && Checksum(in.data(), in.size()) == h->checksum;
-      if (!valid) {
+      const RemoteBlockIdentity want{
+          .pool = ns.pool,
+          .key = keys[i],
+          .has_parent = i > 0,
+          .parent_key = i > 0 ? keys[i - 1] : BlockKey{},
+          .digest = remote_->ValueDigest(root_key, keys[i], i > 0 ? &keys[i - 1] : nullptr, tokens),
+          .layout_tag = layout_tags_[pool],
+          .raw_length = raw_length};
+      // Verified, authenticated and decoded into `buf`: nothing in the value is trusted
+      // (remote_value.h), and exactly one block's bytes reach the pool.
+      if (absl::Status s = OpenRemoteValue(*value, want, remote_->value_keys(), &opened, buf.data()); !s.ok()) {
         remote_->CountCorrupt();
-        spdlog::warn("redis tier: the record for block {} of pool {} failed verification; not served",
-                     keys[i].ToHex(), pools_[pool].name);
+        spdlog::warn("redis tier: the value for block {} of pool {} is not served ({})", keys[i].ToHex(),
+                     pools_[pool].name, std::string(s.message()));
         ok = false;
         return false;
       }
-      // Encrypted values are opened first (authenticated against the digest).
-      std::string opened;
-      if (!key_id.empty()) {
-        absl::StatusOr<std::string> o = remote_->cipher() != nullptr
-                                            ? remote_->cipher()->Open(key_id, in, digest)
-                                            : absl::DataLossError("encrypted, and no tiers.redis_encryption_key_file");
-        if (!o.ok()) {
-          remote_->CountCorrupt();
-          spdlog::warn("redis tier: block {} of pool {} could not be decrypted ({}); not served", keys[i].ToHex(),
-                       pools_[pool].name, std::string(o.status().message()));
-          ok = false;
-          return false;
-        }
-        opened = *std::move(o);
-        in = opened;
-      }
-      // Uncompressed values go straight into the pool; others are decoded into `buf` first.
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(in.data());
-      if (h->codec != Codec::kNone) {
-        if (!Decompress(h->codec, absl::MakeConstSpan(src, in.size()), buf.data(), raw_length).ok()) {
-          remote_->CountCorrupt();
-          ok = false;
-          return false;
-        }
-        src = buf.data();
-      }
+      const uint8_t* src = buf.data();
       if (!arena_->WriteBlock(pool, targets[copied], src).ok()) {
         ok = false;
         return false;

@@ -1,14 +1,21 @@
 // Helpers of the shared-tier (G4) integration tests: a daemon config with a Redis URL, the example
-// worker run with every reused byte checked, and metric waits.
+// worker run with every reused byte checked, metric waits, and a real redis-server.
 #pragma once
 
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <string>
+#include <vector>
 
 #include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "tests/integration/harness.h"
+#include "tests/util/free_port.h"
 
 namespace kvd::testing {
 
@@ -41,5 +48,69 @@ inline std::string KvdctlStatus(const DaemonProcess& d) {
 }
 
 inline const std::string kUploaded = "kvd_remote_blocks_total{direction=\"uploaded\"}";
+
+// A real redis-server bound to loopback only, without persistence, in a temp directory.
+class RedisServer {
+ public:
+  RedisServer() : port_(FreeLoopbackPort()) {
+    REQUIRE(port_ > 0);
+    Start();
+  }
+  // Also listening on a Unix socket in its directory (unix_url()).
+  struct WithUnixSocket {};
+  explicit RedisServer(WithUnixSocket) : port_(FreeLoopbackPort()), unix_socket_(true) {
+    REQUIRE(port_ > 0);
+    Start();
+  }
+  ~RedisServer() { Kill(); }
+
+  void Start() {
+    pid_ = fork();
+    if (pid_ == 0) {
+      const std::string port = std::to_string(port_);
+      const std::string sock = socket_path();
+      std::vector<const char*> argv = {"redis-server", "--bind", "127.0.0.1", "--port", port.c_str(), "--save", "",
+                                       "--appendonly", "no", "--dir", dir_.path().c_str(), "--logfile", "redis.log"};
+      if (unix_socket_) argv.insert(argv.end(), {"--unixsocket", sock.c_str(), "--unixsocketperm", "700"});
+      argv.push_back(nullptr);
+      execvp("redis-server", const_cast<char* const*>(argv.data()));
+      _exit(127);
+    }
+    for (int i = 0; i < 200; ++i) {
+      if (Cli({"PING"}).out.find("PONG") != std::string::npos) return;
+      absl::SleepFor(absl::Milliseconds(25));
+    }
+    FAIL("redis-server did not start on port " << port_ << " (is it installed? scripts/test.sh installs it)");
+  }
+  void Kill() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+      pid_ = -1;
+    }
+  }
+  ProcessResult Cli(std::vector<std::string> args) const {
+    std::vector<std::string> full = {"-h", "127.0.0.1", "-p", std::to_string(port_)};
+    full.insert(full.end(), args.begin(), args.end());
+    return RunProcess("/usr/bin/redis-cli", full, absl::Seconds(10));
+  }
+  std::vector<std::string> Keys() const {
+    std::vector<std::string> keys;
+    for (absl::string_view k : absl::StrSplit(Cli({"--scan", "--pattern", "kvd:*"}).out, '\n', absl::SkipEmpty())) {
+      keys.emplace_back(k);
+    }
+    return keys;
+  }
+  std::string url() const { return absl::StrCat("redis://127.0.0.1:", port_); }
+  std::string socket_path() const { return dir_.path() + "/redis.sock"; }
+  std::string unix_url() const { return "unix://" + socket_path(); }
+  int port() const { return port_; }
+
+ private:
+  TempDir dir_;
+  int port_;
+  bool unix_socket_ = false;
+  pid_t pid_ = -1;
+};
 
 }  // namespace kvd::testing
