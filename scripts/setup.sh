@@ -20,6 +20,18 @@ kvd_packages=(
 kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd strace prometheus clang
                    python3-zmq python3-msgpack python3-cbor2 python3-numpy redis-server python3-torch
                    python3-venv python3-pip python3-setuptools python3-wheel)
+# Commands the deploy checks run (kubectl renders the kustomize overlays; node and npm validate
+# them against the API schemas), as "command:Debian package": installed only when the command is
+# missing, since a kubectl or node from another repository conflicts with Debian's package.
+kvd_test_commands=(kubectl:kubernetes-client node:nodejs npm:npm)
+
+# The Debian packages of those of `command:package` pairs whose command is not on PATH.
+kvd_packages_for_missing_commands() {
+  local pair
+  for pair in "$@"; do
+    command -v "${pair%%:*}" >/dev/null 2>&1 || echo "${pair#*:}"
+  done
+}
 
 kvd_install_missing() {
   local missing=()

@@ -8,7 +8,7 @@
 # Usage: scripts/test.sh [extra cmake -D options]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-kvd_install_missing "${kvd_test_packages[@]}"
+kvd_install_missing "${kvd_test_packages[@]}" $(kvd_packages_for_missing_commands "${kvd_test_commands[@]}")
 kvd_build -DKVD_BUILD_TESTS=ON "$@"
 (cd "$KVD_BUILD_DIR" && ctest --output-on-failure -j "$KVD_JOBS" --timeout 600)
 
