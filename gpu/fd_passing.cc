@@ -143,19 +143,30 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path) {
   return fd;
 }
 
+bool UnixSocketAnswers(const std::string& path) { return ConnectUnix(path).ok(); }
+
 absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode) {
   auto addr = UnixAddress(path);
   if (!addr.ok()) return addr.status();
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return Errno("socket");
-  ::unlink(path.c_str());
+  struct stat st;
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(absl::StrCat(path, " exists and is not a socket; not replaced"));
+    }
+    if (UnixSocketAnswers(path)) {
+      return absl::AlreadyExistsError(absl::StrCat("a process is listening on ", path));
+    }
+    ::unlink(path.c_str());  // left by a process that is gone
+  }
   // The socket file gets `mode` from the start: no window with wider permissions before chmod.
   const mode_t old_umask = ::umask(~mode & 0777);
   const int bound = ::bind(fd.get(), reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr));
   ::umask(old_umask);
   if (bound != 0) return Errno(absl::StrCat("bind ", path));
   if (::chmod(path.c_str(), mode) != 0) return Errno(absl::StrCat("chmod ", path));
-  if (::listen(fd.get(), 64) != 0) return Errno("listen");
+  if (::listen(fd.get(), SOMAXCONN) != 0) return Errno("listen");
   return fd;
 }
 

@@ -35,7 +35,12 @@ absl::StatusOr<ReceivedMessage> ReceiveMessage(int socket_fd, size_t max_payload
 
 // Connects a Unix stream socket to `path`.
 absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path);
-// Binds and listens on `path` (an existing socket file there is replaced) with mode `mode`.
+// Binds and listens on `path` with mode `mode`, with the system's largest backlog (SOMAXCONN: a
+// burst of workers connecting at start is queued, not refused). A dead socket file left there (a
+// crashed process) is replaced; ALREADY_EXISTS when a process accepts connections on `path`, and
+// FAILED_PRECONDITION when `path` is anything but a socket: never take a live listener's name.
 absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode);
+// Whether a process accepts connections on the Unix socket `path` now.
+bool UnixSocketAnswers(const std::string& path);
 
 }  // namespace kvd

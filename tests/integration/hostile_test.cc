@@ -140,6 +140,10 @@ TEST_CASE("Idle gRPC connections are closed; descriptors run out and come back",
       if (fd.ok()) flood.push_back(std::move(*fd));
     }
     REQUIRE(flood.size() > 256);
+    // Held until the daemon has met them (its backlog queues them all: SOMAXCONN).
+    for (int i = 0; i < 300 && d->Log().find("out of file descriptors") == std::string::npos; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
   }
   auto stub = NewStub(*d);
   bool served = false;

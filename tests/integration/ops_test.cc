@@ -186,6 +186,41 @@ TEST_CASE("Every configuration error exits non-zero naming the field", "[integra
   REQUIRE_FALSE(std::filesystem::exists(dir.path() + "/k.sock"));  // nothing was bound
 }
 
+TEST_CASE("A second kvd on a live daemon's socket refuses to start and names --takeover; a dead one's is replaced",
+          "[integration][ops]") {
+  DaemonProcess a(SmallPoolConfig(32));
+  TempDir dir;
+  const std::string config = dir.path() + "/kvd.yaml";
+  std::ofstream(config) << SmallPoolConfig(32);
+  const std::string socket = a.target().substr(7);
+  ProcessResult second = RunProcess(KvdBinary(), {"--config=" + config, "--listen=" + a.target(), "--metrics-listen=off"},
+                                    absl::Seconds(20));
+  INFO(second.out);
+  REQUIRE(second.exit_code != 0);
+  REQUIRE(absl::StrContains(second.out, socket));
+  REQUIRE(absl::StrContains(second.out, "--takeover"));
+  // The first still serves on both of its sockets, which are where they were.
+  REQUIRE(std::filesystem::is_socket(socket));
+  REQUIRE(std::filesystem::is_socket(a.side_socket()));
+  ProcessResult w = RunWorker({"--target", a.target(), "--id", "still-there", "--prompt-range", "0:9"});
+  INFO(w.out);
+  REQUIRE(w.exit_code == 0);
+  // Something that is not a socket is never replaced.
+  const std::string file = dir.path() + "/not-a-socket";
+  std::ofstream(file) << "operator's notes\n";
+  ProcessResult onto_file =
+      RunProcess(KvdBinary(), {"--config=" + config, "--listen=unix://" + file, "--metrics-listen=off"}, absl::Seconds(20));
+  INFO(onto_file.out);
+  REQUIRE(onto_file.exit_code != 0);
+  REQUIRE(absl::StrContains(onto_file.out, "not a socket"));
+  REQUIRE(std::filesystem::is_regular_file(file));
+  // A SIGKILLed daemon's socket files are stale: its restart replaces them and serves.
+  REQUIRE(a.Restart());
+  ProcessResult after = RunWorker({"--target", a.target(), "--id", "after-restart", "--prompt-range", "0:9"});
+  INFO(after.out);
+  REQUIRE(after.exit_code == 0);
+}
+
 TEST_CASE("Flags are parsed and checked exactly like the same keys in the file", "[integration][ops]") {
   TempDir dir;
   const std::string listen = "--listen=unix://" + dir.path() + "/k.sock";
