@@ -12,6 +12,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -36,12 +37,58 @@ def write(c, r, prompt):
             view[(pos % pool.block_tokens) * n:(pos % pool.block_tokens + 1) * n] = slot_bytes(prompt[pos], pos, layer, n)
 
 
+def racing_calls(kvd, tmp, daemon):
+    """Requests started and extended in a loop on another thread while kvd is SIGKILLed and
+    restarted under them: every failure is KvdRestarted or a KvdError, never anything else (a
+    call racing the re-attach once raised ValueError from a closed channel). And a KV tensor taken
+    before a restart stays usable after the remap and after close(): its mapping is kept while
+    the tensor lives."""
+    errors, done = [], threading.Event()
+    try:
+        import torch  # noqa: F401
+        have_torch = True
+    except ImportError:
+        have_torch = False
+    with Client(daemon.target, worker_name="py-race") as c:
+        tensor = c.kv_tensor("default", dtype=torch.uint8, inner_shape=(16,)) if have_torch else None
+
+        def loop():
+            i = 0
+            while not done.is_set():
+                i += 1
+                try:
+                    with c.request(f"race-{i}", pool="default", prompt=list(range(9)), wait_s=5) as r:
+                        r.extend(1)
+                except (KvdRestarted, KvdError):
+                    pass
+                except Exception as e:  # noqa: BLE001 - the point of the test
+                    errors.append(repr(e))
+
+        t = threading.Thread(target=loop)
+        t.start()
+        for _ in range(3):
+            time.sleep(0.3)
+            daemon = restart(kvd, tmp, daemon)
+        time.sleep(0.5)
+        done.set()
+        t.join(timeout=30)
+        check(not t.is_alive() and not errors, f"calls racing 3 restarts fail only as KvdRestarted/KvdError ({errors[:3]})")
+        if tensor is not None:
+            tensor[0, 0, 0, :] = 7  # the old mapping: kept alive by the tensor, not unmapped
+            check(int(tensor[0, 0, 0, 0]) == 7, "a KV tensor from before a remap is still mapped")
+    if tensor is not None:
+        tensor[0, 0, 1, :] = 9  # and after close()
+        check(int(tensor[0, 0, 1, 0]) == 9, "a KV tensor outlives close() without a fault")
+    return daemon
+
+
 def main():
     kvd, worker = sys.argv[1], sys.argv[2]
     tmp = tempfile.mkdtemp(prefix="kvd-pyrestart-")
     daemon = Daemon(kvd, tmp, SMALL_POOL)
     remaps = []
     try:
+        daemon = racing_calls(kvd, tmp, daemon)
         with Client(daemon.target, worker_name="py-ride", on_remap=lambda: remaps.append(1)) as c:
             for i in range(5):
                 live = c.request(f"live-{i}", pool="default", prompt=list(range(22)))

@@ -315,12 +315,18 @@ class Client:
 
     def _reattach(self):
         self._outbox.put(None)  # ends the old stream's request iterator
-        old_channel = self._channel
         # A fresh channel: one that saw kvd go away fails fast for its own back-off after kvd is back.
-        self._channel = grpc.insecure_channel(self.target)
+        # Its stub replaces the old one before the old channel closes, so a call racing this sees
+        # one or the other (a closed one's ValueError becomes UNAVAILABLE in _rpc).
+        channel = grpc.insecure_channel(self.target)
+        try:
+            grpc.channel_ready_future(channel).result(timeout=1)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            raise
+        old_channel = self._channel
+        self._channel, self._stub = channel, kvd_pb2_grpc.KvdStub(channel)
         old_channel.close()
-        grpc.channel_ready_future(self._channel).result(timeout=1)
-        self._stub = kvd_pb2_grpc.KvdStub(self._channel)
         attached = self._open_stream()
         pools = [Pool(p) for p in self._rpc("ListPools", kvd_pb2.ListPoolsRequest()).pools]
         if attached.backend != self.backend or [p.geometry_key() for p in pools] != [p.geometry_key() for p in self.pools]:
@@ -444,6 +450,10 @@ class Client:
         start = time.perf_counter()
         try:
             return _call(getattr(self._stub, method), req, timeout)
+        except ValueError as e:  # a stub whose channel a re-attach closed under the call
+            if "closed channel" not in str(e):
+                raise
+            raise KvdError(grpc.StatusCode.UNAVAILABLE, "kvd's channel closed by a re-attach") from None
         finally:
             self.rpc_seconds += time.perf_counter() - start
             self.rpc_calls += 1
@@ -515,7 +525,13 @@ class Client:
                              f"{tuple(inner_shape)} of {dtype} is {per_token}")
         count = p.capacity_blocks * p.num_layers * p.layer_block_bytes // itemsize
         if p.maps[shard] is not None:
-            flat = torch.frombuffer(p.maps[shard], dtype=dtype, count=count)
+            # Through numpy, which holds an export of the mmap: while the tensor (or a view of it)
+            # lives, the mapping cannot be closed under it (a remap or close() leaves it mapped).
+            # torch.frombuffer holds no export.
+            if numpy is None:
+                raise ValueError("kv_tensor over host slabs needs numpy (it keeps the mapping alive)")
+            held = numpy.frombuffer(p.maps[shard], dtype=numpy.uint8, count=count * itemsize)
+            flat = torch.from_numpy(held).view(dtype)
         else:
             raw = torch.as_tensor(_CudaArray(p.devices[shard], count * itemsize),
                                   device=f"cuda:{p.devices[shard].device}")
