@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <optional>
 #include <thread>
@@ -57,6 +59,7 @@ struct Client::Impl {
     return absl::OkStatus();
   }
   v1::AttachRequest hello;  // sent again at every re-attach
+  int64_t hello_sent_ns = 0;  // of the attachment last opened (supervisor or Connect only)
   std::string backend;
 
   // The attachment. `epoch` counts attachments: a request belongs to the epoch it started in and
@@ -76,11 +79,29 @@ struct Client::Impl {
       ABSL_GUARDED_BY(events_mu);  // opened once per handle
 #endif
 
+  // The address of bytes [offset, offset + n) of layer `layer` of `block` in this process's
+  // mapping; OUT_OF_RANGE past the layer block.
+  absl::StatusOr<uint8_t*> LayerAddress(PoolId pool, BlockIndex block, int32_t layer, uint32_t shard,
+                                        int64_t offset, int64_t n) ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    const std::vector<PoolView>& pools = maps->pools();
+    if (pool >= pools.size()) return absl::NotFoundError(absl::StrCat("unknown pool ", pool));
+    const PoolView& p = pools[pool];
+    if (shard >= p.shard_base.size() || p.shard_base[shard] == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat("shard ", shard, " of pool ", pool, " is not mapped"));
+    }
+    KVD_ASSIGN_OR_RETURN(int64_t at, p.layout.Offset(block, layer));
+    if (offset < 0 || n < 0 || offset > p.layout.layer_block_bytes() - n) {
+      return absl::OutOfRangeError("access past the layer block");
+    }
+    return p.shard_base[shard] + at + offset;
+  }
+
   // Host-synchronized publish (docs/api.md): what must have finished before a Publish, Keeps, End
   // or Checkpoint is sent. Taken (and cleared) by AwaitWrites.
   absl::Mutex fences_mu;
   std::vector<std::function<absl::Status()>> fences ABSL_GUARDED_BY(fences_mu);
   bool event_recorded ABSL_GUARDED_BY(fences_mu) = false;
+  int awaits_running ABSL_GUARDED_BY(fences_mu) = 0;  // AwaitWrites calls waiting on fences they took
 
   // Runs every pending fence and, when the worker recorded its interprocess event since the last
   // publish, synchronizes it: the bytes a publish names are in memory before kvd hears of it.
@@ -91,12 +112,17 @@ struct Client::Impl {
       absl::MutexLock lock(&fences_mu);
       pending.swap(fences);
       sync_event = std::exchange(event_recorded, false);
+      ++awaits_running;
     }
     absl::Status status;
     for (auto& wait : pending) status.Update(wait());
 #if KVD_HAVE_CUDA
     if (sync_event && own_event.has_value()) status.Update(own_event->Synchronize());
 #endif
+    {
+      absl::MutexLock lock(&fences_mu);
+      --awaits_running;
+    }
     if (!status.ok()) {
       return absl::Status(status.code(), absl::StrCat("the engine's writes did not complete, so "
                                                       "nothing was published: ", status.message()));
@@ -114,6 +140,60 @@ struct Client::Impl {
   absl::Notification stop;
   std::thread heartbeat;
   std::thread supervisor;
+  // A stream being opened by a re-attach, cancelled by ~Client (a kvd that never answers must
+  // not hold up the destructor).
+  grpc::ClientContext* opening_ctx ABSL_GUARDED_BY(stream_mu) = nullptr;
+
+  // The lease as this process can prove it (docs/security.md, "Leases and fencing"): writes are
+  // allowed until may_write_until_ns (steady clock), half a lease past the sending of the latest
+  // heartbeat kvd acknowledged (or of the hello it answered). kvd renewed the lease no earlier
+  // than that sending, so this process stops writing at least half a lease before kvd may hand
+  // its blocks to anyone else. 0: the lease is lost (until quiesced and re-attached).
+  std::atomic<int64_t> may_write_until_ns{0};
+  absl::Duration lease_ttl = absl::Seconds(10);  // as kvd said at Attach
+  absl::Mutex beats_mu;
+  uint64_t next_seq ABSL_GUARDED_BY(beats_mu) = 1;
+  absl::flat_hash_map<uint64_t, int64_t> beats_sent ABSL_GUARDED_BY(beats_mu);  // seq -> steady ns
+
+  static int64_t SteadyNs() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  bool MayWrite() const {
+    const int64_t until = may_write_until_ns.load(std::memory_order_acquire);
+    return until != 0 && SteadyNs() < until;
+  }
+  // Kvd renewed the lease no earlier than `sent_ns`: writes may go on until half a lease later.
+  void LeaseProvenAt(int64_t sent_ns) {
+    const int64_t until = sent_ns + absl::ToInt64Nanoseconds(lease_ttl / 2);
+    int64_t cur = may_write_until_ns.load(std::memory_order_acquire);
+    while (cur != 0 && cur < until && !may_write_until_ns.compare_exchange_weak(cur, until)) {
+    }
+  }
+  void OnAck(uint64_t seq) {
+    int64_t sent = 0;
+    {
+      absl::MutexLock lock(&beats_mu);
+      auto it = beats_sent.find(seq);
+      if (it == beats_sent.end()) return;
+      sent = it->second;
+      absl::erase_if(beats_sent, [seq](const auto& beat) { return beat.first <= seq; });  // they prove less
+    }
+    LeaseProvenAt(sent);
+  }
+  // Stops every write into kvd's memory and waits for those in flight: the engine's fences, then
+  // its on_lease_lost hook. After it, this process writes nothing from the lost attachment.
+  void Quiesce() {
+    may_write_until_ns.store(0, std::memory_order_release);
+    (void)AwaitWrites();
+    // Fences another thread took (a publish waiting on them) are waited for too.
+    {
+      absl::MutexLock lock(&fences_mu);
+      fences_mu.Await(absl::Condition(
+          +[](int* running) { return *running == 0; }, &awaits_running));
+    }
+    if (options.on_lease_lost) options.on_lease_lost();
+  }
 
   template <typename Resp, typename Fn>
   absl::StatusOr<Resp> Call(Fn&& fn, absl::Duration timeout = absl::Seconds(30)) {
@@ -139,12 +219,24 @@ struct Client::Impl {
       std::unique_ptr<grpc::ClientContext>* ctx,
       std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>>* stream) {
     *ctx = std::make_unique<grpc::ClientContext>();
+    {
+      absl::MutexLock lock(&stream_mu);
+      if (stop.HasBeenNotified()) return absl::CancelledError("the client is closing");
+      opening_ctx = ctx->get();
+    }
     *stream = stub()->Attach(ctx->get());
     v1::AttachResponse resp;
-    if (!(*stream)->Write(hello) || !(*stream)->Read(&resp) || !resp.has_attached()) {
+    const int64_t sent = SteadyNs();
+    const bool answered = (*stream)->Write(hello) && (*stream)->Read(&resp) && resp.has_attached();
+    {
+      absl::MutexLock lock(&stream_mu);
+      opening_ctx = nullptr;
+    }
+    if (!answered) {
       grpc::Status s = (*stream)->Finish();
       return s.ok() ? absl::UnavailableError("kvd closed the attach stream") : FromGrpcStatus(s);
     }
+    hello_sent_ns = sent;
     return resp.attached();
   }
 
@@ -165,8 +257,23 @@ struct Client::Impl {
 
   void Heartbeat() {
     while (!stop.WaitForNotificationWithTimeout(options.heartbeat_period)) {
+      // No acknowledgement for half a lease (kvd stopped, wedged or unreachable; this process
+      // paused): the lease can no longer be proven. Stop writing now; the supervisor, woken by
+      // the cancelled stream, quiesces and re-attaches.
+      if (may_write_until_ns.load(std::memory_order_acquire) != 0 && !MayWrite()) {
+        may_write_until_ns.store(0, std::memory_order_release);
+        absl::MutexLock lock(&stream_mu);
+        attach_ctx->TryCancel();
+        continue;
+      }
       v1::AttachRequest beat;
-      beat.mutable_heartbeat();
+      {
+        absl::MutexLock lock(&beats_mu);
+        const uint64_t seq = next_seq++;
+        if (beats_sent.size() >= 64) beats_sent.clear();  // kvd answers none: keep it bounded
+        beats_sent[seq] = SteadyNs();
+        beat.mutable_heartbeat()->set_seq(seq);
+      }
       absl::MutexLock lock(&stream_mu);
       (void)attach->Write(beat);  // a broken stream is the supervisor's to notice
     }
@@ -185,15 +292,20 @@ void Client::Impl::Supervise() {
       absl::MutexLock lock(&stream_mu);
       stream = attach.get();
     }
-    v1::AttachResponse ignored;
-    while (stream->Read(&ignored)) {
+    v1::AttachResponse resp;
+    while (stream->Read(&resp)) {
+      if (resp.has_heartbeat_ack()) OnAck(resp.heartbeat_ack().seq());
     }
+    may_write_until_ns.store(0, std::memory_order_release);
     if (stop.HasBeenNotified()) return;
     {
       absl::MutexLock lock(&mu);
       attached = false;
-      detached_reason = "kvd went away (the attach stream ended); reconnecting";
+      detached_reason = "kvd went away or the lease could not be renewed; reconnecting";
     }
+    // Nothing from this attachment is written once kvd may hand its blocks on: quiesce before
+    // re-attaching, which tells kvd so (Hello.quiesced).
+    Quiesce();
     absl::Duration backoff = absl::Milliseconds(50);
     for (;;) {
       absl::Status s = Reattach();
@@ -245,11 +357,14 @@ absl::Status Client::Impl::Reattach() {
   // mappings go.
   if (moved && options.on_remap) options.on_remap();
   old.reset();
+  if (a.lease_ttl_ms() > 0) lease_ttl = absl::Milliseconds(a.lease_ttl_ms());
   absl::MutexLock lock(&mu);
   worker = WorkerId(a.worker_id());
   ++epoch;
   attached = true;
   detached_reason.clear();
+  // The new attachment's lease, renewed no earlier than the hello's sending.
+  may_write_until_ns.store(hello_sent_ns + absl::ToInt64Nanoseconds(lease_ttl / 2), std::memory_order_release);
   attached_cv.SignalAll();
   return absl::OkStatus();
 }
@@ -260,6 +375,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   KVD_RETURN_IF_ERROR(impl->Dial(options.connect_timeout));
   impl->hello.mutable_hello()->set_worker_name(options.worker_name);
   impl->hello.mutable_hello()->set_pid(getpid());
+  // A new client has written nothing; a re-attaching one quiesces first (Supervise).
+  impl->hello.mutable_hello()->set_quiesced(true);
   if (options.ipc_event_device >= 0) {
 #if KVD_HAVE_CUDA
     KVD_ASSIGN_OR_RETURN(InterprocessEvent event, InterprocessEvent::Create(options.ipc_event_device));
@@ -273,11 +390,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> stream;
   KVD_ASSIGN_OR_RETURN(v1::Attached attached, impl->OpenStream(&ctx, &stream));
   impl->backend = attached.backend();
-  // Beat at least three times per lease, whatever the options say: a lapsed lease releases every
-  // request this worker holds.
+  // Beat at least four times per lease, whatever the options say: writes stop half a lease after
+  // the last acknowledged beat, and a lapsed lease releases every request this worker holds.
   if (const int64_t lease_ms = attached.lease_ttl_ms(); lease_ms > 0) {
-    impl->options.heartbeat_period = std::min(impl->options.heartbeat_period, absl::Milliseconds(lease_ms) / 3);
+    impl->options.heartbeat_period = std::min(impl->options.heartbeat_period, absl::Milliseconds(lease_ms) / 4);
+    impl->lease_ttl = absl::Milliseconds(lease_ms);
   }
+  impl->may_write_until_ns.store(impl->hello_sent_ns + absl::ToInt64Nanoseconds(impl->lease_ttl / 2));
   auto maps = impl->ListAndMap(attached);
   if (!maps.ok()) {
     ctx->TryCancel();
@@ -306,10 +425,12 @@ Client::~Client() {
   impl_->stop.Notify();
   {
     // Ends the attachment: kvd releases, as interrupted, whatever this worker still holds, and
-    // closes the stream, which ends the supervisor's read. Cancelling covers a kvd that is gone.
+    // closes the stream, which ends the supervisor's read. Cancelling covers a kvd that is gone,
+    // and a re-attach under way.
     absl::MutexLock lock(&impl_->stream_mu);
     (void)impl_->attach->WritesDone();
     impl_->attach_ctx->TryCancel();
+    if (impl_->opening_ctx != nullptr) impl_->opening_ctx->TryCancel();
   }
   if (impl_->supervisor.joinable()) impl_->supervisor.join();
   if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
@@ -342,6 +463,8 @@ absl::Status Client::WaitAttached(absl::Duration timeout) {
 
 int64_t Client::epoch() const { return impl_->Epoch(); }
 
+bool Client::MayWrite() const { return impl_->MayWrite(); }
+
 absl::Status Client::LostIfRestarted(const absl::Status& status, int64_t epoch, const RequestId& id) {
   if (status.ok()) return status;
   // kvd going away fails calls with UNAVAILABLE (CANCELLED when a handoff shut its server down
@@ -368,15 +491,8 @@ absl::StatusOr<const PoolView*> Client::FindPool(absl::string_view name) const {
 
 absl::StatusOr<uint8_t*> Client::LayerPointer(PoolId pool, BlockIndex block, int32_t layer,
                                               uint32_t shard) const {
-  absl::MutexLock lock(&impl_->mu);
-  const std::vector<PoolView>& pools = impl_->maps->pools();
-  if (pool >= pools.size()) return absl::NotFoundError(absl::StrCat("unknown pool ", pool));
-  const PoolView& p = pools[pool];
-  if (shard >= p.shard_base.size() || p.shard_base[shard] == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat("shard ", shard, " of pool ", pool, " is not mapped"));
-  }
-  KVD_ASSIGN_OR_RETURN(int64_t offset, p.layout.Offset(block, layer));
-  return p.shard_base[shard] + offset;
+  absl::ReaderMutexLock lock(&impl_->mu);
+  return impl_->LayerAddress(pool, block, layer, shard, 0, 0);
 }
 
 namespace {
@@ -395,22 +511,22 @@ absl::Status CopyLayerBytes(bool device, void* dst, const void* src, int64_t n) 
 
 }  // namespace
 
+// The copy runs under the mapping's lock: a remap (Reattach) cannot unmap the slab beneath it.
 absl::Status Client::WriteLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset,
                                 const void* src, int64_t n, uint32_t shard) const {
-  KVD_ASSIGN_OR_RETURN(uint8_t* base, LayerPointer(pool, block, layer, shard));
-  if (offset < 0 || n < 0 || offset + n > pools()[pool].layout.layer_block_bytes()) {
-    return absl::OutOfRangeError("write past the layer block");
+  if (!impl_->MayWrite()) {
+    return absl::AbortedError("this worker's kvd lease is not held (lost, or being renewed): no write");
   }
-  return CopyLayerBytes(impl_->backend == "cuda", base + offset, src, n);
+  absl::ReaderMutexLock lock(&impl_->mu);
+  KVD_ASSIGN_OR_RETURN(uint8_t* base, impl_->LayerAddress(pool, block, layer, shard, offset, n));
+  return CopyLayerBytes(impl_->backend == "cuda", base, src, n);
 }
 
 absl::Status Client::ReadLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset,
                                void* dst, int64_t n, uint32_t shard) const {
-  KVD_ASSIGN_OR_RETURN(uint8_t* base, LayerPointer(pool, block, layer, shard));
-  if (offset < 0 || n < 0 || offset + n > pools()[pool].layout.layer_block_bytes()) {
-    return absl::OutOfRangeError("read past the layer block");
-  }
-  return CopyLayerBytes(impl_->backend == "cuda", dst, base + offset, n);
+  absl::ReaderMutexLock lock(&impl_->mu);
+  KVD_ASSIGN_OR_RETURN(uint8_t* base, impl_->LayerAddress(pool, block, layer, shard, offset, n));
+  return CopyLayerBytes(impl_->backend == "cuda", dst, base, n);
 }
 
 absl::Status Client::RecordWrites(void* stream) {
@@ -726,6 +842,8 @@ bool IsKvdRestarted(const absl::Status& status) {
 KvRequest::~KvRequest() {
   if (!released_ && client_->epoch() == epoch_) (void)client_->Release(id_, /*completed=*/false);
 }
+
+bool KvRequest::MayWrite() const { return client_->epoch() == epoch_ && client_->MayWrite(); }
 
 absl::Status KvRequest::Check() const {
   if (released_) return absl::FailedPreconditionError(absl::StrCat("request '", id_.value(), "' was released"));

@@ -44,7 +44,7 @@ bool IsKvdRestarted(const absl::Status& status);
 struct ClientOptions {
   std::string target;                                  // e.g. unix:///run/kvd/kvd.sock
   std::string worker_name;                             // for the daemon's logs
-  absl::Duration heartbeat_period = absl::Seconds(1);  // at most a third of the daemon's lease is used
+  absl::Duration heartbeat_period = absl::Seconds(1);  // at most a quarter of the daemon's lease is used
   bool map_slabs = true;                               // false: control plane only (admin tools)
   // Tensor-parallel rank: map only this shard of each pool (-1: every shard). On the CUDA backend
   // a rank maps only its own device's slab.
@@ -60,6 +60,15 @@ struct ClientOptions {
   // are in place; the old ones are unmapped when it returns. Not called when kvd kept the memory
   // (systemd's fd store, a handoff): then every pointer stays valid.
   std::function<void()> on_remap;
+  // The engine's fence for a lost lease (docs/security.md, "Leases and fencing"): stop issuing
+  // writes into kvd's memory and return once every write already issued has completed (join the
+  // writer threads, synchronize the streams). The client calls it, after the fences added with
+  // AddWriteFence, when it can no longer prove its lease (the attach stream ended, or no heartbeat
+  // was acknowledged for half a lease) and before it re-attaches: kvd hands this process's blocks
+  // to others once it has re-attached or a lease has passed. From that moment MayWrite() is false
+  // and WriteLayer refuses. Called on a client thread; may be empty when the engine checks
+  // MayWrite() before each write and has nothing in flight beyond what AddWriteFence covers.
+  std::function<void()> on_lease_lost;
 };
 
 // A pool as this worker sees it: geometry, layout and the base address of each shard's slab in
@@ -98,6 +107,11 @@ class Client {
   // counts attachments, from 1.
   bool attached() const;
   absl::Status WaitAttached(absl::Duration timeout);
+  // Whether this process may write into kvd's memory now: it holds a lease that kvd acknowledged
+  // less than half a lease ago. False from the moment the lease can no longer be proven until the
+  // client has quiesced and re-attached; requests of an earlier attachment never may again
+  // (KvRequest::MayWrite). Engines that write through LayerPointer check it before each write.
+  bool MayWrite() const;
   int64_t epoch() const;
   const std::string& backend() const;
   const std::vector<PoolView>& pools() const;
@@ -195,6 +209,9 @@ class KvRequest {
   // Interprocess event handles of the workers that published the reused blocks.
   const std::vector<std::string>& publisher_events() const { return state_.publisher_events; }
 
+  // Whether this request's blocks may be written now: its attachment is the client's current one
+  // and the lease is held (Client::MayWrite). A writer thread checks it before each write.
+  bool MayWrite() const;
   // Adds positions for `n` more tokens; new blocks are appended to blocks().
   absl::Status Extend(int64_t n);
   // Publishes every full block covered by `tokens` (the request's tokens from position 0).

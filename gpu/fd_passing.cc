@@ -145,7 +145,7 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path) {
 
 bool UnixSocketAnswers(const std::string& path) { return ConnectUnix(path).ok(); }
 
-absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode) {
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode, bool replace_live) {
   auto addr = UnixAddress(path);
   if (!addr.ok()) return addr.status();
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -155,7 +155,7 @@ absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode) {
     if (!S_ISSOCK(st.st_mode)) {
       return absl::FailedPreconditionError(absl::StrCat(path, " exists and is not a socket; not replaced"));
     }
-    if (UnixSocketAnswers(path)) {
+    if (!replace_live && UnixSocketAnswers(path)) {
       return absl::AlreadyExistsError(absl::StrCat("a process is listening on ", path));
     }
     ::unlink(path.c_str());  // left by a process that is gone

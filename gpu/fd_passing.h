@@ -38,8 +38,9 @@ absl::StatusOr<UniqueFd> ConnectUnix(const std::string& path);
 // Binds and listens on `path` with mode `mode`, with the system's largest backlog (SOMAXCONN: a
 // burst of workers connecting at start is queued, not refused). A dead socket file left there (a
 // crashed process) is replaced; ALREADY_EXISTS when a process accepts connections on `path`, and
-// FAILED_PRECONDITION when `path` is anything but a socket: never take a live listener's name.
-absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode);
+// FAILED_PRECONDITION when `path` is anything but a socket: never take a live listener's name,
+// unless `replace_live` (a successor taking over from the listener).
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, mode_t mode, bool replace_live = false);
 // Whether a process accepts connections on the Unix socket `path` now.
 bool UnixSocketAnswers(const std::string& path);
 

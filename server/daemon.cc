@@ -1,6 +1,7 @@
 #include "server/daemon.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -20,6 +21,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "gpu/fd_passing.h"
 #include "gpu/host_arena.h"
 #if KVD_HAVE_CUDA
 #include "gpu/cuda_arena.h"
@@ -35,8 +38,10 @@ namespace {
 
 // Host memory, adopting the slabs systemd's fd store kept from the previous process (then every
 // worker's mapping stays valid), and storing the slabs for the next one.
-absl::StatusOr<std::unique_ptr<DeviceArena>> MakeHostArena(const std::vector<PoolGeometry>& pools) {
+// `adopted` is set to whether any memory was kept.
+absl::StatusOr<std::unique_ptr<DeviceArena>> MakeHostArena(const std::vector<PoolGeometry>& pools, bool* adopted) {
   KVD_ASSIGN_OR_RETURN(std::unique_ptr<HostArena> arena, HostArena::Create(pools, TakeOfferedSlabs(pools)));
+  *adopted = arena->adopted() > 0;
   if (arena->adopted() > 0) {
     spdlog::warn("kept the KV memory of {} slab(s) from systemd's fd store; the cache starts empty "
                  "(workers keep their mappings)", arena->adopted());
@@ -79,8 +84,9 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> AdoptArena(const std::vector<PoolGe
 // The arena for `backend`: host, cuda, or auto (cuda when a GPU is usable, else host with one
 // warning). A cuda request without a usable GPU fails with the CUDA error named.
 absl::StatusOr<std::unique_ptr<DeviceArena>> MakeArena(const std::string& backend,
-                                                       const std::vector<PoolGeometry>& pools) {
-  if (backend == "host") return MakeHostArena(pools);
+                                                       const std::vector<PoolGeometry>& pools, bool* adopted) {
+  *adopted = false;
+  if (backend == "host") return MakeHostArena(pools, adopted);
 #if KVD_HAVE_CUDA
   absl::Status usable = ProbeCuda();
   if (usable.ok()) return CudaArena::Create(pools);
@@ -98,7 +104,7 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> MakeArena(const std::string& backen
   }
   spdlog::warn("--backend=auto: built without CUDA; using host memory");
 #endif
-  return MakeHostArena(pools);
+  return MakeHostArena(pools, adopted);
 }
 
 absl::StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
@@ -136,12 +142,60 @@ absl::Status EnsureParentDir(const std::string& path) {
   return absl::OkStatus();
 }
 
+// RESOURCE_EXHAUSTED naming the pool and the sizes when a pool cannot fit this machine's memory
+// (checked before anything is allocated: a pool past it would end in std::bad_alloc or an mmap
+// error that names nothing). Slabs count in full on the host backend (on auto they may be device
+// memory); on any backend the engine keeps about kMetadataBytesPerBlock of host memory per block.
+absl::Status CheckPoolsFitMemory(const Options& o) {
+  constexpr int64_t kMetadataBytesPerBlock = 256;
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return absl::OkStatus();
+  const __int128 machine = static_cast<__int128>(pages) * page;
+  __int128 total = 0;
+  for (const PoolGeometry& g : o.cache.pools) {
+    const __int128 metadata = static_cast<__int128>(g.capacity_blocks) * kMetadataBytesPerBlock;
+    const __int128 slabs = o.server.backend != "host"
+                               ? 0
+                               : static_cast<__int128>(g.capacity_blocks) * g.block_tokens * g.num_layers *
+                                     g.bytes_per_token_per_layer * std::max<int64_t>(1, g.num_shards);
+    total += metadata + slabs;
+    if (metadata + slabs > machine) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "pool '%s' needs %.1f GiB of host memory (%d blocks%s); this machine has %.1f GiB: lower capacity_blocks",
+          g.name, static_cast<double>(metadata + slabs) / (1 << 30), g.capacity_blocks,
+          slabs > 0 ? " in host slabs" : " of bookkeeping", static_cast<double>(machine) / (1 << 30)));
+    }
+  }
+  if (total > machine) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("the pools together need %.1f GiB of host memory; this machine has %.1f GiB: lower capacity_blocks",
+                        static_cast<double>(total) / (1 << 30), static_cast<double>(machine) / (1 << 30)));
+  }
+  return absl::OkStatus();
+}
+
+// FAILED_PRECONDITION when a daemon answers on the Unix socket kvd is to listen on: starting
+// anyway would take its name (it would serve on, unreachable, even by --takeover).
+absl::Status RefuseLiveDaemon(const ServerOptions& so) {
+  if (!absl::StartsWith(so.listen, "unix://")) return absl::OkStatus();
+  const std::string path = so.listen.substr(7);
+  if (!UnixSocketAnswers(path)) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "another kvd is serving on ", so.listen, "; stop it first, or start this one with --takeover to take its place",
+      " without dropping a worker"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options, bool takeover, HandoffHook on_handoff) {
   options.ApplyDefaults();
   KVD_RETURN_IF_ERROR(options.Validate());
-  if (!takeover) return Assemble(std::move(options), nullptr, std::move(on_handoff));
+  KVD_RETURN_IF_ERROR(CheckPoolsFitMemory(options));
+  if (!takeover) {
+    KVD_RETURN_IF_ERROR(RefuseLiveDaemon(options.server));
+    return Assemble(std::move(options), nullptr, std::move(on_handoff));
+  }
   const std::string& path = options.server.handoff_socket;
   if (path.empty()) {
     return absl::InvalidArgumentError("--takeover needs a handoff socket: a Unix listen address and handoff_socket not off");
@@ -149,6 +203,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(Options options, bool take
   absl::StatusOr<HandoffSession> session = HandoffSession::Connect(path);
   if (absl::IsNotFound(session.status())) {
     spdlog::info("--takeover: {}; starting afresh", std::string(session.status().message()));
+    KVD_RETURN_IF_ERROR(RefuseLiveDaemon(options.server));
     return Assemble(std::move(options), nullptr, std::move(on_handoff));
   }
   if (!session.ok()) return session.status();
@@ -214,11 +269,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
   const ServerOptions& so = d->options_.server;
 
   KVD_ASSIGN_OR_RETURN(d->cache_, KvCache::Create(d->options_.cache, SystemClock::Get()));
+  bool adopted = received != nullptr;
   if (received != nullptr) {
     // The predecessor's slabs, every one of them: their bytes are the cache being imported.
     KVD_ASSIGN_OR_RETURN(d->arena_, AdoptArena(d->options_.cache.pools, std::move(received->slabs)));
   } else {
-    KVD_ASSIGN_OR_RETURN(d->arena_, MakeArena(so.backend, d->options_.cache.pools));
+    KVD_ASSIGN_OR_RETURN(d->arena_, MakeArena(so.backend, d->options_.cache.pools, &adopted));
   }
   if (d->options_.router_events.enabled()) {
     // Before Load: a warm restart's reload is announced to routers too.
@@ -230,13 +286,36 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
   }
   if (d->options_.tiers.enabled()) {
     // Load before serving: health turns SERVING only once a warm restart's state is indexed.
+    // Checkpoints are restored into memory only below: never into blocks the snapshot or a fence
+    // holds on adopted memory.
     KVD_ASSIGN_OR_RETURN(d->tiers_, TierStore::Open(d->options_.tiers, d->arena_.get(), d->cache_.get()));
-    KVD_RETURN_IF_ERROR(d->tiers_->Load());
+    KVD_RETURN_IF_ERROR(d->tiers_->Load(/*restore_checkpoints=*/!adopted));
   }
+  // Adopted memory may still be written by workers of the process that had it (docs/security.md,
+  // "Leases and fencing"): what they may write stays fenced until they re-attach quiesced or a
+  // lease TTL has passed. A snapshot says which blocks; otherwise every free block is fenced.
+  const absl::Time fence_until = absl::Now() + so.lease_ttl;
+  bool fenced_all = false;
   if (received != nullptr) {
     // After Load, whose "all cleared" routers must hear first; the blocks are announced anew.
     KVD_ASSIGN_OR_RETURN(int64_t indexed, d->cache_->ImportSnapshot(received->snapshot));
-    spdlog::info("handoff: {} cached block(s) indexed where they lie; nothing copied", indexed);
+    spdlog::info("handoff: {} cached block(s) indexed where they lie; nothing copied; {} fence(s) kept", indexed,
+                 received->snapshot.fences.size());
+    fenced_all = !received->snapshot.fences_known;
+  } else {
+    fenced_all = adopted;
+  }
+  if (fenced_all) {
+    const int64_t n = d->cache_->FenceFreeBlocks(fence_until);
+    spdlog::warn("kept memory whose writers are unknown: {} block(s) are fenced for the lease TTL ({}); new "
+                 "requests wait for them", n, absl::FormatDuration(so.lease_ttl));
+  }
+  if (d->tiers_ != nullptr && adopted) {
+    if (fenced_all) {
+      d->restore_checkpoints_pending_ = true;  // once the fence is lifted (ReapLapsedLeases)
+    } else {
+      d->tiers_->RestoreCheckpoints();
+    }
   }
   if (d->tiers_ != nullptr) {
     d->cache_->SetEvictionSink(d->tiers_.get());
@@ -286,6 +365,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
       KVD_ASSIGN_OR_RETURN(d->peers_, PeerListener::Adopt(std::move(received->listen_fd)));
     } else {
       KVD_ASSIGN_OR_RETURN(d->peers_, PeerListener::Bind(so.listen.substr(7)));
+      d->bound_listen_ = true;
     }
     d->service_->set_access(&d->access_, d->peers_.get());
   } else {
@@ -333,7 +413,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
     };
     hooks.stop = [raw = d.get()] { return raw->StopForHandoff(); };
     hooks.finished = std::move(on_handoff);
-    KVD_ASSIGN_OR_RETURN(d->handoff_, HandoffListener::Start(so.handoff_socket, std::move(hooks)));
+    KVD_ASSIGN_OR_RETURN(d->handoff_,
+                         HandoffListener::Start(so.handoff_socket, std::move(hooks), /*successor=*/received != nullptr));
   }
   spdlog::info("kvd serving on {} (backend {}, {} pools, side socket {}, metrics port {})",
                d->options_.server.listen, d->arena_->backend(), d->options_.cache.pools.size(),
@@ -346,12 +427,28 @@ void Daemon::ReapLapsedLeases() {
       std::min(absl::Seconds(1), options_.server.lease_ttl / 4);
   while (!stop_reaper_.WaitForNotificationWithTimeout(period)) {
     for (const WorkerId& w : workers_->TakeLapsed()) service_->WorkerGone(w, "lease lapsed");
+    LiftDueFences();
     if (tiers_ != nullptr && tiers_->idle_demotion()) {
       // Idle demotion: G1 blocks unused for idle_demote_after leave for G2 (KvCache::Gc evicts
       // them through the eviction sink), and G2's idle blocks go on to G3.
       cache_->Gc(tiers_->options().idle_demote_after);
       tiers_->DemoteIdle();
     }
+  }
+}
+
+void Daemon::LiftDueFences() {
+  // A fenced writer that is gone writes nothing more.
+  int64_t lifted = 0;
+  for (uint32_t pid : cache_->FencedPids()) {
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) lifted += cache_->LiftFences(pid);
+  }
+  const int64_t still = cache_->ExpireFences();
+  if (lifted > 0 || still != fenced_blocks_) service_->PokeAdmission();
+  fenced_blocks_ = still;
+  if (restore_checkpoints_pending_ && still == 0 && tiers_ != nullptr) {
+    restore_checkpoints_pending_ = false;
+    tiers_->RestoreCheckpoints();
   }
 }
 
@@ -417,9 +514,9 @@ absl::StatusOr<HandoffOffer> Daemon::StopForHandoff() {
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
   if (tiers_ != nullptr) tiers_->Quiesce();
   HandoffOffer offer;
-  for (const HandleInfo& h : cache_->ListHandles()) {
-    if (cache_->Release(h.id, /*completed=*/false).ok()) ++offer.requests_ended;
-  }
+  // Live requests end as interrupted; what they owned stays fenced for their workers, which may
+  // still be writing it, and crosses to the successor that way (kv_cache_fences.cc).
+  offer.requests_ended = cache_->EndAllFenced(absl::Now() + options_.server.lease_ttl, workers_->Pids());
   // The disk tier and the router events' ports go to the successor: close them before it opens
   // them. The metrics endpoint stays up (closing it takes civetweb half a second) but reads
   // nothing; the successor binds its address once this process has let it go (Start).
@@ -464,7 +561,7 @@ Daemon::~Daemon() {
     absl::MutexLock lock(&lifecycle_mu_);
     handed_over = handed_over_;
   }
-  if (absl::StartsWith(options_.server.listen, "unix://") && !handed_over && !adopted_sockets_) {
+  if (absl::StartsWith(options_.server.listen, "unix://") && bound_listen_ && !handed_over && !adopted_sockets_) {
     std::error_code ec;
     std::filesystem::remove(options_.server.listen.substr(7), ec);
   }

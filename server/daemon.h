@@ -74,6 +74,9 @@ class Daemon {
   static absl::StatusOr<std::unique_ptr<Daemon>> Assemble(Options options, HandoffReceived* received,
                                                           HandoffHook on_handoff);
   void ReapLapsedLeases();
+  // Lifts the fences of gone processes and those past their time; pokes admission when blocks came
+  // free; restores the disk tier's checkpoints once a whole-memory fence is gone.
+  void LiftDueFences();
   // A successor's metrics endpoint, once the predecessor let the address go (retried for 5 s).
   void ListenForMetrics();
   // The handoff listener's `stop` hook: stops serving, ends live requests, closes the tiers, the
@@ -104,6 +107,10 @@ class Daemon {
   // The sockets came from a predecessor: their files were bound by another process, and may be
   // in use by yet another when this one goes; never removed by this daemon.
   bool adopted_sockets_ = false;
+  bool bound_listen_ = false;  // this daemon made the Unix socket file (removed when it stops)
+  // The reaper thread's: checkpoints wait for a whole-memory fence; blocks fenced at its last look.
+  bool restore_checkpoints_pending_ = false;
+  int64_t fenced_blocks_ = 0;
   std::unique_ptr<HandoffListener> handoff_;  // declared last: destroyed first
 };
 

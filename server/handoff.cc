@@ -89,6 +89,14 @@ void ToProto(const CacheSnapshot& in, pb::Snapshot* out) {
     p->mutable_cached()->Add(c.cached.begin(), c.cached.end());
     p->set_expires_unix_ns(absl::ToUnixNanos(c.expires_at));
   }
+  for (const CacheSnapshot::Fence& f : in.fences) {
+    pb::Fence* p = out->add_fences();
+    p->set_pid(f.pid);
+    p->set_pool(f.pool);
+    p->mutable_blocks()->Add(f.blocks.begin(), f.blocks.end());
+    p->set_until_unix_ns(absl::ToUnixNanos(f.until));
+  }
+  out->set_fences_known(in.fences_known);
 }
 
 CacheSnapshot FromProto(const pb::Snapshot& in) {
@@ -122,6 +130,14 @@ CacheSnapshot FromProto(const pb::Snapshot& in) {
     c.cached.assign(p.cached().begin(), p.cached().end());
     c.expires_at = absl::FromUnixNanos(p.expires_unix_ns());
   }
+  for (const pb::Fence& p : in.fences()) {
+    CacheSnapshot::Fence& f = out.fences.emplace_back();
+    f.pid = p.pid();
+    f.pool = p.pool();
+    f.blocks.assign(p.blocks().begin(), p.blocks().end());
+    f.until = absl::FromUnixNanos(p.until_unix_ns());
+  }
+  out.fences_known = in.fences_known();
   return out;
 }
 
@@ -244,8 +260,9 @@ absl::Status CheckSuccessor(const HandoffHello& hello, const std::string& backen
 
 // ---- the running kvd's end ----
 
-absl::StatusOr<std::unique_ptr<HandoffListener>> HandoffListener::Start(const std::string& path, Hooks hooks) {
-  absl::StatusOr<UniqueFd> fd = ListenUnix(path, 0600);
+absl::StatusOr<std::unique_ptr<HandoffListener>> HandoffListener::Start(const std::string& path, Hooks hooks,
+                                                                        bool successor) {
+  absl::StatusOr<UniqueFd> fd = ListenUnix(path, 0600, successor);
   if (!fd.ok()) return fd.status();
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) return absl::InternalError(absl::StrCat("stat ", path, ": ", std::strerror(errno)));
@@ -389,8 +406,32 @@ absl::StatusOr<HandoffSession> HandoffSession::Connect(const std::string& path) 
     return absl::UnavailableError(absl::StrCat("connect ", path, ": ", std::strerror(errno)));
   }
   absl::StatusOr<PeerCredentials> peer = GetPeerCredentials(fd.get());
-  return HandoffSession(std::move(fd), peer.ok() ? peer->pid : 0);
+  // Only kvd's own user (or root) hands over memory and sockets: another user's process bound to
+  // the handoff path would feed this kvd whatever it likes.
+  if (!peer.ok() || (peer->uid != ::geteuid() && peer->uid != 0)) {
+    return absl::PermissionDeniedError(absl::StrCat("the process on ", path, " runs as uid ",
+                                                    peer.ok() ? std::to_string(peer->uid) : "?", ", not kvd's (",
+                                                    ::geteuid(), ") or root: no handoff from it"));
+  }
+  return HandoffSession(std::move(fd), peer->pid);
 }
+
+namespace {
+
+// INVALID_ARGUMENT unless `fd` is a listening stream socket of `family`.
+absl::Status CheckListening(int fd, int family, const char* what) {
+  const auto option = [fd](int name) {
+    int value = -1;
+    socklen_t n = sizeof(value);
+    return ::getsockopt(fd, SOL_SOCKET, name, &value, &n) == 0 ? value : -1;
+  };
+  if (option(SO_ACCEPTCONN) != 1 || option(SO_DOMAIN) != family || option(SO_TYPE) != SOCK_STREAM) {
+    return absl::InvalidArgumentError(absl::StrCat("the handed-over ", what, " is not a listening Unix stream socket"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<HandoffReceived> HandoffSession::Take(const HandoffHello& hello) {
   pb::Hello h;
@@ -416,6 +457,13 @@ absl::StatusOr<HandoffReceived> HandoffSession::Take(const HandoffHello& hello) 
   if (fds.size() != 3 + static_cast<size_t>(package->slabs_size())) {
     return absl::InvalidArgumentError(absl::StrCat("the package carries ", fds.size(), " descriptors for ",
                                                    package->slabs_size(), " slabs"));
+  }
+  KVD_RETURN_IF_ERROR(CheckListening(fds[0].get(), AF_UNIX, "gRPC socket"));
+  KVD_RETURN_IF_ERROR(CheckListening(fds[1].get(), AF_UNIX, "side socket"));
+  // The snapshot must be immutable before it is read: sealed against writes and resizing.
+  constexpr int kSnapshotSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE;
+  if (const int seals = ::fcntl(fds[2].get(), F_GET_SEALS); seals < 0 || (seals & kSnapshotSeals) != kSnapshotSeals) {
+    return absl::InvalidArgumentError("the handed-over snapshot is not a sealed memfd");
   }
   HandoffReceived out;
   out.listen_fd = std::move(fds[0]);

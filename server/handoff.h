@@ -119,8 +119,11 @@ class HandoffListener {
     // `stop`, and what this kvd should do next. Called at most once, and only after `stop`.
     std::function<void(absl::Status, HandoffNext)> finished;
   };
-  // Listens on `path` (mode 0600, an existing file replaced). The failing call named on error.
-  static absl::StatusOr<std::unique_ptr<HandoffListener>> Start(const std::string& path, Hooks hooks);
+  // Listens on `path` (mode 0600). A dead socket file there is replaced; a live listener only
+  // when `successor` (this kvd took over from the process listening there). The failing call
+  // named on error.
+  static absl::StatusOr<std::unique_ptr<HandoffListener>> Start(const std::string& path, Hooks hooks,
+                                                                bool successor = false);
   // Stops the thread; removes the socket file unless another process has bound it since.
   ~HandoffListener();
 

@@ -67,6 +67,9 @@ absl::Status TouchKv(kvd::client::Client& client, const kvd::client::KvRequest& 
           for (size_t j = 0; j < got.size(); ++j) stats->mismatches += got[j] != want[j];
           stats->verified_bytes += g.bytes_per_token_per_layer;
         } else {
+          // A request of a lost attachment is never written again (its blocks may be someone
+          // else's now); WriteLayer itself refuses while the lease is not held.
+          if (!req.MayWrite()) return absl::AbortedError("the request's lease is lost: writing stopped");
           auto s = client.WriteLayer(req.pool(), block, layer, slot, want.data(), want.size(), shard);
           if (!s.ok()) return s;
           stats->written_bytes += g.bytes_per_token_per_layer;

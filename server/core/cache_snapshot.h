@@ -4,7 +4,9 @@
 // that protect blocks, and the checkpoints of interrupted requests (a request live at the handoff
 // ends as interrupted first, so its latest checkpoint crosses and resumes it on the successor).
 // Live requests and their reservations do not cross: they end with the clients' KvdRestarted
-// error and are admitted again.
+// error and are admitted again. What their workers may still be writing does cross, as fences:
+// the blocks each live request owned, by its worker's pid, held by the successor until that
+// process re-attaches having quiesced, dies, or a lease TTL has passed (docs/security.md).
 //
 // Plain data in the engine's vocabulary; the handoff (server/handoff.h) converts it to and from
 // its wire form.
@@ -59,10 +61,21 @@ struct CacheSnapshot {
                                         // (owned by the checkpoint alone)
     absl::Time expires_at;
   };
+  // Blocks a request live at the handoff owned: its writer may still write them.
+  struct Fence {
+    uint32_t pid = 0;                // the writer's process (kernel's word); 0: unknown
+    PoolId pool = 0;
+    std::vector<BlockIndex> blocks;  // each also in a checkpoint's own blocks, or else free
+    absl::Time until;                // handed on by then at the latest
+  };
   std::vector<Namespace> namespaces;
   std::vector<Block> blocks;  // every parent before its children
   std::vector<Session> sessions;
   std::vector<Checkpoint> checkpoints;
+  std::vector<Fence> fences;
+  // False from a predecessor that predates fences: its live requests' blocks are unknown, so the
+  // successor fences every free block for a lease TTL instead.
+  bool fences_known = false;
 };
 
 }  // namespace kvd

@@ -385,12 +385,19 @@ absl::StatusOr<AcquireResult> KvCache::ResumeLocked(Request& req, CheckpointReco
   // The block holding the next token to compute must be writable. If it was published after the
   // checkpoint was taken it is immutable now: give the request a fresh block there and let it
   // recompute the checkpoint's tokens in that block (fewer than block_tokens).
+  // Likewise every block from there on that a fence holds: the checkpoint's old writer may still
+  // be writing past the checkpoint into it (kv_cache_fences.cc).
   const int64_t tail_pos = valid / bt;
-  const bool replace_tail = tail_pos < static_cast<int64_t>(ckpt.blocks.size()) &&
-                            pool.blocks[ckpt.blocks[tail_pos]].kind != BlockState::Kind::kOwned;
+  std::vector<int64_t> replace;
+  for (int64_t i = tail_pos; i < static_cast<int64_t>(ckpt.blocks.size()); ++i) {
+    if ((i == tail_pos && pool.blocks[ckpt.blocks[i]].kind != BlockState::Kind::kOwned) ||
+        FencedLocked(req.pool, ckpt.blocks[i])) {
+      replace.push_back(i);
+    }
+  }
   const int64_t total_blocks = pool.geometry.BlocksFor(n);
   const int64_t extra = total_blocks - static_cast<int64_t>(ckpt.blocks.size());
-  const int64_t fresh = (replace_tail ? 1 : 0) + extra;
+  const int64_t fresh = static_cast<int64_t>(replace.size()) + extra;
   if (fresh > pool.allocator.num_free() + pool.num_cached_unreferenced) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "pool '", pool.geometry.name, "' has too few reclaimable blocks for the resumed request"));
@@ -416,10 +423,10 @@ absl::StatusOr<AcquireResult> KvCache::ResumeLocked(Request& req, CheckpointReco
   KVD_CHECK(owned.ok());
   auto next_owned = owned->begin();
   req.cached_tokens = valid;
-  if (replace_tail) {
-    UnrefLocked(req.pool, req.table[tail_pos]);
-    req.table[tail_pos] = *next_owned++;
-    req.cached_tokens = tail_pos * bt;
+  for (int64_t i : replace) {
+    UnrefLocked(req.pool, req.table[i]);
+    req.table[i] = *next_owned++;
+    if (i == tail_pos) req.cached_tokens = tail_pos * bt;  // recomputed in the fresh block
   }
   req.table.insert(req.table.end(), next_owned, owned->end());
   req.known_tokens = tokens;

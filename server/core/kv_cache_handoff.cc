@@ -59,6 +59,10 @@ CacheSnapshot KvCache::ExportSnapshot() const {
       c.cached.push_back(st.kind == BlockState::Kind::kCached ? position.at(st.node) : -1);
     }
   }
+  out.fences_known = true;
+  for (const auto& [key, f] : fences_) {
+    out.fences.push_back(CacheSnapshot::Fence{.pid = f.pid, .pool = f.pool, .blocks = f.blocks, .until = f.until});
+  }
   for (const auto& [id, session] : sessions_) {
     if (session.expires_at <= now) continue;
     CacheSnapshot::Session& s = out.sessions.emplace_back();
@@ -141,11 +145,26 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
     }
   }
 
+  // Fences: blocks in range, each in one fence at most.
+  std::vector<absl::flat_hash_set<BlockIndex>> fenced(pool_geometries_.size());
+  for (size_t i = 0; i < snap.fences.size(); ++i) {
+    const CacheSnapshot::Fence& f = snap.fences[i];
+    if (f.pool >= pool_geometries_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("snapshot fence ", i, ": pool ", f.pool, " is not configured"));
+    }
+    for (BlockIndex b : f.blocks) {
+      if (b >= static_cast<uint64_t>(pool_geometries_[f.pool].capacity_blocks) || !fenced[f.pool].insert(b).second) {
+        return absl::InvalidArgumentError(absl::StrCat("snapshot fence ", i, ": block ", b, " is past the pool or fenced twice"));
+      }
+    }
+  }
+
   int64_t indexed = 0;
   {
     absl::MutexLock lock(&mu_);
     ExpireLocked(nullptr);
-    if (index_.num_blocks() != 0 || !requests_.empty() || !checkpoints_.empty() || !sessions_.empty()) {
+    if (index_.num_blocks() != 0 || !requests_.empty() || !checkpoints_.empty() || !sessions_.empty() ||
+        !fences_.empty()) {
       return absl::FailedPreconditionError("a snapshot is imported only into a cache that holds nothing yet");
     }
     std::vector<std::vector<BlockIndex>> per_pool(pools_.size());
@@ -232,6 +251,10 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
       checkpoints_.emplace(rec->id, std::move(rec));
     }
     for (int64_t i = n - 1; i >= 0; --i) UnrefLocked(snap.blocks[i].pool, snap.blocks[i].index, /*touch=*/false);
+    // What live requests owned stays out of every new owner's hands (kv_cache_fences.cc).
+    for (const CacheSnapshot::Fence& f : snap.fences) {
+      if (f.until > clock_->Now()) AddFenceLocked(f.pid, f.pool, f.blocks, f.until);
+    }
     for (const CacheSnapshot::Session& in : snap.sessions) {
       if (in.expires_at <= clock_->Now()) continue;
       Session& session = sessions_[in.id];

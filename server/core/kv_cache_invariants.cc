@@ -54,6 +54,16 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
     for (BlockIndex b : ckpt->blocks) ++refs[ckpt->pool][b];
   }
   if (orphan_bytes != orphan_blocks_bytes_) return fail("orphaned checkpoint bytes drifted");
+  absl::flat_hash_map<uint64_t, int32_t> fenced;
+  for (const auto& [key, f] : fences_) {
+    live_serials[f.serial] = f.pool;
+    reserved[f.pool] += f.charged_blocks;
+    for (BlockIndex b : f.blocks) {
+      ++refs[f.pool][b];
+      ++fenced[(static_cast<uint64_t>(f.pool) << 40) | b];
+    }
+  }
+  if (fenced != fenced_) return fail("fenced block counts drifted");
   int64_t state_bytes = 0, not_durable = 0;
   absl::flat_hash_map<WorkerId, int64_t> state_by_worker;
   for (const auto& [id, ckpt] : checkpoints_) {
@@ -106,7 +116,8 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
         case BlockState::Kind::kOwned: {
           ++owned;
           auto it = live_serials.find(s.owner);
-          const bool pinned = pool.pins.contains(b);  // a pin outlives its request
+          // A pin outlives its request; a fence, the request or checkpoint it was taken from.
+          const bool pinned = pool.pins.contains(b) || fenced_.contains((static_cast<uint64_t>(p) << 40) | b);
           if (s.refs == 0 || (!pinned && (it == live_serials.end() || it->second != p))) {
             return fail("owned block ", b, " has no live owner");
           }

@@ -56,6 +56,7 @@ void KvCache::ExpireLocked(GcStats* stats) {
     DropCheckpointLocked(orphans_.begin()->second);
     if (stats != nullptr) ++stats->checkpoints_dropped;
   }
+  while (!fences_.empty() && fences_.begin()->first.first <= now) LiftFenceLocked(fences_.begin());
 }
 
 absl::Status KvCache::CloseSession(const SessionId& session) {

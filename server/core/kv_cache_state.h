@@ -84,6 +84,18 @@ struct CheckpointRecord {
   uint64_t version = 0;         // unique per record: names this content for the tiers
   bool durable = false;         // a tier said G3 holds this version (TierPort::SetCheckpointDurable)
 };
+// Blocks a writer kvd can no longer reach may still write (a request live at a restart or
+// handoff; every free block after a restart that kept memory but not who wrote it). The fence
+// holds one reference on each, so none is handed to a new owner until it is lifted: its process
+// re-attached quiesced or is gone (pid), or `until` passed (docs/security.md).
+struct FenceRecord {
+  uint64_t serial = 0;  // owner serial of blocks held by the fence alone
+  uint32_t pid = 0;     // 0: lifted only by time
+  PoolId pool = 0;
+  std::vector<BlockIndex> blocks;
+  int64_t charged_blocks = 0;  // charged to the ledger (the blocks it claimed from free)
+  absl::Time until;
+};
 struct ProtectedRef { PoolId pool; BlockIndex index; uint64_t node_serial; };
 struct Session {
   WorkerId worker;

@@ -111,4 +111,11 @@ int64_t AttachmentRegistry::size() const {
   return static_cast<int64_t>(workers_.size());
 }
 
+absl::flat_hash_map<WorkerId, uint32_t> AttachmentRegistry::Pids() const {
+  absl::MutexLock lock(&mu_);
+  absl::flat_hash_map<WorkerId, uint32_t> out;
+  for (const auto& [id, e] : workers_) out.emplace(id, e.pid > 0 ? static_cast<uint32_t>(e.pid) : 0);
+  return out;
+}
+
 }  // namespace kvd

@@ -56,6 +56,8 @@ class AttachmentRegistry {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   int64_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Every live attachment's pid (0 when unknown).
+  absl::flat_hash_map<WorkerId, uint32_t> Pids() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Entry {

@@ -99,6 +99,15 @@ absl::Status KvdService::StopDraining() {
   return absl::OkStatus();
 }
 
+void KvdService::LiftFences(uint32_t pid) {
+  if (const int64_t n = cache_->LiftFences(pid); n > 0) {
+    spdlog::info("pid {} re-attached quiesced: {} fenced block(s) handed on", pid, n);
+    admission_->Poke();
+  }
+}
+
+void KvdService::PokeAdmission() { admission_->Poke(); }
+
 void KvdService::WorkerGone(const WorkerId& worker, absl::string_view why) {
   workers_->Remove(worker);
   if (tiers_ != nullptr) tiers_->ReleasePrefetchesOf(worker);
@@ -239,7 +248,11 @@ grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, co
   absl::StatusOr<Caller> caller = [&]() -> absl::StatusOr<Caller> {
     KVD_RETURN_IF_ERROR(Authorize(ctx, "Start"));
     if (draining()) return Draining();
-    if (req->max_wait_ms() < 0) return absl::InvalidArgumentError("max_wait_ms must be >= 0");
+    if (req->max_wait_ms() < 0 || req->max_wait_ms() > absl::ToInt64Milliseconds(kMaxStartWait)) {
+      return absl::InvalidArgumentError(absl::StrCat("max_wait_ms must be between 0 and ",
+                                                     absl::ToInt64Milliseconds(kMaxStartWait), ", not ",
+                                                     req->max_wait_ms()));
+    }
     return CheckWorker(ctx, req->admit().worker_id(), "");
   }();
   if (!caller.ok()) {
@@ -266,8 +279,11 @@ grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, co
         resp->set_waited(waited > absl::ZeroDuration());
         resp->set_waited_us(absl::ToInt64Microseconds(waited));
         // Per request (not per poll): how long it waited, and how the wait ended.
-        metrics_->ObserveAdmissionWait(pool, admitted.ok() ? "admitted" : absl::StatusCodeToString(admitted.status().code()),
-                                       absl::ToDoubleSeconds(waited));
+        // Labels name configured pools only: a request's made-up pool name must not mint series.
+        if (cache_->FindPool(pool).ok()) {
+          metrics_->ObserveAdmissionWait(pool, admitted.ok() ? "admitted" : absl::StatusCodeToString(admitted.status().code()),
+                                         absl::ToDoubleSeconds(waited));
+        }
         if (!admitted.ok()) return FinishRpc(reactor, "Start", start, admitted.status());
         // The worker may have detached while it waited; its requests were released then, but
         // not this one, admitted after: give it back.

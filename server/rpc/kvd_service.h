@@ -65,6 +65,10 @@ class KvdService final : public v1::Kvd::CallbackService {
   absl::Status Authorize(const grpc::CallbackServerContext* ctx, absl::string_view method) const;
   bool draining() const { return draining_.load(); }
   // A worker's attachment ended (stream closed or lease lapsed): release what it held.
+  // Hands on what a restart fenced for `pid` (it re-attached quiesced) and wakes admission.
+  void LiftFences(uint32_t pid);
+  // Wakes admission waiters (blocks came free outside a request: a fence lifted).
+  void PokeAdmission();
   void WorkerGone(const WorkerId& worker, absl::string_view why);
 
   KvCache* cache() const { return cache_; }
@@ -186,6 +190,8 @@ class KvdService final : public v1::Kvd::CallbackService {
   // on another thread (a promotion's).
   void AcquireThen(const RequestId& id, v1::AcquireResponse* resp, std::function<void(absl::Status)> done);
   static constexpr absl::Duration kDefaultStartWait = absl::Seconds(30);
+  // The longest a Start may ask to wait for admission (max_wait_ms); longer is INVALID_ARGUMENT.
+  static constexpr absl::Duration kMaxStartWait = absl::Minutes(10);
   static constexpr absl::Duration kResumeWait = absl::Seconds(2);
   static constexpr int kMaxResumeWaiters = 16;
 

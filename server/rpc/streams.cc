@@ -75,11 +75,21 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
       a->set_backend(service_->arena()->backend());
       spdlog::info("worker {} attached (name '{}', pid {})", worker_.value(), LogSafe(hello.worker_name()),
                    pid);
+      // A process that says it writes nothing from before gets back what a restart fenced for it,
+      // on the kernel's word for its pid only (docs/security.md, "Leases and fencing").
+      if (hello.quiesced() && caller_.creds.has_value() && pid > 0) service_->LiftFences(pid);
       writing_ = true;
       StartWrite(&response_);
     } else if (absl::Status renewed = service_->workers()->Renew(worker_); !renewed.ok()) {
       FinishLocked(ToGrpcStatus(renewed));
       return;
+    } else if (request_.has_heartbeat() && request_.heartbeat().seq() > 0 && !writing_) {
+      // The worker's proof that its lease ran from no earlier than this heartbeat's sending. A
+      // beat that finds a write in flight goes unanswered; the next one is.
+      response_.Clear();
+      response_.mutable_heartbeat_ack()->set_seq(request_.heartbeat().seq());
+      writing_ = true;
+      StartWrite(&response_);
     }
     StartRead(&request_);
   }

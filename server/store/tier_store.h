@@ -68,8 +68,13 @@ class TierStore final : public EvictionSink {
   //   served nor evicted this run; a truncated one serves its intact records.
   // Deleted, each with a log line: .tmp files (unfinished writes) and unlisted segments numbered
   // below the manifest's next_segment (evicted or replaced by a committed manifest).
-  // FAILED_PRECONDITION when the manifest exists but cannot be read.
-  absl::Status Load();
+  // FAILED_PRECONDITION when the manifest exists but cannot be read. Then, unless
+  // `restore_checkpoints` is false, RestoreCheckpoints: a daemon on adopted memory calls it itself
+  // once a handoff's snapshot is imported and no fence covers the free blocks.
+  absl::Status Load(bool restore_checkpoints = true);
+  // Load's last step: recreates each stored checkpoint not already in the cache, in free blocks,
+  // and fills them.
+  void RestoreCheckpoints() ABSL_LOCKS_EXCLUDED(mu_);
 
   // EvictionSink: demotes a block leaving G1 to G2 (or, without room there, towards G3).
   void OnEvict(const CachedBlockView& block, EvictReason reason) override;
@@ -236,8 +241,6 @@ class TierStore final : public EvictionSink {
   // Flush's last step: every checkpoint not yet on G3 as it is now; stored ones that ended are
   // deleted. Adds to `result`.
   void FlushCheckpoints(FlushResult* result) ABSL_LOCKS_EXCLUDED(mu_);
-  // Load's last step: recreates each stored checkpoint in the cache and fills its blocks.
-  void RestoreCheckpoints() ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets a record's G3 copy: tombstoned in the manifest (written with the next one) so a restart
   // does not bring it back. Used for deletes, corrupt records and rewritten checkpoints.
   void TombstoneLocked(const BlockKey& key, Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -79,7 +79,7 @@ absl::Status MakeDirs(const std::string& dir) {
 
 }  // namespace
 
-absl::Status TierStore::Load() {
+absl::Status TierStore::Load(bool restore_checkpoints) {
   if (options_.disk_dir.empty()) return absl::OkStatus();
   const auto start = std::chrono::steady_clock::now();
   const std::string& dir = options_.disk_dir;
@@ -268,7 +268,7 @@ absl::Status TierStore::Load() {
   if (rewrite) KVD_RETURN_IF_ERROR(WriteManifestNow({}));
   OrderParentsFirst(&events);
   cache_->EmitExternal(events);
-  RestoreCheckpoints();
+  if (restore_checkpoints) RestoreCheckpoints();
   absl::MutexLock lock(&mu_);
   stats_.load_seconds = SecondsSince(start);
   spdlog::info("tiers: reloaded {} records from {} segments in {:.3f}s", reloaded, segments_.size(),

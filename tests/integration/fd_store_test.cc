@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "gpu/unique_fd.h"
 #include "tests/integration/harness.h"
 
@@ -155,7 +156,8 @@ class FdStoreSupervisor {
 
 TEST_CASE("Crash restarts under an fd store keep the KV memory a running worker has mapped",
           "[integration][restart][fdstore]") {
-  FdStoreSupervisor systemd(SmallPoolConfig(64));
+  // A short lease: each restart fences the kept memory for one TTL (docs/security.md).
+  FdStoreSupervisor systemd(SmallPoolConfig(64, "lease_ttl_s: 2\n"));
   REQUIRE(systemd.Start());
   REQUIRE(systemd.store().size() == 1);  // one pool, one shard
   REQUIRE(absl::StartsWith(systemd.store().begin()->first, "kvdslab-0-0-"));
@@ -175,6 +177,33 @@ TEST_CASE("Crash restarts under an fd store keep the KV memory a running worker 
   }
   REQUIRE(absl::StrContains(systemd.log(), "kept the KV memory of 1 slab(s)"));
   REQUIRE(w.Running());
+}
+
+// docs/security.md, "Leases and fencing": a crashed kvd said nothing about who was writing its
+// memory, so the restarted one hands no block of it to anyone for a lease TTL, by which time every
+// worker that could not renew has stopped writing by itself.
+TEST_CASE("An asynchronous writer across an fd-store crash restart: nothing it may still write goes to another tenant",
+          "[integration][restart][fdstore][fences]") {
+  FdStoreSupervisor systemd(SmallPoolConfig(64, "lease_ttl_s: 3\n"));
+  REQUIRE(systemd.Start());
+  WorkerProcess a({"--target=" + systemd.target(), "--id=writer", "--prompt-range=0:64", "--async-writer-us=40000",
+                   "--salt=tenant-a"});
+  REQUIRE(a.WaitForLine("WRITING", absl::Seconds(20)).ok());
+  absl::SleepFor(absl::Milliseconds(300));
+  systemd.Kill();
+  REQUIRE(systemd.Start());
+  INFO(systemd.log());
+  ProcessResult b = RunWorker({"--target=" + systemd.target(), "--id=b", "--prompt-range=5000:64", "--salt=tenant-b"},
+                              absl::Seconds(60));
+  INFO(b.out);
+  REQUIRE(b.exit_code == 0);
+  absl::SleepFor(absl::Seconds(3));
+  ProcessResult reader = RunWorker({"--target=" + systemd.target(), "--id=reader", "--prompt-range=5000:64",
+                                    "--salt=tenant-b"});
+  INFO(reader.out);
+  REQUIRE(JsonInt(reader.out, "cached_tokens") == 60);
+  REQUIRE(JsonInt(reader.out, "mismatches") == 0);
+  REQUIRE(absl::StrContains(systemd.log(), "fenced for the lease TTL"));
 }
 
 TEST_CASE("A stored fd that is not a fitting slab is never adopted", "[integration][restart][fdstore]") {

@@ -9,8 +9,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 #include <memory>
 #include <thread>
 
@@ -20,6 +26,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gpu/fd_passing.h"
+#include "kvd/handoff/v1/handoff.pb.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "tests/integration/harness.h"
 
@@ -310,6 +317,79 @@ TEST_CASE("A takeover from another user, or from an incompatible version, is ref
   }
   REQUIRE(ServedPrompt(d, "after") == 20);
   REQUIRE(kill(d.pid(), 0) == 0);
+}
+
+// A fake predecessor on the handoff socket: it accepts the successor's hello and hands over the
+// descriptors `make_fds` makes, with an empty snapshot. The successor must refuse what is not a
+// listening socket or a sealed snapshot, naming it, and start nothing.
+std::string TakeOverFrom(const std::function<std::vector<UniqueFd>()>& make_fds) {
+  TempDir dir;
+  const std::string handoff = dir.path() + "/kvd.sock.handoff";
+  absl::StatusOr<UniqueFd> listener = ListenUnix(handoff, 0600);
+  REQUIRE(listener.ok());
+  std::thread fake([&] {
+    const int c = ::accept4(listener->get(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) return;
+    UniqueFd conn(c);
+    if (!ReceiveMessage(conn.get(), 1 << 20, 0).ok()) return;
+    kvd::handoff::v1::Answer answer;
+    answer.set_ok(true);
+    answer.set_build("fake");
+    if (!SendMessage(conn.get(), answer.SerializeAsString(), {}).ok()) return;
+    std::vector<UniqueFd> fds = make_fds();
+    std::vector<int> raw;
+    for (const UniqueFd& fd : fds) raw.push_back(fd.get());
+    kvd::handoff::v1::Package package;
+    package.set_snapshot_bytes(0);
+    (void)SendMessage(conn.get(), package.SerializeAsString(), raw);
+    (void)ReceiveMessage(conn.get(), 1 << 20, 0);  // until the successor hangs up
+  });
+  const std::string config = dir.path() + "/kvd.yaml";
+  std::ofstream(config) << SmallPoolConfig(64);
+  ProcessResult r = RunProcess(KvdBinary(), {"--config=" + config, "--listen=unix://" + dir.path() + "/kvd.sock",
+                                             "--metrics-listen=off", "--takeover"},
+                               absl::Seconds(30));
+  ::shutdown(listener->get(), SHUT_RDWR);
+  fake.join();
+  INFO(r.out);
+  REQUIRE(r.exit_code != 0);
+  REQUIRE_FALSE(std::filesystem::exists(dir.path() + "/kvd.sock"));
+  return r.out;
+}
+
+UniqueFd SealedEmptyMemfd(bool sealed) {
+  UniqueFd fd(memfd_create("snapshot", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (sealed) (void)fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
+  return fd;
+}
+
+TEST_CASE("A successor refuses handed-over sockets that do not listen, and an unsealed snapshot",
+          "[integration][handoff][hostile]") {
+  SECTION("regular files instead of listening sockets") {
+    const std::string out = TakeOverFrom([] {
+      std::vector<UniqueFd> fds;
+      fds.emplace_back(::open("/dev/null", O_RDWR | O_CLOEXEC));
+      fds.emplace_back(::open("/dev/null", O_RDWR | O_CLOEXEC));
+      fds.push_back(SealedEmptyMemfd(true));
+      return fds;
+    });
+    REQUIRE(absl::StrContains(out, "not a listening Unix stream socket"));
+  }
+  SECTION("a snapshot memfd its sender can still change") {
+    TempDir socks;
+    auto a = ListenUnix(socks.path() + "/a", 0600);
+    auto b = ListenUnix(socks.path() + "/b", 0600);
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+    const std::string out = TakeOverFrom([&] {
+      std::vector<UniqueFd> fds;
+      fds.emplace_back(::fcntl(a->get(), F_DUPFD_CLOEXEC, 0));
+      fds.emplace_back(::fcntl(b->get(), F_DUPFD_CLOEXEC, 0));
+      fds.push_back(SealedEmptyMemfd(false));
+      return fds;
+    });
+    REQUIRE(absl::StrContains(out, "not a sealed memfd"));
+  }
 }
 
 }  // namespace

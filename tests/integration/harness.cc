@@ -277,6 +277,10 @@ bool WorkerProcess::Running() {
   return true;
 }
 
+void WorkerProcess::Signal(int signal) {
+  if (pid_ > 0) kill(pid_, signal);
+}
+
 void WorkerProcess::Kill(int signal) {
   if (pid_ <= 0) return;
   kill(pid_, signal);

@@ -92,6 +92,8 @@ class WorkerProcess {
   // Whether the process is still running (not reaped).
   bool Running();
   void Kill(int signal);
+  // Sends `signal` without waiting (SIGSTOP, SIGCONT).
+  void Signal(int signal);
   pid_t pid() const { return pid_; }
 
  private:

@@ -1,0 +1,156 @@
+// KvCache: fences. A block is never handed to a new owner while a writer kvd can no longer reach
+// may still write it: the blocks of requests ended by a handoff or restart, and every free block
+// of memory adopted from a process that died without saying who was writing it, are held by a
+// fence until their writer's process re-attaches having quiesced (or is gone), or until a lease
+// TTL has passed, by which time every worker that could not renew has stopped writing by itself
+// (cache_state::FenceRecord; docs/security.md, "Leases and fencing").
+#include <algorithm>
+
+#include "absl/container/flat_hash_set.h"
+#include "proto/vocab/status_macros.h"
+#include "server/core/kv_cache.h"
+
+namespace kvd {
+namespace {
+
+uint64_t FenceKey(PoolId pool, BlockIndex index) { return (static_cast<uint64_t>(pool) << 40) | index; }
+
+}  // namespace
+
+bool KvCache::FencedLocked(PoolId pool, BlockIndex index) const { return fenced_.contains(FenceKey(pool, index)); }
+
+void KvCache::AddFenceLocked(uint32_t pid, PoolId pool_id, absl::Span<const BlockIndex> blocks, absl::Time until) {
+  Pool& pool = *pools_[pool_id];
+  FenceRecord f;
+  f.serial = next_serial_++;
+  f.pid = pid;
+  f.pool = pool_id;
+  f.until = until;
+  std::vector<BlockIndex> claim;
+  for (BlockIndex b : blocks) {
+    const BlockState& s = pool.blocks[b];
+    if (s.kind == BlockState::Kind::kCached) continue;  // published: its bytes are never rewritten
+    if (s.kind == BlockState::Kind::kFree) claim.push_back(b);
+    f.blocks.push_back(b);
+  }
+  if (f.blocks.empty()) return;
+  KVD_CHECK(pool.allocator.Claim(claim).ok());  // free, as just checked
+  for (BlockIndex b : f.blocks) {
+    BlockState& s = pool.blocks[b];
+    if (s.kind == BlockState::Kind::kFree) {
+      s.kind = BlockState::Kind::kOwned;
+      s.owner = f.serial;
+      ++pool.num_owned;
+    }
+    ++s.refs;
+    ++fenced_[FenceKey(pool_id, b)];
+  }
+  // Blocks it took from the free list count against the budget as a request's would, so that
+  // admission never promises blocks a fence holds. A successor configured smaller than its
+  // predecessor's live use may lack the room: the fence holds them uncharged then.
+  const int64_t n = static_cast<int64_t>(claim.size());
+  if (ledger_.CanReserve(pool_id, n)) {
+    KVD_CHECK(ledger_.Reserve(pool_id, n).ok());
+    f.charged_blocks = n;
+  }
+  fences_.emplace(std::make_pair(until, f.serial), std::move(f));
+  UpdatePressureLocked();
+}
+
+void KvCache::LiftFenceLocked(absl::btree_map<std::pair<absl::Time, uint64_t>, FenceRecord>::iterator it) {
+  const FenceRecord& f = it->second;
+  for (BlockIndex b : f.blocks) {
+    auto count = fenced_.find(FenceKey(f.pool, b));
+    if (--count->second == 0) fenced_.erase(count);
+    UnrefLocked(f.pool, b, /*touch=*/false);  // freed when the fence held it alone
+  }
+  ledger_.Unreserve(f.pool, f.charged_blocks);
+  fences_.erase(it);
+  UpdatePressureLocked();
+}
+
+int64_t KvCache::EndAllFenced(absl::Time until, const absl::flat_hash_map<WorkerId, uint32_t>& pids) {
+  int64_t ended = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    for (auto& [id, req] : requests_) {
+      const Pool& pool = *pools_[req->pool];
+      std::vector<BlockIndex> own;  // what its writer may still be writing
+      for (BlockIndex b : req->table) {
+        const BlockState& s = pool.blocks[b];
+        if (s.kind == BlockState::Kind::kOwned && s.owner == req->serial) own.push_back(b);
+      }
+      // Released first, as interrupted (its checkpoint kept): the blocks it alone held go back to
+      // the free list, and the fence takes them from there, charged as the request was.
+      ReleaseLocked(*req, /*completed=*/false);
+      auto pid = pids.find(req->spec.owner);
+      AddFenceLocked(pid != pids.end() ? pid->second : 0, req->pool, own, until);
+      ++ended;
+    }
+    requests_.clear();
+  }
+  Deliver();
+  return ended;
+}
+
+int64_t KvCache::FenceFreeBlocks(absl::Time until) {
+  int64_t fenced = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    // O(capacity) under the lock: only at start, before anything is served.
+    for (PoolId p = 0; p < pools_.size(); ++p) {
+      std::vector<BlockIndex> free;
+      for (BlockIndex b = 0; b < pools_[p]->blocks.size(); ++b) {
+        if (pools_[p]->blocks[b].kind == BlockState::Kind::kFree) free.push_back(b);
+      }
+      fenced += static_cast<int64_t>(free.size());
+      AddFenceLocked(/*pid=*/0, p, free, until);
+    }
+  }
+  Deliver();
+  return fenced;
+}
+
+int64_t KvCache::LiftFences(uint32_t pid) {
+  int64_t lifted = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    // Keys first: erasing from a btree invalidates its iterators.
+    std::vector<std::pair<absl::Time, uint64_t>> due;
+    for (const auto& [key, f] : fences_) {
+      if (pid != 0 && f.pid == pid) due.push_back(key);
+    }
+    for (const auto& key : due) {
+      auto it = fences_.find(key);
+      lifted += static_cast<int64_t>(it->second.blocks.size());
+      LiftFenceLocked(it);
+    }
+  }
+  Deliver();
+  return lifted;
+}
+
+int64_t KvCache::ExpireFences() {
+  int64_t fenced = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);  // lifts what is due
+    fenced = static_cast<int64_t>(fenced_.size());
+  }
+  Deliver();
+  return fenced;
+}
+
+std::vector<uint32_t> KvCache::FencedPids() const {
+  absl::MutexLock lock(&mu_);
+  absl::flat_hash_set<uint32_t> pids;
+  for (const auto& [key, f] : fences_) {
+    if (f.pid != 0) pids.insert(f.pid);
+  }
+  return std::vector<uint32_t>(pids.begin(), pids.end());
+}
+
+}  // namespace kvd
