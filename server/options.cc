@@ -2,6 +2,7 @@
 
 #include <grp.h>
 
+#include <limits>
 #include <map>
 
 #include <yaml-cpp/yaml.h>
@@ -232,8 +233,11 @@ absl::Status Options::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("backend must be host, cuda or auto, not '", server.backend, "'"));
   }
-  if (server.max_message_bytes < 4096) {
-    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be >= 4096, not ", server.max_message_bytes));
+  // gRPC takes an int: anything larger would be cut to garbage (0 refuses every message).
+  if (server.max_message_bytes < 4096 || server.max_message_bytes > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("max_message_bytes must be between 4096 and ",
+                                                   std::numeric_limits<int32_t>::max(), ", not ",
+                                                   server.max_message_bytes));
   }
   if (server.lease_ttl <= absl::ZeroDuration()) return absl::InvalidArgumentError(absl::StrCat("lease_ttl_s must be > 0, not ", absl::FormatDuration(server.lease_ttl)));
   if (server.max_connection_idle < absl::Seconds(1) || server.max_connection_idle > absl::Hours(24 * 20)) {

@@ -173,6 +173,9 @@ TEST_CASE("Every configuration error exits non-zero naming the field", "[integra
       {"listen: kvd.sock\n", "listen: 'kvd.sock' is neither"},
       {"pools:\n  - name: llama@8b\n", "pool 'llama@8b': the name may hold printable ASCII except spaces and '@'"},
       {"pools:\n  - name: \"llama 8b\"\n", "pool 'llama 8b': the name may hold"},
+      // Larger than any machine: named with its size before anything is allocated.
+      {"pools:\n  - name: huge\n    capacity_blocks: 2000000000\n", "pool 'huge' needs"},
+      {"max_message_bytes: 3000000000\n", "max_message_bytes must be between 4096 and 2147483647"},
   };
   for (const Case& c : cases) {
     const std::string path = dir.path() + "/bad.yaml";
@@ -219,6 +222,20 @@ TEST_CASE("A second kvd on a live daemon's socket refuses to start and names --t
   ProcessResult after = RunWorker({"--target", a.target(), "--id", "after-restart", "--prompt-range", "0:9"});
   INFO(after.out);
   REQUIRE(after.exit_code == 0);
+}
+
+TEST_CASE("Metric labels name configured pools only: made-up pool names mint no series", "[integration][ops]") {
+  DaemonProcess d(SmallPoolConfig(32));
+  for (int i = 0; i < 5; ++i) {
+    ProcessResult r = RunWorker({"--target=" + d.target(), "--pool=made-up-" + std::to_string(i),
+                                 "--id=x" + std::to_string(i), "--prompt-range=0:9"});
+    REQUIRE(r.exit_code != 0);  // NOT_FOUND
+  }
+  REQUIRE(RunWorker({"--target=" + d.target(), "--id=real", "--prompt-range=0:9"}).exit_code == 0);
+  absl::StatusOr<std::string> body = HttpGet(d.metrics_port(), "/metrics");
+  REQUIRE(body.ok());
+  REQUIRE_FALSE(absl::StrContains(*body, "made-up-"));
+  REQUIRE(absl::StrContains(*body, "kvd_admission_wait_seconds_count{outcome=\"admitted\",pool=\"default\"}"));
 }
 
 TEST_CASE("Flags are parsed and checked exactly like the same keys in the file", "[integration][ops]") {
