@@ -24,12 +24,22 @@ void AdmissionQueue::Admit(RequestSpec spec, absl::Time deadline, std::function<
     if (!closed_.ok()) {
       now = closed_;
     } else {
-      std::deque<Waiter>& queue = queues_[spec.ns.pool];
-      if (queue.empty()) now = cache_->Admit(spec);
-      if (!queue.empty() || (now.ok() && now->decision == AdmitDecision::kWait)) {
-        queue.push_back(Waiter{std::move(spec), absl::Now(), deadline, std::move(cancelled), std::move(done)});
-        ++waiting_;
-        return;
+      auto queue = queues_.find(spec.ns.pool);  // only pools someone waits for have one
+      const bool others = queue != queues_.end() && !queue->second.empty();
+      if (!others) now = cache_->Admit(spec);
+      if (others || (now.ok() && now->decision == AdmitDecision::kWait)) {
+        int64_t& mine = waiting_by_worker_[spec.limit_key()];
+        if (mine >= kMaxWaitersPerWorker) {
+          now = absl::ResourceExhaustedError(absl::StrCat("worker ", spec.limit_key().value(), " already has ", mine,
+                                                          " Starts waiting for admission; at most ",
+                                                          kMaxWaitersPerWorker, " may wait at once"));
+        } else {
+          ++mine;
+          queues_[spec.ns.pool].push_back(
+              Waiter{std::move(spec), absl::Now(), deadline, std::move(cancelled), std::move(done)});
+          ++waiting_;
+          return;
+        }
       }
     }
   }
@@ -58,6 +68,7 @@ void AdmissionQueue::Close(absl::Status why) {
       queue.clear();
     }
     waiting_ = 0;
+    waiting_by_worker_.clear();
   }
   const absl::Time now = absl::Now();
   for (Waiter& w : ended) w.done(closed, now - w.queued_at);
@@ -112,6 +123,10 @@ void AdmissionQueue::Run() {
       poked_ = false;
       if (waiting_ > 0) SweepLocked(absl::Now(), &answers);
       waiting_ -= static_cast<int64_t>(answers.size());
+      for (const auto& [w, r] : answers) {
+        auto it = waiting_by_worker_.find(w.spec.limit_key());
+        if (--it->second == 0) waiting_by_worker_.erase(it);
+      }
     }
     const absl::Time now = absl::Now();
     for (auto& [w, r] : answers) w.done(std::move(r), now - w.queued_at);

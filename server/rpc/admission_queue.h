@@ -38,6 +38,9 @@ class AdmissionQueue {
   // The answer, and how long the request waited (zero when it did not queue).
   using Done = std::function<void(absl::StatusOr<AdmitResult>, absl::Duration waited)>;
   static constexpr absl::Duration kRetryInterval = absl::Milliseconds(20);
+  // Starts one worker (process) may have waiting at once; past it RESOURCE_EXHAUSTED at once, so a
+  // worker cannot grow the queue, and the daemon's memory, without bound.
+  static constexpr int64_t kMaxWaitersPerWorker = 1024;
 
   explicit AdmissionQueue(KvCache* cache);
   ~AdmissionQueue();  // Close()
@@ -75,6 +78,7 @@ class AdmissionQueue {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::deque<Waiter>> queues_ ABSL_GUARDED_BY(mu_);  // by pool name
   int64_t waiting_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<WorkerId, int64_t> waiting_by_worker_ ABSL_GUARDED_BY(mu_);  // by limit_key
   bool poked_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status closed_ ABSL_GUARDED_BY(mu_);  // OK while open
