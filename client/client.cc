@@ -75,8 +75,11 @@ struct Client::Impl {
 #if KVD_HAVE_CUDA
   std::optional<InterprocessEvent> own_event;
   absl::Mutex events_mu;
-  absl::flat_hash_map<std::string, std::unique_ptr<InterprocessEvent>> peer_events
-      ABSL_GUARDED_BY(events_mu);  // opened once per handle
+  // Opened once per handle, at most kMaxPeerEvents at a time (publishers come and go: past that
+  // the cache starts over; an event in use elsewhere lives on in its shared_ptr until released).
+  static constexpr size_t kMaxPeerEvents = 256;
+  absl::flat_hash_map<std::string, std::shared_ptr<InterprocessEvent>> peer_events
+      ABSL_GUARDED_BY(events_mu);
 #endif
 
   // The address of bytes [offset, offset + n) of layer `layer` of `block` in this process's
@@ -94,6 +97,14 @@ struct Client::Impl {
       return absl::OutOfRangeError("access past the layer block");
     }
     return p.shard_base[shard] + at + offset;
+  }
+
+  // The CUDA ordinal holding `shard` of `pool` (-1 on the host backend). REQUIRES: LayerAddress
+  // accepted them.
+  int ShardDevice(PoolId pool, uint32_t shard) ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    if (backend != "cuda") return -1;
+    const PoolView& p = maps->pools()[pool];
+    return shard < p.shard_device.size() && p.shard_device[shard] >= 0 ? p.shard_device[shard] : 0;
   }
 
   // Host-synchronized publish (docs/api.md): what must have finished before a Publish, Keeps, End
@@ -497,13 +508,14 @@ absl::StatusOr<uint8_t*> Client::LayerPointer(PoolId pool, BlockIndex block, int
 
 namespace {
 
-absl::Status CopyLayerBytes(bool device, void* dst, const void* src, int64_t n) {
-  if (!device) {
+// `device`: the CUDA ordinal of the slab's shard, -1 for host memory.
+absl::Status CopyLayerBytes(int device, void* dst, const void* src, int64_t n) {
+  if (device < 0) {
     std::memcpy(dst, src, static_cast<size_t>(n));
     return absl::OkStatus();
   }
 #if KVD_HAVE_CUDA
-  return CudaCopy(dst, src, n);
+  return CudaCopy(device, dst, src, n);
 #else
   return absl::FailedPreconditionError("device copy without CUDA support");
 #endif
@@ -519,14 +531,14 @@ absl::Status Client::WriteLayer(PoolId pool, BlockIndex block, int32_t layer, in
   }
   absl::ReaderMutexLock lock(&impl_->mu);
   KVD_ASSIGN_OR_RETURN(uint8_t* base, impl_->LayerAddress(pool, block, layer, shard, offset, n));
-  return CopyLayerBytes(impl_->backend == "cuda", base, src, n);
+  return CopyLayerBytes(impl_->ShardDevice(pool, shard), base, src, n);
 }
 
 absl::Status Client::ReadLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset,
                                void* dst, int64_t n, uint32_t shard) const {
   absl::ReaderMutexLock lock(&impl_->mu);
   KVD_ASSIGN_OR_RETURN(uint8_t* base, impl_->LayerAddress(pool, block, layer, shard, offset, n));
-  return CopyLayerBytes(impl_->backend == "cuda", dst, base, n);
+  return CopyLayerBytes(impl_->ShardDevice(pool, shard), dst, base, n);
 }
 
 absl::Status Client::RecordWrites(void* stream) {
@@ -552,15 +564,23 @@ absl::Status Client::WaitForPublishers(const KvRequest& request, void* stream) {
 #if KVD_HAVE_CUDA
   const int device = impl_->options.ipc_event_device >= 0 ? impl_->options.ipc_event_device : 0;
   for (const std::string& handle : request.publisher_events()) {
-    InterprocessEvent* event = nullptr;
+    // This worker's own blocks: CUDA refuses to open an IPC event in the process that made it.
+    if (impl_->own_event.has_value() && handle == impl_->own_event->handle()) {
+      KVD_RETURN_IF_ERROR(impl_->own_event->StreamWait(stream));
+      continue;
+    }
+    std::shared_ptr<InterprocessEvent> event;
     {
       absl::MutexLock lock(&impl_->events_mu);
-      auto& slot = impl_->peer_events[handle];
-      if (slot == nullptr) {
-        KVD_ASSIGN_OR_RETURN(InterprocessEvent opened, InterprocessEvent::Open(device, handle));
-        slot = std::make_unique<InterprocessEvent>(std::move(opened));
-      }
-      event = slot.get();
+      auto it = impl_->peer_events.find(handle);
+      if (it != impl_->peer_events.end()) event = it->second;
+    }
+    if (event == nullptr) {
+      KVD_ASSIGN_OR_RETURN(InterprocessEvent opened, InterprocessEvent::Open(device, handle));
+      event = std::make_shared<InterprocessEvent>(std::move(opened));
+      absl::MutexLock lock(&impl_->events_mu);
+      if (impl_->peer_events.size() >= Impl::kMaxPeerEvents) impl_->peer_events.clear();
+      impl_->peer_events.emplace(handle, event);
     }
     KVD_RETURN_IF_ERROR(event->StreamWait(stream));
   }

@@ -11,7 +11,8 @@
 
 namespace kvd {
 
-absl::Status CudaCopy(void* dst, const void* src, int64_t bytes) {
+absl::Status CudaCopy(int device, void* dst, const void* src, int64_t bytes) {
+  KVD_CUDA_SCOPED_DEVICE(device);
   return CudaStatus(cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyDefault), "cudaMemcpy");
 }
 

@@ -42,8 +42,10 @@ class PinnedBuffer {
   int64_t size_ = 0;
 };
 
-// A synchronous cudaMemcpy (cudaMemcpyDefault: any mix of host and device pointers).
-absl::Status CudaCopy(void* dst, const void* src, int64_t bytes);
+// A synchronous cudaMemcpy (cudaMemcpyDefault: any mix of host and device pointers) with `device`
+// current: memory opened from another process's IPC handle is mapped in that device's context
+// only, and the calling thread may have another device (or none) current.
+absl::Status CudaCopy(int device, void* dst, const void* src, int64_t bytes);
 
 class CudaBlockCopier {
  public:

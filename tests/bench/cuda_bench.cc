@@ -106,8 +106,8 @@ int main(int argc, char** argv) {
     }
     return b;
   };
-  const double memcpy_d2h = best([&] { return kvd::CudaCopy(host->data(), slab, bytes).ok(); });
-  const double memcpy_h2d = best([&] { return kvd::CudaCopy(slab, host->data(), bytes).ok(); });
+  const double memcpy_d2h = best([&] { return kvd::CudaCopy(0, host->data(), slab, bytes).ok(); });
+  const double memcpy_h2d = best([&] { return kvd::CudaCopy(0, slab, host->data(), bytes).ok(); });
   const double gather = best([&] {
     return (*copier)->Gather(layout, slab, blocks, host->data()).ok() && (*copier)->Wait().ok();
   });

@@ -206,6 +206,49 @@ TEST_CASE("GPU: connecting and copying leave the engine's current device alone",
   REQUIRE(after_copy == mine);
 }
 
+TEST_CASE("GPU: a worker reusing its own published blocks waits on its own event, not an opened copy",
+          "[.gpu]") {
+  if (!HaveGpu()) return;
+  DaemonProcess d(CudaPoolConfig(), {"--backend=cuda"});
+  auto c = client::Client::Connect({.target = d.target(), .ipc_event_device = 0});
+  REQUIRE(c.ok());
+  {
+    auto first = (*c)->Start(PoolRequest("first", Range(0, 40)));
+    REQUIRE(first.ok());
+    REQUIRE((*c)->RecordWrites(nullptr).ok());
+    REQUIRE((*first)->Publish(Range(0, 40)).ok());
+    REQUIRE((*first)->Release(true).ok());
+  }
+  auto again = (*c)->Start(PoolRequest("again", Range(0, 40)));
+  REQUIRE(again.ok());
+  REQUIRE((*again)->cached_tokens() == 32);
+  REQUIRE(!(*again)->publisher_events().empty());  // its own event: CUDA refuses to open that here
+  absl::Status waited = (*c)->WaitForPublishers(**again, nullptr);
+  INFO(waited.ToString());
+  REQUIRE(waited.ok());
+}
+
+TEST_CASE("GPU: WriteLayer and ReadLayer work from a thread that never selected a device", "[.gpu]") {
+  if (!HaveGpu()) return;
+  DaemonProcess d(CudaPoolConfig(), {"--backend=cuda"});
+  auto c = client::Client::Connect({.target = d.target()});
+  REQUIRE(c.ok());
+  auto r = (*c)->Start(PoolRequest("x", Range(0, 20)));
+  REQUIRE(r.ok());
+  absl::Status wrote, read;
+  std::vector<uint8_t> got(256);
+  std::thread fresh([&] {  // a new thread: no CUDA context current
+    std::vector<uint8_t> bytes(256, 0x5a);
+    wrote = (*c)->WriteLayer((*r)->pool(), (*r)->blocks()[0], 0, 0, bytes.data(), 256);
+    read = (*c)->ReadLayer((*r)->pool(), (*r)->blocks()[0], 0, 0, got.data(), 256);
+  });
+  fresh.join();
+  INFO(wrote.ToString() << " / " << read.ToString());
+  REQUIRE(wrote.ok());
+  REQUIRE(read.ok());
+  REQUIRE(got == std::vector<uint8_t>(256, 0x5a));
+}
+
 TEST_CASE("GPU: a killed worker's blocks are reclaimed", "[.gpu]") {
   if (!HaveGpu()) return;
   DaemonProcess d(CudaPoolConfig(), {"--backend=cuda"});
