@@ -444,12 +444,12 @@ void Daemon::LiftDueFences() {
     if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) lifted += cache_->LiftFences(pid);
   }
   const int64_t still = cache_->ExpireFences();
-  if (lifted > 0 || still != fenced_blocks_) service_->PokeAdmission();
-  fenced_blocks_ = still;
   if (restore_checkpoints_pending_ && still == 0 && tiers_ != nullptr) {
     restore_checkpoints_pending_ = false;
-    tiers_->RestoreCheckpoints();
+    tiers_->RestoreCheckpoints();  // before waking admission: a resume waiting for room finds them
   }
+  if (lifted > 0 || still != fenced_blocks_) service_->PokeAdmission();
+  fenced_blocks_ = still;
 }
 
 absl::Status Daemon::Probe(absl::Duration timeout) const {
