@@ -143,6 +143,7 @@ class KvCache final : public TierPort {
   absl::Status PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks) override ABSL_LOCKS_EXCLUDED(mu_);
   void UnpinBlocks(PoolId pool, absl::Span<const BlockIndex> blocks) override ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<CachedBlockRef> SnapshotCached() const override ABSL_LOCKS_EXCLUDED(mu_);
+  bool WaitForDemotions(absl::Duration timeout) override ABSL_LOCKS_EXCLUDED(mu_);
   int64_t VisitCached(absl::Span<const CachedBlockRef> refs,
                       const std::function<void(const CachedBlockView&)>& fn) override ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<CheckpointSnapshot> SnapshotCheckpoints(bool pin) override ABSL_LOCKS_EXCLUDED(mu_);
@@ -323,6 +324,8 @@ class KvCache final : public TierPort {
   std::function<void()> mover_wake_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> demote_wanted_{false};  // set under mu_ when a pool falls below its reserve
   int demotions_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // RunDemotions calls using sink_ now
+  // Blocks evicted towards the sink whose OnEvict has not returned yet (held, being copied down).
+  int64_t demotions_pending_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvd

@@ -138,6 +138,7 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
     cache_state::PendingDemotion d{this, HeldBlock(ViewOf(index_, *victim))};
     d.block.reason = reason;
     cache_state::ThreadDemotions().push_back(std::move(d));
+    ++demotions_pending_;
   }
   index_.Erase(victim, as_ghost);
   s.node = nullptr;

@@ -92,8 +92,15 @@ void KvCache::RunDemotions() {
     absl::MutexLock lock(&mu_);
     for (const HeldBlock& b : mine) UnholdLocked(b.pool, b.index);
     --demotions_in_flight_;
+    demotions_pending_ -= static_cast<int64_t>(mine.size());
     UpdatePressureLocked();
   }
+}
+
+bool KvCache::WaitForDemotions(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  return mu_.AwaitWithTimeout(
+      absl::Condition(+[](int64_t* pending) { return *pending == 0; }, &demotions_pending_), timeout);
 }
 
 absl::Status KvCache::AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) {

@@ -47,6 +47,10 @@ class TierPort {
   // SnapshotCheckpoints: every checkpoint now; with `pin`, each one's blocks are pinned (release
   // them with UnpinBlocks) so their bytes can be copied outside the lock.
   virtual std::vector<CachedBlockRef> SnapshotCached() const = 0;
+  // Waits until every block evicted so far towards the sink has been handed over (its OnEvict
+  // returned: copied below G1 or dropped); false after `timeout`. A flush calls it before it
+  // counts a block that left G1 as lost.
+  virtual bool WaitForDemotions(absl::Duration timeout) = 0;
   virtual int64_t VisitCached(absl::Span<const CachedBlockRef> refs,
                               const std::function<void(const CachedBlockView&)>& fn) = 0;
   virtual std::vector<CheckpointSnapshot> SnapshotCheckpoints(bool pin) = 0;

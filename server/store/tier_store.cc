@@ -173,6 +173,7 @@ std::optional<std::vector<uint32_t>> TierStore::AllocateSlotsLocked(int64_t n) {
 }
 
 void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
+  if (demotion_hook_for_testing_) demotion_hook_for_testing_();
   // Three steps, so that no block bytes move under mu_ either: claim a destination (a host slot,
   // or a spill buffer) and pin the entry; copy without mu_; install the copy. A reader meanwhile
   // finds the entry without bytes below G1 (a miss there), never a half-written slot.

@@ -136,6 +136,8 @@ class TierStore final : public EvictionSink {
   // Runs `hook` on the writer thread in every flush after the host tier is written and before
   // the device blocks are copied: where a concurrent eviction hurts most (tests).
   void SetFlushHookForTesting(std::function<void()> hook) { flush_hook_for_testing_ = std::move(hook); }
+  // Runs at the start of every OnEvict (a slow copy down, for tests). Set while nothing evicts.
+  void SetDemotionHookForTesting(std::function<void()> hook) { demotion_hook_for_testing_ = std::move(hook); }
   // Waits until no spill write is pending (tests).
   void WaitIdleForTesting() ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -262,6 +264,7 @@ class TierStore final : public EvictionSink {
   std::vector<uint64_t> layout_tags_;   // per pool
   std::atomic<bool> idle_demotion_{true};
   std::function<void()> flush_hook_for_testing_;
+  std::function<void()> demotion_hook_for_testing_;
 
   mutable absl::Mutex mu_;
   std::unique_ptr<HostTier> host_ ABSL_GUARDED_BY(mu_);

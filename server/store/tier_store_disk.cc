@@ -17,7 +17,6 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "absl/synchronization/notification.h"
 #include "proto/vocab/status_macros.h"
 #include "server/store/tier_store.h"
@@ -689,9 +688,8 @@ FlushResult TierStore::FlushNow() {
   std::vector<RecordHeader> headers;
   std::vector<std::shared_ptr<const std::string>> raws;
   // Writes the G2 and spill copies of the entries not on G3: every such entry, or only `keys`.
-  // Returns how many of `keys` are held by no tier at all; with `filling`, those a demotion is
-  // copying down right now (pinned, no bytes yet) go there instead of counting as missing.
-  const auto flush_held = [&](const absl::flat_hash_set<BlockKey>* keys, absl::flat_hash_set<BlockKey>* filling) {
+  // Returns how many of `keys` are held by no tier at all.
+  const auto flush_held = [&](const absl::flat_hash_set<BlockKey>* keys) {
     WriteSpills();  // demoted blocks waiting for the writer
     std::vector<ReadSource> held;
     int64_t missing = 0;
@@ -702,8 +700,6 @@ FlushResult TierStore::FlushNow() {
           ++result.already_durable;
         } else if (!e.slots.empty() || e.spill != nullptr) {
           held.push_back(PinForReadLocked(key, e));
-        } else if (e.pins > 0 && filling != nullptr) {
-          filling->insert(key);
         } else {
           ++missing;
         }
@@ -742,7 +738,7 @@ FlushResult TierStore::FlushNow() {
     return missing;
   };
   // 1. G2 copies and pending spills not on G3 (blocks and objects).
-  flush_held(nullptr, nullptr);
+  flush_held(nullptr);
   if (flush_hook_for_testing_) flush_hook_for_testing_();
   // 2. G1: every listed block not on G3, copied out under the cache lock in batches.
   {
@@ -782,20 +778,12 @@ FlushResult TierStore::FlushNow() {
   }
   // 3. Blocks that left G1 during the flush were demoted below it (or dropped for lack of room):
   // write them from there, and count any that no tier holds as not durable.
-  // A block evicted under the cache lock is copied down after it (OnEvict): one still on its way
-  // is waited for, up to kFillWait, before it can count as lost.
+  // A block evicted under the cache lock is copied down after it (OnEvict, on the evicting
+  // thread): wait for those on their way, up to kDemotionWait, before any counts as lost.
   if (!left_g1.empty()) {
-    constexpr absl::Duration kFillWait = absl::Seconds(2);
-    const absl::Time give_up = absl::Now() + kFillWait;
-    int64_t lost = 0;
-    absl::flat_hash_set<BlockKey> pending = std::move(left_g1);
-    while (!pending.empty()) {
-      absl::flat_hash_set<BlockKey> filling;
-      lost += flush_held(&pending, absl::Now() < give_up ? &filling : nullptr);
-      pending = std::move(filling);
-      if (!pending.empty()) absl::SleepFor(absl::Milliseconds(5));
-    }
-    if (lost > 0) {
+    constexpr absl::Duration kDemotionWait = absl::Seconds(2);
+    (void)cache_->WaitForDemotions(kDemotionWait);
+    if (const int64_t lost = flush_held(&left_g1); lost > 0) {
       fail(absl::DataLossError(absl::StrCat(lost, " blocks cached when the flush began were dropped "
                                             "from every tier before they could be written")),
            lost);

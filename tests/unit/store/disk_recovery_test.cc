@@ -11,6 +11,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "server/store/segment_file.h"
 #include "tests/unit/store/store_fixture.h"
 
@@ -95,22 +97,30 @@ TEST_CASE("Flush: a block dropped from every tier while it runs makes the answer
 
 TEST_CASE("Flush racing a gc waits for blocks still being copied down: durable, never a false loss",
           "[store][flush]") {
-  // The gc evicts under the cache lock and copies each block down after it, on its own thread;
-  // the flush must not count a block on its way down as dropped.
-  for (int round = 0; round < 30; ++round) {
-    const ScopedDir dir;
-    Node node(Tiers(dir, Codec::kNone, /*host_blocks=*/16), /*capacity_blocks=*/16);
-    PublishAll(node);
-    std::thread gc;
-    node.store->SetFlushHookForTesting([&] { gc = std::thread([&] { node.cache->Gc(); }); });
-    auto r = node.store->Flush();
-    gc.join();
-    node.store->SetFlushHookForTesting(nullptr);
-    REQUIRE(r.ok());
-    INFO("round " << round << ": " << r->error);
-    REQUIRE(r->durable);
-    REQUIRE(r->written_blocks + r->already_durable == 9);
-  }
+  // The gc evicts under the cache lock and copies each block down after it, on its own thread
+  // (here slowly); the flush meets them out of G1 and not yet in host memory, and must wait for
+  // them instead of calling them dropped.
+  const ScopedDir dir;
+  Node node(Tiers(dir, Codec::kNone, /*host_blocks=*/16), /*capacity_blocks=*/16);
+  PublishAll(node);
+  absl::Notification copying;
+  node.store->SetDemotionHookForTesting([&] {
+    if (!copying.HasBeenNotified()) copying.Notify();
+    absl::SleepFor(absl::Milliseconds(30));
+  });
+  std::thread gc;
+  node.store->SetFlushHookForTesting([&] {
+    gc = std::thread([&] { node.cache->Gc(); });
+    copying.WaitForNotification();  // every block has left G1; the copies have just begun
+  });
+  auto r = node.store->Flush();
+  gc.join();
+  node.store->SetFlushHookForTesting(nullptr);
+  node.store->SetDemotionHookForTesting(nullptr);
+  REQUIRE(r.ok());
+  INFO(r->error);
+  REQUIRE(r->durable);
+  REQUIRE(r->written_blocks == 9);
 }
 
 TEST_CASE("A lost manifest is rebuilt from the segments; no segment is deleted", "[store][recovery]") {
