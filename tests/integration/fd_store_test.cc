@@ -26,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "gpu/unique_fd.h"
+#include "tests/integration/fence_fixture.h"
 #include "tests/integration/harness.h"
 
 namespace kvd {
@@ -193,16 +194,7 @@ TEST_CASE("An asynchronous writer across an fd-store crash restart: nothing it m
   systemd.Kill();
   REQUIRE(systemd.Start());
   INFO(systemd.log());
-  ProcessResult b = RunWorker({"--target=" + systemd.target(), "--id=b", "--prompt-range=5000:64", "--salt=tenant-b"},
-                              absl::Seconds(60));
-  INFO(b.out);
-  REQUIRE(b.exit_code == 0);
-  absl::SleepFor(absl::Seconds(3));
-  ProcessResult reader = RunWorker({"--target=" + systemd.target(), "--id=reader", "--prompt-range=5000:64",
-                                    "--salt=tenant-b"});
-  INFO(reader.out);
-  REQUIRE(JsonInt(reader.out, "cached_tokens") == 60);
-  REQUIRE(JsonInt(reader.out, "mismatches") == 0);
+  AnotherTenantReadsBackExactly(systemd.target());
   REQUIRE(absl::StrContains(systemd.log(), "fenced for the lease TTL"));
 }
 

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "tests/integration/fence_fixture.h"
 #include "tests/integration/harness.h"
 
 namespace kvd {
@@ -21,22 +22,6 @@ using namespace kvd::testing;
 std::vector<std::string> SlowWriter(const std::string& target) {
   return {"--target=" + target, "--id=writer", "--prompt-range=0:64", "--async-writer-us=40000",
           "--salt=tenant-a"};
-}
-
-// Another tenant computes and publishes a prompt now; once the slow writer would have finished,
-// a reader gets it back whole, byte for byte.
-void AnotherTenantReadsBackExactly(const std::string& target) {
-  ProcessResult b = RunWorker({"--target=" + target, "--id=b", "--prompt-range=5000:64", "--salt=tenant-b"},
-                              absl::Seconds(60));
-  INFO(b.out);
-  REQUIRE(b.exit_code == 0);
-  absl::SleepFor(absl::Seconds(3));
-  ProcessResult reader = RunWorker({"--target=" + target, "--id=reader", "--prompt-range=5000:64",
-                                    "--salt=tenant-b"});
-  INFO(reader.out);
-  REQUIRE(JsonInt(reader.out, "cached_tokens") == 60);
-  REQUIRE(JsonInt(reader.out, "mismatches") == 0);
-  REQUIRE(reader.exit_code == 0);
 }
 
 TEST_CASE("An asynchronous writer across --takeover: nothing it may still write goes to another tenant",
