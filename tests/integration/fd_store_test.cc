@@ -158,7 +158,7 @@ class FdStoreSupervisor {
 TEST_CASE("Crash restarts under an fd store keep the KV memory a running worker has mapped",
           "[integration][restart][fdstore]") {
   // A short lease: each restart fences the kept memory for one TTL (docs/security.md).
-  FdStoreSupervisor systemd(SmallPoolConfig(64, "lease_ttl_s: 2\n"));
+  FdStoreSupervisor systemd(SmallPoolConfig(64, "lease_ttl_s: 4\n"));
   REQUIRE(systemd.Start());
   REQUIRE(systemd.store().size() == 1);  // one pool, one shard
   REQUIRE(absl::StartsWith(systemd.store().begin()->first, "kvdslab-0-0-"));

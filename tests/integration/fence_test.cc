@@ -50,14 +50,14 @@ TEST_CASE("An asynchronous writer across a failed takeover: the resumed kvd fenc
 }
 
 TEST_CASE("A writer stopped past its lease writes nothing when it resumes", "[integration][fences]") {
-  DaemonProcess d(SmallPoolConfig(64, "lease_ttl_s: 2\n"));
+  DaemonProcess d(SmallPoolConfig(64, "lease_ttl_s: 4\n"));
   WorkerProcess a(SlowWriter(d.target()));
   REQUIRE(a.WaitForLine("WRITING", absl::Seconds(20)).ok());
   absl::SleepFor(absl::Milliseconds(200));
   a.Signal(SIGSTOP);
-  // Its lease lapses (2 s) and kvd releases its request: the blocks are free again, and another
+  // Its lease lapses (4 s) and kvd releases its request: the blocks are free again, and another
   // tenant is given them.
-  absl::SleepFor(absl::Seconds(4));
+  absl::SleepFor(absl::Seconds(6));
   ProcessResult b = RunWorker({"--target=" + d.target(), "--id=b", "--prompt-range=5000:64", "--salt=tenant-b"});
   INFO(b.out);
   REQUIRE(b.exit_code == 0);

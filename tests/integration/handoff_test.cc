@@ -338,7 +338,7 @@ TEST_CASE("A handoff with a checkpoint on disk: one kvd serves at every failure 
     DYNAMIC_SECTION((*c.step ? c.step : "no fault") << (c.old_side ? " (old kvd)" : " (new kvd)")) {
       TempDir disk;
       if (c.old_side && *c.step) setenv("KVD_TEST_HANDOFF_FAULT", c.step, 1);
-      DaemonProcess d(SmallPoolConfig(64, "lease_ttl_s: 2\ntiers:\n  disk_dir: " + disk.path() + "\n"));
+      DaemonProcess d(SmallPoolConfig(64, "lease_ttl_s: 4\ntiers:\n  disk_dir: " + disk.path() + "\n"));
       unsetenv("KVD_TEST_HANDOFF_FAULT");
       REQUIRE(ServedPrompt(d, "seed") == 0);
       WorkerProcess victim({"--target", d.target(), "--id", "gen", "--prompt-range", "100:10", "--gen", "20",
@@ -357,7 +357,7 @@ TEST_CASE("A handoff with a checkpoint on disk: one kvd serves at every failure 
       if (took_over) REQUIRE(d.WaitPredecessorExit(absl::Seconds(20)).ok());
       // A kvd resumed without its index fences its memory for a lease TTL and restores the disk's
       // checkpoints once the fence is lifted.
-      absl::SleepFor(absl::Milliseconds(3500));
+      absl::SleepFor(absl::Milliseconds(5500));
       ServedPrompt(d, "after");
       ProcessResult resumed = RunWorker({"--target", d.target(), "--id", "gen2", "--resume-from", "gen",
                                          "--prompt-range", "100:10", "--gen", "20"});
