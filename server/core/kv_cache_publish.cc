@@ -257,9 +257,26 @@ absl::Status KvCache::MakeCheckpointStateRoomLocked(const WorkerId& owner, int64
     const int64_t per_worker = options_.max_checkpoint_state_bytes_per_worker > 0
                                    ? options_.max_checkpoint_state_bytes_per_worker
                                    : options_.checkpoint_state_bytes / 4;
-    auto it = checkpoint_state_by_worker_.find(owner);
-    const int64_t held = (it == checkpoint_state_by_worker_.end() ? 0 : it->second) -
-                         (replacing != nullptr && replacing->owner == owner ? freed : 0);
+    const auto held_now = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = checkpoint_state_by_worker_.find(owner);
+      return (it == checkpoint_state_by_worker_.end() ? 0 : it->second) -
+             (replacing != nullptr && replacing->owner == owner ? freed : 0);
+    };
+    // Over its own limit, a worker gives up its own oldest interrupted checkpoints first. A scan
+    // of the orphans, only when a worker is at its limit; they are bounded by the state budget.
+    while (held_now() + bytes > per_worker) {
+      const RequestId* oldest = nullptr;
+      for (const auto& [when, id] : orphans_) {
+        const CheckpointRecord& c = *checkpoints_.at(id);
+        if (c.owner == owner && &c != replacing) {
+          oldest = &id;
+          break;
+        }
+      }
+      if (oldest == nullptr) break;
+      DropCheckpointLocked(RequestId(*oldest));
+    }
+    const int64_t held = held_now();
     if (held + bytes > per_worker) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "worker '", owner.value(), "' holds ", held, " bytes of checkpoint state; ", bytes,
@@ -278,10 +295,7 @@ absl::Status KvCache::MakeCheckpointStateRoomLocked(const WorkerId& owner, int64
 }
 
 void KvCache::OrphanCheckpointLocked(CheckpointRecord& ckpt) {
-  // No longer the worker's: its state counts only in the total from now on.
-  ChargeCheckpointStateLocked(ckpt, -1);
-  ckpt.owner = WorkerId();
-  ChargeCheckpointStateLocked(ckpt, +1);
+  // Its state still counts against its worker (CheckpointRecord::owner).
   const int64_t charge = static_cast<int64_t>(ckpt.blocks.size());
   const int64_t charge_bytes = ledger_.BytesOf(ckpt.pool, charge);
   if (charge_bytes > options_.checkpoint_budget_bytes) {

@@ -77,7 +77,10 @@ struct CheckpointRecord {
   std::vector<BlockIndex> blocks;
   std::string engine_state;
   int64_t state_bytes = 0;      // engine_state + tokens: daemon memory charged for it
-  WorkerId owner;               // the live request's worker; empty once orphaned or restored
+  // The worker (process) whose per-worker limit its state counts against: its request's, also
+  // once orphaned (a worker cannot push other tenants' resumable checkpoints out by ending its
+  // own as interrupted); empty when restored from disk or a handoff.
+  WorkerId owner;
   bool orphaned = false;        // its request ended interrupted
   int64_t charged_blocks = 0;   // when orphaned: blocks charged to the ledger
   absl::Time expires_at;        // when orphaned

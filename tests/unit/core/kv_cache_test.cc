@@ -666,12 +666,45 @@ TEST_CASE("Checkpoint state is bounded per worker and in total", "[core][cache][
   REQUIRE(over.code() == C::kResourceExhausted);
   REQUIRE(over.message().find("checkpoint_state_bytes") != absl::string_view::npos);
   RequireInvariants(*cache);
-  // An orphaned checkpoint leaves its worker's share and is the first to go for room.
+  // An orphaned checkpoint (still w0's) is the first to go for room.
   REQUIRE(cache->Release(a.id, /*completed=*/false).ok());
   REQUIRE(cache->Report().orphaned_checkpoints == 1);
   REQUIRE(cache->Checkpoint(d.id, d.prompt, std::string(100, 'd')).ok());
   REQUIRE(cache->Report().orphaned_checkpoints == 0);  // a's orphan was dropped for room
   REQUIRE(cache->Acquire(RequestId("a")).status().code() == C::kNotFound);
+  RequireInvariants(*cache);
+}
+
+TEST_CASE("A worker's interrupted checkpoints count against its own limit and go before anyone else's",
+          "[core][cache][limits][checkpoint]") {
+  FakeClock clock;
+  auto o = SmallOptions(64);
+  o.checkpoint_state_bytes = 10'000;
+  o.max_checkpoint_state_bytes_per_worker = 4'000;
+  auto cache = MakeCache(o, &clock);
+  const auto orphan = [&](const std::string& id, Token first, const std::string& worker, size_t state) {
+    RequestSpec s = Spec(id, Seq(first, 4));
+    s.owner = WorkerId(worker);
+    Start(*cache, s);
+    absl::Status st = cache->Checkpoint(s.id, s.prompt, std::string(state, 'x'));
+    if (st.ok()) REQUIRE(cache->Release(s.id, /*completed=*/false).ok());
+    return st;
+  };
+  // Another tenant's resumable generation.
+  REQUIRE(orphan("victim", 0, "tenant-b", 1'500).ok());
+  clock.Advance(absl::Seconds(1));
+  // A worker ending generation after generation as interrupted never gets past its own 4,000
+  // bytes: each new checkpoint drops its own oldest, never the other tenant's.
+  for (int i = 0; i < 20; ++i) {
+    REQUIRE(orphan("greedy-" + std::to_string(i), 100 + 10 * i, "tenant-a", 1'500).ok());
+    clock.Advance(absl::Seconds(1));
+    RequireInvariants(*cache);
+  }
+  RequestSpec resume = Spec("resume", Seq(0, 4));
+  resume.owner = WorkerId("tenant-b");
+  resume.resume_from = RequestId("victim");
+  REQUIRE(Start(*cache, resume).resumed);
+  REQUIRE(cache->Report().orphaned_checkpoints == 2);  // tenant-a's two newest
   RequireInvariants(*cache);
 }
 
