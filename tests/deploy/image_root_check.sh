@@ -37,10 +37,11 @@ echo "image_root_check: runtime-packages.txt matches the binaries ($(echo "$need
 
 # (2) A bare root with exactly that list.
 command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
-mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+source "$kvd_root/scripts/apt-mirror.sh"
+mirror=$(kvd_apt_mirror)
 if [ ! -f "$root/.kvd-runtime-packages" ] || [ "$(cat "$root/.kvd-runtime-packages")" != "$packages" ]; then
   rm -rf "$root"
-  debootstrap --variant=minbase bookworm "$root" "${mirror:-http://deb.debian.org/debian}" >"$root.log" 2>&1 \
+  debootstrap --variant=minbase bookworm "$root" "$mirror" >"$root.log" 2>&1 \
     || { tail -20 "$root.log" >&2; fail "debootstrap failed"; }
   cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
   # shellcheck disable=SC2086

@@ -16,8 +16,9 @@ command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get inst
 if [ ! -x "$root/usr/bin/python3" ]; then
   rm -rf "$root"
   # The mirror apt already uses here.
-  mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
-  debootstrap --variant=minbase --include=python3 bookworm "$root" "${mirror:-http://deb.debian.org/debian}" \
+  source "$kvd_root/scripts/apt-mirror.sh"
+  mirror=$(kvd_apt_mirror)
+  debootstrap --variant=minbase --include=python3 bookworm "$root" "$mirror" \
     >"$root.log" 2>&1 || { tail -20 "$root.log" >&2; echo "minimal_root_check: debootstrap failed" >&2; exit 1; }
 fi
 fail() { echo "minimal_root_check: FAIL: $*" >&2; exit 1; }
