@@ -76,6 +76,7 @@ void ToProto(const CacheSnapshot& in, pb::Snapshot* out) {
     pb::Session* p = out->add_sessions();
     p->set_id(s.id.value());
     p->set_worker(s.worker.value());
+    if (s.salt.has_value()) p->set_cache_salt(*s.salt);
     for (int64_t b : s.protected_blocks) p->add_protected_blocks(b);
     p->set_expires_unix_ns(absl::ToUnixNanos(s.expires_at));
   }
@@ -116,6 +117,7 @@ CacheSnapshot FromProto(const pb::Snapshot& in) {
   for (const pb::Session& p : in.sessions()) {
     CacheSnapshot::Session& s = out.sessions.emplace_back();
     s.id = SessionId(p.id());
+    if (p.has_cache_salt()) s.salt = p.cache_salt();
     s.worker = WorkerId(p.worker());
     s.protected_blocks.assign(p.protected_blocks().begin(), p.protected_blocks().end());
     s.expires_at = absl::FromUnixNanos(p.expires_unix_ns());

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,7 @@ struct CacheSnapshot {
     WorkerId worker;
     std::vector<int64_t> protected_blocks;  // positions in `blocks`
     absl::Time expires_at;
+    std::optional<std::string> salt;  // the tenant it belongs to (cache_salt)
   };
   struct Checkpoint {
     RequestId id;

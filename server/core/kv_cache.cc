@@ -205,6 +205,14 @@ absl::StatusOr<PoolId> KvCache::ValidateSpecLocked(const RequestSpec& spec) cons
   KVD_RETURN_IF_ERROR(CheckId("request id", spec.id.value(), /*required=*/true));
   KVD_RETURN_IF_ERROR(CheckId("session id", spec.session.value(), false));
   KVD_RETURN_IF_ERROR(CheckId("resume_from", spec.resume_from.value(), false));
+  if (!spec.session.empty()) {
+    auto session = sessions_.find(spec.session);
+    if (session != sessions_.end() && session->second.salt.has_value() &&
+        *session->second.salt != spec.ns.cache_salt) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("session '", spec.session.value(), "' belongs to another tenant (another cache_salt)"));
+    }
+  }
   KVD_ASSIGN_OR_RETURN(PoolId pool, FindPool(spec.ns.pool));
   if (spec.prompt.empty()) return absl::InvalidArgumentError("prompt is empty");
   if (spec.max_new_tokens < 0) return absl::InvalidArgumentError("max_new_tokens must be >= 0");

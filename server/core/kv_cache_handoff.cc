@@ -67,6 +67,7 @@ CacheSnapshot KvCache::ExportSnapshot() const {
     if (session.expires_at <= now) continue;
     CacheSnapshot::Session& s = out.sessions.emplace_back();
     s.id = id;
+    s.salt = session.salt;
     s.worker = session.worker;
     s.expires_at = session.expires_at;
     for (const ProtectedRef& ref : session.protected_blocks) {
@@ -258,6 +259,7 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
     for (const CacheSnapshot::Session& in : snap.sessions) {
       if (in.expires_at <= clock_->Now()) continue;
       Session& session = sessions_[in.id];
+      session.salt = in.salt;
       session.worker = in.worker;
       session.expires_at = in.expires_at;
       for (int64_t p : in.protected_blocks) {

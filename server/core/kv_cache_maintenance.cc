@@ -7,7 +7,11 @@
 namespace kvd {
 
 void KvCache::UpdateSessionLocked(const Request& req) {
-  Session& session = sessions_[req.spec.session];
+  auto [it, created] = sessions_.try_emplace(req.spec.session);
+  Session& session = it->second;
+  // Made by another tenant since this request was admitted: left alone.
+  if (!created && session.salt.has_value() && *session.salt != req.spec.ns.cache_salt) return;
+  session.salt = req.spec.ns.cache_salt;
   std::vector<ProtectedRef> old = std::move(session.protected_blocks);
   session.protected_blocks.clear();
   session.worker = req.spec.owner;

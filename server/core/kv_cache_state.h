@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -101,6 +102,10 @@ struct FenceRecord {
 };
 struct ProtectedRef { PoolId pool; BlockIndex index; uint64_t node_serial; };
 struct Session {
+  // The tenant it belongs to: the cache_salt of the request that made it. A request of another
+  // salt naming it is refused (it could otherwise move the protection off the tenant's blocks).
+  // Unset for a session a handoff brought from a kvd that did not record it: any salt may use it.
+  std::optional<std::string> salt;
   WorkerId worker;
   std::vector<ProtectedRef> protected_blocks;  // leading cached blocks of its latest request
   absl::Time expires_at;

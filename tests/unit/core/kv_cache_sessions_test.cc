@@ -94,5 +94,38 @@ TEST_CASE("A new turn moves protection to the new prefix; CloseSession keeps the
   RequireInvariants(*cache);
 }
 
+TEST_CASE("A session belongs to its tenant: another cache_salt naming it is refused and changes nothing",
+          "[core][sessions]") {
+  FakeClock clock;
+  auto cache = MakeCache(SmallOptions(8), &clock);
+  RequestSpec a = Spec("a", Seq(0, 9));
+  a.session = SessionId("chat");
+  a.ns.cache_salt = "tenant-a";
+  PublishAll(*cache, a, a.prompt, Start(*cache, a));
+  REQUIRE(cache->Release(a.id, true).ok());
+  REQUIRE(cache->GetSession(SessionId("chat"))->protected_blocks == 2);
+  RequestSpec b = Spec("b", Seq(500, 9));
+  b.session = SessionId("chat");  // the same id, another tenant
+  b.ns.cache_salt = "tenant-b";
+  auto refused = cache->Admit(b);
+  REQUIRE(absl::IsPermissionDenied(refused.status()));
+  REQUIRE(refused.status().message().find("another tenant") != absl::string_view::npos);
+  REQUIRE(cache->GetSession(SessionId("chat"))->protected_blocks == 2);
+  // The tenant's own next turn, from another worker, goes on.
+  RequestSpec a2 = Spec("a2", Seq(0, 13));
+  a2.session = SessionId("chat");
+  a2.ns.cache_salt = "tenant-a";
+  a2.owner = WorkerId("w1");
+  PublishAll(*cache, a2, a2.prompt, Start(*cache, a2));
+  REQUIRE(cache->Release(a2.id, true).ok());
+  REQUIRE(cache->GetSession(SessionId("chat"))->protected_blocks == 3);
+  // It crosses a handoff scoped.
+  const CacheSnapshot snap = cache->ExportSnapshot();
+  auto fresh = MakeCache(SmallOptions(8), &clock);
+  REQUIRE(fresh->ImportSnapshot(snap).ok());
+  REQUIRE(absl::IsPermissionDenied(fresh->Admit(b).status()));
+  RequireInvariants(*fresh);
+}
+
 }  // namespace
 }  // namespace kvd
