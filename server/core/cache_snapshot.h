@@ -22,7 +22,19 @@
 // as stored. Returns the blocks indexed. FAILED_PRECONDITION unless the cache holds nothing yet
 // (no block, request, session or checkpoint); INVALID_ARGUMENT naming the first field that does
 // not fit this cache's pools (pool, index, token count, parent order, namespace, a checkpoint's
-// blocks): nothing changes then.
+// blocks): nothing changes then. A snapshot's fences are kept (until their time) and a cache
+// that holds a fence already refuses it too.
+//
+// Fences (kv_cache_fences.cc; docs/security.md, "Leases and fencing"):
+// - EndAllFenced(until, pids): ends every live request as interrupted (checkpoints kept, as
+//   Release does) and fences the blocks each owned, which its writer may still write, until
+//   `until`, for its worker's pid in `pids` (0 when absent). Returns the requests ended. For a
+//   daemon that stops serving.
+// - FenceFreeBlocks(until): fences every free block of every pool, for no pid: a start on memory
+//   whose writers are unknown (a crashed kvd's slabs, a failed handoff's). Returns the blocks.
+// - LiftFences(pid): hands on the blocks fenced for `pid` (it re-attached quiesced, or is gone);
+//   returns how many. ExpireFences(): lifts those past their time; returns the blocks still
+//   fenced. FencedPids(): the pids blocks are fenced for (never 0).
 #pragma once
 
 #include <cstdint>

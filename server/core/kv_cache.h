@@ -160,20 +160,12 @@ class KvCache final : public TierPort {
   CacheSnapshot ExportSnapshot() const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<int64_t> ImportSnapshot(const CacheSnapshot& snapshot) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // --- fences (kv_cache_fences.cc; cache_state::FenceRecord; docs/security.md) ---
-  // Ends every live request as interrupted (checkpoints kept, as Release does) and fences the
-  // blocks each owned, which its writer may still write, until `until`, for its worker's pid in
-  // `pids` (0 when absent). Returns the requests ended. For a daemon that stops serving.
+  // --- fences (kv_cache_fences.cc; the contracts are in cache_snapshot.h) ---
   int64_t EndAllFenced(absl::Time until, const absl::flat_hash_map<WorkerId, uint32_t>& pids)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Fences every free block of every pool until `until`, for no pid: a start on memory whose
-  // writers are unknown (a crashed kvd's slabs, a failed handoff's). Returns the blocks fenced.
   int64_t FenceFreeBlocks(absl::Time until) ABSL_LOCKS_EXCLUDED(mu_);
-  // Hands on the blocks fenced for `pid` (it re-attached quiesced, or is gone); returns how many.
   int64_t LiftFences(uint32_t pid) ABSL_LOCKS_EXCLUDED(mu_);
-  // Lifts the fences whose time passed; returns the blocks still fenced.
   int64_t ExpireFences() ABSL_LOCKS_EXCLUDED(mu_);
-  // The pids that blocks are fenced for (never 0).
   std::vector<uint32_t> FencedPids() const ABSL_LOCKS_EXCLUDED(mu_);
 
   const EventLog& events() const { return events_; }  // WatchEvents replays from it
@@ -196,6 +188,7 @@ class KvCache final : public TierPort {
   using Session = cache_state::Session;
   using Outbox = cache_state::Outbox;
   using FenceRecord = cache_state::FenceRecord;
+  using FenceMap = absl::btree_map<std::pair<absl::Time, uint64_t>, FenceRecord>;  // by (until, serial)
   KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes);
   // kv_cache.cc: requests.
   absl::StatusOr<PoolId> ValidateSpecLocked(const RequestSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -257,12 +250,11 @@ class KvCache final : public TierPort {
   void SetProtectionLocked(PoolId pool, CachedBlock* node, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t NextTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // kv_cache_fences.cc. Fences `blocks` of `pool` (each free, or owned and referenced by a
-  // checkpoint; cached ones are skipped: published bytes are never rewritten) for `pid`.
+  // kv_cache_fences.cc. Fences `blocks` of `pool` for `pid` (cached ones skipped: published
+  // bytes are never rewritten).
   void AddFenceLocked(uint32_t pid, PoolId pool, absl::Span<const BlockIndex> blocks, absl::Time until)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void LiftFenceLocked(absl::btree_map<std::pair<absl::Time, uint64_t>, FenceRecord>::iterator it)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void LiftFenceLocked(FenceMap::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool FencedLocked(PoolId pool, BlockIndex index) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // kv_cache_maintenance.cc: sessions, expiry, pressure, reports.
@@ -305,9 +297,8 @@ class KvCache final : public TierPort {
   int64_t checkpoints_not_durable_ ABSL_GUARDED_BY(mu_) = 0;  // records with !durable
   absl::flat_hash_map<WorkerId, int64_t> checkpoint_state_by_worker_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
-  // Fences by (until, serial), and how many fences hold each fenced block (pool << 40 | index).
-  absl::btree_map<std::pair<absl::Time, uint64_t>, FenceRecord> fences_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, int32_t> fenced_ ABSL_GUARDED_BY(mu_);
+  FenceMap fences_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, int32_t> fenced_ ABSL_GUARDED_BY(mu_);  // fences per block (pool << 40 | index)
   absl::btree_map<std::pair<absl::Time, SessionId>, bool> session_expiry_ ABSL_GUARDED_BY(mu_);
   uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 1;
   WorkerTable workers_ ABSL_GUARDED_BY(mu_);

@@ -68,12 +68,10 @@ class TierStore final : public EvictionSink {
   //   served nor evicted this run; a truncated one serves its intact records.
   // Deleted, each with a log line: .tmp files (unfinished writes) and unlisted segments numbered
   // below the manifest's next_segment (evicted or replaced by a committed manifest).
-  // FAILED_PRECONDITION when the manifest exists but cannot be read. Then, unless
-  // `restore_checkpoints` is false, RestoreCheckpoints: a daemon on adopted memory calls it itself
-  // once a handoff's snapshot is imported and no fence covers the free blocks.
+  // FAILED_PRECONDITION when the manifest exists but cannot be read. Then RestoreCheckpoints,
+  // unless not `restore_checkpoints` (a daemon on adopted memory calls it once it may: server/daemon.cc).
   absl::Status Load(bool restore_checkpoints = true);
-  // Load's last step: recreates each stored checkpoint not already in the cache, in free blocks,
-  // and fills them.
+  // Recreates each stored checkpoint not already in the cache, in free blocks, and fills them.
   void RestoreCheckpoints() ABSL_LOCKS_EXCLUDED(mu_);
 
   // EvictionSink: demotes a block leaving G1 to G2 (or, without room there, towards G3).
@@ -133,10 +131,10 @@ class TierStore final : public EvictionSink {
   // Waits until no promotion, prefetch, object read or disk write is queued or running (their
   // callbacks have returned). The daemon calls it on shutdown before destroying the RPC server.
   void Quiesce() ABSL_LOCKS_EXCLUDED(mu_) { WaitIdleForTesting(); }
-  // Runs `hook` on the writer thread in every flush after the host tier is written and before
-  // the device blocks are copied: where a concurrent eviction hurts most (tests).
+  // Tests: `hook` runs on the writer thread in every flush after the host tier is written and
+  // before the device blocks are copied (where an eviction hurts most), or at the start of every
+  // OnEvict (a slow copy down). Set while nothing flushes or evicts.
   void SetFlushHookForTesting(std::function<void()> hook) { flush_hook_for_testing_ = std::move(hook); }
-  // Runs at the start of every OnEvict (a slow copy down, for tests). Set while nothing evicts.
   void SetDemotionHookForTesting(std::function<void()> hook) { demotion_hook_for_testing_ = std::move(hook); }
   // Waits until no spill write is pending (tests).
   void WaitIdleForTesting() ABSL_LOCKS_EXCLUDED(mu_);
