@@ -298,7 +298,7 @@ class KvCache final : public TierPort {
   absl::flat_hash_map<WorkerId, int64_t> checkpoint_state_by_worker_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   FenceMap fences_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, int32_t> fenced_ ABSL_GUARDED_BY(mu_);  // fences per block (pool << 40 | index)
+  absl::flat_hash_map<uint64_t, int32_t> fenced_ ABSL_GUARDED_BY(mu_);  // fences per block, by cache_state::FencedBlockKey
   absl::btree_map<std::pair<absl::Time, SessionId>, bool> session_expiry_ ABSL_GUARDED_BY(mu_);
   uint64_t next_serial_ ABSL_GUARDED_BY(mu_) = 1;
   WorkerTable workers_ ABSL_GUARDED_BY(mu_);

@@ -11,13 +11,9 @@
 #include "server/core/kv_cache.h"
 
 namespace kvd {
-namespace {
+using cache_state::FencedBlockKey;
 
-uint64_t FenceKey(PoolId pool, BlockIndex index) { return (static_cast<uint64_t>(pool) << 40) | index; }
-
-}  // namespace
-
-bool KvCache::FencedLocked(PoolId pool, BlockIndex index) const { return fenced_.contains(FenceKey(pool, index)); }
+bool KvCache::FencedLocked(PoolId pool, BlockIndex index) const { return fenced_.contains(FencedBlockKey(pool, index)); }
 
 void KvCache::AddFenceLocked(uint32_t pid, PoolId pool_id, absl::Span<const BlockIndex> blocks, absl::Time until) {
   Pool& pool = *pools_[pool_id];
@@ -43,7 +39,7 @@ void KvCache::AddFenceLocked(uint32_t pid, PoolId pool_id, absl::Span<const Bloc
       ++pool.num_owned;
     }
     ++s.refs;
-    ++fenced_[FenceKey(pool_id, b)];
+    ++fenced_[FencedBlockKey(pool_id, b)];
   }
   // Blocks it took from the free list count against the budget as a request's would, so that
   // admission never promises blocks a fence holds. A successor configured smaller than its
@@ -57,10 +53,10 @@ void KvCache::AddFenceLocked(uint32_t pid, PoolId pool_id, absl::Span<const Bloc
   UpdatePressureLocked();
 }
 
-void KvCache::LiftFenceLocked(absl::btree_map<std::pair<absl::Time, uint64_t>, FenceRecord>::iterator it) {
+void KvCache::LiftFenceLocked(FenceMap::iterator it) {
   const FenceRecord& f = it->second;
   for (BlockIndex b : f.blocks) {
-    auto count = fenced_.find(FenceKey(f.pool, b));
+    auto count = fenced_.find(FencedBlockKey(f.pool, b));
     if (--count->second == 0) fenced_.erase(count);
     UnrefLocked(f.pool, b, /*touch=*/false);  // freed when the fence held it alone
   }

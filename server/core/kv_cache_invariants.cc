@@ -60,7 +60,7 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
     reserved[f.pool] += f.charged_blocks;
     for (BlockIndex b : f.blocks) {
       ++refs[f.pool][b];
-      ++fenced[(static_cast<uint64_t>(f.pool) << 40) | b];
+      ++fenced[cache_state::FencedBlockKey(f.pool, b)];
     }
   }
   if (fenced != fenced_) return fail("fenced block counts drifted");
@@ -117,7 +117,7 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
           ++owned;
           auto it = live_serials.find(s.owner);
           // A pin outlives its request; a fence, the request or checkpoint it was taken from.
-          const bool pinned = pool.pins.contains(b) || fenced_.contains((static_cast<uint64_t>(p) << 40) | b);
+          const bool pinned = pool.pins.contains(b) || fenced_.contains(cache_state::FencedBlockKey(p, b));
           if (s.refs == 0 || (!pinned && (it == live_serials.end() || it->second != p))) {
             return fail("owned block ", b, " has no live owner");
           }

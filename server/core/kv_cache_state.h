@@ -92,6 +92,8 @@ struct CheckpointRecord {
 // handoff; every free block after a restart that kept memory but not who wrote it). The fence
 // holds one reference on each, so none is handed to a new owner until it is lifted: its process
 // re-attached quiesced or is gone (pid), or `until` passed (docs/security.md).
+// The key of a block in KvCache::fenced_ (how many fences hold it).
+inline uint64_t FencedBlockKey(PoolId pool, BlockIndex index) { return (static_cast<uint64_t>(pool) << 40) | index; }
 struct FenceRecord {
   uint64_t serial = 0;  // owner serial of blocks held by the fence alone
   uint32_t pid = 0;     // 0: lifted only by time
