@@ -24,6 +24,7 @@
 #include "proto/vocab/cache_types.h"
 #include "proto/vocab/cache_event.h"
 #include "proto/vocab/pool_geometry.h"
+#include "client/step.h"
 
 namespace kvd::client {
 
@@ -54,6 +55,9 @@ struct ClientOptions {
   // (RecordWrites / WaitForPublishers). -1: none.
   int32_t ipc_event_device = -1;
   absl::Duration connect_timeout = absl::Seconds(5);
+  // Block credit (client/step.h) the client asks kvd to keep per pool it uses in steps, so that
+  // decode grows without a round trip; it goes back to kvd with the attachment. 0: none.
+  int64_t step_credit_blocks = 128;
   // kvd restarted with different memory (a plain restart: new slabs): every PoolView's shard_base
   // now points into the new mappings and the engine must rebuild whatever it derived from the old
   // ones (its KV tensors moved). Called on the client's supervisor thread after the new mappings
@@ -177,6 +181,15 @@ class Client {
   // (interrupted) if dropped unreleased.
   absl::StatusOr<std::unique_ptr<KvRequest>> Start(RequestSpec spec,
                                                    absl::Duration wait = absl::Seconds(10));
+
+  // One scheduler step (client/step.h). The status fails the whole step (kvd unreachable after
+  // retries with the same sequence number, or a refused step); each item's own outcome is in
+  // the answer. One step at a time per client.
+  absl::StatusOr<StepAnswer> Step(StepBatch& batch);
+  // Tells kvd now of the credit-covered growth the client holds back, if any.
+  absl::Status FlushSteps();
+  // Credit blocks held now in `pool`.
+  int64_t StepCredit(PoolId pool) const;
 
   struct Impl;
 

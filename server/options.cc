@@ -352,7 +352,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
        "max_checkpoint_state_bytes_per_worker", "boundary_high_watermark",
        "boundary_low_watermark", "demote_reserve", "event_buffer", "eviction_policy", "slru_main_fraction", "slru_ghost_fraction",
        "horizon_probation", "horizon_main", "horizon_sample_every", "horizon_margin",
-       "max_requests_per_worker", "max_bytes_per_worker", "pools", "tiers", "router_events", "tls_cert_file",
+       "max_requests_per_worker", "max_bytes_per_worker", "step_credit_blocks", "pools", "tiers", "router_events", "tls_cert_file",
        "tls_key_file", "tls_client_ca_file", "allowed_uids", "allowed_gids", "socket_group"}));
   ServerOptions& s = options->server;
   CacheOptions& c = options->cache;
@@ -403,6 +403,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   KVD_RETURN_IF_ERROR(Read(root, "horizon_margin", &c.horizon_margin, where));
   KVD_RETURN_IF_ERROR(Read(root, "max_requests_per_worker", &c.max_requests_per_worker, where));
   KVD_RETURN_IF_ERROR(ReadSize(root, "max_bytes_per_worker", &c.max_bytes_per_worker, where));
+  KVD_RETURN_IF_ERROR(Read(root, "step_credit_blocks", &c.step_credit_blocks, where));
   if (const YAML::Node tiers = root["tiers"]) {
     KVD_RETURN_IF_ERROR(ReadTiers(tiers, absl::StrCat(where, ": tiers"), &options->tiers));
   }
@@ -468,6 +469,7 @@ std::string FormatConfig(const Options& o) {
   out << YAML::Key << "horizon_margin" << YAML::Value << c.horizon_margin;
   out << YAML::Key << "max_requests_per_worker" << YAML::Value << c.max_requests_per_worker;
   out << YAML::Key << "max_bytes_per_worker" << YAML::Value << c.max_bytes_per_worker;
+  out << YAML::Key << "step_credit_blocks" << YAML::Value << c.step_credit_blocks;
   out << YAML::Key << "pools" << YAML::Value << YAML::BeginSeq;
   for (const PoolGeometry& g : c.pools) {
     out << YAML::BeginMap;

@@ -54,6 +54,9 @@ absl::Status CacheOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("demote_reserve must be in [0, 0.5], not ", demote_reserve));
   }
   if (event_buffer <= 0) return absl::InvalidArgumentError(absl::StrCat("event_buffer must be > 0, not ", event_buffer));
+  if (step_credit_blocks < 0 || step_credit_blocks > 65536) {
+    return absl::InvalidArgumentError(absl::StrCat("step_credit_blocks must be between 0 and 65536, not ", step_credit_blocks));
+  }
   if (max_requests_per_worker < 0) return absl::InvalidArgumentError(absl::StrCat("max_requests_per_worker must be >= 0, not ", max_requests_per_worker));
   if (max_bytes_per_worker < 0) return absl::InvalidArgumentError(absl::StrCat("max_bytes_per_worker must be >= 0, not ", max_bytes_per_worker));
   if (!(0 < slru_main_fraction && slru_main_fraction < 1)) {
@@ -469,37 +472,7 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::Extend(const RequestId& id,
 
 absl::StatusOr<std::vector<BlockIndex>> KvCache::ExtendLocked(const RequestId& id,
                                                              int64_t additional_tokens) {
-  KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
-  if (additional_tokens < 0) return absl::InvalidArgumentError("additional_tokens must be >= 0");
-  if (!req->acquired) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("request '", id.value(), "' must Acquire before Extend"));
-  }
-  Pool& pool = *pools_[req->pool];
-  // Compared before adding: a wire value near INT64_MAX must not wrap the sum.
-  if (additional_tokens > pool.geometry.max_model_len - req->num_tokens) {
-    return absl::OutOfRangeError(absl::StrCat("request has ", req->num_tokens, " tokens; ",
-                                              additional_tokens, " more would pass max_model_len ",
-                                              pool.geometry.max_model_len));
-  }
-  const int64_t new_tokens = req->num_tokens + additional_tokens;
-  const int64_t have = static_cast<int64_t>(req->table.size());
-  const int64_t needed = std::max<int64_t>(0, pool.geometry.BlocksFor(new_tokens) - have);
-  const int64_t grow = std::max<int64_t>(0, have + needed - req->reserved_blocks);
-  if (!ledger_.CanReserve(req->pool, grow)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "request '", id.value(), "' needs ", grow, " blocks past its reservation; the budget is full"));
-  }
-  KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(req->spec.limit_key(), 0, ledger_.BytesOf(req->pool, grow)));
-  KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> owned,
-                       AllocateOwnedLocked(req->pool, needed, req->serial));
-  KVD_CHECK(ledger_.Reserve(req->pool, grow).ok());
-  req->reserved_blocks += grow;
-  workers_.AddUsage(req->spec.limit_key(), 0, ledger_.BytesOf(req->pool, grow));
-  req->num_tokens = new_tokens;
-  req->table.insert(req->table.end(), owned.begin(), owned.end());
-  UpdatePressureLocked();
-  return owned;
+  return GrowLocked(id, additional_tokens, {});
 }
 
 void KvCache::ReleaseLocked(Request& req, bool completed) {
@@ -551,6 +524,7 @@ int64_t KvCache::ReleaseWorker(const WorkerId& worker) {
     absl::MutexLock lock(&mu_);
     ExpireLocked(nullptr);
     workers_.Forget(worker);
+    DropCreditLocked(worker, nullptr);
     std::vector<RequestId> ids;
     for (const auto& [id, req] : requests_) {
       if (req->spec.owner == worker) ids.push_back(id);

@@ -44,6 +44,7 @@
 #include "server/core/eviction_queue.h"
 #include "server/core/kv_cache_state.h"
 #include "server/core/prefix_index.h"
+#include "proto/vocab/step_types.h"
 #include "server/core/pressure_monitor.h"
 #include "server/core/tier_port.h"
 #include "server/core/worker_table.h"
@@ -103,6 +104,16 @@ class KvCache final : public TierPort {
   absl::Status Release(const RequestId& id, bool completed) ABSL_LOCKS_EXCLUDED(mu_);
   // Releases, as interrupted, every request `worker` holds. Returns how many.
   int64_t ReleaseWorker(const WorkerId& worker) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // One scheduler step of `worker` (kv_cache_step.cc; proto/vocab/step_types.h): applies `ops` in
+  // order under one acquisition of the lock, each all or nothing with its own status (NOT_FOUND,
+  // PERMISSION_DENIED for another worker's request, then the per-request call's errors); then
+  // tops up or trims the worker's credit in each pool of `credit` to what it asks, capped by
+  // options().step_credit_blocks, by pressure (a quarter at high, none at critical) and by the
+  // budget and the worker's limits. `held` (may be null) gets the credit the worker holds after.
+  std::vector<StepOpResult> Step(const WorkerId& worker, const WorkerId& principal, std::vector<StepOp> ops,
+                                 absl::Span<const CreditWant> credit, std::vector<CreditHeld>* held)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Tokens of `tokens` that Acquire would serve from the device tier now (capped to leave one
   // token to compute). Holds nothing. NOT_FOUND for an unknown pool.
@@ -200,6 +211,17 @@ class KvCache final : public TierPort {
   absl::StatusOr<std::vector<BlockIndex>> ExtendLocked(const RequestId& id, int64_t additional)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseLocked(Request& req, bool completed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckpointLocked(const RequestId& id, absl::Span<const Token> tokens, std::string engine_state)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kv_cache_step.cc: step ops and credit. GrowLocked is Extend's body, taking `credit` first.
+  StepOpResult ApplyStepOpLocked(const WorkerId& worker, StepOp& op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::vector<BlockIndex>> GrowLocked(const RequestId& id, int64_t additional,
+                                                     absl::Span<const BlockIndex> credit)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetCreditLocked(const WorkerId& worker, const WorkerId& principal, const CreditWant& want)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives back every credit block of `worker`; returns them (by pool) for a fence, when asked.
+  void DropCreditLocked(const WorkerId& worker, std::vector<CreditHeld>* taken) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The distinct live publishers of `blocks`.
   std::vector<WorkerId> PublishersLocked(const std::vector<CachedBlock*>& blocks) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -297,6 +319,7 @@ class KvCache final : public TierPort {
   int64_t checkpoints_not_durable_ ABSL_GUARDED_BY(mu_) = 0;  // records with !durable
   absl::flat_hash_map<WorkerId, int64_t> checkpoint_state_by_worker_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<WorkerId, cache_state::WorkerCredit> credit_ ABSL_GUARDED_BY(mu_);
   FenceMap fences_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, int32_t> fenced_ ABSL_GUARDED_BY(mu_);  // fences per block, by cache_state::FencedBlockKey
   absl::btree_map<std::pair<absl::Time, SessionId>, bool> session_expiry_ ABSL_GUARDED_BY(mu_);

@@ -85,6 +85,15 @@ int64_t KvCache::EndAllFenced(absl::Time until, const absl::flat_hash_map<Worker
       ++ended;
     }
     requests_.clear();
+    // Credit too: its worker may be writing a block it placed since its last step.
+    std::vector<WorkerId> holders;
+    for (const auto& [worker, credit] : credit_) holders.push_back(worker);
+    for (const WorkerId& worker : holders) {
+      std::vector<CreditHeld> taken;
+      DropCreditLocked(worker, &taken);
+      auto pid = pids.find(worker);
+      for (const CreditHeld& c : taken) AddFenceLocked(pid != pids.end() ? pid->second : 0, c.pool, c.blocks, until);
+    }
   }
   Deliver();
   return ended;

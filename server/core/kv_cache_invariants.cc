@@ -36,6 +36,22 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
     ++usage[req->spec.limit_key()].requests;
     usage[req->spec.limit_key()].reserved_bytes += ledger_.BytesOf(req->pool, req->reserved_blocks);
   }
+  for (const auto& [worker, credit] : credit_) {
+    for (const auto& [p, pc] : credit.pools) {
+      if (pc.blocks.empty()) return fail("worker ", worker.value(), " keeps an empty credit entry");
+      live_serials[pc.serial] = p;
+      reserved[p] += static_cast<int64_t>(pc.blocks.size());
+      usage[credit.principal].reserved_bytes += ledger_.BytesOf(p, static_cast<int64_t>(pc.blocks.size()));
+      for (BlockIndex b : pc.blocks) {
+        ++refs[p][b];
+        const BlockState& s = pools_[p]->blocks[b];
+        if (s.kind != BlockState::Kind::kOwned || s.owner != pc.serial) {
+          return fail("credit block ", b, " of ", worker.value(), " is not owned by its credit");
+        }
+        if (!owned_by_request[p].insert(b).second) return fail("block ", b, " writable twice");
+      }
+    }
+  }
   if (usage.size() != workers_.all_usage().size()) return fail("per-worker usage has stale entries");
   for (const auto& [w, u] : usage) {
     auto it = workers_.all_usage().find(w);

@@ -194,6 +194,11 @@ absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> to
                                  std::string engine_state) {
   absl::MutexLock lock(&mu_);
   ExpireLocked(nullptr);
+  return CheckpointLocked(id, tokens, std::move(engine_state));
+}
+
+absl::Status KvCache::CheckpointLocked(const RequestId& id, absl::Span<const Token> tokens,
+                                       std::string engine_state) {
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
   if (!req->acquired) {
     return absl::FailedPreconditionError(

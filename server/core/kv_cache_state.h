@@ -102,6 +102,17 @@ struct FenceRecord {
   int64_t charged_blocks = 0;  // charged to the ledger (the blocks it claimed from free)
   absl::Time until;
 };
+// A worker's block credit (proto/vocab/step_types.h) in one pool: free blocks it may place into its
+// requests' tables without asking, owned under `serial` and charged to the ledger and to the
+// worker's principal one block each until a grow names them or they are given back.
+struct PoolCredit {
+  uint64_t serial = 0;
+  std::vector<BlockIndex> blocks;
+};
+struct WorkerCredit {
+  WorkerId principal;  // whose per-worker limits the credit counts against
+  absl::flat_hash_map<PoolId, PoolCredit> pools;
+};
 struct ProtectedRef { PoolId pool; BlockIndex index; uint64_t node_serial; };
 struct Session {
   // The tenant it belongs to: the cache_salt of the request that made it. A request of another

@@ -110,6 +110,7 @@ void KvdService::PokeAdmission() { admission_->Poke(); }
 
 void KvdService::WorkerGone(const WorkerId& worker, absl::string_view why) {
   workers_->Remove(worker);
+  ForgetSteps(worker);
   if (tiers_ != nullptr) tiers_->ReleasePrefetchesOf(worker);
   const int64_t released = cache_->ReleaseWorker(worker);
   admission_->Poke();

@@ -12,7 +12,9 @@
 #include <optional>
 #include <string>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "gpu/device_arena.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "server/core/kv_cache.h"
@@ -86,6 +88,9 @@ class KvdService final : public v1::Kvd::CallbackService {
                                   v1::StartResponse* resp) override;
   grpc::ServerUnaryReactor* End(grpc::CallbackServerContext* ctx, const v1::EndRequest* req,
                                 v1::EndResponse* resp) override;
+  // step_service.cc.
+  grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
+                                 v1::StepResponse* resp) override;
   grpc::ServerUnaryReactor* Admit(grpc::CallbackServerContext* ctx, const v1::AdmitRequest* req,
                                   v1::AdmitResponse* resp) override;
   grpc::ServerUnaryReactor* Fits(grpc::CallbackServerContext* ctx, const v1::AdmitRequest* req,
@@ -195,6 +200,18 @@ class KvdService final : public v1::Kvd::CallbackService {
   static constexpr absl::Duration kResumeWait = absl::Seconds(2);
   static constexpr int kMaxResumeWaiters = 16;
 
+  // What kvd keeps per worker between its steps: the last applied seq and its answer (a retry
+  // gets it back), whether a step is being applied, and the starts waiting in the admission queue.
+  struct ParkedStart;
+  struct StepLog;
+  static constexpr int kMaxStepItems = 16384;
+  std::shared_ptr<StepLog> StepLogOf(const WorkerId& worker);
+  void ForgetSteps(const WorkerId& worker);  // its worker is gone: parked starts withdrawn
+  // Parts of Step (step_service.cc): the checks that refuse a whole step, the starts, the end.
+  absl::Status CheckStep(const v1::StepRequest& req) const;
+  void StartStepItem(const std::shared_ptr<StepLog>& log, const WorkerId& worker, const Caller& caller,
+                     const v1::StepItem& item, v1::StepResult* result, std::function<void()> done);
+
   // The worker is attached by this caller and, when `request_id` is set, holds that request.
   // Returns the caller.
   absl::StatusOr<Caller> CheckWorker(const grpc::CallbackServerContext* ctx, const std::string& worker_id,
@@ -214,6 +231,8 @@ class KvdService final : public v1::Kvd::CallbackService {
   const PeerListener* peers_ = nullptr;
   std::function<void(bool)> on_serving_;
   std::atomic<bool> final_drain_{false};
+  absl::Mutex steps_mu_;
+  absl::flat_hash_map<WorkerId, std::shared_ptr<StepLog>> steps_ ABSL_GUARDED_BY(steps_mu_);
 };
 
 }  // namespace kvd

@@ -1,0 +1,91 @@
+// Steps (kvd.proto "Step"; docs/api.md, "Steps"): the engine's scheduler writes what one step
+// decided for every request it touched into a StepBatch, and Client::Step applies it in one round
+// trip, or in none when every item is a growth the worker's block credit covers (kvd learns of it
+// with the next step that goes out).
+//
+//   kvd::client::StepBatch batch;
+//   batch.Start(&a, spec);                  // admission (FIFO per pool) + prefix acquire
+//   batch.Grow(&b, 1);                      // decode: a credit block when b crosses a block
+//   batch.End(&c, publish_blocks, more_tokens, /*completed=*/true);
+//   absl::StatusOr<StepAnswer> answer = client->Step(batch);   // answer->items[i]: the i-th item
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "proto/vocab/cache_types.h"
+
+namespace kvd::client {
+
+struct EndResult;
+
+// A request driven by steps. The engine owns it and keeps it at one address from its Start until
+// the step that ends it (End, Preempt) has been answered; steps update it.
+struct StepRequest {
+  RequestId id;
+  PoolId pool = 0;
+  std::vector<BlockIndex> blocks;  // the block table: blocks[i] holds positions [i*bt, (i+1)*bt)
+  int64_t num_tokens = 0;          // positions the table covers
+  bool waiting = false;            // started, not admitted yet: start it again in a later step
+  bool live = false;               // acquired and not ended
+  AcquireResult acquired;          // what its start answered (cached_tokens, resumed state, ...)
+  // A growth kvd refused after the client had placed it (credit-covered growth is told later):
+  // the request may no longer be written; End or Preempt it.
+  absl::Status error;
+  int64_t epoch = 0;               // the client attachment it started in
+};
+
+struct StepItemResult {
+  absl::Status status;   // this item's alone
+  bool waiting = false;  // a start not admitted yet (it keeps its place in the queue)
+  int64_t kept = 0, already_cached = 0, duplicates = 0, no_parent = 0;  // Publish, End
+};
+
+struct StepAnswer {
+  std::vector<StepItemResult> items;  // one per item of the batch, in order
+  bool sent = false;                  // a round trip was made
+};
+
+class StepBatch {
+ public:
+  // A new request, admitted in its pool's FIFO and acquired. When the budget has no room it comes
+  // back waiting and keeps its place in the queue for up to `max_wait`: start it again (same
+  // request) in a later step. A start is its request's only item in a step.
+  void Start(StepRequest* req, RequestSpec spec, absl::Duration max_wait = absl::Seconds(30));
+  // `tokens` more positions. Blocks it crosses into come from the worker's credit when it holds
+  // them (appended to req->blocks at once), else from kvd in the answer.
+  void Grow(StepRequest* req, int64_t tokens);
+  // The first `num_blocks` table blocks, filled with KV for `tokens` (from position 0), for reuse.
+  void Publish(StepRequest* req, std::vector<Token> tokens, int64_t num_blocks);
+  void Checkpoint(StepRequest* req, std::vector<Token> tokens, std::string engine_state);
+  // Publishes the first `publish_blocks` blocks over the tokens kvd knows + `more_tokens`, then
+  // releases the request.
+  void End(StepRequest* req, int64_t publish_blocks, std::vector<Token> more_tokens, bool completed);
+  // Checkpoints `tokens` (none: no checkpoint), then releases the request as interrupted; a later
+  // Start with resume_from = its id continues it.
+  void Preempt(StepRequest* req, std::vector<Token> tokens, std::string engine_state);
+
+  size_t size() const { return items_.size(); }
+  void Clear() { items_.clear(); }
+
+  enum class Kind { kStart, kGrow, kPublish, kCheckpoint, kEnd, kPreempt };
+  struct Item {
+    Kind kind;
+    StepRequest* req;
+    RequestSpec spec;           // kStart
+    absl::Duration max_wait;    // kStart
+    int64_t n = 0;              // kGrow: tokens; kPublish, kEnd: blocks
+    std::vector<Token> tokens;
+    std::string engine_state;
+    bool completed = false;
+  };
+  const std::vector<Item>& items() const { return items_; }
+
+ private:
+  std::vector<Item> items_;
+};
+
+}  // namespace kvd::client

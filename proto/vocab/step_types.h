@@ -1,0 +1,57 @@
+// The engine's scheduler step as KvCache applies it (KvCache::Step): the operations one step
+// makes on running requests, and the worker's block credit. Plain structs; no behaviour.
+//
+// Block credit: a worker holds a bounded set of free blocks per pool that kvd granted it. A
+// request that crosses a block boundary takes the next block from that credit in the worker's
+// own process, with no round trip, and the next step tells kvd (a kGrow naming the blocks). A
+// credit block is owned by the worker and charged to it like a reservation: it is never cached
+// content and never handed to anyone else until it is named by a kGrow or given back.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "proto/vocab/cache_types.h"
+#include "proto/vocab/types.h"
+
+namespace kvd {
+
+enum class StepOpKind {
+  kGrow,        // `tokens` more positions; `credit_blocks` are the new table blocks the worker took
+  kPublish,     // the first `num_blocks` table blocks, filled with KV for `token_ids`
+  kCheckpoint,  // a resumable point: `token_ids`, `engine_state`
+  kEnd,         // publish the first `num_blocks` over known tokens + `token_ids`, then release
+  kPreempt,     // checkpoint `token_ids` (when any) with `engine_state`, then release interrupted
+};
+std::string StepOpKindName(StepOpKind kind);
+
+struct StepOp {
+  StepOpKind kind = StepOpKind::kGrow;
+  RequestId id;
+  int64_t tokens = 0;
+  std::vector<BlockIndex> credit_blocks;
+  int64_t num_blocks = 0;
+  std::vector<Token> token_ids;
+  std::string engine_state;
+  bool completed = false;  // kEnd
+};
+
+struct StepOpResult {
+  absl::Status status;             // this op's alone; on error nothing of it was applied
+  std::vector<BlockIndex> blocks;  // kGrow: the blocks appended (credit blocks first, then fresh)
+  PublishResult publish;           // kPublish, kEnd
+};
+
+// A worker's credit in one pool: what it asks to hold after the step, and what it holds.
+struct CreditWant {
+  PoolId pool = 0;
+  int64_t blocks = 0;
+};
+struct CreditHeld {
+  PoolId pool = 0;
+  std::vector<BlockIndex> blocks;
+};
+
+}  // namespace kvd

@@ -1,0 +1,204 @@
+// KvCache::Step: one scheduler step of one worker under one acquisition of the lock, and the
+// worker's block credit (proto/vocab/step_types.h states what credit is and promises).
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "proto/vocab/status_macros.h"
+#include "server/core/kv_cache.h"
+
+namespace kvd {
+
+std::vector<StepOpResult> KvCache::Step(const WorkerId& worker, const WorkerId& principal,
+                                        std::vector<StepOp> ops, absl::Span<const CreditWant> credit,
+                                        std::vector<CreditHeld>* held) {
+  std::vector<StepOpResult> out(ops.size());
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    for (size_t i = 0; i < ops.size(); ++i) out[i] = ApplyStepOpLocked(worker, ops[i]);
+    for (const CreditWant& want : credit) SetCreditLocked(worker, principal, want);
+    if (held != nullptr) {
+      held->clear();
+      if (auto it = credit_.find(worker); it != credit_.end()) {
+        for (const auto& [pool, pc] : it->second.pools) held->push_back(CreditHeld{pool, pc.blocks});
+      }
+      std::sort(held->begin(), held->end(), [](const CreditHeld& a, const CreditHeld& b) { return a.pool < b.pool; });
+    }
+    UpdatePressureLocked();
+  }
+  Deliver();
+  return out;
+}
+
+StepOpResult KvCache::ApplyStepOpLocked(const WorkerId& worker, StepOp& op) {
+  StepOpResult r;
+  absl::StatusOr<Request*> found = FindRequestLocked(op.id);
+  if (!found.ok()) {
+    r.status = found.status();
+    return r;
+  }
+  Request& req = **found;
+  if (req.spec.owner != worker) {
+    r.status = absl::PermissionDeniedError(absl::StrCat("request '", op.id.value(), "' belongs to another worker"));
+    return r;
+  }
+  switch (op.kind) {
+    case StepOpKind::kGrow: {
+      absl::StatusOr<std::vector<BlockIndex>> grown = GrowLocked(op.id, op.tokens, op.credit_blocks);
+      if (grown.ok()) r.blocks = *std::move(grown);
+      else r.status = grown.status();
+      break;
+    }
+    case StepOpKind::kPublish: {
+      if (op.num_blocks < 0 || op.num_blocks > static_cast<int64_t>(req.table.size())) {
+        r.status = absl::InvalidArgumentError(absl::StrCat("publish of ", op.num_blocks, " blocks; request '",
+                                                           op.id.value(), "' holds ", req.table.size()));
+        break;
+      }
+      const std::vector<BlockIndex> blocks(req.table.begin(), req.table.begin() + op.num_blocks);
+      absl::StatusOr<PublishResult> p = PublishLocked(op.id, op.token_ids, blocks);
+      if (p.ok()) r.publish = *std::move(p);
+      else r.status = p.status();
+      break;
+    }
+    case StepOpKind::kCheckpoint:
+      r.status = CheckpointLocked(op.id, op.token_ids, std::move(op.engine_state));
+      break;
+    case StepOpKind::kEnd: {
+      absl::StatusOr<PublishResult> p = EndLocked(op.id, op.num_blocks, op.token_ids, op.completed);
+      if (p.ok()) r.publish = *std::move(p);
+      else r.status = p.status();
+      break;
+    }
+    case StepOpKind::kPreempt:
+      // The checkpoint first: when it fails, the request is still live and unchanged.
+      if (!op.token_ids.empty()) r.status = CheckpointLocked(op.id, op.token_ids, std::move(op.engine_state));
+      if (r.status.ok()) {
+        ReleaseLocked(req, /*completed=*/false);
+        requests_.erase(op.id);
+      }
+      break;
+  }
+  return r;
+}
+
+absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id, int64_t additional_tokens,
+                                                           absl::Span<const BlockIndex> credit) {
+  KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
+  if (additional_tokens < 0) return absl::InvalidArgumentError("additional_tokens must be >= 0");
+  if (!req->acquired) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("request '", id.value(), "' must Acquire before Extend"));
+  }
+  Pool& pool = *pools_[req->pool];
+  // Compared before adding: a wire value near INT64_MAX must not wrap the sum.
+  if (additional_tokens > pool.geometry.max_model_len - req->num_tokens) {
+    return absl::OutOfRangeError(absl::StrCat("request has ", req->num_tokens, " tokens; ",
+                                              additional_tokens, " more would pass max_model_len ",
+                                              pool.geometry.max_model_len));
+  }
+  const int64_t new_tokens = req->num_tokens + additional_tokens;
+  const int64_t have = static_cast<int64_t>(req->table.size());
+  const int64_t needed = std::max<int64_t>(0, pool.geometry.BlocksFor(new_tokens) - have);
+  const int64_t given = static_cast<int64_t>(credit.size());
+  if (given > needed) {
+    return absl::InvalidArgumentError(absl::StrCat("growing request '", id.value(), "' by ", additional_tokens,
+                                                   " positions takes ", needed, " new blocks, not the ", given,
+                                                   " credit blocks named"));
+  }
+  cache_state::PoolCredit* pc = nullptr;
+  if (given > 0) {
+    auto w = credit_.find(req->spec.owner);
+    if (w != credit_.end()) {
+      auto p = w->second.pools.find(req->pool);
+      if (p != w->second.pools.end()) pc = &p->second;
+    }
+    for (int64_t i = 0; i < given; ++i) {
+      const BlockIndex b = credit[i];
+      const bool held = pc != nullptr && std::find(pc->blocks.begin(), pc->blocks.end(), b) != pc->blocks.end();
+      if (!held || std::find(credit.begin(), credit.begin() + i, b) != credit.begin() + i) {
+        return absl::InvalidArgumentError(absl::StrCat("block ", b, " is not in this worker's credit in pool '",
+                                                       pool.geometry.name, "' (used twice, or never granted)"));
+      }
+    }
+  }
+  // The reservation grows by `grow` blocks; each credit block is charged already and pays for one.
+  const int64_t grow = std::max<int64_t>(0, have + needed - req->reserved_blocks);
+  const int64_t from_credit = std::min(grow, given);
+  const int64_t extra = grow - from_credit;
+  const WorkerId& principal = pc != nullptr ? credit_[req->spec.owner].principal : req->spec.limit_key();
+  const int64_t moved = principal == req->spec.limit_key() ? 0 : from_credit;
+  if (!ledger_.CanReserve(req->pool, extra)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request '", id.value(), "' needs ", extra, " blocks past its reservation; the budget is full"));
+  }
+  KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(req->spec.limit_key(), 0, ledger_.BytesOf(req->pool, extra + moved)));
+  KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> owned, AllocateOwnedLocked(req->pool, needed - given, req->serial));
+  std::vector<BlockIndex> appended(credit.begin(), credit.end());
+  for (BlockIndex b : credit) {
+    pc->blocks.erase(std::find(pc->blocks.begin(), pc->blocks.end(), b));
+    pool.blocks[b].owner = req->serial;  // its one reference passes from the credit to the table
+  }
+  ledger_.Unreserve(req->pool, given - from_credit);
+  KVD_CHECK(ledger_.Reserve(req->pool, extra).ok());
+  workers_.AddUsage(principal, 0, -ledger_.BytesOf(req->pool, given));
+  workers_.AddUsage(req->spec.limit_key(), 0, ledger_.BytesOf(req->pool, grow));
+  req->reserved_blocks += grow;
+  req->num_tokens = new_tokens;
+  appended.insert(appended.end(), owned.begin(), owned.end());
+  req->table.insert(req->table.end(), appended.begin(), appended.end());
+  UpdatePressureLocked();
+  return appended;
+}
+
+void KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& principal, const CreditWant& want) {
+  if (want.pool >= pools_.size()) return;
+  Pool& pool = *pools_[want.pool];
+  int64_t target = std::clamp<int64_t>(want.blocks, 0, options_.step_credit_blocks);
+  if (pressure_.level() == PressureLevel::kCritical) target = 0;
+  else if (pressure_.level() == PressureLevel::kHigh) target /= 4;
+  cache_state::WorkerCredit& wc = credit_[worker];
+  if (wc.principal.empty()) wc.principal = principal;
+  cache_state::PoolCredit& pc = wc.pools[want.pool];
+  if (pc.serial == 0) pc.serial = next_serial_++;
+  const int64_t have = static_cast<int64_t>(pc.blocks.size());
+  if (have > target) {  // given back from the tail
+    for (int64_t i = target; i < have; ++i) UnrefLocked(want.pool, pc.blocks[i]);
+    pc.blocks.resize(target);
+    ledger_.Unreserve(want.pool, have - target);
+    workers_.AddUsage(wc.principal, 0, -ledger_.BytesOf(want.pool, have - target));
+  } else if (have < target) {
+    int64_t n = target - have;
+    // As much as fits now: the budget (so every admitted request still gets its blocks), the
+    // worker's limits, and the blocks free or reclaimable.
+    while (n > 0 && (!ledger_.CanReserve(want.pool, n) ||
+                     !CheckWorkerLimitsLocked(wc.principal, 0, ledger_.BytesOf(want.pool, n)).ok() ||
+                     n > pool.allocator.num_free() + pool.num_cached_unreferenced)) {
+      n /= 2;
+    }
+    if (n > 0) {
+      absl::StatusOr<std::vector<BlockIndex>> got = AllocateOwnedLocked(want.pool, n, pc.serial);
+      KVD_CHECK(got.ok());
+      pc.blocks.insert(pc.blocks.end(), got->begin(), got->end());
+      KVD_CHECK(ledger_.Reserve(want.pool, n).ok());
+      workers_.AddUsage(wc.principal, 0, ledger_.BytesOf(want.pool, n));
+    }
+  }
+  if (pc.blocks.empty()) wc.pools.erase(want.pool);
+  if (wc.pools.empty()) credit_.erase(worker);
+}
+
+void KvCache::DropCreditLocked(const WorkerId& worker, std::vector<CreditHeld>* taken) {
+  auto it = credit_.find(worker);
+  if (it == credit_.end()) return;
+  for (auto& [pool, pc] : it->second.pools) {
+    const int64_t n = static_cast<int64_t>(pc.blocks.size());
+    if (taken != nullptr) taken->push_back(CreditHeld{pool, pc.blocks});
+    for (BlockIndex b : pc.blocks) UnrefLocked(pool, b);
+    ledger_.Unreserve(pool, n);
+    workers_.AddUsage(it->second.principal, 0, -ledger_.BytesOf(pool, n));
+  }
+  credit_.erase(it);
+}
+
+}  // namespace kvd

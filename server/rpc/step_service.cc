@@ -1,0 +1,342 @@
+// KvdService::Step: one scheduler step of one worker in one round trip (kvd.proto, "Step";
+// docs/api.md, "Steps").
+//
+// A step runs in three parts: the items on running requests, in order, in one KvCache::Step (one
+// acquisition of the cache lock); the starts, in order, each through the admission queue (FIFO
+// per pool) and Acquire, which may finish on a promotion's thread; then the credit, with the
+// first part when the step has no start, else in a second KvCache::Step once every start is done.
+//
+// Locking: StepLog::mu guards a worker's last seq and answer, whether a step is being applied,
+// and its parked starts; ParkedStart::mu guards one start's answer from the admission queue. Each
+// is held only to read or write those fields: never while calling KvCache, the admission queue
+// or gRPC, and never one inside the other.
+#include <atomic>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "proto/convert.h"
+#include "proto/vocab/status_macros.h"
+#include "server/rpc/kvd_service.h"
+#include "server/rpc/kvd_service_unary.h"
+
+namespace kvd {
+
+struct KvdService::ParkedStart {
+  absl::Mutex mu;
+  bool answered ABSL_GUARDED_BY(mu) = false;
+  absl::StatusOr<AdmitResult> result ABSL_GUARDED_BY(mu);
+  std::atomic<bool> cancelled{false};  // withdrawn (ended in a step) or its worker is gone
+};
+
+struct KvdService::StepLog {
+  absl::Mutex mu;
+  uint64_t last_seq ABSL_GUARDED_BY(mu) = 0;
+  bool busy ABSL_GUARDED_BY(mu) = false;
+  v1::StepResponse last ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<std::string, std::shared_ptr<ParkedStart>> parked ABSL_GUARDED_BY(mu);
+};
+
+namespace {
+
+void SetStatus(const absl::Status& s, v1::StepResult* r) {
+  r->set_code(static_cast<int32_t>(s.code()));
+  r->set_message(std::string(s.message()));
+}
+
+// The item as the cache applies it. REQUIRES: a running-request op (not start, not empty).
+StepOp OpFromProto(const v1::StepItem& item) {
+  StepOp op;
+  op.id = RequestId(item.request_id());
+  switch (item.op_case()) {
+    case v1::StepItem::kGrow:
+      op.kind = StepOpKind::kGrow;
+      op.tokens = item.grow().tokens();
+      op.credit_blocks.assign(item.grow().credit_blocks().begin(), item.grow().credit_blocks().end());
+      break;
+    case v1::StepItem::kPublish:
+      op.kind = StepOpKind::kPublish;
+      op.token_ids = TokensFromProto(item.publish().tokens());
+      op.num_blocks = item.publish().num_blocks();
+      break;
+    case v1::StepItem::kCheckpoint:
+      op.kind = StepOpKind::kCheckpoint;
+      op.token_ids = TokensFromProto(item.checkpoint().tokens());
+      op.engine_state = item.checkpoint().engine_state();
+      break;
+    case v1::StepItem::kEnd:
+      op.kind = StepOpKind::kEnd;
+      op.num_blocks = item.end().publish_blocks();
+      op.token_ids = TokensFromProto(item.end().more_tokens());
+      op.completed = item.end().completed();
+      break;
+    case v1::StepItem::kPreempt:
+      op.kind = StepOpKind::kPreempt;
+      op.token_ids = TokensFromProto(item.preempt().tokens());
+      op.engine_state = item.preempt().engine_state();
+      break;
+    default:
+      break;
+  }
+  return op;
+}
+
+void ResultToProto(const StepOpResult& r, v1::StepResult* p) {
+  SetStatus(r.status, p);
+  p->mutable_blocks()->Add(r.blocks.begin(), r.blocks.end());
+  for (PublishOutcome o : r.publish.outcomes) {
+    switch (o) {
+      case PublishOutcome::kKept: p->set_kept(p->kept() + 1); break;
+      case PublishOutcome::kAlreadyCached: p->set_already_cached(p->already_cached() + 1); break;
+      case PublishOutcome::kDuplicate: p->set_duplicates(p->duplicates() + 1); break;
+      case PublishOutcome::kNoParent: p->set_no_parent(p->no_parent() + 1); break;
+    }
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<KvdService::StepLog> KvdService::StepLogOf(const WorkerId& worker) {
+  absl::MutexLock lock(&steps_mu_);
+  std::shared_ptr<StepLog>& log = steps_[worker];
+  if (log == nullptr) log = std::make_shared<StepLog>();
+  return log;
+}
+
+void KvdService::ForgetSteps(const WorkerId& worker) {
+  std::shared_ptr<StepLog> log;
+  {
+    absl::MutexLock lock(&steps_mu_);
+    auto it = steps_.find(worker);
+    if (it == steps_.end()) return;
+    log = std::move(it->second);
+    steps_.erase(it);
+  }
+  absl::MutexLock lock(&log->mu);
+  for (auto& [id, park] : log->parked) park->cancelled = true;  // the queue drops them
+  log->parked.clear();
+}
+
+absl::Status KvdService::CheckStep(const v1::StepRequest& req) const {
+  if (req.seq() == 0) return absl::InvalidArgumentError("step seq must be > 0");
+  if (req.items_size() > kMaxStepItems) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step has ", req.items_size(), " items; at most ", kMaxStepItems));
+  }
+  absl::flat_hash_map<std::string, int> seen;
+  for (int i = 0; i < req.credit_size(); ++i) {
+    const v1::CreditWant& c = req.credit(i);
+    KVD_RETURN_IF_ERROR(cache_->FindPool(c.pool()).status());
+    if (c.blocks() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("credit for pool '", c.pool(), "' asks for ", c.blocks(), " blocks"));
+    }
+    if (!seen.emplace(c.pool(), i).second) {
+      return absl::InvalidArgumentError(absl::StrCat("credit names pool '", c.pool(), "' twice"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
+                                           v1::StepResponse* resp) {
+  const auto start = std::chrono::steady_clock::now();
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  absl::StatusOr<Caller> caller = [&]() -> absl::StatusOr<Caller> {
+    KVD_RETURN_IF_ERROR(Authorize(ctx, "Step"));
+    absl::Status checked = CheckStep(*req);
+    if (absl::IsNotFound(checked)) return absl::InvalidArgumentError(checked.message());
+    KVD_RETURN_IF_ERROR(checked);
+    return CheckWorker(ctx, req->worker_id(), "");
+  }();
+  if (!caller.ok()) {
+    FinishRpc(reactor, "Step", start, caller.status());
+    return reactor;
+  }
+  const WorkerId worker(req->worker_id());
+  const WorkerId principal(caller->key);
+  std::shared_ptr<StepLog> log = StepLogOf(worker);
+  {
+    absl::MutexLock lock(&log->mu);
+    absl::Status refused;
+    if (log->busy) {
+      refused = absl::FailedPreconditionError(absl::StrCat(
+          "step ", req->seq(), " arrived while an earlier step of worker ", worker.value(), " is being applied"));
+    } else if (req->seq() == log->last_seq) {
+      *resp = log->last;
+      resp->set_replayed(true);
+    } else if (req->seq() < log->last_seq) {
+      refused = absl::InvalidArgumentError(
+          absl::StrCat("step seq ", req->seq(), " goes backwards: the last applied step is ", log->last_seq));
+    } else {
+      log->busy = true;
+    }
+    if (!refused.ok() || resp->replayed()) {
+      FinishRpc(reactor, "Step", start, refused);
+      return reactor;
+    }
+  }
+
+  // What is refused per item before anything is applied; the running-request ops; the starts.
+  resp->set_seq(req->seq());
+  for (int i = 0; i < req->items_size(); ++i) resp->add_results();
+  absl::flat_hash_map<absl::string_view, int> first;
+  std::vector<StepOp> ops;
+  std::vector<int> op_items;
+  std::vector<int> starts;
+  bool frees = false;  // an end or preempt may let a waiting start in
+  for (int i = 0; i < req->items_size(); ++i) {
+    const v1::StepItem& item = req->items(i);
+    v1::StepResult* result = resp->mutable_results(i);
+    if (item.request_id().empty()) {
+      SetStatus(absl::InvalidArgumentError(absl::StrCat("item ", i, ": request_id is required")), result);
+      continue;
+    }
+    if (item.op_case() == v1::StepItem::OP_NOT_SET) {
+      SetStatus(absl::InvalidArgumentError(absl::StrCat("item ", i, ": no operation")), result);
+      continue;
+    }
+    // A request has several items in a step (grown, then published), but a start is its only one.
+    const bool is_start = item.op_case() == v1::StepItem::kStart;
+    if (auto [it, added] = first.emplace(item.request_id(), is_start ? i : -1 - i);
+        !added && (is_start || it->second >= 0)) {
+      SetStatus(absl::InvalidArgumentError(absl::StrCat(
+                    "item ", i, ": request '", LogSafe(item.request_id(), 256), "' appears already in item ",
+                    it->second >= 0 ? it->second : -1 - it->second, " (a start must be its request's only item)")),
+                result);
+      continue;
+    }
+    if (item.op_case() == v1::StepItem::kStart) {
+      starts.push_back(i);
+      continue;
+    }
+    const bool ending = item.op_case() == v1::StepItem::kEnd || item.op_case() == v1::StepItem::kPreempt;
+    frees |= ending;
+    if (ending) {  // a start still parked in the queue is withdrawn; an admitted one ends below
+      std::shared_ptr<ParkedStart> park;
+      {
+        absl::MutexLock lock(&log->mu);
+        if (auto p = log->parked.find(item.request_id()); p != log->parked.end()) {
+          park = std::move(p->second);
+          log->parked.erase(p);
+        }
+      }
+      if (park != nullptr) {
+        park->cancelled = true;
+        absl::MutexLock lock(&park->mu);
+        if (!park->answered || !park->result.ok()) continue;  // nothing was admitted: OK
+      }
+    }
+    ops.push_back(OpFromProto(item));
+    op_items.push_back(i);
+  }
+  std::vector<CreditWant> wants;
+  for (const v1::CreditWant& c : req->credit()) wants.push_back(CreditWant{*cache_->FindPool(c.pool()), c.blocks()});
+  const bool credit_now = starts.empty();
+  auto held = std::make_shared<std::vector<CreditHeld>>();
+  if (!ops.empty() || credit_now) {
+    std::vector<StepOpResult> results = cache_->Step(worker, principal, std::move(ops),
+                                                     credit_now ? absl::MakeConstSpan(wants) : absl::Span<const CreditWant>(),
+                                                     held.get());
+    for (size_t k = 0; k < results.size(); ++k) ResultToProto(results[k], resp->mutable_results(op_items[k]));
+    if (frees) admission_->Poke();
+  }
+  auto finish = [this, reactor, resp, start, log, worker, principal, wants = std::move(wants), credit_now, held]() {
+    if (!credit_now) cache_->Step(worker, principal, {}, wants, held.get());
+    for (const CreditHeld& c : *held) {
+      v1::StepCredit* out = resp->add_credit();
+      out->set_pool(cache_->pools()[c.pool].name);
+      out->set_pool_id(c.pool);
+      out->mutable_blocks()->Add(c.blocks.begin(), c.blocks.end());
+    }
+    {
+      absl::MutexLock lock(&log->mu);
+      log->last = *resp;
+      log->last_seq = resp->seq();
+      log->busy = false;
+    }
+    FinishRpc(reactor, "Step", start, absl::OkStatus());
+  };
+  if (starts.empty()) {
+    finish();
+    return reactor;
+  }
+  auto pending = std::make_shared<std::atomic<int>>(static_cast<int>(starts.size()) + 1);
+  auto one_done = [pending, finish = std::move(finish)]() {
+    if (pending->fetch_sub(1) == 1) finish();
+  };
+  for (int i : starts) StartStepItem(log, worker, *caller, req->items(i), resp->mutable_results(i), one_done);
+  one_done();
+  return reactor;
+}
+
+void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const WorkerId& worker, const Caller& caller,
+                               const v1::StepItem& item, v1::StepResult* result, std::function<void()> done) {
+  const RequestId id(item.request_id());
+  auto fail = [&](const absl::Status& s) {
+    SetStatus(s, result);
+    done();
+  };
+  if (draining()) return fail(absl::UnavailableError("kvd is draining: no new work is admitted"));
+  const v1::StartRequest& sr = item.start();
+  if (sr.max_wait_ms() < 0 || sr.max_wait_ms() > absl::ToInt64Milliseconds(kMaxStartWait)) {
+    return fail(absl::InvalidArgumentError(absl::StrCat("max_wait_ms must be between 0 and ",
+                                                        absl::ToInt64Milliseconds(kMaxStartWait), ", not ",
+                                                        sr.max_wait_ms())));
+  }
+  std::shared_ptr<ParkedStart> park;
+  {
+    absl::MutexLock lock(&log->mu);
+    if (auto p = log->parked.find(item.request_id()); p != log->parked.end()) park = p->second;
+  }
+  if (park == nullptr) {
+    RequestSpec spec = SpecFromProto(sr.admit());
+    spec.id = id;
+    spec.owner = worker;
+    spec.principal = WorkerId(caller.key);
+    park = std::make_shared<ParkedStart>();
+    const absl::Time deadline =
+        absl::Now() + (sr.max_wait_ms() > 0 ? absl::Milliseconds(sr.max_wait_ms()) : kDefaultStartWait);
+    admission_->Admit(
+        std::move(spec), deadline, [park] { return park->cancelled.load(); },
+        [this, park, worker, key = caller.key, id](absl::StatusOr<AdmitResult> admitted, absl::Duration) {
+          // Admitted after it was withdrawn or its worker went: the reservation goes back.
+          if (admitted.ok() && (park->cancelled.load() || !workers_->Check(worker, key).ok())) {
+            (void)cache_->Release(id, /*completed=*/false);
+            admission_->Poke();
+            admitted = absl::FailedPreconditionError(
+                absl::StrCat("request '", id.value(), "' was withdrawn or its worker detached while it waited"));
+          }
+          absl::MutexLock lock(&park->mu);
+          park->answered = true;
+          park->result = std::move(admitted);
+        });
+  }
+  absl::StatusOr<AdmitResult> admitted;
+  bool answered = false;
+  {
+    absl::MutexLock lock(&park->mu);
+    answered = park->answered;
+    if (answered) admitted = park->result;
+  }
+  if (!answered) {
+    // Not answered yet: it keeps its place in the queue until a later step sends it again.
+    absl::MutexLock lock(&log->mu);
+    log->parked[item.request_id()] = park;
+    result->set_waiting(true);
+    return done();
+  }
+  {
+    absl::MutexLock lock(&log->mu);
+    log->parked.erase(item.request_id());
+  }
+  if (!admitted.ok()) return fail(admitted.status());
+  AcquireThen(id, result->mutable_acquired(), [this, id, result, done = std::move(done)](absl::Status s) {
+    if (!s.ok()) {  // admitted but not acquired: the reservation goes back
+      (void)cache_->Release(id, /*completed=*/false);
+      admission_->Poke();
+      SetStatus(s, result);
+    }
+    done();
+  });
+}
+
+}  // namespace kvd
