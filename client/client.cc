@@ -189,6 +189,12 @@ Client::~Client() {
   }
   if (impl_->supervisor.joinable()) impl_->supervisor.join();
   if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
+  {
+    absl::MutexLock lock(&impl_->step_mu);
+    impl_->stop_reporter = true;
+    impl_->step_cv.SignalAll();
+  }
+  if (impl_->reporter.joinable()) impl_->reporter.join();
   absl::MutexLock lock(&impl_->stream_mu);
   (void)impl_->attach->Finish();
 }

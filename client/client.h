@@ -56,7 +56,8 @@ struct ClientOptions {
   int32_t ipc_event_device = -1;
   absl::Duration connect_timeout = absl::Seconds(5);
   // Block credit (client/step.h) the client asks kvd to keep per pool it uses in steps, so that
-  // decode grows without a round trip; it goes back to kvd with the attachment. 0: none.
+  // decode grows without a round trip; it goes back to kvd with the attachment. The client asks for
+  // twice the most blocks one step took when that is more (up to kvd's step_credit_blocks). 0: none.
   int64_t step_credit_blocks = 128;
   // kvd restarted with different memory (a plain restart: new slabs): every PoolView's shard_base
   // now points into the new mappings and the engine must rebuild whatever it derived from the old

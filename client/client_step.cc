@@ -1,12 +1,18 @@
 // Client::Step: one scheduler step in one round trip, or none (client/step.h).
 //
-// Growth covered by the worker's credit is applied here at once and held back; it goes out at the
-// head of the next step that must (any other item, growth credit does not cover, or credit below
-// half of what the client asks for), in the order it happened. A step that fails as a whole is
-// sent again with the same sequence number (kvd answers a repeat from its record without applying
-// it twice) while the attachment lasts.
+// Growth covered by the worker's credit is applied here at once and held back (one item per
+// request). It goes out at the head of the next step the engine waits for (one with any other
+// item, or growth that credit does not cover), or, when credit falls below half of what the client
+// asks for, in a report the reporter thread sends while the engine computes: the engine's step
+// then makes no round trip at all. Steps apply in sequence order: a step the engine waits for
+// first waits for a report in flight. The credit the client holds is what kvd's latest answer
+// listed, less the blocks held growth has taken since that step went out. A step that fails as a
+// whole is sent again with the same sequence number (kvd answers a repeat from its record, without
+// applying it twice) while the attachment lasts.
 #include "client/client.h"
 #include "client/client_impl.h"
+
+#include "absl/container/flat_hash_set.h"
 
 namespace kvd::client {
 namespace {
@@ -61,20 +67,112 @@ absl::Status Client::FlushSteps() {
   StepBatch empty;
   {
     absl::MutexLock lock(&impl_->step_mu);
-    if (impl_->held.empty()) return absl::OkStatus();
+    if (impl_->held.empty() && !impl_->reporting) return absl::OkStatus();
   }
   return Step(empty).status();
+}
+
+namespace {
+
+// Sends `req`; a failure as a whole is retried with the same seq while the attachment lasts.
+absl::StatusOr<v1::StepResponse> SendStep(Client::Impl& im, const v1::StepRequest& req, int64_t epoch,
+                                          absl::Duration timeout) {
+  absl::StatusOr<v1::StepResponse> resp;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    resp = im.Call<v1::StepResponse>([&](auto* ctx, auto* out) { return im.stub()->Step(ctx, req, out); }, timeout);
+    if (resp.ok() || !absl::IsUnavailable(resp.status()) || im.Epoch() != epoch) break;
+    absl::SleepFor(absl::Milliseconds(50 << attempt));
+  }
+  if (resp.ok() && resp->results_size() != req.items_size()) {
+    return absl::InternalError(
+        absl::StrCat("kvd answered ", resp->results_size(), " results for ", req.items_size(), " items"));
+  }
+  return resp;
+}
+
+// Moves the held growth into `req` (items first) and returns it.
+std::vector<Client::Impl::HeldGrowth> TakeHeld(Client::Impl& im, v1::StepRequest* req)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.step_mu) {
+  for (const Client::Impl::HeldGrowth& h : im.held) {
+    v1::StepItem* p = req->add_items();
+    p->set_request_id(h.req->id.value());
+    p->mutable_grow()->set_tokens(h.tokens);
+    p->mutable_grow()->mutable_credit_blocks()->Add(h.credit_blocks.begin(), h.credit_blocks.end());
+  }
+  im.held_index.clear();
+  return std::exchange(im.held, {});
+}
+
+// What kvd answered for held growth (a refusal makes its request unusable), and the credit.
+// Refusals go to `errors` (the engine's thread moves them into its requests: ReportErrors).
+void ApplyHeld(Client::Impl& im, const std::vector<Client::Impl::HeldGrowth>& sent, const v1::StepResponse& resp,
+               std::vector<std::pair<StepRequest*, absl::Status>>* errors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.step_mu) {
+  for (size_t k = 0; k < sent.size(); ++k) {
+    absl::Status s;
+    CopyStatus(resp.results(static_cast<int>(k)), &s);
+    if (!s.ok()) errors->emplace_back(sent[k].req, std::move(s));
+  }
+  absl::flat_hash_set<BlockIndex> taken;  // by growth held since this step went out
+  for (const Client::Impl::HeldGrowth& h : im.held) taken.insert(h.credit_blocks.begin(), h.credit_blocks.end());
+  for (auto& [pool, blocks] : im.credit) blocks.clear();
+  for (const v1::StepCredit& c : resp.credit()) {
+    std::vector<BlockIndex>& mine = im.credit[c.pool_id()];
+    for (uint32_t b : c.blocks()) {
+      if (!taken.contains(b)) mine.push_back(b);
+    }
+  }
+}
+
+}  // namespace
+
+void Client::Impl::Report() {
+  absl::MutexLock lock(&step_mu);
+  for (;;) {
+    step_mu.Await(absl::Condition(
+        +[](Impl* im) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im->step_mu) { return im->stop_reporter || im->report != nullptr; },
+        this));
+    if (stop_reporter) return;
+    std::unique_ptr<v1::StepRequest> req = std::move(report);
+    const int64_t epoch = step_epoch;
+    step_mu.Unlock();
+    absl::StatusOr<v1::StepResponse> resp = SendStep(*this, *req, epoch, absl::Seconds(10));
+    step_mu.Lock();
+    if (epoch == step_epoch) {
+      if (resp.ok()) {
+        ApplyHeld(*this, reported, *resp, &report_errors);
+      } else {
+        // Unknown whether kvd applied it: the requests it named can no longer be trusted.
+        for (const HeldGrowth& h : reported) report_errors.emplace_back(h.req, resp.status());
+      }
+    }
+    reported.clear();
+    reporting = false;
+    step_cv.SignalAll();
+  }
 }
 
 absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
   Impl& im = *impl_;
   absl::MutexLock lock(&im.step_mu);
+  // What the reporter learned reaches the engine's requests on the engine's thread.
+  auto take_errors = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.step_mu) {
+    for (auto& [req, status] : im.report_errors) req->error = std::move(status);
+    im.report_errors.clear();
+  };
+  auto wait_report = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.step_mu) {
+    while (im.reporting) im.step_cv.Wait(&im.step_mu);
+    take_errors();
+  };
+  take_errors();
   const int64_t epoch = im.Epoch();
   if (epoch != im.step_epoch) {  // a new attachment: credit and held growth went with the old one
+    wait_report();
     im.step_epoch = epoch;
     im.step_seq = 0;
     im.credit.clear();
     im.held.clear();
+    im.held_index.clear();
+    im.peak_need.clear();
   }
   const std::vector<PoolView>& views = pools();
   const auto& items = batch.items();
@@ -83,6 +181,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
   std::vector<bool> send(items.size(), false);
   bool must_send = false, publishes = false;
   absl::flat_hash_map<PoolId, bool> pools_used;
+  absl::flat_hash_map<PoolId, int64_t> need;  // blocks this step's growth takes, per pool
   for (size_t i = 0; i < items.size(); ++i) {
     const StepBatch::Item& item = items[i];
     StepRequest* r = item.req;
@@ -96,10 +195,19 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
       send[i] = must_send = true;
       continue;
     }
-    if (r->epoch != epoch || !r->live) {
+    const bool withdraw = r->waiting && (item.kind == StepBatch::Kind::kEnd || item.kind == StepBatch::Kind::kPreempt);
+    if (r->epoch != epoch || (!r->live && !withdraw)) {
       answer.items[i].status = r->live ? KvdRestartedError(r->id)
                                        : absl::FailedPreconditionError(absl::StrCat(
                                              "request '", r->id.value(), "' is not live in this client"));
+      continue;
+    }
+    if (!r->error.ok() && !withdraw && item.kind != StepBatch::Kind::kEnd && item.kind != StepBatch::Kind::kPreempt) {
+      answer.items[i].status = r->error;  // kvd refused growth placed earlier: only End or Preempt
+      continue;
+    }
+    if (withdraw) {
+      send[i] = must_send = true;
       continue;
     }
     pools_used[r->pool] = true;
@@ -115,41 +223,67 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
     }
     const int64_t needed =
         std::max<int64_t>(0, g.BlocksFor(r->num_tokens + item.n) - static_cast<int64_t>(r->blocks.size()));
-    std::vector<BlockIndex>& credit = im.credit[r->pool];
-    if (needed > static_cast<int64_t>(credit.size())) {
+    need[r->pool] += needed;
+    std::vector<BlockIndex>* credit = &im.credit[r->pool];
+    if (needed > static_cast<int64_t>(credit->size()) && im.reporting) {
+      wait_report();  // a refill is on its way
+      credit = &im.credit[r->pool];
+    }
+    if (needed > static_cast<int64_t>(credit->size())) {
       send[i] = must_send = true;  // kvd allocates every block it needs, in the answer
       continue;
     }
-    // Covered: placed here at once and told with the next step that goes out.
-    Impl::HeldGrowth growth{r, item.n, {}};
+    // Covered: placed here at once, told later. One held item per request.
+    auto [slot, added] = im.held_index.try_emplace(r, im.held.size());
+    if (added) im.held.push_back(Impl::HeldGrowth{r});
+    Impl::HeldGrowth& h = im.held[slot->second];
+    h.tokens += item.n;
     for (int64_t k = 0; k < needed; ++k) {
-      growth.credit_blocks.push_back(credit.back());
-      r->blocks.push_back(credit.back());
-      credit.pop_back();
+      h.credit_blocks.push_back(credit->back());
+      r->blocks.push_back(credit->back());
+      credit->pop_back();
     }
     r->num_tokens += item.n;
-    im.held.push_back(std::move(growth));
   }
+  // Credit asked for: the configured amount, or twice the most one step's growth took (a batch
+  // whose requests cross a block together takes one block each at once).
+  for (const auto& [pool, n] : need) im.peak_need[pool] = std::max(im.peak_need[pool], n);
+  auto want = [&](PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.step_mu) {
+    return im.options.step_credit_blocks <= 0 ? 0 : std::max(im.options.step_credit_blocks, 2 * im.peak_need[pool]);
+  };
+  bool low = false;
   for (const auto& [pool, used] : pools_used) {
-    if (im.options.step_credit_blocks > 0 &&
-        static_cast<int64_t>(im.credit[pool].size()) < im.options.step_credit_blocks / 2) {
-      must_send = true;  // refill
-    }
+    low |= static_cast<int64_t>(im.credit[pool].size()) < want(pool) / 2;
   }
-  if (!must_send) return answer;
+  auto add_credit = [&](v1::StepRequest* req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.step_mu) {
+    if (im.options.step_credit_blocks <= 0) return;
+    for (const auto& [pool, used] : pools_used) {
+      v1::CreditWant* c = req->add_credit();
+      c->set_pool(views[pool].geometry.name);
+      c->set_blocks(want(pool));
+    }
+  };
+  if (!must_send) {
+    if (low && !im.reporting) {  // tell kvd and refill while the engine computes
+      auto req = std::make_unique<v1::StepRequest>();
+      req->set_worker_id(im.Worker().value());
+      req->set_seq(++im.step_seq);
+      im.reported = TakeHeld(im, req.get());
+      add_credit(req.get());
+      im.report = std::move(req);
+      im.reporting = true;
+      if (!im.reporter.joinable()) im.reporter = std::thread([&im] { im.Report(); });
+    }
+    return answer;
+  }
 
-  // The step as it goes out: held growth first (in the order it happened), then the batch.
+  // The step the engine waits for: held growth first (in the order it happened), then the batch.
+  wait_report();
   v1::StepRequest req;
   req.set_worker_id(im.Worker().value());
   req.set_seq(++im.step_seq);
-  const size_t n_held = im.held.size();
-  for (const Impl::HeldGrowth& h : im.held) {
-    v1::StepItem* p = req.add_items();
-    p->set_request_id(h.req->id.value());
-    p->mutable_grow()->set_tokens(h.tokens);
-    p->mutable_grow()->mutable_credit_blocks()->Add(h.credit_blocks.begin(), h.credit_blocks.end());
-  }
-  std::vector<size_t> sent_item;  // proto item n_held + k -> batch item
+  std::vector<Impl::HeldGrowth> sent_held = TakeHeld(im, &req);
+  std::vector<size_t> sent_item;  // proto item sent_held.size() + k -> batch item
   for (size_t i = 0; i < items.size(); ++i) {
     if (!send[i]) continue;
     const StepBatch::Item& item = items[i];
@@ -186,39 +320,26 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
     }
     sent_item.push_back(i);
   }
-  if (im.options.step_credit_blocks > 0) {
-    for (const auto& [pool, used] : pools_used) {
-      v1::CreditWant* c = req.add_credit();
-      c->set_pool(views[pool].geometry.name);
-      c->set_blocks(im.options.step_credit_blocks);
+  add_credit(&req);
+  // Host-synchronized publish: the bytes a publish or checkpoint names are in memory first.
+  if (publishes) {
+    if (absl::Status s = im.AwaitWrites(); !s.ok()) {
+      for (const Impl::HeldGrowth& h : sent_held) h.req->error = s;  // never told: unusable
+      return s;
     }
   }
-  // Host-synchronized publish: the bytes a publish or checkpoint names are in memory first.
-  if (publishes) KVD_RETURN_IF_ERROR(im.AwaitWrites());
-
-  absl::StatusOr<v1::StepResponse> resp;
-  for (int attempt = 0; attempt < 3; ++attempt) {
-    resp = im.Call<v1::StepResponse>([&](auto* ctx, auto* out) { return im.stub()->Step(ctx, req, out); });
-    if (resp.ok() || !absl::IsUnavailable(resp.status()) || im.Epoch() != epoch) break;
-    absl::SleepFor(absl::Milliseconds(50 << attempt));  // the same seq again: applied at most once
-  }
-  // Failed as a whole: the held growth stays held (sent again, under a new seq, only if kvd never
-  // applied this one: a lost answer means an unknown state, which the attachment's end settles).
-  if (!resp.ok()) return resp.status();
-  if (resp->results_size() != req.items_size()) {
-    return absl::InternalError(
-        absl::StrCat("kvd answered ", resp->results_size(), " results for ", req.items_size(), " items"));
+  absl::StatusOr<v1::StepResponse> resp = SendStep(im, req, epoch, absl::Seconds(30));
+  if (!resp.ok()) {
+    // Unknown whether kvd applied it: the requests its held growth named can no longer be trusted.
+    for (const Impl::HeldGrowth& h : sent_held) h.req->error = resp.status();
+    return resp.status();
   }
   answer.sent = true;
-
-  for (size_t k = 0; k < n_held; ++k) {  // a refusal makes its request unusable
-    absl::Status s;
-    CopyStatus(resp->results(static_cast<int>(k)), &s);
-    if (!s.ok()) im.held[k].req->error = s;
-  }
-  im.held.clear();
+  std::vector<std::pair<StepRequest*, absl::Status>> refused;
+  ApplyHeld(im, sent_held, *resp, &refused);
+  for (auto& [r, status] : refused) r->error = std::move(status);
   for (size_t k = 0; k < sent_item.size(); ++k) {
-    const v1::StepResult& r = resp->results(static_cast<int>(n_held + k));
+    const v1::StepResult& r = resp->results(static_cast<int>(sent_held.size() + k));
     const StepBatch::Item& item = items[sent_item[k]];
     StepItemResult& out = answer.items[sent_item[k]];
     CopyStatus(r, &out.status);
@@ -231,13 +352,13 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
       case StepBatch::Kind::kStart:
         state->id = item.spec.id;
         state->waiting = out.waiting = r.waiting();
+        state->epoch = epoch;
         if (out.status.ok() && !r.waiting()) {
           state->acquired = FromProto(r.acquired());
           state->pool = state->acquired.pool;
           state->blocks = state->acquired.blocks;
           state->num_tokens = state->acquired.num_tokens;
           state->live = true;
-          state->epoch = epoch;
           state->error = absl::OkStatus();
         }
         break;
@@ -249,15 +370,12 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
         break;
       case StepBatch::Kind::kEnd:
       case StepBatch::Kind::kPreempt:
-        if (out.status.ok()) state->live = false;
+        if (out.status.ok()) state->live = state->waiting = false;
         break;
       default:
         break;
     }
   }
-  // The credit kvd says the worker holds now replaces what the client had.
-  for (auto& [pool, blocks] : im.credit) blocks.clear();
-  for (const v1::StepCredit& c : resp->credit()) im.credit[c.pool_id()].assign(c.blocks().begin(), c.blocks().end());
   return answer;
 }
 

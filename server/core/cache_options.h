@@ -88,8 +88,9 @@ struct CacheOptions {
   // KV bytes one worker's requests may reserve. Default 0 (unlimited).
   int64_t max_bytes_per_worker = 0;
   // Free blocks per pool one worker may hold as step credit (proto/vocab/step_types.h), so that
-  // decode grows without a round trip; charged to the worker. 0 disables credit. Default 256.
-  int64_t step_credit_blocks = 256;
+  // decode grows without a round trip; charged to the worker. 0 disables credit. Default 1024 (a
+  // batch of 256 whose requests cross a block in the same step takes 256 at once).
+  int64_t step_credit_blocks = 1024;
 
   PressureOptions pressure;
   // Index events kept for watchers that reconnect. Default 65536.

@@ -18,6 +18,7 @@
 //
 //   kvd_daemon_bench [--iterations=2000] [--workers=1,4,16] [--seconds=3] [--prompt-tokens=4096]
 //                    [--demote [--demote-reserve=0.25]]
+//   kvd_daemon_bench --decode [--batches=1,64,256] [--decode-steps=256] [--step-compute-us=0]  (decode_bench.h)
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "client/tools/self_spawn.h"
+#include "tests/bench/decode_bench.h"
 #include "server/daemon.h"
 #include "spdlog/spdlog.h"
 
@@ -118,6 +120,10 @@ int main(int argc, char** argv) {
   std::string child_target;
   int child_index = -1;
   bool demote = false;
+  bool decode = false;  // --decode: only the decode-step comparison (decode_bench.h)
+  int decode_steps = 256;
+  int compute_us = 0;
+  std::vector<int> batches = {1, 64, 256};
   double demote_reserve = 0;  // the data mover's share of each pool kept free (0: off)
   for (int i = 1; i < argc; ++i) {
     std::vector<std::string> kv = absl::StrSplit(argv[i], absl::MaxSplits('=', 1));
@@ -126,6 +132,16 @@ int main(int argc, char** argv) {
     else if (kv[0] == "--seconds") (void)absl::SimpleAtod(v, &seconds);
     else if (kv[0] == "--prompt-tokens") (void)absl::SimpleAtoi(v, &kPromptTokens);
     else if (kv[0] == "--demote") demote = true;
+    else if (kv[0] == "--decode") decode = true;
+    else if (kv[0] == "--decode-steps") (void)absl::SimpleAtoi(v, &decode_steps);
+    else if (kv[0] == "--step-compute-us") (void)absl::SimpleAtoi(v, &compute_us);
+    else if (kv[0] == "--batches") {
+      batches.clear();
+      for (absl::string_view b : absl::StrSplit(v, ',')) {
+        int n = 0;
+        if (absl::SimpleAtoi(b, &n) && n > 0) batches.push_back(n);
+      }
+    }
     else if (kv[0] == "--demote-reserve" && kv.size() == 2) demote_reserve = std::stod(std::string(kv[1]));
     else if (kv[0] == "--child-target") child_target = v;
     else if (kv[0] == "--child-index") (void)absl::SimpleAtoi(v, &child_index);
@@ -178,6 +194,13 @@ int main(int argc, char** argv) {
   auto client = kvd::client::Client::Connect({.target = target, .worker_name = "bench"});
   if (!client.ok()) return 1;
   kvd::client::Client& c = **client;
+
+  if (decode) {
+    const bool ok = kvd::bench::RunDecodeBench(c, batches, decode_steps, compute_us);
+    client->reset();
+    daemon->reset();
+    return ok ? 0 : 1;
+  }
 
   // Prime: the shared 4,095-token prefix is cached.
   if (!Cycle(c, "prime", 0)) return 1;

@@ -198,6 +198,7 @@ std::string TestBinary(const char* name, const char* built) {
 
 std::string KvdBinary() { return TestBinary("kvd", KVD_BINARY); }
 std::string ExampleWorkerBinary() { return TestBinary("kvd_example_worker", KVD_EXAMPLE_WORKER); }
+std::string StepWorkerBinary() { return TestBinary("kvd_step_worker", KVD_STEP_WORKER); }
 
 ProcessResult RunWorker(const std::vector<std::string>& args, absl::Duration timeout) {
   return RunProcess(ExampleWorkerBinary(), args, timeout);
@@ -231,10 +232,10 @@ ProcessResult RunProcess(const std::string& binary, const std::vector<std::strin
   return r;
 }
 
-WorkerProcess::WorkerProcess(const std::vector<std::string>& args) {
+WorkerProcess::WorkerProcess(const std::vector<std::string>& args, const std::string& binary) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return;
-  pid_ = Spawn(ExampleWorkerBinary(), args, fds[1]);
+  pid_ = Spawn(binary.empty() ? ExampleWorkerBinary() : binary, args, fds[1]);
   close(fds[1]);
   out_fd_ = fds[0];
 }

@@ -80,11 +80,13 @@ ProcessResult RunWorker(const std::vector<std::string>& args, absl::Duration tim
 // Paths of the binaries under test.
 std::string KvdBinary();
 std::string ExampleWorkerBinary();
+std::string StepWorkerBinary();  // kvd_step_worker: a batch per step (client/examples/step_worker.cc)
 
 // A worker left running: started, with its stdout readable line by line.
 class WorkerProcess {
  public:
-  explicit WorkerProcess(const std::vector<std::string>& args);
+  // The example worker, or `binary` when given.
+  explicit WorkerProcess(const std::vector<std::string>& args, const std::string& binary = "");
   ~WorkerProcess();
   // Reads stdout until a line starting with `prefix` arrives (or timeout/EOF); lines before it
   // are dropped. An empty prefix takes the next line.
