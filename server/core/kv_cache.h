@@ -109,11 +109,12 @@ class KvCache final : public TierPort {
   // order under one acquisition of the lock, each all or nothing with its own status (NOT_FOUND,
   // PERMISSION_DENIED for another worker's request, then the per-request call's errors); then
   // tops up or trims the worker's credit in each pool of `credit` to what it asks, capped by
-  // options().step_credit_blocks, by pressure (a quarter at high, none at critical) and by the
-  // budget and the worker's limits. `held` (may be null) gets the credit the worker holds after.
+  // options().step_credit_blocks and an eighth of the pool, by pressure (a quarter at high, none at
+  // critical) and by the budget and the worker's limits. `held` (may be null) gets the credit the worker holds after.
   std::vector<StepOpResult> Step(const WorkerId& worker, const WorkerId& principal, std::vector<StepOp> ops,
                                  absl::Span<const CreditWant> credit, std::vector<CreditHeld>* held)
       ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t CreditBlocks(const WorkerId& worker, PoolId pool) const ABSL_LOCKS_EXCLUDED(mu_);  // held now
 
   // Tokens of `tokens` that Acquire would serve from the device tier now (capped to leave one
   // token to compute). Holds nothing. NOT_FOUND for an unknown pool.

@@ -30,6 +30,14 @@ std::vector<StepOpResult> KvCache::Step(const WorkerId& worker, const WorkerId& 
   return out;
 }
 
+int64_t KvCache::CreditBlocks(const WorkerId& worker, PoolId pool) const {
+  absl::MutexLock lock(&mu_);
+  auto w = credit_.find(worker);
+  if (w == credit_.end()) return 0;
+  auto p = w->second.pools.find(pool);
+  return p == w->second.pools.end() ? 0 : static_cast<int64_t>(p->second.blocks.size());
+}
+
 StepOpResult KvCache::ApplyStepOpLocked(const WorkerId& worker, StepOp& op) {
   StepOpResult r;
   absl::StatusOr<Request*> found = FindRequestLocked(op.id);
@@ -154,7 +162,9 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
 void KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& principal, const CreditWant& want) {
   if (want.pool >= pools_.size()) return;
   Pool& pool = *pools_[want.pool];
-  int64_t target = std::clamp<int64_t>(want.blocks, 0, options_.step_credit_blocks);
+  // A worker's credit never takes more than an eighth of a pool: it is budget no request holds.
+  int64_t target = std::clamp<int64_t>(want.blocks, 0, std::min(options_.step_credit_blocks,
+                                                                  pool.geometry.capacity_blocks / 8));
   if (pressure_.level() == PressureLevel::kCritical) target = 0;
   else if (pressure_.level() == PressureLevel::kHigh) target /= 4;
   cache_state::WorkerCredit& wc = credit_[worker];

@@ -228,8 +228,15 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
     ops.push_back(OpFromProto(item));
     op_items.push_back(i);
   }
+  // While starts wait for room, credit does not grow: it would take the room they wait for.
+  const bool starts_waiting = admission_->waiting() > 0;
   std::vector<CreditWant> wants;
-  for (const v1::CreditWant& c : req->credit()) wants.push_back(CreditWant{*cache_->FindPool(c.pool()), c.blocks()});
+  for (const v1::CreditWant& c : req->credit()) {
+    const PoolId pool = *cache_->FindPool(c.pool());
+    int64_t blocks = c.blocks();
+    if (starts_waiting) blocks = std::min(blocks, cache_->CreditBlocks(worker, pool));
+    wants.push_back(CreditWant{pool, blocks});
+  }
   const bool credit_now = starts.empty();
   auto held = std::make_shared<std::vector<CreditHeld>>();
   if (!ops.empty() || credit_now) {

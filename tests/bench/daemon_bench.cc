@@ -196,7 +196,7 @@ int main(int argc, char** argv) {
   kvd::client::Client& c = **client;
 
   if (decode) {
-    const bool ok = kvd::bench::RunDecodeBench(c, batches, decode_steps, compute_us);
+    const bool ok = kvd::bench::RunDecodeBench(c, batches, decode_steps, compute_us, target);
     client->reset();
     daemon->reset();
     return ok ? 0 : 1;

@@ -8,6 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kvd/v1/kvd.grpc.pb.h"
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
 #include "server/core/clock.h"
 #include "server/core/kv_cache.h"
 
@@ -102,7 +105,42 @@ bool Stepped(client::Client& c, int batch, int steps, int round, std::vector<dou
 
 }  // namespace
 
-bool RunDecodeBench(client::Client& c, const std::vector<int>& batches, int steps, int compute_us) {
+// A round trip on a long-lived stream (the attach stream: heartbeat{seq} -> heartbeat_ack) against
+// the unary Ping on the same connection kind: what a step stream would save per round trip.
+void StreamVersusUnary(const std::string& target) {
+  auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
+  auto stub = v1::Kvd::NewStub(channel);
+  grpc::ClientContext ctx;
+  auto stream = stub->Attach(&ctx);
+  v1::AttachRequest hello;
+  hello.mutable_hello()->set_pid(getpid());
+  hello.mutable_hello()->set_worker_name("bench-stream");
+  v1::AttachResponse resp;
+  if (!stream->Write(hello) || !stream->Read(&resp)) return;
+  std::vector<double> s, u;
+  for (int i = 0; i < 2000; ++i) {
+    v1::AttachRequest beat;
+    beat.mutable_heartbeat()->set_seq(static_cast<uint64_t>(i + 1));
+    auto t0 = Clock::now();
+    if (!stream->Write(beat) || !stream->Read(&resp)) return;
+    s.push_back(Micros(Clock::now() - t0));
+    grpc::ClientContext pctx;
+    v1::PingResponse pong;
+    t0 = Clock::now();
+    (void)stub->Ping(&pctx, v1::PingRequest(), &pong);
+    u.push_back(Micros(Clock::now() - t0));
+  }
+  const Stat a = Of(s), b = Of(u);
+  std::printf("\n| round trip (interleaved, 2,000 each) | p50 (us) | p99 (us) |\n|---|---|---|\n");
+  std::printf("| unary (Ping) | %.1f | %.1f |\n| on a stream (attach heartbeat -> ack) | %.1f | %.1f |\n", b.p50, b.p99,
+              a.p50, a.p99);
+  stream->WritesDone();
+  ctx.TryCancel();
+}
+
+bool RunDecodeBench(client::Client& c, const std::vector<int>& batches, int steps, int compute_us,
+                    const std::string& target) {
+  StreamVersusUnary(target);
   std::printf("\n| batch | protocol | steps | p50 per step (us) | p99 (us) | mean (us) | mean / Ping p50 | "
               "p99 / Ping p50 | round trips |\n|---|---|---|---|---|---|---|---|---|\n");
   int round = 0;

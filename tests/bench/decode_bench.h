@@ -13,6 +13,8 @@ namespace kvd::bench {
 // `steps` steps, the engine computing `compute_us` between steps (the step protocol's refills go
 // out meanwhile; per-request calls have nothing to overlap); prints a table. Also times one step admitting 64 new 2,048-token prompts (half
 // prefix hits) against Ping + the engine in-process. False on an error (printed).
-bool RunDecodeBench(client::Client& c, const std::vector<int>& batches, int steps, int compute_us);
+// `target`: kvd's address, for a raw stream round trip against unary Ping first.
+bool RunDecodeBench(client::Client& c, const std::vector<int>& batches, int steps, int compute_us,
+                    const std::string& target);
 
 }  // namespace kvd::bench

@@ -14,3 +14,4 @@ device pointer and size, and layer_address() gives a block layer's device addres
 """
 from .client import Client, KvdError, KvdRestarted, KvdUnavailable, Request  # noqa: F401
 from .cuda import CudaError, CudaRuntime, DeviceSlab  # noqa: F401
+from .step import StepBatch, StepRequest, StepResult  # noqa: F401

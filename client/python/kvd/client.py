@@ -11,6 +11,7 @@ import time
 import grpc
 
 from . import cuda
+from .step import Stepper
 from .v1 import kvd_pb2, kvd_pb2_grpc
 
 try:  # optional: numpy views of the slabs
@@ -100,6 +101,7 @@ class Pool:
         self.num_layers = info.num_layers
         self.bytes_per_token_per_layer = info.bytes_per_token_per_layer
         self.capacity_blocks = info.capacity_blocks
+        self.max_model_len = info.max_model_len
         self.layer_major = info.layout == kvd_pb2.LAYOUT_LAYER_MAJOR
         self.layer_block_bytes = info.layer_block_bytes
         # The declared format (empty / 0 when the operator declared none): see PoolInfo.
@@ -215,7 +217,7 @@ class Client:
     """Attaches to kvd (with a background heartbeat), lists pools and maps host slabs once."""
 
     def __init__(self, target, worker_name="python", map_slabs=True, heartbeat_s=1.0, cuda_runtime=None,
-                 expect=(), on_remap=None, connect_timeout_s=5.0):
+                 expect=(), on_remap=None, connect_timeout_s=5.0, step_credit_blocks=128):
         """`expect`: dicts of kvd_pb2.PoolExpectation fields ({"pool": "llama", "dtype": "bfloat16",
         "kv_heads": 8, ...}); the daemon refuses to attach (FAILED_PRECONDITION, KvdError) when a
         pool differs, so the worker never reads KV laid out for another model.
@@ -227,7 +229,9 @@ class Client:
         Requests live at the restart raise KvdRestarted; request() waits for the re-attachment
         within its wait_s. `epoch` counts attachments from 1; `attached` is an Event.
 
-        KvdUnavailable (a KvdError) when nothing answers at `target` within connect_timeout_s."""
+        KvdUnavailable (a KvdError) when nothing answers at `target` within connect_timeout_s.
+
+        `step_credit_blocks`: block credit asked for per pool used in steps (kvd.step; 0: none)."""
         self.target = target
         self.rpc_seconds = 0.0  # wall time spent in unary RPCs, for the engine benchmark
         self.rpc_calls = 0
@@ -235,6 +239,8 @@ class Client:
             worker_name=worker_name, pid=os.getpid(),
             expect_pools=[kvd_pb2.PoolExpectation(**e) for e in expect]))
         self._map = map_slabs
+        self._stepper = Stepper(self, step_credit_blocks)
+        self._step_lock = threading.Lock()
         self._cuda_runtime = cuda_runtime
         self._on_remap = on_remap
         self._fences = []
@@ -578,6 +584,71 @@ class Client:
             req = Request(self, request_id, resp)
             req._epoch = epoch
             return req
+
+    def step(self, batch):
+        """Applies a StepBatch (kvd.step): a list of StepResult, one per item, in order. One round
+        trip, or none when every item is growth the block credit covers. KvdError when the step
+        fails as a whole; KvdRestarted when kvd restarted under it."""
+        with self._step_lock:
+            return self._stepper.step(batch)
+
+    def step_credit(self, pool):
+        """Credit blocks held now in `pool` (name or id)."""
+        return len(self._stepper.credit.get(self.pool(pool).id, []))
+
+    # --- the rest of the contract, typed ---------------------------------------------------------
+
+    @staticmethod
+    def namespace(pool, cache_salt="", adapter="", media_keys=(), media=()):
+        return kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt, adapter=adapter, media_keys=list(media_keys),
+                                 media=[kvd_pb2.MediaItem(identifier=i, offset=o, length=n) for i, o, n in media])
+
+    def admit(self, request_id, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="",
+              adapter=""):
+        """Reserves the request's KV (Admit): True when admitted, False when the budget is full now."""
+        return self._rpc("Admit", kvd_pb2.AdmitRequest(
+            worker_id=self.worker_id, request_id=request_id, namespace=self.namespace(pool, cache_salt, adapter),
+            prompt=list(prompt), max_new_tokens=max_new_tokens, session_id=session,
+            resume_from=resume_from)).admitted
+
+    def acquire(self, request_id):
+        """The block table of an admitted request (Acquire): a Request."""
+        epoch = self.epoch
+        resp = self._rpc("Acquire", kvd_pb2.AcquireRequest(worker_id=self.worker_id, request_id=request_id))
+        req = Request(self, request_id, resp)
+        req._epoch = epoch
+        return req
+
+    def peek_prefix_len(self, pool, tokens, cache_salt="", adapter=""):
+        """Tokens a request with this prompt would reuse now; holds nothing."""
+        return self._rpc("PeekPrefixLen", kvd_pb2.PeekPrefixLenRequest(
+            namespace=self.namespace(pool, cache_salt, adapter), tokens=list(tokens))).cached_tokens
+
+    def prefetch(self, pool, tokens, cache_salt="", adapter=""):
+        """Starts reading a prompt's saved blocks up to host memory: the PrefetchResponse (handle)."""
+        return self._rpc("Prefetch", kvd_pb2.PrefetchRequest(
+            worker_id=self.worker_id, namespace=self.namespace(pool, cache_salt, adapter), tokens=list(tokens)))
+
+    def release_prefetch(self, handle):
+        self._rpc("ReleasePrefetch", kvd_pb2.ReleasePrefetchRequest(worker_id=self.worker_id, handle=handle))
+
+    def put_object(self, pool, key, data, cache_salt=""):
+        self._rpc("PutObject", kvd_pb2.PutObjectRequest(namespace=self.namespace(pool, cache_salt), key=key, data=data))
+
+    def get_object(self, pool, key, cache_salt=""):
+        return self._rpc("GetObject", kvd_pb2.GetObjectRequest(namespace=self.namespace(pool, cache_salt), key=key)).data
+
+    def delete_object(self, pool, key, cache_salt=""):
+        self._rpc("DeleteObject", kvd_pb2.DeleteObjectRequest(namespace=self.namespace(pool, cache_salt), key=key))
+
+    def close_session(self, session):
+        self._rpc("CloseSession", kvd_pb2.CloseSessionRequest(session_id=session))
+
+    def get_session(self, session):
+        return self._rpc("GetSession", kvd_pb2.GetSessionRequest(session_id=session))
+
+    def list_sessions(self):
+        return list(self._rpc("ListSessions", kvd_pb2.ListSessionsRequest()).sessions)
 
     def report(self):
         return self._rpc("Report", kvd_pb2.ReportRequest())

@@ -35,6 +35,11 @@ class KvdStub(object):
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.EndRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.EndResponse.FromString,
                 )
+        self.Step = channel.unary_unary(
+                '/kvd.v1.Kvd/Step',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.StepRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.StepResponse.FromString,
+                )
         self.Admit = channel.unary_unary(
                 '/kvd.v1.Kvd/Admit',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.AdmitRequest.SerializeToString,
@@ -257,6 +262,23 @@ class Kvd(object):
         return grpc.experimental.unary_unary(request, target, '/kvd.v1.Kvd/End',
             kvd_dot_v1_dot_kvd__pb2.EndRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.EndResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/kvd.v1.Kvd/Step',
+            kvd_dot_v1_dot_kvd__pb2.StepRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.StepResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

@@ -1,0 +1,250 @@
+"""BatchEngine: continuous batching on kvd's memory through the step protocol (kvd.step).
+
+One scheduler step: finished requests end (publishing their full blocks), running requests are
+scheduled within a per-step token budget (a prefill chunk, or one decode position), waiting
+requests are started while there is room in the batch; the whole step goes to kvd in one
+Client.step (none, when every item is decode growth the block credit covers); then the model runs
+every scheduled position. A request whose pool cannot grow is preempted: checkpointed (the
+positions with KV, the next token in engine_state) and released, and put back at the head of the
+waiting queue, which starts it again with resume_from. A start kvd answers `waiting` stays at
+the head of the queue and keeps its place in kvd's admission FIFO.
+
+The model is pluggable: `forward(kv_io, tokens, start, end)` computes positions [start, end)
+(writing their KV through kv_io) and returns one bytes "logit row" per position. PatternModel
+needs no weights and no torch: the KV of position p is the kv_pattern.h bytes of (token, p), and
+its logit row is a running SHA-256 over every KV byte of positions [0, p] as read back from
+kvd's memory, so a reused byte that differs changes every later token. Each position's result
+depends only on earlier positions' KV, never on what else is in the batch: a reused prefix gives
+the same tokens and digests bit for bit as a cold run.
+"""
+import collections
+import hashlib
+import struct
+import time
+
+import grpc
+
+from kvd.step import StepBatch, StepRequest
+
+M = (1 << 64) - 1
+
+
+def _kv_byte(token, pos, layer, j):
+    x = ((token << 32) ^ (pos << 12) ^ layer ^ ((j >> 3) << 48)) & M
+    x = (x + 0x9E3779B97F4A7C15) & M
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
+    x ^= x >> 31
+    return (x >> (8 * (j & 7))) & 0xFF
+
+
+class KvIo:
+    """A request's KV slots in kvd's memory: position p, layer l is slot p % block_tokens of block
+    table[p // block_tokens]."""
+
+    def __init__(self, client, pool, table):
+        self.client, self.pool, self.table = client, client.pool(pool), table
+
+    def _view(self, pos, layer):
+        bt, n = self.pool.block_tokens, self.pool.bytes_per_token_per_layer
+        view = self.client.layer_view(self.pool.id, self.table[pos // bt], layer)
+        off = (pos % bt) * n
+        return view, off, n
+
+    def write(self, pos, layer, data):
+        view, off, n = self._view(pos, layer)
+        view[off:off + n] = data
+        view.release()
+
+    def read(self, pos, layer):
+        view, off, n = self._view(pos, layer)
+        data = bytes(view[off:off + n])
+        view.release()
+        return data
+
+
+class PatternModel:
+    vocab = 50000
+
+    def __init__(self):
+        self._chain = {}  # id(kv_io) -> (positions hashed, running digest)
+
+    def forward(self, kv, tokens, start, end):
+        pool = kv.pool
+        for pos in range(start, end):
+            for layer in range(pool.num_layers):
+                kv.write(pos, layer, bytes(_kv_byte(tokens[pos], pos, layer, j)
+                                           for j in range(pool.bytes_per_token_per_layer)))
+        done, h = self._chain.get(id(kv), (0, hashlib.sha256()))
+        rows = []
+        for pos in range(done, end):
+            for layer in range(pool.num_layers):
+                h.update(kv.read(pos, layer))  # reused positions too: what kvd served is checked
+            if pos >= start:
+                rows.append(h.copy().digest())
+        self._chain[id(kv)] = (end, h)
+        return rows
+
+    def forget(self, kv):
+        self._chain.pop(id(kv), None)
+
+    def sample(self, row):
+        return struct.unpack("<I", row[:4])[0] % self.vocab
+
+
+class _Gen:
+    def __init__(self, rid, prompt, max_new, salt):
+        self.rid, self.prompt, self.max_new, self.salt = rid, list(prompt), max_new, salt
+        self.req = StepRequest(rid)
+        self.tokens = list(prompt)   # the prompt, then each sampled token once it has a position
+        self.computed = 0            # positions whose KV is written
+        self.generated = []          # sampled tokens (the last has no KV yet)
+        self.digest = hashlib.sha256()
+        self.cached_tokens = None
+        self.resume = False
+        self.publish = False         # the prompt's blocks go out with the next step
+        self.preemptions = 0
+        self.kv = None
+        self.t_submit = time.perf_counter()
+        self.ttft = None
+
+
+class BatchEngine:
+    """`preempt_after`: when the head of the waiting queue has waited this many steps (kvd answered
+    `waiting`), the youngest running request is preempted to make room (0: never)."""
+
+    def __init__(self, client, pool="default", model=None, token_budget=256, max_running=32, chunk=64,
+                 max_wait_s=30.0, preempt_after=0):
+        self.client, self.pool = client, pool
+        self.model = model or PatternModel()
+        self.token_budget, self.max_running, self.chunk = token_budget, max_running, chunk
+        self.max_wait_s, self.preempt_after = max_wait_s, preempt_after
+        self.block_tokens = client.pool(pool).block_tokens
+        self.waiting = collections.deque()
+        self.running = []
+        self.finished = []   # generations whose End goes out with the next step
+        self.results = {}
+        self.steps = 0
+        self.head_waited = 0
+        self.prefill_tokens = 0  # positions computed for prompts (reuse lowers it)
+
+    def submit(self, rid, prompt, max_new=8, salt=""):
+        self.waiting.append(_Gen(rid, prompt, max_new, salt))
+
+    def run(self):
+        while self.waiting or self.running or self.finished:
+            self.step()
+        return self.results
+
+    def step(self):
+        self.steps += 1
+        bt = self.block_tokens
+        batch = StepBatch()
+        ending, self.finished = self.finished, []
+        for g in ending:  # every full block with KV, then the end
+            batch.publish(g.req, g.tokens[:g.computed], g.computed // bt)
+            batch.end(g.req, completed=True)
+        for g in self.running:
+            if g.publish:
+                batch.publish(g.req, g.prompt, len(g.prompt) // bt)
+                g.publish = False
+        # Running requests within the token budget: a prefill chunk, or the next decode position.
+        budget, plan = self.token_budget, []
+        for g in self.running:
+            if budget <= 0:
+                break
+            if g.computed < len(g.prompt):
+                n = min(self.chunk, len(g.prompt) - g.computed, budget)
+            else:  # decode: the last sampled token takes a position
+                n = 1
+                g.tokens.append(g.generated[-1])
+                batch.grow(g.req, 1)
+            plan.append((g, g.computed, g.computed + n, n == 1 and g.computed >= len(g.prompt)))
+            budget -= n
+        starting = []
+        while self.waiting and len(self.running) + len(starting) < self.max_running:
+            g = self.waiting.popleft()
+            batch.start(g.req, pool=self.pool, prompt=g.prompt, max_new_tokens=g.max_new, cache_salt=g.salt,
+                        resume_from=g.rid if g.resume else "", max_wait_s=self.max_wait_s)
+            starting.append(g)
+        results = self.client.step(batch)
+        for k, (kind, _, _) in enumerate(batch.items):
+            if kind in ("publish", "end") and not results[k].ok:
+                raise RuntimeError(f"{kind} failed: {results[k].code} {results[k].message}")
+        for g in ending:
+            self._finish(g)
+        by_item = {id(item[1]): r for item, r in zip(batch.items, results) if item[0] == "grow"}
+        starts = results[len(results) - len(starting):]
+        head = []  # kvd keeps their place in the pool's FIFO; so does the queue here
+        for g, r in zip(starting, starts):
+            if r.waiting:
+                head.append(g)
+            elif not r.ok:
+                raise RuntimeError(f"{g.rid}: start failed: {r.code} {r.message}")
+            else:
+                self._started(g)
+        self.waiting.extendleft(reversed(head))
+        self.head_waited = self.head_waited + 1 if head else 0
+        # The model: every scheduled position, each from the KV before it.
+        for g, start, end, grew in plan:
+            if grew:
+                r = by_item[id(g.req)]
+                if not r.ok:
+                    g.tokens.pop()
+                    raise RuntimeError(f"{g.rid}: grow failed: {r.code} {r.message}")
+            g.kv.table = g.req.blocks
+            rows = self.model.forward(g.kv, g.tokens, start, end)
+            if not grew:
+                self.prefill_tokens += end - start
+            g.computed = end
+            if end == len(g.tokens):  # the prompt is complete, or a decode position: sample
+                if not g.generated:
+                    g.publish = True
+                    g.ttft = time.perf_counter() - g.t_submit
+                g.digest.update(rows[-1])
+                g.generated.append(self.model.sample(rows[-1]))
+                if len(g.generated) >= g.max_new:
+                    self.running.remove(g)
+                    self.finished.append(g)
+        if self.preempt_after and self.head_waited >= self.preempt_after and self.running:
+            self._preempt(self.running[-1])
+            self.head_waited = 0
+
+    def _started(self, g):
+        req = g.req
+        if g.cached_tokens is None:
+            g.cached_tokens = req.cached_tokens
+        g.kv = KvIo(self.client, self.pool, req.blocks)
+        g.computed = req.cached_tokens
+        if req.resumed:
+            # Positions with KV, then the token sampled next (engine_state).
+            g.tokens = list(req.resumed_tokens)
+            g.generated = g.tokens[len(g.prompt):] + [struct.unpack("<I", req.engine_state)[0]]
+            if g.computed < len(g.tokens):
+                # kvd handed back a fresh tail block: recompute it (its rows were sampled already).
+                self.model.forward(g.kv, g.tokens, g.computed, len(g.tokens))
+                g.computed = len(g.tokens)
+        self.running.append(g)
+
+    def _preempt(self, g):
+        """Checkpoint what has KV (the next sampled token as state), release, queue for resume."""
+        self.running.remove(g)
+        batch = StepBatch()
+        if g.generated and g.computed == len(g.tokens):
+            batch.preempt(g.req, g.tokens[:g.computed], struct.pack("<I", g.generated[-1]))
+            g.resume = True
+        else:  # nothing sampled yet: start over
+            batch.preempt(g.req)
+            g.tokens, g.generated, g.digest = list(g.prompt), [], hashlib.sha256()
+        r = self.client.step(batch)[0]
+        if not r.ok:
+            raise RuntimeError(f"{g.rid}: preempt failed: {r.code} {r.message}")
+        self.model.forget(g.kv)
+        g.req, g.publish = StepRequest(g.rid), False
+        g.preemptions += 1
+        self.waiting.append(g)
+
+    def _finish(self, g):
+        self.model.forget(g.kv)
+        self.results[g.rid] = {"id": g.rid, "tokens": g.generated, "digest": g.digest.hexdigest(),
+                               "cached_tokens": g.cached_tokens, "preemptions": g.preemptions, "ttft_s": g.ttft}

@@ -1,0 +1,232 @@
+"""Steps (kvd.proto "Step"; docs/api.md, "Steps"): what one scheduler step decided for every request
+it touched, applied in one round trip, or in none when every item is a growth the worker's block
+credit covers (kvd learns of it with the next step that goes out).
+
+    batch = StepBatch()
+    batch.start(a, pool="default", prompt=tokens, max_new_tokens=64)   # admission + prefix acquire
+    batch.grow(b, 1)                                                    # decode
+    batch.end(c, publish_blocks=n, more_tokens=generated)
+    results = client.step(batch)          # results[i]: the i-th item's StepResult
+
+Growth covered by credit is placed at once (appended to req.blocks) and held back, one item per
+request; it goes out at the head of the next step that must (any other item, growth credit does not
+cover, or credit below half of what the client asks for). A step that fails as a whole is sent again
+with the same sequence number while the attachment lasts (kvd answers a repeat from its record).
+"""
+import time
+
+import grpc
+
+from .v1 import kvd_pb2
+
+
+class StepRequest:
+    """A request driven by steps; the engine keeps it, steps update it."""
+
+    def __init__(self, request_id):
+        self.id = request_id
+        self.pool_id = 0
+        self.blocks = []
+        self.num_tokens = 0
+        self.cached_tokens = 0
+        self.resumed = False
+        self.resumed_tokens = []
+        self.engine_state = b""
+        self.waiting = False   # started, not admitted yet: start it again in a later step
+        self.live = False      # acquired and not ended
+        self.error = None      # a KvdError kvd answered for growth placed earlier: End or preempt it
+        self.epoch = 0
+
+
+class StepResult:
+    def __init__(self, code=grpc.StatusCode.OK, message="", waiting=False, kept=0, already_cached=0,
+                 duplicates=0, no_parent=0):
+        self.code, self.message, self.waiting = code, message, waiting
+        self.kept, self.already_cached, self.duplicates, self.no_parent = kept, already_cached, duplicates, no_parent
+
+    @property
+    def ok(self):
+        return self.code == grpc.StatusCode.OK
+
+
+class StepBatch:
+    def __init__(self):
+        self.items = []
+
+    def start(self, req, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="", adapter="",
+              max_wait_s=30.0):
+        ns = kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt, adapter=adapter)
+        admit = kvd_pb2.AdmitRequest(namespace=ns, prompt=list(prompt), max_new_tokens=max_new_tokens,
+                                     session_id=session, resume_from=resume_from)
+        self.items.append(("start", req, kvd_pb2.StartRequest(admit=admit, max_wait_ms=max(1, int(max_wait_s * 1000)))))
+        return self
+
+    def grow(self, req, tokens):
+        self.items.append(("grow", req, tokens))
+        return self
+
+    def publish(self, req, tokens, num_blocks):
+        self.items.append(("publish", req, kvd_pb2.StepPublish(tokens=list(tokens), num_blocks=num_blocks)))
+        return self
+
+    def checkpoint(self, req, tokens, engine_state=b""):
+        self.items.append(("checkpoint", req, kvd_pb2.CheckpointRequest(tokens=list(tokens), engine_state=engine_state)))
+        return self
+
+    def end(self, req, publish_blocks=0, more_tokens=(), completed=True):
+        self.items.append(("end", req, kvd_pb2.EndRequest(publish_blocks=publish_blocks, more_tokens=list(more_tokens),
+                                                          completed=completed)))
+        return self
+
+    def preempt(self, req, tokens=(), engine_state=b""):
+        self.items.append(("preempt", req, kvd_pb2.CheckpointRequest(tokens=list(tokens), engine_state=engine_state)))
+        return self
+
+
+def _blocks_for(tokens, block_tokens):
+    return (tokens + block_tokens - 1) // block_tokens
+
+
+class Stepper:
+    """The client's step state: sequence number, credit per pool, growth held back."""
+
+    def __init__(self, client, credit_blocks):
+        self._client = client
+        self.credit_blocks = credit_blocks
+        self.epoch = None
+        self.seq = 0
+        self.credit = {}     # pool id -> [block]
+        self.held = {}       # StepRequest -> [tokens, [credit blocks]] (insertion ordered)
+        self.peak = {}       # pool id -> most blocks one step took
+
+    def _want(self, pool_id):
+        return 0 if self.credit_blocks <= 0 else max(self.credit_blocks, 2 * self.peak.get(pool_id, 0))
+
+    def step(self, batch):
+        from .client import KvdError, KvdRestarted  # noqa: circular at import time
+        c = self._client
+        epoch = c.epoch
+        if epoch != self.epoch:  # a new attachment: credit and held growth went with the old one
+            self.epoch, self.seq, self.credit, self.held, self.peak = epoch, 0, {}, {}, {}
+        results = [StepResult() for _ in batch.items]
+        send = [False] * len(batch.items)
+        must, publishes = False, False
+        used, need = set(), {}
+        for i, (kind, req, arg) in enumerate(batch.items):
+            if kind == "start":
+                pool = c.pool(arg.admit.namespace.pool)
+                used.add(pool.id)
+                send[i] = must = True
+                continue
+            withdraw = req.waiting and kind in ("end", "preempt")
+            if req.epoch != epoch or (not req.live and not withdraw):
+                code = grpc.StatusCode.ABORTED if req.live else grpc.StatusCode.FAILED_PRECONDITION
+                results[i] = StepResult(code, f"request {req.id!r} was lost with a kvd restart" if req.live
+                                        else f"request {req.id!r} is not live in this client")
+                continue
+            if req.error is not None and kind not in ("end", "preempt"):
+                results[i] = StepResult(req.error.code, req.error.details)
+                continue
+            if withdraw:
+                send[i] = must = True
+                continue
+            used.add(req.pool_id)
+            if kind != "grow":
+                send[i] = must = True
+                publishes |= kind != "end" or arg.publish_blocks != 0
+                continue
+            pool = c.pool(req.pool_id)
+            if arg < 0 or arg > pool.max_model_len - req.num_tokens:
+                send[i] = must = True  # kvd names what is wrong
+                continue
+            needed = max(0, _blocks_for(req.num_tokens + arg, pool.block_tokens) - len(req.blocks))
+            need[req.pool_id] = need.get(req.pool_id, 0) + needed
+            credit = self.credit.setdefault(req.pool_id, [])
+            if needed > len(credit):
+                send[i] = must = True
+                continue
+            h = self.held.setdefault(req, [0, []])
+            h[0] += arg
+            for _ in range(needed):
+                b = credit.pop()
+                h[1].append(b)
+                req.blocks.append(b)
+            req.num_tokens += arg
+        for p, n in need.items():
+            self.peak[p] = max(self.peak.get(p, 0), n)
+        low = any(len(self.credit.get(p, [])) < self._want(p) // 2 for p in used)
+        if not must and not low:
+            return results
+
+        step = kvd_pb2.StepRequest(worker_id=c.worker_id)
+        self.seq += 1
+        step.seq = self.seq
+        held = list(self.held.items())
+        self.held = {}
+        for req, (tokens, blocks) in held:
+            step.items.add(request_id=req.id, grow=kvd_pb2.StepGrow(tokens=tokens, credit_blocks=blocks))
+        sent = []
+        for i, (kind, req, arg) in enumerate(batch.items):
+            if not send[i]:
+                continue
+            item = step.items.add(request_id=req.id)
+            if kind == "start":
+                item.start.CopyFrom(arg)
+                item.start.admit.worker_id = c.worker_id
+                item.start.admit.request_id = req.id
+            elif kind == "grow":
+                item.grow.tokens = arg
+            else:
+                getattr(item, kind).CopyFrom(arg)
+            sent.append(i)
+        if self.credit_blocks > 0:
+            for p in sorted(used):
+                step.credit.add(pool=c.pool(p).name, blocks=self._want(p))
+        if publishes:
+            c._await_writes()
+        resp = None
+        for attempt in range(3):
+            try:
+                resp = c._rpc("Step", step)
+                break
+            except KvdError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE or c.epoch != epoch or attempt == 2:
+                    for req, _ in held:  # unknown whether kvd applied it: those requests are unusable
+                        req.error = e
+                    if c._lost(e, epoch):
+                        raise KvdRestarted(f"step {step.seq}") from None
+                    raise
+                time.sleep(0.05 * (1 << attempt))
+        for k, (req, _) in enumerate(held):
+            r = resp.results[k]
+            if r.code != 0:
+                req.error = KvdError(_code(r.code), r.message)
+        for k, i in enumerate(sent):
+            r = resp.results[len(held) + k]
+            kind, req, arg = batch.items[i]
+            out = StepResult(_code(r.code), r.message, r.waiting, r.kept, r.already_cached, r.duplicates, r.no_parent)
+            results[i] = out
+            if kind == "start":
+                req.waiting, req.epoch = r.waiting, epoch
+                if out.ok and not r.waiting:
+                    a = r.acquired
+                    req.pool_id, req.blocks, req.num_tokens = a.pool_id, list(a.blocks), a.num_tokens
+                    req.cached_tokens, req.resumed = a.cached_tokens, a.resumed
+                    req.resumed_tokens, req.engine_state = list(a.resumed_tokens), a.engine_state
+                    req.live, req.error = True, None
+            elif kind == "grow" and out.ok:
+                req.blocks += list(r.blocks)
+                req.num_tokens += arg
+            elif kind in ("end", "preempt") and out.ok:
+                req.live = req.waiting = False
+        self.credit = {}
+        for cr in resp.credit:
+            self.credit[cr.pool_id] = list(cr.blocks)
+        return results
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _code(value):
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
