@@ -34,14 +34,14 @@ std::vector<BlockIndex> Credit(KvCache& cache, int64_t want, PoolId pool = 0, co
 
 TEST_CASE("Credit is granted, adopted by a grow once, charged exactly and given back", "[core][step]") {
   FakeClock clock;
-  CacheOptions o = SmallOptions(32);
-  o.step_credit_blocks = 8;
+  CacheOptions o = SmallOptions(64);  // credit is capped at an eighth of the pool: 8
+  o.step_credit_blocks = 100;
   auto cache = MakeCache(o, &clock);
   RequestSpec a = Spec("a", Seq(0, 8), /*max_new=*/0);  // 2 blocks reserved, grows past it
   Start(*cache, a);
   const int64_t before = cache->Report().reserved_bytes;
 
-  std::vector<BlockIndex> credit = Credit(*cache, 100);  // capped by step_credit_blocks
+  std::vector<BlockIndex> credit = Credit(*cache, 1000);  // capped at an eighth of the pool
   REQUIRE(credit.size() == 8);
   RequireInvariants(*cache);
   REQUIRE(cache->Report().reserved_bytes == before + 8 * 64);
@@ -84,7 +84,7 @@ TEST_CASE("Credit is granted, adopted by a grow once, charged exactly and given 
     REQUIRE(cache->ReleaseWorker(kW) == 1);
     RequireInvariants(*cache);
     REQUIRE(cache->Report().reserved_bytes == 0);
-    REQUIRE(cache->Report().pools[0].free_blocks == 32);
+    REQUIRE(cache->Report().pools[0].free_blocks == 64);
   }
   SECTION("asking for less trims it") {
     REQUIRE(Credit(*cache, 2).size() == 2);
