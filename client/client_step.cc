@@ -133,19 +133,29 @@ void Client::Impl::Report() {
         this));
     if (stop_reporter) return;
     std::unique_ptr<v1::StepRequest> req = std::move(report);
+    std::vector<HeldGrowth> items = std::move(reported);
+    reported.clear();
     const int64_t epoch = step_epoch;
     step_mu.Unlock();
-    absl::StatusOr<v1::StepResponse> resp = SendStep(*this, *req, epoch, absl::Seconds(10));
+    // The items are built here, not on the engine's thread (the credit is in `req` already).
+    v1::StepRequest full;
+    for (const HeldGrowth& h : items) {
+      v1::StepItem* p = full.add_items();
+      p->set_request_id(h.req->id.value());
+      p->mutable_grow()->set_tokens(h.tokens);
+      p->mutable_grow()->mutable_credit_blocks()->Add(h.credit_blocks.begin(), h.credit_blocks.end());
+    }
+    full.MergeFrom(*req);
+    absl::StatusOr<v1::StepResponse> resp = SendStep(*this, full, epoch, absl::Seconds(10));
     step_mu.Lock();
     if (epoch == step_epoch) {
       if (resp.ok()) {
-        ApplyHeld(*this, reported, *resp, &report_errors);
+        ApplyHeld(*this, items, *resp, &report_errors);
       } else {
         // Unknown whether kvd applied it: the requests it named can no longer be trusted.
-        for (const HeldGrowth& h : reported) report_errors.emplace_back(h.req, resp.status());
+        for (const HeldGrowth& h : items) report_errors.emplace_back(h.req, resp.status());
       }
     }
-    reported.clear();
     reporting = false;
     step_cv.SignalAll();
   }
@@ -268,7 +278,8 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
       auto req = std::make_unique<v1::StepRequest>();
       req->set_worker_id(im.Worker().value());
       req->set_seq(++im.step_seq);
-      im.reported = TakeHeld(im, req.get());
+      im.reported = std::exchange(im.held, {});  // the reporter builds their items
+      im.held_index.clear();
       add_credit(req.get());
       im.report = std::move(req);
       im.reporting = true;

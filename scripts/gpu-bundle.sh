@@ -17,7 +17,7 @@ kvd_install_missing patchelf python3 python3-grpcio python3-protobuf
 export PATH="/usr/local/cuda/bin:$PATH"
 command -v nvcc >/dev/null || { echo "gpu-bundle: the CUDA toolkit (nvcc) is needed to build the CUDA backend" >&2; exit 1; }
 
-bins=(kvd kvdctl kvd_example_worker gpu_cuda_test kvd_cuda_bench kvd_gpu_probe)
+bins=(kvd kvdctl kvd_example_worker kvd_step_worker gpu_cuda_test kvd_cuda_bench kvd_gpu_probe)
 KVD_BUILD_TARGETS="${bins[*]} kvd_python" kvd_build -DKVD_WITH_CUDA=ON -DKVD_BUILD_TESTS=ON \
   -DKVD_BUILD_BENCHMARKS=ON >"$KVD_BUILD_DIR.bundle.log" 2>&1 \
   || { tail -40 "$KVD_BUILD_DIR.bundle.log" >&2; echo "gpu-bundle: build failed" >&2; exit 1; }

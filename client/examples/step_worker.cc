@@ -5,9 +5,11 @@
 // every reused byte, writes the rest of each prompt (the example pattern, kv_pattern.h) and
 // publishes it, then decodes: every step grows each running request by one position (from the
 // worker's block credit: most steps make no round trip) and writes that position, for --gen
-// steps; the last step ends every request, publishing its full blocks. It prints one JSON line:
+// steps; the last step publishes every request's full blocks and ends it. With --preempt-at=N the
+// first request is preempted at decode step N (checkpoint + release) and resumed (resume_from),
+// its KV verified. It prints one JSON line:
 //   {"requests": ..., "steps": ..., "round_trips": ..., "cached_tokens": ..., "verified_bytes": ...,
-//    "written_bytes": ..., "mismatches": ...}
+//    "written_bytes": ..., "mismatches": ..., "resumed": ..., "kept_blocks": ...}
 // and exits 0, or 3 when a reused byte did not match (wrong KV served).
 //
 //   kvd_step_worker --target=unix:///run/kvd/kvd.sock --batch=8 --prompt-len=40 --shared=16 --gen=24
@@ -75,7 +77,7 @@ int Fail(const absl::Status& s) {
 int main(int argc, char** argv) {
   CLI::App app{"kvd_step_worker: a batch per step on kvd's memory"};
   std::string target, pool = "default", id = "s", salt;
-  int64_t batch = 4, prompt_len = 20, shared = 8, gen = 8, hang_after = -1, credit = 128;
+  int64_t batch = 4, prompt_len = 20, shared = 8, gen = 8, hang_after = -1, credit = 128, preempt_at = -1;
   app.add_option("--target", target, "kvd address")->required();
   app.add_option("--pool", pool, "pool name");
   app.add_option("--id", id, "request id prefix");
@@ -86,6 +88,8 @@ int main(int argc, char** argv) {
   app.add_option("--gen", gen, "decode steps")->check(CLI::Range(0, 1 << 20));
   app.add_option("--step-credit", credit, "block credit asked for per pool");
   app.add_option("--hang-after-steps", hang_after, "print STEPPING after this many decode steps and hang");
+  app.add_option("--preempt-at", preempt_at,
+                 "at this decode step preempt the first request (checkpoint + release) and resume it");
   CLI11_PARSE(app, argc, argv);
 
   auto connected = kvd::client::Client::Connect(
@@ -105,7 +109,7 @@ int main(int argc, char** argv) {
     g.spec.max_new_tokens = gen;
   }
   Stats stats;
-  int64_t steps = 0, round_trips = 0, cached = 0;
+  int64_t steps = 0, round_trips = 0, cached = 0, resumed = 0, published = 0;
   auto run = [&](kvd::client::StepBatch& b) -> absl::StatusOr<kvd::client::StepAnswer> {
     KVD_ASSIGN_OR_RETURN(kvd::client::StepAnswer a, client.Step(b));
     ++steps;
@@ -144,6 +148,32 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       for (;;) pause();  // the test kills this process
     }
+    if (step == preempt_at) {
+      // Preempted as a scheduler does when the pool cannot grow: checkpoint every position with
+      // KV, release; then started again with resume_from, which hands the same KV back.
+      Generation& g = gens[0];
+      kvd::client::StepBatch p;
+      p.Preempt(&g.req, g.tokens, "");
+      auto pa = run(p);
+      if (!pa.ok()) return Fail(pa.status());
+      if (!pa->items[0].status.ok()) return Fail(pa->items[0].status);
+      kvd::RequestSpec again = g.spec;
+      again.resume_from = again.id;
+      kvd::client::StepBatch r;
+      r.Start(&g.req, again);
+      auto ra = run(r);
+      if (!ra.ok()) return Fail(ra.status());
+      if (!ra->items[0].status.ok()) return Fail(ra->items[0].status);
+      if (!g.req.acquired.resumed || g.req.acquired.resumed_tokens != g.tokens) {
+        return Fail(absl::InternalError("the preempted request did not resume at its checkpoint"));
+      }
+      ++resumed;
+      const int64_t have = g.req.acquired.cached_tokens;  // a fenced tail block comes back fresh
+      if (auto s = TouchKv(client, g, 0, have, true, &stats); !s.ok()) return Fail(s);
+      if (auto s = TouchKv(client, g, have, static_cast<int64_t>(g.tokens.size()), false, &stats); !s.ok()) {
+        return Fail(s);
+      }
+    }
     kvd::client::StepBatch b;
     for (Generation& g : gens) b.Grow(&g.req, 1);
     auto a = run(b);
@@ -160,23 +190,25 @@ int main(int argc, char** argv) {
     kvd::client::StepBatch b;
     for (Generation& g : gens) {
       const int64_t bt = client.pools()[g.req.pool].geometry.block_tokens;
-      b.End(&g.req, static_cast<int64_t>(g.tokens.size()) / bt,
-            std::vector<Token>(g.tokens.begin() + prompt_len, g.tokens.end()), /*completed=*/true);
+      b.Publish(&g.req, g.tokens, static_cast<int64_t>(g.tokens.size()) / bt);
+      b.End(&g.req, 0, {}, /*completed=*/true);
     }
     auto a = run(b);
     if (!a.ok()) return Fail(a.status());
     for (const auto& item : a->items) {
       if (!item.status.ok()) return Fail(item.status);
     }
+    for (size_t k = 0; k < gens.size(); ++k) published += a->items[2 * k].kept;
     for (const Generation& g : gens) {
       if (!g.req.error.ok()) return Fail(g.req.error);
     }
   }
   std::printf(
       "%s\n", absl::StrFormat("{\"requests\": %d, \"steps\": %d, \"round_trips\": %d, \"cached_tokens\": %d, "
-                              "\"verified_bytes\": %d, \"written_bytes\": %d, \"mismatches\": %d}",
+                              "\"verified_bytes\": %d, \"written_bytes\": %d, \"mismatches\": %d, "
+                              "\"resumed\": %d, \"kept_blocks\": %d}",
                               batch, steps, round_trips, cached, stats.verified_bytes, stats.written_bytes,
-                              stats.mismatches)
+                              stats.mismatches, resumed, published)
                 .c_str());
   return stats.mismatches == 0 ? 0 : 3;
 }

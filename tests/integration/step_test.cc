@@ -71,6 +71,18 @@ TEST_CASE("A batch decodes through steps on credit, and another worker reuses it
   REQUIRE(r.reserved_bytes == 0);  // the credit went back with each worker
 }
 
+TEST_CASE("A stepping worker preempts a request and resumes it from its checkpoint, bytes verified", "[integration][step]") {
+  DaemonProcess d(SmallPoolConfig(512));
+  ProcessResult w = RunProcess(StepWorkerBinary(), {"--target=" + d.target(), "--batch=4", "--prompt-len=10",
+                                                    "--gen=20", "--preempt-at=7", "--id=p"});
+  INFO(w.out);
+  REQUIRE(w.exit_code == 0);
+  REQUIRE(JsonInt(w.out, "resumed") == 1);
+  REQUIRE(JsonInt(w.out, "mismatches") == 0);
+  REQUIRE(JsonInt(w.out, "verified_bytes") >= 17 * 2 * 16 / 2);  // the resumed KV, read back
+  REQUIRE(JsonInt(w.out, "kept_blocks") > 0);
+}
+
 TEST_CASE("A stepping worker SIGKILLed holding requests and credit gives everything back", "[integration][step]") {
   DaemonProcess d(SmallPoolConfig(512), {"--lease-ttl=2"});
   auto observer = ConnectTo(d);

@@ -16,6 +16,7 @@ import tempfile
 
 from kvd import Client
 from kvd.engine.batch import BatchEngine
+from kvd.engine.local_blocks import LocalBlocks
 from kvd_testlib import Daemon, check, finish
 
 
@@ -73,6 +74,10 @@ def main():
             same(res, ref, "a batch of 8 with chunked prefill")
             again, e2 = run(d.target, work, max_running=8, chunk=8)
             same(again, ref, "the same batch again, reusing")
+            local = BatchEngine(LocalBlocks(capacity_blocks=512, max_model_len=256), max_running=8, chunk=8)
+            for rid, p in work.items():
+                local.submit(rid, p, max_new=10)
+            same(local.run(), ref, "the in-process baseline (LocalBlocks)")
             reused = sum(r["cached_tokens"] for r in again.values())
             check(reused >= 8 * 12, f"the second batch reused its prompts ({reused} tokens)")
             check(e2.prefill_tokens < e.prefill_tokens, f"and computed fewer ({e2.prefill_tokens} < {e.prefill_tokens})")

@@ -52,7 +52,7 @@ finish() {
 
 # 1. Every binary loads: no library missing, nothing from the build machine assumed.
 missing=""
-for b in kvd kvdctl kvd_example_worker gpu_cuda_test kvd_cuda_bench kvd_gpu_probe; do
+for b in kvd kvdctl kvd_example_worker kvd_step_worker gpu_cuda_test kvd_cuda_bench kvd_gpu_probe; do
   "$here/$b" --help >"$out/load-$b.log" 2>&1
   if grep -q "error while loading shared libraries" "$out/load-$b.log"; then
     missing+="$b: $(grep "error while loading" "$out/load-$b.log") "
@@ -112,6 +112,27 @@ if start_kvd "$tmp/ready" "$out/daemon.log"; then
   record two_workers "$ok" "$(awk -v a="$a_secs" -v b="$secs" 'BEGIN{print a+b}')" "$b_out"
 else
   record two_workers 1 0 "kvd --backend=cuda did not start: $(tail -5 "$out/daemon.log")"
+fi
+kill "$kvd_pid" 2>/dev/null; wait "$kvd_pid" 2>/dev/null; rm -rf "$tmp"
+
+# 5c. Continuous batching on CUDA slabs through steps (kvd-step): worker a decodes a batch of 8 on
+# block credit and preempts one request, resumed from its checkpoint; worker b, another process,
+# reuses a's prompts; every reused byte verified (cudaMemcpy through the client), none wrong.
+tmp=$(mktemp -d)
+write_config
+if start_kvd "$tmp/ready" "$out/daemon_steps.log"; then
+  run steps_a 90 "$here/kvd_step_worker" --target="unix://$tmp/kvd.sock" --id=a --batch=8 --prompt-len=200 \
+    --shared=64 --gen=48 --preempt-at=20
+  a_rc=$rc a_secs=$secs a_out=$(tail -1 "$out/steps_a.log")
+  run steps_b 90 "$here/kvd_step_worker" --target="unix://$tmp/kvd.sock" --id=b --batch=8 --prompt-len=200 \
+    --shared=64 --gen=48
+  b_out=$(tail -1 "$out/steps_b.log")
+  ok=1
+  [ "$a_rc" -eq 0 ] && [ "$rc" -eq 0 ] && grep -q '"resumed": 1' <<<"$a_out" && grep -q '"mismatches": 0' <<<"$a_out" \
+    && grep -q '"mismatches": 0' <<<"$b_out" && ! grep -q '"cached_tokens": 0,' <<<"$b_out" && ok=0
+  record batched_steps "$ok" "$(awk -v a="$a_secs" -v b="$secs" 'BEGIN{print a+b}')" "a: $a_out b: $b_out"
+else
+  record batched_steps 1 0 "kvd --backend=cuda did not start: $(tail -5 "$out/daemon_steps.log")"
 fi
 kill "$kvd_pid" 2>/dev/null; wait "$kvd_pid" 2>/dev/null; rm -rf "$tmp"
 

@@ -39,28 +39,25 @@ def _kv_byte(token, pos, layer, j):
 
 
 class KvIo:
-    """A request's KV slots in kvd's memory: position p, layer l is slot p % block_tokens of block
-    table[p // block_tokens]."""
+    """A request's KV slots in the pool's memory (shard 0, host backend): position p, layer l is
+    slot p % block_tokens of block table[p // block_tokens]."""
 
     def __init__(self, client, pool, table):
-        self.client, self.pool, self.table = client, client.pool(pool), table
+        self.pool = client.pool(pool)
+        self.mem = memoryview(self.pool.maps[0])
+        self.table = table
 
-    def _view(self, pos, layer):
-        bt, n = self.pool.block_tokens, self.pool.bytes_per_token_per_layer
-        view = self.client.layer_view(self.pool.id, self.table[pos // bt], layer)
-        off = (pos % bt) * n
-        return view, off, n
+    def _at(self, pos, layer):
+        bt = self.pool.block_tokens
+        return self.pool.offset(self.table[pos // bt], layer) + (pos % bt) * self.pool.bytes_per_token_per_layer
 
     def write(self, pos, layer, data):
-        view, off, n = self._view(pos, layer)
-        view[off:off + n] = data
-        view.release()
+        at = self._at(pos, layer)
+        self.mem[at:at + len(data)] = data
 
     def read(self, pos, layer):
-        view, off, n = self._view(pos, layer)
-        data = bytes(view[off:off + n])
-        view.release()
-        return data
+        at = self._at(pos, layer)
+        return bytes(self.mem[at:at + self.pool.bytes_per_token_per_layer])
 
 
 class PatternModel:
@@ -131,8 +128,19 @@ class BatchEngine:
     def submit(self, rid, prompt, max_new=8, salt=""):
         self.waiting.append(_Gen(rid, prompt, max_new, salt))
 
-    def run(self):
-        while self.waiting or self.running or self.finished:
+    def run(self, arrivals=None):
+        """Steps until every submitted request is done. `arrivals`: (seconds from now, id, prompt,
+        max_new, salt) in time order, submitted when their time comes (idle until then)."""
+        pending = collections.deque(arrivals or ())
+        t0 = time.perf_counter()
+        while pending or self.waiting or self.running or self.finished:
+            now = time.perf_counter() - t0
+            while pending and pending[0][0] <= now:
+                _, rid, prompt, max_new, salt = pending.popleft()
+                self.submit(rid, prompt, max_new, salt)
+            if not (self.waiting or self.running or self.finished):
+                time.sleep(max(0.0, pending[0][0] - now))
+                continue
             self.step()
         return self.results
 
@@ -247,4 +255,5 @@ class BatchEngine:
     def _finish(self, g):
         self.model.forget(g.kv)
         self.results[g.rid] = {"id": g.rid, "tokens": g.generated, "digest": g.digest.hexdigest(),
-                               "cached_tokens": g.cached_tokens, "preemptions": g.preemptions, "ttft_s": g.ttft}
+                               "cached_tokens": g.cached_tokens, "preemptions": g.preemptions, "ttft_s": g.ttft,
+                               "done_s": time.perf_counter() - g.t_submit, "prompt_tokens": len(g.prompt)}

@@ -1,0 +1,184 @@
+"""The continuous-batching reference engine (kvd.engine.batch) replaying a Mooncake trace with its
+arrivals: W worker processes on one kvd (steps, block credit, one shared prefix cache) against the
+same engine with an in-process block manager per worker (kvd.engine.local_blocks: its own free
+list and prefix cache, the pool split W ways, no daemon). Once with a salt per request (no reuse:
+the protocol's cost alone) and once with reuse. Reports output throughput, TTFT p50, time per
+output token p50 and prompt tokens computed; --plot writes an SVG of TTFT p50 and throughput over
+the batch limit (max running requests).
+
+  PYTHONPATH=build/python /usr/bin/python3 tests/bench/batch_engine_bench.py --kvd build/server/kvd \\
+      --trace ../shared/data/mooncake-fast25/conversation_trace.jsonl [--workers 2] [--requests 200] \\
+      [--time-scale 50] [--batches 4,16,32] [--plot docs/batch_engine.svg]
+
+Scaling to the PatternModel (kvd.engine.batch): one trace hash id (512 tokens) becomes one 8-token
+block whose tokens derive from the id, so prompts sharing hash ids share prefixes as in the trace;
+prompt = ceil(input_length / scale) capped to whole hash-id blocks; output = min(output_length /
+scale, max_new); arrival = timestamp / time_scale.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+
+BLOCK = 8
+POOL = ("pools:\n  - name: default\n    block_tokens: 8\n    num_layers: 2\n    bytes_per_token_per_layer: 16\n"
+        "    capacity_blocks: {cap}\n    max_model_len: 1024\n")
+
+
+def load(trace, n, scale, max_prompt, max_new, time_scale):
+    out = []
+    with open(trace) as f:
+        for i, line in enumerate(f):
+            if len(out) == n:
+                break
+            r = json.loads(line)
+            length = max(2, min(-(-r["input_length"] // scale), max_prompt, len(r["hash_ids"]) * BLOCK))
+            prompt = [(h * 131 + j * 7 + 1) % 50000 for h in r["hash_ids"] for j in range(BLOCK)][:length]
+            out.append((r["timestamp"] / 1000.0 / time_scale, f"t{i}", prompt,
+                        max(1, min(r["output_length"] // scale, max_new))))
+    t0 = out[0][0] if out else 0
+    return [(t - t0, rid, p, m) for t, rid, p, m in out]
+
+
+def child(args):
+    from kvd import Client
+    from kvd.engine.batch import BatchEngine
+    from kvd.engine.local_blocks import LocalBlocks
+    with open(args.child_work) as f:
+        work = [tuple(x) for x in json.load(f)]
+    salt = args.salt
+    arrivals = [(t, rid, p, m, rid if salt else "") for t, rid, p, m in work]
+    if args.target == "local":
+        client = LocalBlocks(block_tokens=BLOCK, num_layers=2, bytes_per_token_per_layer=16,
+                             capacity_blocks=args.capacity_blocks, max_model_len=1024)
+    else:
+        client = Client(args.target, worker_name="bench")
+    e = BatchEngine(client, max_running=args.max_running, chunk=64, token_budget=512)
+    res = e.run(arrivals)
+    print(json.dumps({"results": list(res.values()), "prefill_tokens": e.prefill_tokens}))
+    return 0
+
+
+def run_mode(args, tmp, mode, salt, max_running, reqs):
+    daemon = None
+    target, cap = "local", args.capacity_blocks // args.workers
+    if mode == "kvd":
+        from kvd_testlib import Daemon
+        daemon = Daemon(args.kvd, tmp, POOL.format(cap=args.capacity_blocks), name=f"kvd-{salt}-{max_running}")
+        target = daemon.target
+    try:
+        files = []
+        for w in range(args.workers):
+            path = os.path.join(tmp, f"{mode}-{salt}-{max_running}-{w}.json")
+            with open(path, "w") as f:
+                json.dump(reqs[w::args.workers], f)
+            files.append(path)
+        start = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, __file__, "--child-work", p, "--target", target,
+                                   "--capacity-blocks", str(cap), "--max-running", str(max_running)]
+                                  + (["--salt"] if salt else []), stdout=subprocess.PIPE, text=True) for p in files]
+        results, prefill = [], 0
+        for p in procs:
+            out, _ = p.communicate(timeout=3600)
+            if p.returncode != 0:
+                raise RuntimeError(f"a worker failed ({p.returncode})")
+            d = json.loads(out.strip().splitlines()[-1])
+            results += d["results"]
+            prefill += d["prefill_tokens"]
+        elapsed = time.perf_counter() - start
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    out_tokens = sum(len(r["tokens"]) for r in results)
+    tpot = [(r["done_s"] - r["ttft_s"]) / (len(r["tokens"]) - 1) for r in results if len(r["tokens"]) > 1]
+    return {"mode": mode, "reuse": not salt, "max_running": max_running, "requests": len(results),
+            "throughput_tok_s": out_tokens / elapsed, "ttft_p50_ms": statistics.median(r["ttft_s"] for r in results) * 1e3,
+            "tpot_p50_ms": statistics.median(tpot) * 1e3 if tpot else 0.0, "prefill_computed": prefill,
+            "cached_tokens": sum(r["cached_tokens"] or 0 for r in results), "elapsed_s": elapsed}
+
+
+def plot(rows, path):
+    """A small SVG: TTFT p50 and throughput over max_running, kvd against in-process, with reuse."""
+    sel = [r for r in rows if r["reuse"]]
+    xs = sorted({r["max_running"] for r in sel})
+    w, h, pad = 640, 260, 50
+    def series(mode, key):
+        return [next(r[key] for r in sel if r["mode"] == mode and r["max_running"] == x) for x in xs]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * w}" height="{h}" font-family="sans-serif" font-size="12">']
+    for k, (key, title) in enumerate((("ttft_p50_ms", "TTFT p50 (ms)"), ("throughput_tok_s", "throughput (tokens/s)"))):
+        ox = k * w
+        vals = series("kvd", key) + series("in-process", key)
+        top = max(vals) * 1.1 or 1
+        parts.append(f'<text x="{ox + pad}" y="20">{title} over max running requests (with reuse)</text>')
+        parts.append(f'<line x1="{ox + pad}" y1="{h - pad}" x2="{ox + w - 20}" y2="{h - pad}" stroke="black"/>')
+        parts.append(f'<line x1="{ox + pad}" y1="{h - pad}" x2="{ox + pad}" y2="30" stroke="black"/>')
+        for i, x in enumerate(xs):
+            px = ox + pad + (i + 0.5) * (w - pad - 20) / len(xs)
+            parts.append(f'<text x="{px - 8}" y="{h - pad + 16}">{x}</text>')
+        parts.append(f'<text x="{ox + 5}" y="40">{top:.0f}</text>')
+        for mode, color in (("kvd", "#1f77b4"), ("in-process", "#d62728")):
+            pts = []
+            for i, v in enumerate(series(mode, key)):
+                px = ox + pad + (i + 0.5) * (w - pad - 20) / len(xs)
+                py = h - pad - v / top * (h - pad - 30)
+                pts.append(f"{px:.1f},{py:.1f}")
+            parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{" ".join(pts)}"/>')
+            parts.append(f'<text x="{ox + w - 110}" y="{45 if mode == "kvd" else 60}" fill="{color}">{mode}</text>')
+    parts.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(parts) + "\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kvd")
+    ap.add_argument("--trace")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--scale", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=256)
+    ap.add_argument("--max-new", type=int, default=16)
+    ap.add_argument("--time-scale", type=float, default=50.0)
+    ap.add_argument("--capacity-blocks", type=int, default=4096)
+    ap.add_argument("--batches", default="16")
+    ap.add_argument("--plot")
+    ap.add_argument("--child-work")
+    ap.add_argument("--target")
+    ap.add_argument("--max-running", type=int, default=16)
+    ap.add_argument("--salt", action="store_true")
+    args = ap.parse_args()
+    if args.child_work:
+        return child(args)
+    reqs = load(args.trace, args.requests, args.scale, args.max_prompt, args.max_new, args.time_scale)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for b in (int(x) for x in args.batches.split(",")):
+            for salt in (True, False):
+                for mode in ("kvd", "in-process"):  # interleaved
+                    rows.append(run_mode(args, tmp, "kvd" if mode == "kvd" else "local", salt, b, reqs))
+                    rows[-1]["mode"] = mode
+    print("| max running | reuse | mode | throughput (tok/s) | TTFT p50 (ms) | TPOT p50 (ms) | prompt tokens computed |"
+          " tokens reused |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['max_running']} | {'yes' if r['reuse'] else 'no (salt)'} | {r['mode']} | {r['throughput_tok_s']:.0f} |"
+              f" {r['ttft_p50_ms']:.1f} | {r['tpot_p50_ms']:.2f} | {r['prefill_computed']} | {r['cached_tokens']} |")
+    for b in sorted({r["max_running"] for r in rows}):
+        for reuse in (False, True):
+            k = next(r for r in rows if r["max_running"] == b and r["reuse"] == reuse and r["mode"] == "kvd")
+            l = next(r for r in rows if r["max_running"] == b and r["reuse"] == reuse and r["mode"] == "in-process")
+            print(f"max running {b}, reuse {reuse}: throughput kvd/in-process {k['throughput_tok_s'] / l['throughput_tok_s']:.3f}, "
+                  f"TPOT p50 {k['tpot_p50_ms'] / max(l['tpot_p50_ms'], 1e-9):.3f}, TTFT p50 {k['ttft_p50_ms'] / max(l['ttft_p50_ms'], 1e-9):.3f}, "
+                  f"prefill computed {k['prefill_computed']} vs {l['prefill_computed']}")
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
