@@ -36,6 +36,13 @@ struct EndResult {
   int64_t no_parent = 0;       // blocks after a position this request did not cache
 };
 
+// What Prefetch started: its handle, and how many of the prompt's blocks lower tiers hold.
+struct PrefetchResult {
+  uint64_t handle = 0;
+  int64_t found_blocks = 0;    // held below the device tier
+  int64_t loading_blocks = 0;  // of those, being read up from disk
+};
+
 // kvd restarted while a request was live: the request is gone with the daemon's memory of it
 // (ABORTED, with this payload). Start it again; a checkpoint kvd kept resumes it.
 inline constexpr char kKvdRestartedPayload[] = "kvd.dev/KvdRestarted";
@@ -166,6 +173,15 @@ class Client {
   absl::StatusOr<EndResult> End(const RequestId& id, int64_t publish_blocks,
                                 absl::Span<const Token> more_tokens, bool completed);
   absl::StatusOr<int64_t> PeekPrefixLen(const Namespace& ns, absl::Span<const Token> tokens);
+  // The rest of the contract (client_calls.cc). Prefetch: starts reading a prompt's saved blocks
+  // up to host memory before it is admitted (tiers); they stay until ReleasePrefetch or the worker
+  // detaches. Objects: an exact cache beside the prefix cache (e.g. encoder outputs), under tiers.
+  absl::StatusOr<PrefetchResult> Prefetch(const Namespace& ns, absl::Span<const Token> tokens);
+  absl::Status ReleasePrefetch(uint64_t handle);
+  absl::Status PutObject(const Namespace& ns, const std::string& key, const std::string& data);
+  absl::StatusOr<std::string> GetObject(const Namespace& ns, const std::string& key);
+  absl::Status DeleteObject(const Namespace& ns, const std::string& key);
+  absl::StatusOr<std::vector<SessionInfo>> ListSessions();
   absl::Status CloseSession(const SessionId& session);
   absl::StatusOr<SessionInfo> GetSession(const SessionId& session);
   absl::StatusOr<GcStats> Gc(absl::Duration max_idle = absl::ZeroDuration());
@@ -189,8 +205,9 @@ class Client {
   absl::StatusOr<StepAnswer> Step(StepBatch& batch);
   // Tells kvd now of the credit-covered growth the client holds back, if any.
   absl::Status FlushSteps();
-  // Credit blocks held now in `pool`.
+  // Credit blocks held now in `pool`: how many, and which.
   int64_t StepCredit(PoolId pool) const;
+  std::vector<BlockIndex> StepCreditBlocks(PoolId pool) const;
 
   struct Impl;
 

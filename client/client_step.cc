@@ -63,6 +63,12 @@ int64_t Client::StepCredit(PoolId pool) const {
   return it == impl_->credit.end() ? 0 : static_cast<int64_t>(it->second.size());
 }
 
+std::vector<BlockIndex> Client::StepCreditBlocks(PoolId pool) const {
+  absl::MutexLock lock(&impl_->step_mu);
+  auto it = impl_->credit.find(pool);
+  return it == impl_->credit.end() ? std::vector<BlockIndex>{} : it->second;
+}
+
 absl::Status Client::FlushSteps() {
   StepBatch empty;
   {

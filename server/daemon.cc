@@ -511,6 +511,7 @@ absl::StatusOr<HandoffOffer> Daemon::StopForHandoff() {
   // end; calls in flight get 100 ms to finish, then are cancelled — Attach streams too, and
   // workers re-attach to the successor.
   service_->StartDraining(/*final=*/true);
+  service_->BeginHandoff();  // the streams Shutdown cancels must not release what EndAllFenced fences
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
   if (tiers_ != nullptr) tiers_->Quiesce();
   HandoffOffer offer;

@@ -23,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/client.h"
 #include "client/examples/kv_pattern.h"
 #include "proto/vocab/status_macros.h"
@@ -144,7 +145,12 @@ int main(int argc, char** argv) {
   // Decode.
   for (int64_t step = 0; step < gen; ++step) {
     if (step == hang_after) {
-      std::printf("STEPPING %lld\n", static_cast<long long>(step));
+      // Every block this process may still write: its credit, and its tables past the published
+      // prompt blocks (published blocks are immutable: never written again).
+      std::vector<kvd::BlockIndex> mine = client.StepCreditBlocks(gens[0].req.pool);
+      const size_t published = static_cast<size_t>(prompt_len / client.pools()[gens[0].req.pool].geometry.block_tokens);
+      for (const Generation& g : gens) mine.insert(mine.end(), g.req.blocks.begin() + published, g.req.blocks.end());
+      std::printf("STEPPING %lld writable=%s\n", static_cast<long long>(step), absl::StrJoin(mine, ",").c_str());
       std::fflush(stdout);
       for (;;) pause();  // the test kills this process
     }

@@ -109,6 +109,10 @@ void KvdService::LiftFences(uint32_t pid) {
 void KvdService::PokeAdmission() { admission_->Poke(); }
 
 void KvdService::WorkerGone(const WorkerId& worker, absl::string_view why) {
+  if (handing_off_) {
+    spdlog::info("worker {}: {} during a handoff; what it holds is fenced for it", worker.value(), std::string(why));
+    return;
+  }
   workers_->Remove(worker);
   ForgetSteps(worker);
   if (tiers_ != nullptr) tiers_->ReleasePrefetchesOf(worker);

@@ -72,6 +72,10 @@ class KvdService final : public v1::Kvd::CallbackService {
   // Wakes admission waiters (blocks came free outside a request: a fence lifted).
   void PokeAdmission();
   void WorkerGone(const WorkerId& worker, absl::string_view why);
+  // A handoff is under way: attach streams the server's shutdown cancels release nothing (their
+  // requests and credit are ended fenced, keyed by each worker's pid: KvCache::EndAllFenced), and
+  // the workers stay registered so that their pids are known.
+  void BeginHandoff() { handing_off_ = true; }
 
   KvCache* cache() const { return cache_; }
   AttachmentRegistry* workers() const { return workers_; }
@@ -231,6 +235,7 @@ class KvdService final : public v1::Kvd::CallbackService {
   const PeerListener* peers_ = nullptr;
   std::function<void(bool)> on_serving_;
   std::atomic<bool> final_drain_{false};
+  std::atomic<bool> handing_off_{false};
   absl::Mutex steps_mu_;
   absl::flat_hash_map<WorkerId, std::shared_ptr<StepLog>> steps_ ABSL_GUARDED_BY(steps_mu_);
 };

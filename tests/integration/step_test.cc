@@ -4,11 +4,15 @@
 #include <signal.h>
 
 #include <future>
+#include <set>
 
 #include <catch2/catch.hpp>
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "client/client.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "tests/integration/harness.h"
@@ -364,6 +368,77 @@ TEST_CASE("A kvd restart under a stepping client: its requests fail as restarted
   REQUIRE(s.ok());
   REQUIRE(s->items[0].status.ok());
   REQUIRE(c->StepCredit(0) == 16);
+}
+
+TEST_CASE("Across --takeover, a stopped stepping worker's credit and tables are fenced: nobody else is given them",
+          "[integration][step][handoff]") {
+  DaemonProcess d(SmallPoolConfig(64, "lease_ttl_s: 5\n"));
+  // Requests of 8 tokens, 8 blocks of credit (an eighth of the pool), hung mid-decode.
+  WorkerProcess w({"--target=" + d.target(), "--batch=2", "--prompt-len=8", "--gen=30", "--hang-after-steps=2",
+                   "--step-credit=8"},
+                  StepWorkerBinary());
+  auto line = w.WaitForLine("STEPPING", absl::Seconds(15));
+  INFO(line.status().ToString());
+  REQUIRE(line.ok());
+  std::set<uint32_t> mine;
+  for (absl::string_view b : absl::StrSplit(line->substr(line->find("writable=") + 9), ',', absl::SkipEmpty())) {
+    uint32_t n = 0;
+    REQUIRE(absl::SimpleAtoi(absl::StripAsciiWhitespace(b), &n));
+    mine.insert(n);
+  }
+  REQUIRE(mine.size() >= 2 + 4);  // a decode block per table, and what is left of the credit
+  // Stopped, it can neither write nor quiesce and re-attach (which would hand its blocks on at
+  // once): they stay fenced for the lease TTL.
+  w.Signal(SIGSTOP);
+  REQUIRE(d.TakeOver());
+  // Other processes now take whatever the successor hands out: none of it is the hung worker's.
+  for (int i = 0; i < 6; ++i) {
+    ProcessResult other = RunWorker({"--target=" + d.target(), absl::StrCat("--id=o", i),
+                                     absl::StrCat("--prompt-range=", 9000 + 100 * i, ":24"), "--gen=2"});
+    INFO(other.out);
+    REQUIRE(other.exit_code == 0);
+    const std::string list = other.out.substr(other.out.find("\"blocks\": [") + 11);
+    for (absl::string_view b : absl::StrSplit(list.substr(0, list.find(']')), ',', absl::SkipEmpty())) {
+      uint32_t n = 0;
+      REQUIRE(absl::SimpleAtoi(absl::StripAsciiWhitespace(b), &n));
+      INFO("block " << n);
+      REQUIRE_FALSE(mine.contains(n));
+    }
+  }
+  w.Kill(SIGKILL);
+}
+
+TEST_CASE("The C++ client's typed calls: prefetch, objects, sessions, peek", "[integration][step]") {
+  TempDir disk;
+  DaemonProcess d(SmallPoolConfig(64, "tiers:\n  host_bytes: 1048576\n  disk_dir: " + disk.path() + "\n"));
+  auto c = ConnectTo(d);
+  Namespace ns;
+  ns.pool = "default";
+  REQUIRE(c->PutObject(ns, "vision/x", "pixels").ok());
+  REQUIRE(*c->GetObject(ns, "vision/x") == "pixels");
+  REQUIRE(c->DeleteObject(ns, "vision/x").ok());
+  REQUIRE(absl::IsNotFound(c->GetObject(ns, "vision/x").status()));
+  REQUIRE(absl::IsInvalidArgument(c->PutObject(ns, "", "x")));  // bad input named, nothing stored
+
+  RequestSpec spec;
+  spec.id = RequestId("s");
+  spec.ns = ns;
+  spec.prompt = std::vector<Token>(12, 4);
+  spec.session = SessionId("conv-1");
+  auto r = c->Start(spec);
+  REQUIRE(r.ok());
+  REQUIRE((*r)->End(3, {}, true).ok());
+  auto sessions = c->ListSessions();
+  REQUIRE(sessions.ok());
+  REQUIRE(sessions->size() == 1);
+  REQUIRE((*sessions)[0].id == SessionId("conv-1"));
+  REQUIRE(*c->PeekPrefixLen(ns, std::vector<Token>(13, 4)) == 12);
+
+  std::vector<Token> prompt(12, 4);
+  auto p = c->Prefetch(ns, prompt);
+  REQUIRE(p.ok());
+  REQUIRE(c->ReleasePrefetch(p->handle).ok());
+  REQUIRE(absl::IsNotFound(c->ReleasePrefetch(p->handle)));  // released twice: named
 }
 
 }  // namespace

@@ -11,7 +11,7 @@ if [ -z "$clang" ]; then
   exit 1
 fi
 cd "$root"
-files=$(ls server/core/*.cc server/store/*.cc server/events/*.cc server/rpc/*.cc server/obs/*.cc server/daemon.cc client/client.cc client/client_step.cc gpu/*.cc | grep -v cuda_)
+files=$(ls server/core/*.cc server/store/*.cc server/events/*.cc server/rpc/*.cc server/obs/*.cc server/daemon.cc client/client.cc client/client_calls.cc client/client_step.cc gpu/*.cc | grep -v cuda_)
 failed=0
 for f in $files; do
   if ! "$clang" -std=c++20 -fsyntax-only -Wthread-safety -Werror=thread-safety -I. -I"$build/proto" \
