@@ -26,6 +26,7 @@ KVD_UID = 10001
 VALIDATE_JS = r"""
 const objs = JSON.parse(require("fs").readFileSync(0, "utf8"));
 const groups = { "v1": "kubernetes-models/v1", "apps/v1": "kubernetes-models/apps/v1",
+                 "scheduling.k8s.io/v1": "kubernetes-models/scheduling.k8s.io/v1",
                  "monitoring.coreos.com/v1": "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1" };
 (async () => {
   let bad = 0;
@@ -69,6 +70,33 @@ def install_validator(cache):
 
 # How long kvd may take to become ready with the shipped configuration (see start_kvd below).
 READY_DEADLINE_S = 180
+
+
+def check_init_every_start(check, init_command, caps):
+    """The init container's command under exactly its capability set (root, bounding set = the
+    rendered `add` list, no new privileges), on fresh, already-owned and half-owned directories,
+    twice each: every pod start succeeds, not only the first on a node."""
+    tmp = tempfile.mkdtemp(prefix="kvd-init-")
+    try:
+        run, disk = os.path.join(tmp, "run-kvd"), os.path.join(tmp, "var-lib-kvd")
+        cmd = init_command.replace("/run/kvd", run).replace("/var/lib/kvd", disk)
+        capset = ",".join(["-all"] + ["+" + c.lower() for c in caps])
+        states = {"fresh": (0, 0), "already kvd's": (KVD_UID, KVD_UID), "half kvd's": (KVD_UID, 0)}
+        for name, (run_owner, disk_owner) in states.items():
+            for d, owner in ((run, run_owner), (disk, disk_owner)):
+                shutil.rmtree(d, ignore_errors=True)
+                os.mkdir(d)
+                os.chown(d, owner, owner)
+                os.chmod(d, 0o750 if owner else 0o755)
+            for attempt in (1, 2):
+                r = subprocess.run(["setpriv", "--bounding-set=" + capset, "--inh-caps=-all", "--no-new-privs",
+                                    "/bin/sh", "-c", cmd], capture_output=True, text=True)
+                ok = r.returncode == 0 and all(os.stat(d).st_uid == KVD_UID for d in (run, disk)) and \
+                    (os.stat(run).st_mode & 0o777, os.stat(disk).st_mode & 0o777) == (0o750, 0o700)
+                check(ok, f"the init container's command under capabilities {caps} on {name} directories, "
+                          f"start {attempt} ({r.stderr.strip()})")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_socket_dir(check, init_command, config_text, kvd):
@@ -158,17 +186,29 @@ def check_kubernetes(check, root, kvd, build_dir):
         check(kinds[0] == "Namespace", f"{overlay}: the Namespace comes first ({kinds})")
         check("Pod" not in kinds, f"{overlay}: the example worker is not part of the overlay")
         by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
-        check(all(o["metadata"].get("namespace") == "kvd" for o in objs if o["kind"] != "Namespace"),
-              f"{overlay}: every object is in namespace kvd")
-        ds = by.get(("DaemonSet", "kvd"))
-        cm = by.get(("ConfigMap", "kvd-config"))
-        check(ds is not None and cm is not None, f"{overlay}: DaemonSet kvd and ConfigMap kvd-config")
+        check(all(o["metadata"].get("namespace") == "kvd" for o in objs if o["kind"] not in ("Namespace", "PriorityClass")),
+              f"{overlay}: every namespaced object is in namespace kvd")
+        ds = by.get(("DaemonSet", f"kvd-{overlay}"))
+        cms = [o for (k, n), o in by.items() if k == "ConfigMap" and n.startswith(f"kvd-config-{overlay}-")]
+        cm = cms[0] if len(cms) == 1 else None
+        check(ds is not None and cm is not None,
+              f"{overlay}: DaemonSet kvd-{overlay} and a generated ConfigMap kvd-config-{overlay}-<hash>")
         if ds is None or cm is None:
             continue
         pod = ds["spec"]["template"]["spec"]
+        cm_refs = [v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v]
+        check(cm_refs == [cm["metadata"]["name"]],
+              f"{overlay}: the DaemonSet mounts that ConfigMap by its hashed name: a config change rolls it ({cm_refs})")
+        sel = ds["spec"]["selector"]["matchLabels"]
+        check(sel.get("kvd.dev/flavor") == overlay and
+              ds["spec"]["template"]["metadata"]["labels"].get("kvd.dev/flavor") == overlay,
+              f"{overlay}: a selector of its own (kvd.dev/flavor={overlay}): the other overlay's pods are not its")
         c = pod["containers"][0]
         check(pod.get("hostPID") is True and pod.get("hostIPC") is True, f"{overlay}: host PID and IPC namespaces")
-        check(pod.get("priorityClassName") == "system-node-critical", f"{overlay}: priorityClassName system-node-critical")
+        pc = by.get(("PriorityClass", pod.get("priorityClassName", "")))
+        check(pc is not None and pc.get("preemptionPolicy") == "Never" and pc.get("value", 0) >= 1_000_000,
+              f"{overlay}: kvd's PriorityClass is rendered with it, high, and preemptionPolicy Never: a surge pod "
+              f"that does not fit never evicts an engine ({pod.get('priorityClassName')})")
         vols = {v["name"]: v for v in pod["volumes"]}
         mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
         check(vols.get("socket-dir", {}).get("hostPath", {}).get("path") == "/run/kvd" and
@@ -245,9 +285,31 @@ def check_kubernetes(check, root, kvd, build_dir):
         check(len(init) == 1 and init[0]["securityContext"].get("runAsUser") == 0,
               f"{overlay}: an init container (as root) prepares the host directories")
         if overlay == "host" and init and os.geteuid() == 0 and shutil.which("setpriv"):
+            check_init_every_start(check, init[0]["command"][-1],
+                                   init[0]["securityContext"].get("capabilities", {}).get("add", []))
             check_socket_dir(check, init[0]["command"][-1], cm["data"]["kvd.yaml"], kvd)
         elif overlay == "host":
             print("skip: the hostPath ownership run needs root and setpriv")
+
+    # host and gpu side by side in one cluster: no namespaced object of one is the other's, shared
+    # objects (the Namespace) are identical, and no node runs both.
+    host = {(o["kind"], o["metadata"]["name"]): o for o in rendered["host"]}
+    gpu = {(o["kind"], o["metadata"]["name"]): o for o in rendered["gpu"]}
+    shared = set(host) & set(gpu)
+    check(shared == {("Namespace", "kvd")} and host[("Namespace", "kvd")] == gpu[("Namespace", "kvd")],
+          f"host and gpu apply side by side: they share only the identical Namespace ({sorted(shared)})")
+
+    def node_terms(objs):
+        pod = next(o for o in objs if o["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+        exprs = [e for t in pod.get("affinity", {}).get("nodeAffinity", {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", [])
+                 for e in t.get("matchExpressions", [])]
+        return pod.get("nodeSelector", {}), exprs
+    gsel, _ = node_terms(rendered["gpu"])
+    _, hexprs = node_terms(rendered["host"])
+    check(gsel.get("nvidia.com/gpu.present") == "true" and
+          {"key": "nvidia.com/gpu.present", "operator": "NotIn", "values": ["true"]} in hexprs,
+          "host and gpu select disjoint nodes: gpu those labelled nvidia.com/gpu.present=true, host every other")
 
     mon = {o["kind"]: o for o in rendered["monitoring"]}
     check(set(mon) == {"PodMonitor", "PrometheusRule"}, f"monitoring: a PodMonitor and a PrometheusRule ({sorted(mon)})")
