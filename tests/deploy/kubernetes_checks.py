@@ -320,8 +320,28 @@ def check_kubernetes(check, root, kvd, build_dir):
         check(mon["PrometheusRule"]["spec"] == rules,
               "monitoring: the PrometheusRule's groups are deploy/prometheus/kvd-rules.yaml (promtool checks those)")
 
-    worker = yaml.safe_load(open(os.path.join(root, "deploy", "kubernetes", "examples", "example-worker.yaml")))
-    check(worker["spec"].get("hostPID") is True, "example worker shares the PID namespace")
-    wmounts = {m["mountPath"] for m in worker["spec"]["containers"][0]["volumeMounts"]}
-    check("/run/kvd" in wmounts, "example worker mounts the socket dir")
-    check(KVD_UID in worker["spec"]["securityContext"].get("supplementalGroups", []), "example worker joins kvd's group")
+    # One example worker per overlay, that works with it: its image, a pool its config has, its nodes.
+    for overlay in ("host", "gpu"):
+        worker = yaml.safe_load(open(os.path.join(root, "deploy", "kubernetes", "examples", f"{overlay}-worker.yaml")))
+        spec = worker["spec"]
+        c = spec["containers"][0]
+        check(spec.get("hostPID") is True and spec.get("hostIPC") is True, f"{overlay} example worker shares PID and IPC")
+        check("/run/kvd" in {m["mountPath"] for m in c["volumeMounts"]}, f"{overlay} example worker mounts the socket dir")
+        check(KVD_UID in spec["securityContext"].get("supplementalGroups", []), f"{overlay} example worker joins kvd's group")
+        objs = rendered[overlay]
+        ds = next((o for o in objs if o["kind"] == "DaemonSet"), None)
+        cm = next((o for o in objs if o["kind"] == "ConfigMap"), None)
+        if ds is None or cm is None:
+            continue
+        kvd_image = ds["spec"]["template"]["spec"]["containers"][0]["image"]
+        check(c["image"] == kvd_image, f"{overlay} example worker runs the overlay's image ({c['image']} vs {kvd_image})")
+        pools = {p["name"] for p in yaml.safe_load(cm["data"]["kvd.yaml"])["pools"]}
+        pool = next((a.split("=", 1)[1] for a in c["args"] if a.startswith("--pool=")), "default")
+        check(pool in pools, f"{overlay} example worker's pool {pool} is one of the overlay's ({sorted(pools)})")
+        gpu_limit = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+        if overlay == "gpu":
+            check(gpu_limit == 1 and spec.get("nodeSelector", {}).get("nvidia.com/gpu.present") == "true",
+                  "gpu example worker takes one GPU on a GPU node")
+        else:
+            check(gpu_limit is None and "nvidia.com/gpu.present" not in spec.get("nodeSelector", {}),
+                  "host example worker takes no GPU (the host image has no CUDA)")
