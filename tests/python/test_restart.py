@@ -82,9 +82,42 @@ def racing_calls(kvd, tmp, daemon):
     return daemon
 
 
+def lease(kvd, tmp):
+    """The lease as the client proves it: kvd's acks keep may_write() true past half a lease; when
+    kvd goes away the client quiesces (fences, then on_lease_lost) before it re-attaches."""
+    d = Daemon(kvd, tmp, SMALL_POOL, name="lease", extra=["--lease-ttl=2"])
+    seen = []
+    try:
+        c = Client(d.target, worker_name="py-lease",
+                   on_lease_lost=lambda: seen.append((c.epoch, c.may_write(), c.attached.is_set())))
+        c.add_write_fence(lambda: seen.append("fence"))
+        try:
+            check(c.may_write(), "lease: may write once attached")
+            time.sleep(1.6)  # past half a lease (1 s): only acknowledged heartbeats keep it
+            check(c.may_write(), "lease: kvd's acks keep the lease provable past half a lease")
+            d.proc.send_signal(signal.SIGKILL)
+            d.proc.wait(timeout=10)
+            deadline = time.monotonic() + 5
+            while len(seen) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            check(seen[:1] == ["fence"] and len(seen) == 2 and seen[1] == (1, False, False),
+                  f"lease: kvd gone, the client stops writing, runs the fences, then on_lease_lost ({seen})")
+            check(not c.may_write(), "lease: no writes while detached")
+            os.remove(os.path.join(tmp, "lease.ready"))
+            d = Daemon(kvd, tmp, SMALL_POOL, name="lease", extra=["--lease-ttl=2"])
+            c.wait_attached(10)
+            check(c.epoch == 2 and c.may_write(), "lease: re-attached (quiesced), it may write again")
+        finally:
+            c.close()
+    finally:
+        if d.proc.poll() is None:
+            d.stop()
+
+
 def main():
     kvd, worker = sys.argv[1], sys.argv[2]
     tmp = tempfile.mkdtemp(prefix="kvd-pyrestart-")
+    lease(kvd, tmp)
     daemon = Daemon(kvd, tmp, SMALL_POOL)
     remaps = []
     try:

@@ -217,7 +217,7 @@ class Client:
     """Attaches to kvd (with a background heartbeat), lists pools and maps host slabs once."""
 
     def __init__(self, target, worker_name="python", map_slabs=True, heartbeat_s=1.0, cuda_runtime=None,
-                 expect=(), on_remap=None, connect_timeout_s=5.0, step_credit_blocks=128):
+                 expect=(), on_remap=None, connect_timeout_s=5.0, step_credit_blocks=128, on_lease_lost=None):
         """`expect`: dicts of kvd_pb2.PoolExpectation fields ({"pool": "llama", "dtype": "bfloat16",
         "kv_heads": 8, ...}); the daemon refuses to attach (FAILED_PRECONDITION, KvdError) when a
         pool differs, so the worker never reads KV laid out for another model.
@@ -231,13 +231,28 @@ class Client:
 
         KvdUnavailable (a KvdError) when nothing answers at `target` within connect_timeout_s.
 
-        `step_credit_blocks`: block credit asked for per pool used in steps (kvd.step; 0: none)."""
+        `step_credit_blocks`: block credit asked for per pool used in steps (kvd.step; 0: none).
+
+        Leases (docs/security.md, "Leases and fencing"): every heartbeat carries a sequence number
+        and kvd acknowledges it once it renewed the lease; `may_write()` is True until half a lease
+        past the sending of the last acknowledged heartbeat. An engine checks it before writing
+        into kvd's memory. When the attach stream ends, the client quiesces before it re-attaches:
+        may_write() turns False, the write fences run (add_write_fence) and then `on_lease_lost()`,
+        the engine's hook that stops its writes and waits for those in flight; the hello then says
+        `quiesced`, and kvd hands on at once what it fenced for this process."""
         self.target = target
         self.rpc_seconds = 0.0  # wall time spent in unary RPCs, for the engine benchmark
         self.rpc_calls = 0
+        # A fresh process never wrote into kvd's memory: quiesced from the start.
         self._hello = kvd_pb2.AttachRequest(hello=kvd_pb2.Hello(
-            worker_name=worker_name, pid=os.getpid(),
+            worker_name=worker_name, pid=os.getpid(), quiesced=True,
             expect_pools=[kvd_pb2.PoolExpectation(**e) for e in expect]))
+        self._on_lease_lost = on_lease_lost
+        self._lease_lock = threading.Lock()
+        self._lease_ttl_s = 10.0
+        self._may_write_until = 0.0   # time.monotonic(); 0: the lease is lost
+        self._beats = {}              # heartbeat seq -> monotonic time sent
+        self._next_seq = 1
         self._map = map_slabs
         self._stepper = Stepper(self, step_credit_blocks)
         self._step_lock = threading.Lock()
@@ -275,8 +290,8 @@ class Client:
         attached = self._open_stream()
         self.worker_id = attached.worker_id
         self.backend = attached.backend
-        if attached.lease_ttl_ms > 0:  # beat at least three times per lease
-            heartbeat_s = min(heartbeat_s, attached.lease_ttl_ms / 3000.0)
+        if attached.lease_ttl_ms > 0:  # beat at least four times per lease (writes stop at half)
+            heartbeat_s = min(heartbeat_s, attached.lease_ttl_ms / 4000.0)
         self.pools = [Pool(p) for p in self._rpc("ListPools", kvd_pb2.ListPoolsRequest()).pools]
         self._identities = []
         if map_slabs and self.backend == "host":
@@ -286,13 +301,52 @@ class Client:
         self.attached.set()
         return heartbeat_s
 
+    def may_write(self):
+        """Whether this process may write into kvd's memory now: it holds a lease kvd acknowledged
+        less than half a lease ago."""
+        with self._lease_lock:
+            return self._may_write_until != 0.0 and time.monotonic() < self._may_write_until
+
+    def _lease_proven_at(self, sent):
+        with self._lease_lock:
+            until = sent + self._lease_ttl_s / 2
+            if self._may_write_until != 0.0 and until > self._may_write_until:
+                self._may_write_until = until
+
+    def _on_ack(self, seq):
+        with self._lease_lock:
+            sent = self._beats.get(seq)
+            if sent is None:
+                return
+            self._beats = {k: v for k, v in self._beats.items() if k > seq}
+        self._lease_proven_at(sent)
+
+    def _quiesce(self):
+        """Stops every write into kvd's memory and waits for those in flight (fences, then the
+        engine's hook) before the client may re-attach."""
+        with self._lease_lock:
+            self._may_write_until = 0.0
+            self._beats = {}
+        try:
+            self._await_writes()
+        except Exception:  # a failed wait still ends what it waited for
+            pass
+        if self._on_lease_lost is not None:
+            self._on_lease_lost()
+
     def _open_stream(self):
         """A new attach stream on the current channel; the Attached reply (KvdError if refused)."""
         self._outbox = queue.Queue()
         self._outbox.put(self._hello)
+        sent = time.monotonic()
         self._stream = self._stub.Attach(self._requests(self._outbox))
         try:
-            return next(self._stream).attached
+            attached = next(self._stream).attached
+            if attached.lease_ttl_ms > 0:
+                self._lease_ttl_s = attached.lease_ttl_ms / 1000.0
+            with self._lease_lock:  # kvd renewed the lease no earlier than the hello's sending
+                self._may_write_until = sent + self._lease_ttl_s / 2
+            return attached
         except (grpc.RpcError, StopIteration) as e:
             self._outbox.put(None)
             code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
@@ -301,13 +355,15 @@ class Client:
     def _supervise(self):
         while not self._closed.is_set():
             try:
-                for _ in self._stream:  # kvd sends nothing more: this returns when kvd goes away
-                    pass
+                for resp in self._stream:  # heartbeat acks, until kvd goes away
+                    if resp.HasField("heartbeat_ack"):
+                        self._on_ack(resp.heartbeat_ack.seq)
             except grpc.RpcError:
                 pass
             if self._closed.is_set():
                 return
             self.attached.clear()
+            self._quiesce()
             self.detached_reason = "kvd went away; reconnecting"
             backoff = 0.05
             while not self._closed.is_set():
@@ -429,7 +485,13 @@ class Client:
 
     def _heartbeat(self, period):
         while not self._closed.wait(period):
-            self._outbox.put(kvd_pb2.AttachRequest(heartbeat=kvd_pb2.Heartbeat()))
+            with self._lease_lock:
+                seq = self._next_seq
+                self._next_seq += 1
+                self._beats[seq] = time.monotonic()
+                if len(self._beats) > 64:  # unanswered ones prove nothing anyway
+                    self._beats.pop(min(self._beats))
+            self._outbox.put(kvd_pb2.AttachRequest(heartbeat=kvd_pb2.Heartbeat(seq=seq)))
 
     @staticmethod
     def _map_slabs(pools, path, token):

@@ -43,6 +43,7 @@ class KvIo:
     slot p % block_tokens of block table[p // block_tokens]."""
 
     def __init__(self, client, pool, table):
+        self.client = client
         self.pool = client.pool(pool)
         self.mem = memoryview(self.pool.maps[0])
         self.table = table
@@ -52,6 +53,8 @@ class KvIo:
         return self.pool.offset(self.table[pos // bt], layer) + (pos % bt) * self.pool.bytes_per_token_per_layer
 
     def write(self, pos, layer, data):
+        if not self.client.may_write():  # the lease is lost: kvd may hand this block on
+            raise RuntimeError("the lease is lost: writing stopped")
         at = self._at(pos, layer)
         self.mem[at:at + len(data)] = data
 
