@@ -233,6 +233,12 @@ def check_kubernetes(check, root, kvd, build_dir):
         else:
             check(strategy.get("type") == "OnDelete" and "rollingUpdate" not in strategy,
                   f"gpu: nodes are upgraded pod by pod (OnDelete: {strategy})")
+            check("--takeover" not in c["args"],
+                  "gpu: no --takeover (a replacement started while the deleted pod drains would be refused and "
+                  f"crash-loop) ({c['args']})")
+        ns = next(o for o in objs if o["kind"] == "Namespace")
+        check(ns["metadata"].get("labels", {}).get("pod-security.kubernetes.io/enforce") == "privileged",
+              f"{overlay}: kvd's namespace admits the privileged Pod Security level (hostPID, hostIPC, hostPath)")
         for probe in ("startupProbe", "readinessProbe"):
             check(probe in c and c[probe]["exec"]["command"][-1] == "health",
                   f"{overlay}: {probe} asks gRPC health over the socket")
