@@ -11,6 +11,7 @@ import time
 import grpc
 
 from . import cuda
+from .errors import KvdError, KvdRestarted, KvdUnavailable  # noqa: F401 (also kvd.client's)
 from .step import Stepper
 from .v1 import kvd_pb2, kvd_pb2_grpc
 
@@ -20,34 +21,6 @@ except ImportError:  # pragma: no cover - numpy is optional
     numpy = None
 
 
-class KvdError(Exception):
-    """A failed kvd call: `code` is the grpc.StatusCode, the message names what was wrong."""
-
-    def __init__(self, code, message):
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.details = message
-
-
-class KvdRestarted(KvdError):
-    """kvd restarted while this request was live: the request is gone with the daemon's memory of
-    it. Start it again (a checkpoint kvd kept resumes it). Code ABORTED."""
-
-    def __init__(self, request_id):
-        super().__init__(grpc.StatusCode.ABORTED,
-                         f"kvd restarted: request '{request_id}' was lost with it; start it again")
-        self.request_id = request_id
-
-
-class KvdUnavailable(KvdError):
-    """kvd is not there: nothing listens at the target, or it did not answer in time. Code
-    UNAVAILABLE; the message names the target."""
-
-    def __init__(self, target, waited_s):
-        super().__init__(grpc.StatusCode.UNAVAILABLE,
-                         f"cannot reach kvd at {target} (waited {waited_s:g} s): is the daemon running, "
-                         f"and may this user open its socket?")
-        self.target = target
 
 
 def _call(fn, req, timeout=30):

@@ -17,6 +17,7 @@ import time
 
 import grpc
 
+from .errors import KvdError, KvdRestarted
 from .v1 import kvd_pb2
 
 
@@ -103,7 +104,6 @@ class Stepper:
         return 0 if self.credit_blocks <= 0 else max(self.credit_blocks, 2 * self.peak.get(pool_id, 0))
 
     def step(self, batch):
-        from .client import KvdError, KvdRestarted  # noqa: circular at import time
         c = self._client
         epoch = c.epoch
         if epoch != self.epoch:  # a new attachment: credit and held growth went with the old one
