@@ -4,9 +4,14 @@ handle reaches cudaIpcOpenMemHandle by value and intact, with the device set fir
 peer-access flag; addresses are slab base + Pool.offset; errors carry cudaGetErrorName; close
 unmaps. (tests/gpu covers the real runtime on a GPU.)
 
-Usage: test_cuda_mapping.py LIBFAKECUDART   (PYTHONPATH=<build>/python)
+VMM slabs (allocator vmm) against a stand-in driver (fake_cuda_driver.c) that maps the fd kvd
+would pass: the allocation properties and access flags reach the driver as cuda.h lays them out,
+the slab's bytes are read and written through the returned pointer, and close releases it.
+
+Usage: test_cuda_mapping.py LIBFAKECUDART LIBFAKECUDADRIVER   (PYTHONPATH=<build>/python)
 """
 import ctypes
+import os
 import sys
 
 from kvd import cuda
@@ -70,7 +75,41 @@ def main():
     except OSError as e:
         check("KVD_CUDART" in str(e), "no runtime: the error says how to name one")
 
+    vmm(rt, sys.argv[2])
     return finish()
+
+
+def vmm(rt, driver_path):
+    fake = ctypes.CDLL(driver_path)
+    drv = cuda.CudaDriver(path=driver_path)
+    size = 4 << 20
+    fd = os.memfd_create("kvd-test-vmm")
+    os.ftruncate(fd, size)
+    os.pwrite(fd, bytes(range(256)) * 4, 4096)
+    info = kvd_pb2.SlabInfo(shard=0, device=2, size_bytes=size, allocator="vmm", memory_id="m-1")
+    slab = cuda.map_slab(rt, info, fd=fd, driver=drv)
+    check(fake.fake_prop_type() == cuda.CU_MEM_ALLOCATION_TYPE_PINNED and
+          fake.fake_prop_handle_types() == cuda.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR and
+          fake.fake_prop_location() == 100 + 2, "vmm: CUmemAllocationProp reaches the driver laid out as cuda.h's")
+    check(fake.fake_access() == 10000 + 200 + cuda.CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+          "vmm: read-write access on the slab's device")
+    check(ctypes.string_at(slab.ptr + 4096, 1024) == bytes(range(256)) * 4, "vmm: the slab's bytes, through the pointer")
+    ctypes.memmove(slab.ptr + 8192, b"written by python", 17)
+    check(os.pread(fd, 17, 8192) == b"written by python", "vmm: writes land in the allocation kvd shares")
+    check(slab.size == size and slab.device == 2, "vmm: size and device kept")
+    os.close(fd)  # the mapping holds its own reference, as an imported CUDA allocation does
+    slab.close()
+    check(fake.fake_live() == 0 and slab.ptr is None, "vmm: close unmaps and releases the allocation")
+    try:
+        cuda.map_slab(rt, info, driver=drv)
+        check(False, "vmm: without the side socket's fd it is refused")
+    except cuda.CudaError as e:
+        check("side socket" in str(e), f"vmm: without the side socket's fd it is refused, saying why ({e})")
+    try:
+        cuda.CudaDriver(path="/nonexistent/libcuda.so.1")
+        check(False, "vmm: a missing driver is named")
+    except OSError as e:
+        check("KVD_LIBCUDA" in str(e), "vmm: a missing driver says how to name one")
 
 
 if __name__ == "__main__":

@@ -267,6 +267,7 @@ class Client:
             heartbeat_s = min(heartbeat_s, attached.lease_ttl_ms / 4000.0)
         self.pools = [Pool(p) for p in self._rpc("ListPools", kvd_pb2.ListPoolsRequest()).pools]
         self._identities = []
+        self._side = (attached.side_socket, attached.slab_token)  # for VMM slab fds (CUDA)
         if map_slabs and self.backend == "host":
             self._identities = self._map_slabs(self.pools, attached.side_socket, attached.slab_token)
         elif map_slabs and self.backend == "cuda":
@@ -383,7 +384,11 @@ class Client:
                         if m is not None:
                             m.close()
         elif self._map and self.backend == "cuda":
-            if [s.cuda_ipc_handle for p in pools for s in p.slabs] != [s.cuda_ipc_handle for p in self.pools for s in p.slabs]:
+            self._side = (attached.side_socket, attached.slab_token)
+            # The same memory: the same IPC handles, or (VMM) the same allocations by memory_id.
+            ident = lambda ps: [(s.allocator, s.memory_id if s.allocator == "vmm" else s.cuda_ipc_handle)  # noqa: E731
+                                for p in ps for s in p.slabs]
+            if ident(pools) != ident(self.pools):
                 old = [(p, list(p.devices)) for p in self.pools]
                 for mine, fresh in zip(self.pools, pools):
                     mine.slabs, mine.devices = fresh.slabs, [None] * len(fresh.slabs)
@@ -439,14 +444,24 @@ class Client:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
 
-    def map_cuda_slabs(self, runtime=None, ranks=None):
-        """Opens the CUDA IPC handle of each slab (of shards `ranks`, default all) once:
-        pools[i].devices[shard] becomes a DeviceSlab (device pointer + size)."""
+    def map_cuda_slabs(self, runtime=None, ranks=None, driver=None):
+        """Maps each slab (of shards `ranks`, default all) once: pools[i].devices[shard] becomes a
+        DeviceSlab (device pointer + size). allocator ipc: its IPC handle; allocator vmm: its fd,
+        fetched through the side socket (the attachment's one-time token: the first call that
+        needs fds takes them all)."""
         runtime = runtime or cuda.CudaRuntime()
-        for p in self.pools:
-            for shard, info in enumerate(p.slabs):
-                if (ranks is None or shard in ranks) and p.devices[shard] is None:
-                    p.devices[shard] = cuda.map_slab(runtime, info)
+        wanted = [(p, shard, info) for p in self.pools for shard, info in enumerate(p.slabs)
+                  if (ranks is None or shard in ranks) and p.devices[shard] is None]
+        fds = {}
+        if any(info.allocator == "vmm" for _, _, info in wanted) and self._side is not None:
+            side, self._side = self._side, None  # the token redeems once
+            fds = {(pool, shard): fd for pool, shard, _, fd in self._receive_slab_fds(*side)}
+        try:
+            for p, shard, info in wanted:
+                p.devices[shard] = cuda.map_slab(runtime, info, fd=fds.get((p.id, shard)), driver=driver)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
     @staticmethod
     def _requests(outbox):
@@ -467,10 +482,9 @@ class Client:
             self._outbox.put(kvd_pb2.AttachRequest(heartbeat=kvd_pb2.Heartbeat(seq=seq)))
 
     @staticmethod
-    def _map_slabs(pools, path, token):
-        """Maps every slab the side socket passes into pools[i].maps; returns their identities
-        ((st_dev, st_ino) of each memfd, in order)."""
-        identities = []
+    def _receive_slab_fds(path, token):
+        """Every slab fd the side socket passes for the one-time `token`: (pool, shard, size, fd)."""
+        out = []
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(path)
             _send_frame(sock, token.encode())
@@ -480,11 +494,19 @@ class Client:
             for _ in range(int(greeting[3:])):
                 payload, fds = _recv_frame(sock, 1)
                 pool, shard, size = (int(x) for x in payload.split())
-                st = os.fstat(fds[0])
-                identities.append((pool, shard, st.st_dev, st.st_ino))
-                pools[pool].maps[shard] = mmap.mmap(fds[0], size, mmap.MAP_SHARED,
-                                                    mmap.PROT_READ | mmap.PROT_WRITE)
-                os.close(fds[0])
+                out.append((pool, shard, size, fds[0]))
+        return out
+
+    @staticmethod
+    def _map_slabs(pools, path, token):
+        """Maps every slab the side socket passes into pools[i].maps; returns their identities
+        ((st_dev, st_ino) of each memfd, in order)."""
+        identities = []
+        for pool, shard, size, fd in Client._receive_slab_fds(path, token):
+            st = os.fstat(fd)
+            identities.append((pool, shard, st.st_dev, st.st_ino))
+            pools[pool].maps[shard] = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.close(fd)
         return identities
 
     def _rpc(self, method, req, timeout=30):
