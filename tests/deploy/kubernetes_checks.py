@@ -302,8 +302,9 @@ def check_kubernetes(check, root, kvd, build_dir):
     host = {(o["kind"], o["metadata"]["name"]): o for o in rendered["host"]}
     gpu = {(o["kind"], o["metadata"]["name"]): o for o in rendered["gpu"]}
     shared = set(host) & set(gpu)
-    check(shared == {("Namespace", "kvd")} and host[("Namespace", "kvd")] == gpu[("Namespace", "kvd")],
-          f"host and gpu apply side by side: they share only the identical Namespace ({sorted(shared)})")
+    check(shared == {("Namespace", "kvd"), ("PriorityClass", "kvd-node")} and all(host[k] == gpu[k] for k in shared),
+          f"host and gpu apply side by side: they share only the Namespace and the PriorityClass, identical "
+          f"({sorted(shared)})")
 
     def node_terms(objs):
         pod = next(o for o in objs if o["kind"] == "DaemonSet")["spec"]["template"]["spec"]
