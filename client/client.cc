@@ -190,11 +190,11 @@ Client::~Client() {
   if (impl_->supervisor.joinable()) impl_->supervisor.join();
   if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
   {
-    absl::MutexLock lock(&impl_->step_mu);
-    impl_->stop_reporter = true;
-    impl_->step_cv.SignalAll();
+    absl::MutexLock lock(&impl_->steps.mu);
+    impl_->steps.stop_reporter = true;
+    impl_->steps.cv.SignalAll();
   }
-  if (impl_->reporter.joinable()) impl_->reporter.join();
+  if (impl_->steps.reporter.joinable()) impl_->steps.reporter.join();
   absl::MutexLock lock(&impl_->stream_mu);
   (void)impl_->attach->Finish();
 }

@@ -23,6 +23,7 @@
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "client/slab_maps.h"
+#include "client/step_state.h"
 #if KVD_HAVE_CUDA
 #include "gpu/cuda_block_copier.h"
 #include "gpu/cuda_device.h"
@@ -226,30 +227,8 @@ struct Client::Impl {
     return epoch;
   }
 
-  // Steps (client_step.cc). step_mu guards the sequence number, the credit and the growth held
-  // back (all of the attachment `step_epoch`), and the reporter: a thread that tells kvd of held
-  // growth and refills credit while the engine computes. A step the engine waits for is sent with
-  // step_mu held and no report in flight (steps apply in seq order).
-  struct HeldGrowth {
-    StepRequest* req;
-    int64_t tokens = 0;
-    std::vector<BlockIndex> credit_blocks;
-  };
-  absl::Mutex step_mu;
-  absl::CondVar step_cv;  // a report finished
-  int64_t step_epoch ABSL_GUARDED_BY(step_mu) = 0;
-  uint64_t step_seq ABSL_GUARDED_BY(step_mu) = 0;
-  absl::flat_hash_map<PoolId, std::vector<BlockIndex>> credit ABSL_GUARDED_BY(step_mu);
-  absl::flat_hash_map<PoolId, int64_t> peak_need ABSL_GUARDED_BY(step_mu);  // most blocks one step took
-  std::vector<HeldGrowth> held ABSL_GUARDED_BY(step_mu);
-  absl::flat_hash_map<const StepRequest*, size_t> held_index ABSL_GUARDED_BY(step_mu);  // into `held`
-  bool reporting ABSL_GUARDED_BY(step_mu) = false;          // a report is queued or in flight
-  bool stop_reporter ABSL_GUARDED_BY(step_mu) = false;
-  std::unique_ptr<v1::StepRequest> report ABSL_GUARDED_BY(step_mu);  // queued for the reporter
-  std::vector<HeldGrowth> reported ABSL_GUARDED_BY(step_mu);         // the held growth it carries
-  std::vector<std::pair<StepRequest*, absl::Status>> report_errors ABSL_GUARDED_BY(step_mu);  // refused growth
-  std::thread reporter;
-  void Report();  // the reporter's loop
+  StepState steps;  // client_step.cc
+  void Report();    // the step reporter's loop
 
   // Opens an attach stream and sends the hello; the Attached reply, or why not.
   absl::StatusOr<v1::Attached> OpenStream(

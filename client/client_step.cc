@@ -58,22 +58,22 @@ void StepBatch::Preempt(StepRequest* req, std::vector<Token> tokens, std::string
 }
 
 int64_t Client::StepCredit(PoolId pool) const {
-  absl::MutexLock lock(&impl_->step_mu);
-  auto it = impl_->credit.find(pool);
-  return it == impl_->credit.end() ? 0 : static_cast<int64_t>(it->second.size());
+  absl::MutexLock lock(&impl_->steps.mu);
+  auto it = impl_->steps.credit.find(pool);
+  return it == impl_->steps.credit.end() ? 0 : static_cast<int64_t>(it->second.size());
 }
 
 std::vector<BlockIndex> Client::StepCreditBlocks(PoolId pool) const {
-  absl::MutexLock lock(&impl_->step_mu);
-  auto it = impl_->credit.find(pool);
-  return it == impl_->credit.end() ? std::vector<BlockIndex>{} : it->second;
+  absl::MutexLock lock(&impl_->steps.mu);
+  auto it = impl_->steps.credit.find(pool);
+  return it == impl_->steps.credit.end() ? std::vector<BlockIndex>{} : it->second;
 }
 
 absl::Status Client::FlushSteps() {
   StepBatch empty;
   {
-    absl::MutexLock lock(&impl_->step_mu);
-    if (impl_->held.empty() && !impl_->reporting) return absl::OkStatus();
+    absl::MutexLock lock(&impl_->steps.mu);
+    if (impl_->steps.held.empty() && !impl_->steps.reporting) return absl::OkStatus();
   }
   return Step(empty).status();
 }
@@ -96,33 +96,38 @@ absl::StatusOr<v1::StepResponse> SendStep(Client::Impl& im, const v1::StepReques
   return resp;
 }
 
-// Moves the held growth into `req` (items first) and returns it.
-std::vector<Client::Impl::HeldGrowth> TakeHeld(Client::Impl& im, v1::StepRequest* req)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.step_mu) {
-  for (const Client::Impl::HeldGrowth& h : im.held) {
+// One grow item per held growth, in order (a request the credit covered is told this way).
+void AddGrowItems(const std::vector<StepState::HeldGrowth>& held, v1::StepRequest* req) {
+  for (const StepState::HeldGrowth& h : held) {
     v1::StepItem* p = req->add_items();
     p->set_request_id(h.req->id.value());
     p->mutable_grow()->set_tokens(h.tokens);
     p->mutable_grow()->mutable_credit_blocks()->Add(h.credit_blocks.begin(), h.credit_blocks.end());
   }
-  im.held_index.clear();
-  return std::exchange(im.held, {});
+}
+
+// Moves the held growth into `req` (items first) and returns it.
+std::vector<StepState::HeldGrowth> TakeHeld(Client::Impl& im, v1::StepRequest* req)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
+  AddGrowItems(im.steps.held, req);
+  im.steps.held_index.clear();
+  return std::exchange(im.steps.held, {});
 }
 
 // What kvd answered for held growth (a refusal makes its request unusable), and the credit.
 // Refusals go to `errors` (the engine's thread moves them into its requests: ReportErrors).
-void ApplyHeld(Client::Impl& im, const std::vector<Client::Impl::HeldGrowth>& sent, const v1::StepResponse& resp,
-               std::vector<std::pair<StepRequest*, absl::Status>>* errors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.step_mu) {
+void ApplyHeld(Client::Impl& im, const std::vector<StepState::HeldGrowth>& sent, const v1::StepResponse& resp,
+               std::vector<std::pair<StepRequest*, absl::Status>>* errors) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
   for (size_t k = 0; k < sent.size(); ++k) {
     absl::Status s;
     CopyStatus(resp.results(static_cast<int>(k)), &s);
     if (!s.ok()) errors->emplace_back(sent[k].req, std::move(s));
   }
   absl::flat_hash_set<BlockIndex> taken;  // by growth held since this step went out
-  for (const Client::Impl::HeldGrowth& h : im.held) taken.insert(h.credit_blocks.begin(), h.credit_blocks.end());
-  for (auto& [pool, blocks] : im.credit) blocks.clear();
+  for (const StepState::HeldGrowth& h : im.steps.held) taken.insert(h.credit_blocks.begin(), h.credit_blocks.end());
+  for (auto& [pool, blocks] : im.steps.credit) blocks.clear();
   for (const v1::StepCredit& c : resp.credit()) {
-    std::vector<BlockIndex>& mine = im.credit[c.pool_id()];
+    std::vector<BlockIndex>& mine = im.steps.credit[c.pool_id()];
     for (uint32_t b : c.blocks()) {
       if (!taken.contains(b)) mine.push_back(b);
     }
@@ -132,63 +137,54 @@ void ApplyHeld(Client::Impl& im, const std::vector<Client::Impl::HeldGrowth>& se
 }  // namespace
 
 void Client::Impl::Report() {
-  absl::MutexLock lock(&step_mu);
+  absl::MutexLock lock(&steps.mu);
   for (;;) {
-    step_mu.Await(absl::Condition(
-        +[](Impl* im) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im->step_mu) { return im->stop_reporter || im->report != nullptr; },
-        this));
-    if (stop_reporter) return;
-    std::unique_ptr<v1::StepRequest> req = std::move(report);
-    std::vector<HeldGrowth> items = std::move(reported);
-    reported.clear();
-    const int64_t epoch = step_epoch;
-    step_mu.Unlock();
-    // The items are built here, not on the engine's thread (the credit is in `req` already).
-    v1::StepRequest full;
-    for (const HeldGrowth& h : items) {
-      v1::StepItem* p = full.add_items();
-      p->set_request_id(h.req->id.value());
-      p->mutable_grow()->set_tokens(h.tokens);
-      p->mutable_grow()->mutable_credit_blocks()->Add(h.credit_blocks.begin(), h.credit_blocks.end());
-    }
-    full.MergeFrom(*req);
-    absl::StatusOr<v1::StepResponse> resp = SendStep(*this, full, epoch, absl::Seconds(10));
-    step_mu.Lock();
-    if (epoch == step_epoch) {
+    steps.mu.Await(absl::Condition(
+        +[](StepState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->stop_reporter || s->report != nullptr; },
+        &steps));
+    if (steps.stop_reporter) return;
+    std::unique_ptr<v1::StepRequest> req = std::move(steps.report);
+    std::vector<StepState::HeldGrowth> items = std::exchange(steps.reported, {});
+    const int64_t epoch = steps.epoch;
+    steps.mu.Unlock();
+    AddGrowItems(items, req.get());  // built here, not on the engine's thread
+    absl::StatusOr<v1::StepResponse> resp = SendStep(*this, *req, epoch, absl::Seconds(10));
+    steps.mu.Lock();
+    if (epoch == steps.epoch) {
       if (resp.ok()) {
-        ApplyHeld(*this, items, *resp, &report_errors);
+        ApplyHeld(*this, items, *resp, &steps.report_errors);
       } else {
         // Unknown whether kvd applied it: the requests it named can no longer be trusted.
-        for (const HeldGrowth& h : items) report_errors.emplace_back(h.req, resp.status());
+        for (const StepState::HeldGrowth& h : items) steps.report_errors.emplace_back(h.req, resp.status());
       }
     }
-    reporting = false;
-    step_cv.SignalAll();
+    steps.reporting = false;
+    steps.cv.SignalAll();
   }
 }
 
 absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
   Impl& im = *impl_;
-  absl::MutexLock lock(&im.step_mu);
+  absl::MutexLock lock(&im.steps.mu);
   // What the reporter learned reaches the engine's requests on the engine's thread.
-  auto take_errors = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.step_mu) {
-    for (auto& [req, status] : im.report_errors) req->error = std::move(status);
-    im.report_errors.clear();
+  auto take_errors = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
+    for (auto& [req, status] : im.steps.report_errors) req->error = std::move(status);
+    im.steps.report_errors.clear();
   };
-  auto wait_report = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.step_mu) {
-    while (im.reporting) im.step_cv.Wait(&im.step_mu);
+  auto wait_report = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
+    while (im.steps.reporting) im.steps.cv.Wait(&im.steps.mu);
     take_errors();
   };
   take_errors();
   const int64_t epoch = im.Epoch();
-  if (epoch != im.step_epoch) {  // a new attachment: credit and held growth went with the old one
+  if (epoch != im.steps.epoch) {  // a new attachment: credit and held growth went with the old one
     wait_report();
-    im.step_epoch = epoch;
-    im.step_seq = 0;
-    im.credit.clear();
-    im.held.clear();
-    im.held_index.clear();
-    im.peak_need.clear();
+    im.steps.epoch = epoch;
+    im.steps.seq = 0;
+    im.steps.credit.clear();
+    im.steps.held.clear();
+    im.steps.held_index.clear();
+    im.steps.peak_need.clear();
   }
   const std::vector<PoolView>& views = pools();
   const auto& items = batch.items();
@@ -240,19 +236,19 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
     const int64_t needed =
         std::max<int64_t>(0, g.BlocksFor(r->num_tokens + item.n) - static_cast<int64_t>(r->blocks.size()));
     need[r->pool] += needed;
-    std::vector<BlockIndex>* credit = &im.credit[r->pool];
-    if (needed > static_cast<int64_t>(credit->size()) && im.reporting) {
+    std::vector<BlockIndex>* credit = &im.steps.credit[r->pool];
+    if (needed > static_cast<int64_t>(credit->size()) && im.steps.reporting) {
       wait_report();  // a refill is on its way
-      credit = &im.credit[r->pool];
+      credit = &im.steps.credit[r->pool];
     }
     if (needed > static_cast<int64_t>(credit->size())) {
       send[i] = must_send = true;  // kvd allocates every block it needs, in the answer
       continue;
     }
     // Covered: placed here at once, told later. One held item per request.
-    auto [slot, added] = im.held_index.try_emplace(r, im.held.size());
-    if (added) im.held.push_back(Impl::HeldGrowth{r});
-    Impl::HeldGrowth& h = im.held[slot->second];
+    auto [slot, added] = im.steps.held_index.try_emplace(r, im.steps.held.size());
+    if (added) im.steps.held.push_back(StepState::HeldGrowth{r});
+    StepState::HeldGrowth& h = im.steps.held[slot->second];
     h.tokens += item.n;
     for (int64_t k = 0; k < needed; ++k) {
       h.credit_blocks.push_back(credit->back());
@@ -263,15 +259,15 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
   }
   // Credit asked for: the configured amount, or twice the most one step's growth took (a batch
   // whose requests cross a block together takes one block each at once).
-  for (const auto& [pool, n] : need) im.peak_need[pool] = std::max(im.peak_need[pool], n);
-  auto want = [&](PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.step_mu) {
-    return im.options.step_credit_blocks <= 0 ? 0 : std::max(im.options.step_credit_blocks, 2 * im.peak_need[pool]);
+  for (const auto& [pool, n] : need) im.steps.peak_need[pool] = std::max(im.steps.peak_need[pool], n);
+  auto want = [&](PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
+    return im.options.step_credit_blocks <= 0 ? 0 : std::max(im.options.step_credit_blocks, 2 * im.steps.peak_need[pool]);
   };
   bool low = false;
   for (const auto& [pool, used] : pools_used) {
-    low |= static_cast<int64_t>(im.credit[pool].size()) < want(pool) / 2;
+    low |= static_cast<int64_t>(im.steps.credit[pool].size()) < want(pool) / 2;
   }
-  auto add_credit = [&](v1::StepRequest* req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.step_mu) {
+  auto add_credit = [&](v1::StepRequest* req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
     if (im.options.step_credit_blocks <= 0) return;
     for (const auto& [pool, used] : pools_used) {
       v1::CreditWant* c = req->add_credit();
@@ -280,16 +276,16 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
     }
   };
   if (!must_send) {
-    if (low && !im.reporting) {  // tell kvd and refill while the engine computes
+    if (low && !im.steps.reporting) {  // tell kvd and refill while the engine computes
       auto req = std::make_unique<v1::StepRequest>();
       req->set_worker_id(im.Worker().value());
-      req->set_seq(++im.step_seq);
-      im.reported = std::exchange(im.held, {});  // the reporter builds their items
-      im.held_index.clear();
+      req->set_seq(++im.steps.seq);
+      im.steps.reported = std::exchange(im.steps.held, {});  // the reporter builds their items
+      im.steps.held_index.clear();
       add_credit(req.get());
-      im.report = std::move(req);
-      im.reporting = true;
-      if (!im.reporter.joinable()) im.reporter = std::thread([&im] { im.Report(); });
+      im.steps.report = std::move(req);
+      im.steps.reporting = true;
+      if (!im.steps.reporter.joinable()) im.steps.reporter = std::thread([&im] { im.Report(); });
     }
     return answer;
   }
@@ -298,8 +294,8 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
   wait_report();
   v1::StepRequest req;
   req.set_worker_id(im.Worker().value());
-  req.set_seq(++im.step_seq);
-  std::vector<Impl::HeldGrowth> sent_held = TakeHeld(im, &req);
+  req.set_seq(++im.steps.seq);
+  std::vector<StepState::HeldGrowth> sent_held = TakeHeld(im, &req);
   std::vector<size_t> sent_item;  // proto item sent_held.size() + k -> batch item
   for (size_t i = 0; i < items.size(); ++i) {
     if (!send[i]) continue;
@@ -341,14 +337,14 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
   // Host-synchronized publish: the bytes a publish or checkpoint names are in memory first.
   if (publishes) {
     if (absl::Status s = im.AwaitWrites(); !s.ok()) {
-      for (const Impl::HeldGrowth& h : sent_held) h.req->error = s;  // never told: unusable
+      for (const StepState::HeldGrowth& h : sent_held) h.req->error = s;  // never told: unusable
       return s;
     }
   }
   absl::StatusOr<v1::StepResponse> resp = SendStep(im, req, epoch, absl::Seconds(30));
   if (!resp.ok()) {
     // Unknown whether kvd applied it: the requests its held growth named can no longer be trusted.
-    for (const Impl::HeldGrowth& h : sent_held) h.req->error = resp.status();
+    for (const StepState::HeldGrowth& h : sent_held) h.req->error = resp.status();
     return resp.status();
   }
   answer.sent = true;

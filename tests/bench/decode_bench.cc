@@ -168,6 +168,9 @@ bool RunDecodeBench(client::Client& c, const std::vector<int>& batches, int step
 
   // One step admitting 64 new 2,048-token prompts, half of them prefix hits, against Ping + the
   // engine in-process (a KvCache of the same geometry doing Admit + Acquire for the same 64).
+  absl::StatusOr<const client::PoolView*> bench_pool = c.FindPool("bench");
+  if (!bench_pool.ok()) return std::fprintf(stderr, "%s\n", bench_pool.status().ToString().c_str()), false;
+  const PoolGeometry pool_geometry = (*bench_pool)->geometry;
   constexpr int kNew = 64;
   const int kRounds = std::getenv("KVD_BENCH_ADMIT_ROUNDS") ? std::atoi(std::getenv("KVD_BENCH_ADMIT_ROUNDS")) : 20;
   const int kTokens = std::getenv("KVD_BENCH_ADMIT_TOKENS") ? std::atoi(std::getenv("KVD_BENCH_ADMIT_TOKENS")) : 2048;
@@ -205,14 +208,7 @@ bool RunDecodeBench(client::Client& c, const std::vector<int>& batches, int step
 
     // In-process: a fresh cache with the shared prefix cached, then the same 64 Admit + Acquire.
     CacheOptions o;
-    PoolGeometry g;
-    g.name = "bench";
-    g.block_tokens = 16;
-    g.num_layers = 32;
-    g.bytes_per_token_per_layer = 64;
-    g.capacity_blocks = 16384;
-    g.max_model_len = 65536 + 16;
-    o.pools.push_back(g);
+    o.pools.push_back(pool_geometry);  // the daemon's pool, as ListPools described it
     auto cache = KvCache::Create(o, &clock);
     if (!cache.ok()) return false;
     RequestSpec p = specs[0];

@@ -1,0 +1,46 @@
+// The client's step state (client_step.cc; client/step.h): not installed, part of Client::Impl.
+//
+// mu guards the sequence number, the credit and the growth held back (all of the attachment
+// `epoch`), and the reporter: a thread that tells kvd of held growth and refills credit while the
+// engine computes. A step the engine waits for is sent with mu held and no report in flight
+// (steps apply in seq order).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "client/step.h"
+#include "kvd/v1/kvd.pb.h"
+
+namespace kvd::client {
+
+struct StepState {
+  struct HeldGrowth {
+    StepRequest* req;
+    int64_t tokens = 0;
+    std::vector<BlockIndex> credit_blocks;
+  };
+  absl::Mutex mu;
+  absl::CondVar cv;  // a report finished
+  int64_t epoch ABSL_GUARDED_BY(mu) = 0;
+  uint64_t seq ABSL_GUARDED_BY(mu) = 0;
+  absl::flat_hash_map<PoolId, std::vector<BlockIndex>> credit ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<PoolId, int64_t> peak_need ABSL_GUARDED_BY(mu);  // most blocks one step took
+  std::vector<HeldGrowth> held ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<const StepRequest*, size_t> held_index ABSL_GUARDED_BY(mu);  // into `held`
+  bool reporting ABSL_GUARDED_BY(mu) = false;  // a report is queued or in flight
+  bool stop_reporter ABSL_GUARDED_BY(mu) = false;
+  std::unique_ptr<v1::StepRequest> report ABSL_GUARDED_BY(mu);  // queued for the reporter
+  std::vector<HeldGrowth> reported ABSL_GUARDED_BY(mu);         // the held growth it carries
+  std::vector<std::pair<StepRequest*, absl::Status>> report_errors ABSL_GUARDED_BY(mu);  // refused growth
+  std::thread reporter;
+};
+
+}  // namespace kvd::client
