@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/time/time.h"
 #include "server/core/block_allocator.h"
 #include "proto/vocab/cache_types.h"
@@ -107,7 +108,7 @@ struct FenceRecord {
 // worker's principal one block each until a grow names them or they are given back.
 struct PoolCredit {
   uint64_t serial = 0;
-  std::vector<BlockIndex> blocks;
+  absl::flat_hash_set<BlockIndex> blocks;  // a grow checks and takes each one in O(1) under the lock
 };
 struct WorkerCredit {
   WorkerId principal;  // whose per-worker limits the credit counts against

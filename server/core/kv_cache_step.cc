@@ -20,7 +20,9 @@ std::vector<StepOpResult> KvCache::Step(const WorkerId& worker, const WorkerId& 
     if (held != nullptr) {
       held->clear();
       if (auto it = credit_.find(worker); it != credit_.end()) {
-        for (const auto& [pool, pc] : it->second.pools) held->push_back(CreditHeld{pool, pc.blocks});
+        for (const auto& [pool, pc] : it->second.pools) {
+          held->push_back(CreditHeld{pool, std::vector<BlockIndex>(pc.blocks.begin(), pc.blocks.end())});
+        }
       }
       std::sort(held->begin(), held->end(), [](const CreditHeld& a, const CreditHeld& b) { return a.pool < b.pool; });
     }
@@ -123,7 +125,7 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
     }
     for (int64_t i = 0; i < given; ++i) {
       const BlockIndex b = credit[i];
-      const bool held = pc != nullptr && std::find(pc->blocks.begin(), pc->blocks.end(), b) != pc->blocks.end();
+      const bool held = pc != nullptr && pc->blocks.contains(b);
       if (!held || std::find(credit.begin(), credit.begin() + i, b) != credit.begin() + i) {
         return absl::InvalidArgumentError(absl::StrCat("block ", b, " is not in this worker's credit in pool '",
                                                        pool.geometry.name, "' (used twice, or never granted)"));
@@ -144,7 +146,7 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
   KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> owned, AllocateOwnedLocked(req->pool, needed - given, req->serial));
   std::vector<BlockIndex> appended(credit.begin(), credit.end());
   for (BlockIndex b : credit) {
-    pc->blocks.erase(std::find(pc->blocks.begin(), pc->blocks.end(), b));
+    pc->blocks.erase(b);
     pool.blocks[b].owner = req->serial;  // its one reference passes from the credit to the table
   }
   ledger_.Unreserve(req->pool, given - from_credit);
@@ -172,9 +174,13 @@ void KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& principal,
   cache_state::PoolCredit& pc = wc.pools[want.pool];
   if (pc.serial == 0) pc.serial = next_serial_++;
   const int64_t have = static_cast<int64_t>(pc.blocks.size());
-  if (have > target) {  // given back from the tail
-    for (int64_t i = target; i < have; ++i) UnrefLocked(want.pool, pc.blocks[i]);
-    pc.blocks.resize(target);
+  if (have > target) {  // any of them go back
+    std::vector<BlockIndex> back(pc.blocks.begin(), pc.blocks.end());
+    back.resize(static_cast<size_t>(have - target));
+    for (BlockIndex b : back) {
+      UnrefLocked(want.pool, b);
+      pc.blocks.erase(b);
+    }
     ledger_.Unreserve(want.pool, have - target);
     workers_.AddUsage(wc.principal, 0, -ledger_.BytesOf(want.pool, have - target));
   } else if (have < target) {
@@ -189,7 +195,7 @@ void KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& principal,
     if (n > 0) {
       absl::StatusOr<std::vector<BlockIndex>> got = AllocateOwnedLocked(want.pool, n, pc.serial);
       KVD_CHECK(got.ok());
-      pc.blocks.insert(pc.blocks.end(), got->begin(), got->end());
+      pc.blocks.insert(got->begin(), got->end());
       KVD_CHECK(ledger_.Reserve(want.pool, n).ok());
       workers_.AddUsage(wc.principal, 0, ledger_.BytesOf(want.pool, n));
     }
@@ -203,7 +209,7 @@ void KvCache::DropCreditLocked(const WorkerId& worker, std::vector<CreditHeld>* 
   if (it == credit_.end()) return;
   for (auto& [pool, pc] : it->second.pools) {
     const int64_t n = static_cast<int64_t>(pc.blocks.size());
-    if (taken != nullptr) taken->push_back(CreditHeld{pool, pc.blocks});
+    if (taken != nullptr) taken->push_back(CreditHeld{pool, std::vector<BlockIndex>(pc.blocks.begin(), pc.blocks.end())});
     for (BlockIndex b : pc.blocks) UnrefLocked(pool, b);
     ledger_.Unreserve(pool, n);
     workers_.AddUsage(it->second.principal, 0, -ledger_.BytesOf(pool, n));
