@@ -1,5 +1,6 @@
 #include "client/client.h"
 #include "client/client_impl.h"
+#include "proto/vocab/default_paths.h"
 
 
 #include <unistd.h>
@@ -20,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
@@ -127,6 +129,7 @@ absl::Status Client::Impl::Reattach() {
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  if (impl->options.target.empty()) impl->options.target = DefaultTarget();
   KVD_RETURN_IF_ERROR(impl->Dial(options.connect_timeout));
   impl->hello.mutable_hello()->set_worker_name(options.worker_name);
   impl->hello.mutable_hello()->set_pid(getpid());
@@ -247,7 +250,10 @@ absl::StatusOr<const PoolView*> Client::FindPool(absl::string_view name) const {
   for (const PoolView& p : pools()) {
     if (p.geometry.name == name) return &p;
   }
-  return absl::NotFoundError(absl::StrCat("unknown pool '", name, "'"));
+  std::vector<absl::string_view> names;
+  for (const PoolView& p : pools()) names.push_back(p.geometry.name);
+  return absl::NotFoundError(
+      absl::StrCat("unknown pool '", name, "' (kvd has: ", absl::StrJoin(names, ", "), ")"));
 }
 
 absl::StatusOr<uint8_t*> Client::LayerPointer(PoolId pool, BlockIndex block, int32_t layer,

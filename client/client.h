@@ -1,6 +1,6 @@
 // kvd::client: the library an inference worker links to use kvd.
 //
-//   auto client = kvd::client::Client::Connect({.target = "unix:///run/kvd/kvd.sock"});
+//   auto client = kvd::client::Client::Connect({.target = "unix:///run/kvd/kvd.sock"});  // "": the default
 //   auto req = (*client)->Start(spec);            // Admit (waits for budget) + Acquire
 //   uint8_t* k = (*client)->LayerPointer(pool, (*req)->blocks()[i], layer);  // in place
 //   (*req)->Publish(tokens); (*req)->Release(/*completed=*/true);
@@ -50,7 +50,7 @@ absl::Status KvdRestartedError(const RequestId& id);
 bool IsKvdRestarted(const absl::Status& status);
 
 struct ClientOptions {
-  std::string target;                                  // e.g. unix:///run/kvd/kvd.sock
+  std::string target;  // e.g. unix:///run/kvd/kvd.sock; "": $KVD_TARGET, else kvd's default socket
   std::string worker_name;                             // for the daemon's logs
   absl::Duration heartbeat_period = absl::Seconds(1);  // at most a quarter of the daemon's lease is used
   bool map_slabs = true;                               // false: control plane only (admin tools)

@@ -18,6 +18,12 @@ constexpr std::pair<const char*, double> kUnits[] = {
     {"kb", 1e3}, {"mb", 1e6}, {"gb", 1e9}, {"tb", 1e12},
 };
 
+// 1 for K, 2 for M, 3 for G, 4 for T; 0 for anything else.
+int PrefixRank(char prefix) {
+  const size_t i = absl::string_view("KMGT").find(prefix);
+  return i == absl::string_view::npos ? 0 : static_cast<int>(i) + 1;
+}
+
 absl::Status NotA(absl::string_view what, absl::string_view key, absl::string_view text, absl::string_view forms) {
   return absl::InvalidArgumentError(absl::StrCat(key, ": '", text, "' is not a ", what, ": ", forms));
 }
@@ -37,7 +43,19 @@ absl::StatusOr<int64_t> ParseSize(absl::string_view key, absl::string_view text)
   // Split the number from the unit: the unit is the trailing run of letters.
   size_t letters = s.size();
   while (letters > 0 && absl::ascii_isalpha(static_cast<unsigned char>(s[letters - 1]))) --letters;
-  const std::string unit = absl::AsciiStrToLower(s.substr(letters));
+  absl::string_view written_unit = s.substr(letters);
+  // "Gb", "MiB" spelled "Mib": an upper-case prefix before a lower-case b reads as bits, and a
+  // guess of 8x is worse than a refusal.
+  if (written_unit.size() >= 2 && written_unit.back() == 'b' && PrefixRank(written_unit[0]) > 0) {
+    constexpr const char* kBitNames[] = {"kilobits", "megabits", "gigabits", "terabits"};
+    const int rank = PrefixRank(written_unit[0]);
+    const std::string number_text(absl::StripAsciiWhitespace(s.substr(0, letters)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        key, ": '", text, "' is ambiguous: ", written_unit, " reads as ", kBitNames[rank - 1], "; write ",
+        number_text, written_unit.substr(0, 1), "B (10^", 3 * rank, " bytes) or ", number_text,
+        written_unit.substr(0, 1), "iB (2^", 10 * rank, " bytes)"));
+  }
+  const std::string unit = absl::AsciiStrToLower(written_unit);
   absl::string_view number = absl::StripAsciiWhitespace(s.substr(0, letters));
   double value = 0;
   if (unit.empty() || number.empty() || !absl::SimpleAtod(number, &value) || !std::isfinite(value) ||

@@ -72,8 +72,18 @@ std::string Bytes(int64_t b) {
   return absl::StrCat(b, " B");
 }
 
+// gRPC's name for a status code, as kvd's documentation and logs spell it.
+const char* CodeName(grpc::StatusCode code) {
+  static constexpr const char* kNames[] = {
+      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+      "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+      "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  const int i = static_cast<int>(code);
+  return i >= 0 && i < static_cast<int>(std::size(kNames)) ? kNames[i] : "UNKNOWN";
+}
+
 int Fail(const grpc::Status& s) {
-  std::cerr << "kvdctl: " << s.error_code() << " " << s.error_message() << "\n";
+  std::cerr << "kvdctl: " << CodeName(s.error_code()) << ": " << s.error_message() << "\n";
   return 1;
 }
 
@@ -93,7 +103,13 @@ int Status(Kvd::Stub& stub, bool json) {
     return 0;
   }
   const double looked = static_cast<double>(r.hit_tokens() + r.miss_tokens());
-  Table({{"budget", Bytes(r.budget_bytes())},
+  std::vector<std::string> pools;
+  for (const kvd::v1::PoolReport& p : r.pools()) {
+    pools.push_back(absl::StrCat(p.name(), " (", p.free_blocks(), " of ", p.capacity_blocks(), " blocks free)"));
+  }
+  Table({{"state", r.draining() ? "draining (admits no new work)" : "serving"},
+         {"pools", absl::StrJoin(pools, ", ")},
+         {"budget", Bytes(r.budget_bytes())},
          {"reserved", absl::StrFormat("%s (%.1f%%)", Bytes(r.reserved_bytes()),
                                       r.budget_bytes() ? 100.0 * r.reserved_bytes() / r.budget_bytes() : 0)},
          {"pressure", absl::StrFormat("%s (%.1f%% available)", r.pressure(), 100 * r.available_fraction())},
@@ -323,21 +339,32 @@ int main(int argc, char** argv) {
   auto* close = app.add_subcommand("close", "after a drain: flush, then clear device and host tiers");
   auto* saved = app.add_subcommand("saved", "token prefixes the disk tier holds");
   auto* version = app.add_subcommand("version", "this kvdctl's build, and the daemon's when it answers");
+  // The global flags are taken after the command too: `kvdctl status --json` as `kvdctl --json status`.
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+    sub->add_option("--target", target, "kvd address (env KVD_TARGET)");
+    sub->add_flag("--json", json, "print JSON instead of tables");
+  }
   CLI11_PARSE(app, argc, argv);
 
   auto channel = grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
   if (*version) {
-    std::cout << kvd::BuildInfo("kvdctl") << "\n";
     kvd::v1::ReportResponse r;
-    if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(2))) {
-      std::cout << "daemon: not reachable at " << target << "\n";
-      return 0;
+    const bool reachable = channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    if (reachable) {
+      if (int rc = Call([&](auto* c, auto* p) { return Kvd::NewStub(channel)->Report(c, kvd::v1::ReportRequest(), p); },
+                        &r)) {
+        return rc;
+      }
     }
-    if (int rc = Call([&](auto* c, auto* p) { return Kvd::NewStub(channel)->Report(c, kvd::v1::ReportRequest(), p); },
-                      &r)) {
-      return rc;
+    if (json) {
+      std::cout << "{\"kvdctl\": " << kvd::JsonString(kvd::BuildInfo("kvdctl"))
+                << ", \"daemon\": " << (reachable ? kvd::JsonString(r.build()) : "null")
+                << ", \"target\": " << kvd::JsonString(target) << "}\n";
+    } else {
+      std::cout << kvd::BuildInfo("kvdctl") << "\n"
+                << (reachable ? absl::StrCat("daemon: ", r.build()) : absl::StrCat("daemon: not reachable at ", target))
+                << "\n";
     }
-    std::cout << "daemon: " << r.build() << "\n";
     return 0;
   }
   if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(5))) {

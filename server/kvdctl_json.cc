@@ -116,6 +116,12 @@ void AppendMessage(std::string* out, const Message& m) {
 
 }  // namespace
 
+std::string JsonString(const std::string& s) {
+  std::string out;
+  AppendString(&out, s);
+  return out;
+}
+
 std::string ToJsonLine(const Message& message) {
   std::string out;
   AppendMessage(&out, message);

@@ -12,4 +12,7 @@ namespace kvd {
 
 std::string ToJsonLine(const google::protobuf::Message& message);
 
+// `s` as a quoted JSON string.
+std::string JsonString(const std::string& s);
+
 }  // namespace kvd

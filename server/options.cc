@@ -213,6 +213,18 @@ PoolGeometry DefaultPool() {
   return g;
 }
 
+PoolGeometry ReferenceEnginePool() {
+  PoolGeometry g;
+  g.name = "tiny-engine";
+  g.block_tokens = 16;
+  g.num_layers = 2;
+  g.bytes_per_token_per_layer = 128;  // K and V of 2 kv heads x 8 dims, float32
+  g.capacity_blocks = 1024;           // 4 MiB
+  g.max_model_len = 4096;
+  g.kv = KvFormat{.dtype = "float32", .kv_heads = 2, .head_dim = 8, .arrangement = "token_kv_head_dim"};
+  return g;
+}
+
 void Options::ApplyDefaults() {
   if (server.listen.empty()) server.listen = absl::StrCat("unix://", DefaultSocketDir(), "/kvd.sock");
   if (server.side_socket.empty()) {
@@ -224,7 +236,7 @@ void Options::ApplyDefaults() {
     server.handoff_socket = absl::StrCat(server.listen.substr(7), ".handoff");
   }
   if (server.handoff_socket == "off") server.handoff_socket.clear();
-  if (cache.pools.empty()) cache.pools.push_back(DefaultPool());
+  if (cache.pools.empty()) cache.pools = {DefaultPool(), ReferenceEnginePool()};
 }
 
 absl::Status Options::Validate() const {

@@ -75,9 +75,13 @@ struct Options {
 // The gid of a group given by name or number. INVALID_ARGUMENT naming it when there is none.
 absl::StatusOr<gid_t> ResolveGroup(const std::string& name);
 
-// The pool served when the config declares none: Llama-3-8B-shaped (32 layers, 4 KiB per token
-// per layer in bf16, 16-token blocks of 2 MiB), 64 blocks (128 MiB).
+// The pools served when the config declares none, so that README's walkthrough runs on a bare
+// `kvd`: "default", Llama-3-8B-shaped (32 layers, 4 KiB per token per layer in bf16, 16-token
+// blocks of 2 MiB), 64 blocks (128 MiB), also the template a configured pool starts from; and
+// "tiny-engine", declared for the reference engine (`python3 -m kvd.engine.worker`: 2 layers,
+// 2 kv heads x 8 dims, float32), 1,024 blocks (4 MiB).
 PoolGeometry DefaultPool();
+PoolGeometry ReferenceEnginePool();
 
 // Reads a YAML config file into `options` (fields it names override, others stay).
 // INVALID_ARGUMENT naming the file, key and problem.

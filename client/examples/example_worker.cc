@@ -9,7 +9,7 @@
 //    "verified_bytes": ..., "written_bytes": ..., "mismatches": ..., "blocks": [...]}
 // and exits 0, or 3 when a reused byte did not match (wrong KV served).
 //
-//   kvd_example_worker --target=unix:///run/kvd/kvd.sock --id=r1 --prompt-range=0:100 --gen=20
+//   kvd_example_worker --id=r1 --prompt-range=0:100 --gen=20   [--target=unix:///run/kvd/kvd.sock]
 #include <unistd.h>
 
 #include <algorithm>
@@ -31,6 +31,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
+#include "proto/vocab/default_paths.h"
 #include "client/examples/kv_pattern.h"
 #include "proto/vocab/status_macros.h"
 
@@ -249,11 +250,11 @@ int RunLoop(const std::string& target, const std::string& id, const kvd::Request
 
 int main(int argc, char** argv) {
   CLI::App app{"kvd example worker"};
-  std::string target, pool = "default", id = "example", prompt_list, prompt_range, resume_from,
+  std::string target = kvd::DefaultTarget(), pool = "default", id = "example", prompt_list, prompt_range, resume_from,
               session, salt, adapter;
   Options o;
   int64_t requests = 0, pause_ms = 0;
-  app.add_option("--target", target, "kvd address, e.g. unix:///run/kvd/kvd.sock")->required();
+  app.add_option("--target", target, "kvd address (default: $KVD_TARGET, else kvd's default socket for this user)");
   app.add_option("--pool", pool, "pool name");
   app.add_option("--id", id, "request id");
   app.add_option("--prompt", prompt_list, "comma-separated prompt tokens");

@@ -25,6 +25,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/client.h"
+#include "proto/vocab/default_paths.h"
 #include "client/examples/kv_pattern.h"
 #include "proto/vocab/status_macros.h"
 
@@ -77,9 +78,9 @@ int Fail(const absl::Status& s) {
 
 int main(int argc, char** argv) {
   CLI::App app{"kvd_step_worker: a batch per step on kvd's memory"};
-  std::string target, pool = "default", id = "s", salt;
+  std::string target = kvd::DefaultTarget(), pool = "default", id = "s", salt;
   int64_t batch = 4, prompt_len = 20, shared = 8, gen = 8, hang_after = -1, credit = 128, preempt_at = -1;
-  app.add_option("--target", target, "kvd address")->required();
+  app.add_option("--target", target, "kvd address (default: $KVD_TARGET, else kvd's default socket for this user)");
   app.add_option("--pool", pool, "pool name");
   app.add_option("--id", id, "request id prefix");
   app.add_option("--salt", salt, "tenant cache salt");

@@ -5,6 +5,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "proto/vocab/status_macros.h"
 
 namespace kvd {
@@ -31,6 +32,15 @@ absl::Status CacheOptions::Validate() const {
       return absl::InvalidArgumentError(absl::StrCat("duplicate pool name '", p.name, "'"));
     }
   }
+  // The budget bounds what the pools may hold together; one beyond their capacity bounds nothing
+  // and reads as if it did.
+  int64_t capacity_bytes = 0;
+  for (const auto& p : pools) capacity_bytes += p.capacity_blocks * p.block_bytes_all_shards();
+  if (budget_bytes > capacity_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "budget_bytes ", budget_bytes, " is more than the pools hold together (", capacity_bytes,
+        " bytes): raise the pools' capacity_blocks, or set budget_bytes to at most that (0: exactly that)"));
+  }
   if (budget_bytes < 0) return absl::InvalidArgumentError(absl::StrCat("budget_bytes must be >= 0, not ", budget_bytes));
   if (checkpoint_budget_bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint_budget_bytes must be >= 0, not ", checkpoint_budget_bytes));
@@ -47,8 +57,9 @@ absl::Status CacheOptions::Validate() const {
   }
   if (!(0 < boundary_low_watermark && boundary_low_watermark <= boundary_high_watermark &&
         boundary_high_watermark <= 1)) {
-    return absl::InvalidArgumentError(
-        "boundary_low_watermark and boundary_high_watermark must satisfy 0 < low <= high <= 1");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "boundary_low_watermark and boundary_high_watermark must satisfy 0 < low <= high <= 1, not low ",
+        boundary_low_watermark, ", high ", boundary_high_watermark));
   }
   if (!(0 <= demote_reserve && demote_reserve <= 0.5)) {
     return absl::InvalidArgumentError(absl::StrCat("demote_reserve must be in [0, 0.5], not ", demote_reserve));
@@ -170,7 +181,10 @@ absl::StatusOr<PoolId> KvCache::FindPool(absl::string_view name) const {
   for (PoolId i = 0; i < pool_geometries_.size(); ++i) {
     if (pool_geometries_[i].name == name) return i;
   }
-  return absl::NotFoundError(absl::StrCat("unknown pool '", name, "'"));
+  std::vector<absl::string_view> names;
+  for (const PoolGeometry& g : pool_geometries_) names.push_back(g.name);
+  return absl::NotFoundError(
+      absl::StrCat("unknown pool '", name, "' (this kvd has: ", absl::StrJoin(names, ", "), ")"));
 }
 
 int64_t KvCache::MaxHitBlocks(const Pool& pool, int64_t prompt_tokens) const {

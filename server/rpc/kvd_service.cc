@@ -475,6 +475,7 @@ grpc::ServerUnaryReactor* KvdService::Report(grpc::CallbackServerContext* ctx,
     resp->set_attached_workers(workers_->size());
     resp->set_admission_waiting(admission_->waiting());
     resp->set_build(absl::StrCat(BuildInfo(), ", backend ", arena_->backend()));
+    resp->set_draining(draining());
     if (tiers_ != nullptr) ToProto(tiers_->Stats(), resp->mutable_tiers());
     return absl::OkStatus();
   });

@@ -58,7 +58,7 @@ TEST_CASE("The allow-list refuses other users on gRPC and the side socket, and a
     ProcessResult ctl = RunAs(KVDCTL_BINARY, {"--target=" + d.target(), "status"});
     INFO(ctl.out);
     REQUIRE(ctl.exit_code != 0);
-    REQUIRE(ctl.out.find("kvdctl: 7 ") != std::string::npos);  // PERMISSION_DENIED
+    REQUIRE(ctl.out.find("kvdctl: PERMISSION_DENIED: ") != std::string::npos);
     REQUIRE(ctl.out.find("is not in kvd's allowed_uids / allowed_gids") != std::string::npos);
     ProcessResult worker = RunAs(ExampleWorkerBinary(), {"--target=" + d.target(), "--id=x", "--prompt-range=0:9"});
     REQUIRE(worker.exit_code != 0);

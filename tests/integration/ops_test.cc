@@ -143,7 +143,9 @@ TEST_CASE("Every configuration error exits non-zero naming the field", "[integra
       {"lease_ttl_s: 0\n", "lease_ttl_s"},
       {"log_level: loud\n", "log_level"},
       {"max_message_bytes: 10\n", "max_message_bytes"},
-      {"boundary_low_watermark: 0.99\n", "boundary_low_watermark"},
+      {"boundary_low_watermark: 0.99\n", "must satisfy 0 < low <= high <= 1, not low 0.99, high 0.9"},
+      {"budget_bytes: 1Gb\n", "budget_bytes: '1Gb' is ambiguous: Gb reads as gigabits"},
+      {"budget_bytes: 1GiB\n", "budget_bytes 1073741824 is more than the pools hold together (138412032 bytes)"},
       {"demote_reserve: 0.9\n", "demote_reserve must be in [0, 0.5], not 0.9"},
       {"demote_reserve: 0.1\n", "demote_reserve needs a tier to demote into"},
       {"budget_bytes: -5\n", "budget_bytes"},
@@ -270,7 +272,7 @@ TEST_CASE("Flags are parsed and checked exactly like the same keys in the file",
 
   // Units and the Unix spellings are accepted, from the file and from flags alike.
   const std::string path = dir.path() + "/units.yaml";
-  std::ofstream(path) << SmallPoolConfig(32, "budget_bytes: 1MiB\nlease_ttl_s: 1m\ntiers:\n  host_bytes: 8GiB\n");
+  std::ofstream(path) << SmallPoolConfig(8192, "budget_bytes: 1MiB\nlease_ttl_s: 1m\ntiers:\n  host_bytes: 8GiB\n");
   ProcessResult a = RunProcess(KvdBinary(), {"--config=" + path, "--print-config", "--listen=" + dir.path() + "/x.sock",
                                              "--drain-timeout=2m", "--max-message-bytes=32MiB"});
   INFO(a.out);
@@ -319,7 +321,10 @@ TEST_CASE("kvdctl reports what the daemon holds, as tables and as JSON", "[integ
     REQUIRE(r.exit_code == 0);
     return r.out;
   };
-  REQUIRE(ctl({"status"}).find("live requests") != std::string::npos);
+  const std::string table = ctl({"status"});
+  REQUIRE(table.find("live requests") != std::string::npos);
+  REQUIRE(table.find("state                        serving") != std::string::npos);
+  REQUIRE(table.find("pools                        default (") != std::string::npos);
   REQUIRE(ctl({"health"}).find("SERVING") != std::string::npos);
   REQUIRE(ctl({"pools"}).find("default") != std::string::npos);
   REQUIRE(ctl({"requests"}).find("live-one") != std::string::npos);
@@ -372,13 +377,23 @@ TEST_CASE("kvdctl reports what the daemon holds, as tables and as JSON", "[integ
   ProcessResult draining = RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "health"});
   REQUIRE(draining.exit_code == 1);
   REQUIRE(draining.out.find("NOT_SERVING") != std::string::npos);
+  // status says so, as the operator watching a drain reads it, in both flag positions.
+  REQUIRE(ctl({"status"}).find("draining (admits no new work)") != std::string::npos);
+  REQUIRE(JsonStringToMessage(ctl({"status", "--json"}), &report).ok());
+  REQUIRE(report.draining());
   // An operator's drain is undone by undrain (twice is harmless): serving and admitting again.
   REQUIRE(ctl({"undrain"}).find("admitting again; 1 requests live") != std::string::npos);
   REQUIRE(ctl({"undrain"}).find("admitting again") != std::string::npos);
   REQUIRE(ctl({"health"}).find("SERVING") != std::string::npos);
   REQUIRE((*c)->Admit(late).ok());
+  REQUIRE(JsonStringToMessage(ctl({"status", "--json"}), &report).ok());
+  REQUIRE_FALSE(report.draining());
   ProcessResult unreachable = RunProcess(KVDCTL_BINARY, {"--target=unix:///nonexistent/kvd.sock", "status"});
   REQUIRE(unreachable.exit_code == 1);
+  // Errors name the gRPC status as the docs spell it, not its number.
+  ProcessResult flush = RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "flush"});
+  REQUIRE(flush.exit_code == 1);
+  REQUIRE(flush.out.find("kvdctl: FAILED_PRECONDITION: kvd runs without tiers") != std::string::npos);
 }
 
 TEST_CASE("Metric counters match a scripted workload exactly", "[integration][ops]") {
@@ -437,6 +452,19 @@ TEST_CASE("kvd --version and kvdctl version name the build, the commit and the C
   ProcessResult alone = RunProcess(KVDCTL_BINARY, {"--target=unix://" + d.dir() + "/nothing.sock", "version"});
   REQUIRE(alone.exit_code == 0);
   REQUIRE(alone.out.find("daemon: not reachable") != std::string::npos);
+  // --json before or after the command: one JSON object either way.
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--json", "version"},
+                                               std::vector<std::string>{"version", "--json"}}) {
+    std::vector<std::string> with_target = args;
+    with_target.push_back("--target=" + d.target());
+    ProcessResult j = RunProcess(KVDCTL_BINARY, with_target);
+    INFO(j.out);
+    REQUIRE(j.exit_code == 0);
+    REQUIRE(j.out.find("{\"kvdctl\": \"kvdctl " KVD_VERSION " (commit ") == 0);
+    REQUIRE(j.out.find("\"daemon\": \"kvd " KVD_VERSION) != std::string::npos);
+  }
+  ProcessResult alone_json = RunProcess(KVDCTL_BINARY, {"--json", "--target=unix://" + d.dir() + "/nothing.sock", "version"});
+  REQUIRE(alone_json.out.find("\"daemon\": null") != std::string::npos);
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 """kvd: the Python worker library for the kvd KV-cache daemon.
 
     from kvd import Client
-    with Client("unix:///run/kvd/kvd.sock") as c:
+    with Client() as c:   # kvd's default socket ($KVD_TARGET overrides; or Client("unix:///..."))
         with c.request("req-1", pool="default", prompt=tokens, max_new_tokens=64) as r:
             view = c.layer_view(r.pool, r.blocks[0], layer=0)   # memoryview into the shared slab
             ...
@@ -12,6 +12,6 @@ Host slabs arrive as file descriptors over the side socket (SCM_RIGHTS) and are 
 opened with cudaIpcOpenMemHandle through ctypes (kvd.cuda): pools[i].devices[shard] holds the
 device pointer and size, and layer_address() gives a block layer's device address.
 """
-from .client import Client, KvdError, KvdRestarted, KvdUnavailable, Request  # noqa: F401
+from .client import Client, KvdError, KvdRestarted, KvdUnavailable, Request, default_target  # noqa: F401
 from .cuda import CudaError, CudaRuntime, DeviceSlab  # noqa: F401
 from .step import StepBatch, StepRequest, StepResult  # noqa: F401

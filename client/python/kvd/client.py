@@ -23,6 +23,19 @@ except ImportError:  # pragma: no cover - numpy is optional
 
 
 
+def default_target():
+    """Where kvd listens when nothing says otherwise (the daemon and kvdctl agree): $KVD_TARGET,
+    else unix:///run/kvd/kvd.sock as root, else $XDG_RUNTIME_DIR/kvd/kvd.sock, else
+    /tmp/kvd-<uid>/kvd.sock."""
+    if os.environ.get("KVD_TARGET"):
+        return os.environ["KVD_TARGET"]
+    if os.geteuid() == 0:
+        return "unix:///run/kvd/kvd.sock"
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return f"unix://{os.environ['XDG_RUNTIME_DIR']}/kvd/kvd.sock"
+    return f"unix:///tmp/kvd-{os.geteuid()}/kvd.sock"
+
+
 def _call(fn, req, timeout=30):
     try:
         return fn(req, timeout=timeout)
@@ -189,9 +202,12 @@ class Request:
 class Client:
     """Attaches to kvd (with a background heartbeat), lists pools and maps host slabs once."""
 
-    def __init__(self, target, worker_name="python", map_slabs=True, heartbeat_s=1.0, cuda_runtime=None,
+    def __init__(self, target=None, worker_name="python", map_slabs=True, heartbeat_s=1.0, cuda_runtime=None,
                  expect=(), on_remap=None, connect_timeout_s=5.0, step_credit_blocks=128, on_lease_lost=None):
-        """`expect`: dicts of kvd_pb2.PoolExpectation fields ({"pool": "llama", "dtype": "bfloat16",
+        """`target`: kvd's address; None means default_target() ($KVD_TARGET, else kvd's default
+        socket for this user).
+
+        `expect`: dicts of kvd_pb2.PoolExpectation fields ({"pool": "llama", "dtype": "bfloat16",
         "kv_heads": 8, ...}); the daemon refuses to attach (FAILED_PRECONDITION, KvdError) when a
         pool differs, so the worker never reads KV laid out for another model.
 
@@ -213,7 +229,7 @@ class Client:
         may_write() turns False, the write fences run (add_write_fence) and then `on_lease_lost()`,
         the engine's hook that stops its writes and waits for those in flight; the hello then says
         `quiesced`, and kvd hands on at once what it fenced for this process."""
-        self.target = target
+        self.target = target = target or default_target()
         self.rpc_seconds = 0.0  # wall time spent in unary RPCs, for the engine benchmark
         self.rpc_calls = 0
         # A fresh process never wrote into kvd's memory: quiesced from the start.

@@ -708,5 +708,18 @@ TEST_CASE("A worker's interrupted checkpoints count against its own limit and go
   RequireInvariants(*cache);
 }
 
+TEST_CASE("An unknown pool name is NOT_FOUND and the error names the pools there are", "[core][cache]") {
+  FakeClock clock;
+  CacheOptions o = SmallOptions();
+  PoolGeometry second = o.pools[0];
+  second.name = "tiny";
+  o.pools.push_back(second);
+  auto cache = MakeCache(o, &clock);
+  absl::StatusOr<PoolId> id = cache->FindPool("default");
+  REQUIRE(absl::IsNotFound(id.status()));
+  REQUIRE(id.status().message() == "unknown pool 'default' (this kvd has: m, tiny)");
+  REQUIRE(*cache->FindPool("tiny") == 1);
+}
+
 }  // namespace
 }  // namespace kvd

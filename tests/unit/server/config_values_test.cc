@@ -19,7 +19,8 @@ TEST_CASE("Sizes take whole bytes or a binary or decimal unit", "[config]") {
     REQUIRE(v.ok());
     REQUIRE(*v == bytes);
   }
-  for (const char* text : {"-5", "-5GiB", "8 GiBs", "GiB", "", "1.5", "8XB", "0.3B", "1e9", "huge", "99999999TiB"}) {
+  for (const char* text : {"-5", "-5GiB", "8 GiBs", "GiB", "", "1.5", "8XB", "0.3B", "1e9", "huge", "99999999TiB",
+                           "1Gb", "8Mib", "2 Kb", "Xb"}) {
     INFO(text);
     absl::StatusOr<int64_t> v = ParseSize("host_bytes", text);
     REQUIRE(v.status().code() == absl::StatusCode::kInvalidArgument);
@@ -27,6 +28,9 @@ TEST_CASE("Sizes take whole bytes or a binary or decimal unit", "[config]") {
     REQUIRE(v.status().message().find(absl::StrCat("host_bytes: '", text, "'")) == 0);
     REQUIRE(v.status().message().find('\n') == absl::string_view::npos);
   }
+  // Bits are not guessed at: the message says both byte spellings.
+  REQUIRE(ParseSize("budget_bytes", "1Gb").status().message() ==
+          "budget_bytes: '1Gb' is ambiguous: Gb reads as gigabits; write 1GB (10^9 bytes) or 1GiB (2^30 bytes)");
 }
 
 TEST_CASE("Durations take seconds or units", "[config]") {
