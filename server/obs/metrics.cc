@@ -113,6 +113,8 @@ class CacheCollector final : public prometheus::Collectable {
     add(family("process_open_fds", "Open file descriptors.", MetricType::Gauge), proc.open_fds);
     add(family("process_max_fds", "Limit on open file descriptors.", MetricType::Gauge), proc.max_fds);
     add(family("process_cpu_seconds_total", "User and system CPU time.", MetricType::Counter), proc.cpu_seconds);
+    add(family("process_start_time_seconds", "Start time of the kvd process since the Unix epoch.", MetricType::Gauge),
+        proc.start_time_seconds);
     add(family("kvd_published_blocks_total", "Blocks kept by Publish.", MetricType::Counter), r.published_blocks);
     add(family("kvd_duplicate_blocks_total", "Published blocks dropped as duplicates.", MetricType::Counter),
         r.duplicate_blocks);

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -25,12 +26,26 @@ ProcessStats ReadProcessStats() {
     // Fields after the command name (which may hold spaces) start after the last ')'.
     std::istringstream rest(line.substr(line.rfind(')') + 2));
     std::string field;
-    unsigned long long utime = 0, stime = 0;
-    for (int i = 3; i <= 15 && rest >> field; ++i) {
+    unsigned long long utime = 0, stime = 0, start_ticks = 0;
+    for (int i = 3; i <= 22 && rest >> field; ++i) {
       if (i == 14) utime = std::stoull(field);
       if (i == 15) stime = std::stoull(field);
+      if (i == 22) start_ticks = std::stoull(field);  // since boot (proc(5))
     }
-    s.cpu_seconds = static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+    const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
+    s.cpu_seconds = static_cast<double>(utime + stime) / tick;
+    // The boot time is /proc/stat's btime (seconds since the epoch).
+    if (std::ifstream proc_stat("/proc/stat"); proc_stat && start_ticks > 0) {
+      std::string key;
+      int64_t value = 0;
+      while (proc_stat >> key) {
+        if (key == "btime" && proc_stat >> value) {
+          s.start_time_seconds = static_cast<double>(value) + static_cast<double>(start_ticks) / tick;
+          break;
+        }
+        proc_stat.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+      }
+    }
   }
   if (DIR* d = opendir("/proc/self/fd")) {
     while (dirent* e = readdir(d)) {

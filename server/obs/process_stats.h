@@ -12,6 +12,7 @@ struct ProcessStats {
   int64_t open_fds = 0;
   int64_t max_fds = 0;
   double cpu_seconds = 0;
+  double start_time_seconds = 0;  // since the Unix epoch: a restart changes it
 };
 
 // Fields that cannot be read stay 0.

@@ -88,6 +88,18 @@ def main():
         if shutil.which("promtool"):
             r = subprocess.run(["promtool", "check", "rules", rules], capture_output=True, text=True)
             check(r.returncode == 0, f"promtool check rules ({r.stdout.strip()} {r.stderr.strip()})")
+            # Every alert fires in its unit test and stays quiet in one (an empty exp_alerts).
+            tests = os.path.join(deploy, "prometheus", "kvd-rules.test.yaml")
+            r = subprocess.run(["promtool", "test", "rules", tests], capture_output=True, text=True)
+            check(r.returncode == 0, f"promtool test rules kvd-rules.test.yaml ({r.stdout.strip()[-1500:]} {r.stderr.strip()})")
+            fired, quiet = set(), set()
+            for t in yaml.safe_load(open(tests))["tests"]:
+                for a in t.get("alert_rule_test", []):
+                    (fired if a.get("exp_alerts") else quiet).add(a["alertname"])
+            for group in yaml.safe_load(open(rules))["groups"]:
+                for rule in group["rules"]:
+                    check(rule["alert"] in fired and rule["alert"] in quiet,
+                          f"alert {rule['alert']} has a unit test that fires it and one where it stays quiet")
         else:
             print("skip: promtool not installed")
 
@@ -100,6 +112,11 @@ def main():
         dash = json.load(open(os.path.join(deploy, "grafana", "kvd-dashboard.json")))
         variables = {v["name"] for v in dash.get("templating", {}).get("list", [])}
         check("instance" in variables, "the dashboard has a node (instance) variable")
+        # Under Kubernetes `instance` would be the pod's IP: the PodMonitor sets it to the node's name.
+        pm = yaml.safe_load(open(os.path.join(deploy, "kubernetes", "overlays", "monitoring", "podmonitor.yaml")))
+        relabel = [r for e in pm["spec"]["podMetricsEndpoints"] for r in e.get("relabelings", [])]
+        check(any(r.get("sourceLabels") == ["__meta_kubernetes_pod_node_name"] and r.get("targetLabel") == "instance"
+                  for r in relabel), "the PodMonitor labels each kvd target with its node's name (instance)")
         rows = {p["title"] for p in dash["panels"] if p["type"] == "row"}
         for row in ("Tiers (host, disk)", "Redis tier", "Router events", "Requests", "Device memory"):
             check(row in rows, f"the dashboard has a row '{row}'")

@@ -16,6 +16,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gpu/fd_passing.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "tests/integration/harness.h"
@@ -287,6 +288,10 @@ TEST_CASE("Checkpoint state cannot grow the daemon past its bounds", "[integrati
   REQUIRE(Metric(d, "kvd_checkpoint_state_bytes") == 31 * ((64 << 10) + 16));
   REQUIRE(Metric(d, "process_resident_memory_bytes") > 0);
   REQUIRE(Metric(d, "process_open_fds") > 0);
+  // When this kvd started, to the second (the KvdRestarting alert counts its changes).
+  const double started = Metric(d, "process_start_time_seconds");
+  REQUIRE(started <= absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()) + 1);
+  REQUIRE(started > absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()) - 600);
 }
 
 TEST_CASE("Worker names are bounded and printable", "[integration][hostile]") {
