@@ -1,5 +1,5 @@
 # `cmake --install BUILD [--prefix P]`: what an operator and an engine developer install.
-#   bin/kvd, bin/kvdctl                                   the daemon and its admin CLI
+#   bin/kvd, bin/kvdctl, bin/kvd_example_worker           the daemon, its admin CLI, a worker
 #   lib/systemd/system/kvd.service                        the unit, ExecStart naming P/bin/kvd
 #   share/doc/kvd/kvd.example.yaml                        the example config (the unit reads
 #                                                         /etc/kvd/kvd.yaml: copy it there)
@@ -10,7 +10,7 @@
 # tests/install/install_check.sh builds a worker out of tree against each and runs it.
 include(CMakePackageConfigHelpers)
 
-install(TARGETS kvd kvdctl RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(TARGETS kvd kvdctl kvd_example_worker RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 # Exported as kvd::client, kvd::proto, kvd::gpu, kvd::vocab; engines link kvd::client.
 foreach(lib client proto gpu vocab)
   set_target_properties(kvd_${lib} PROPERTIES EXPORT_NAME ${lib})
