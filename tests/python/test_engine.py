@@ -49,7 +49,7 @@ def run_worker(target, requests, *flags):
         for r in requests:
             f.write(json.dumps(r) + "\n")
         path = f.name
-    out = subprocess.run([sys.executable, "-m", "kvd.engine.worker", "--target", target, "--prompts", path, *flags],
+    out = subprocess.run([sys.executable, "-m", "kvd.engine.worker", "--pool", "default", "--target", target, "--prompts", path, *flags],
                          capture_output=True, text=True, timeout=300)
     os.unlink(path)
     if out.returncode != 0:
@@ -63,7 +63,7 @@ def prove_resume(kvd, tmp):
     try:
         req = {"id": "gen", "prompt": base(10, 5), "max_new": 9, "checkpoint_every": 3}
         full = run_worker(d.target, [dict(req, id="gen-whole")]).get("gen-whole", {})
-        dead = subprocess.run([sys.executable, "-m", "kvd.engine.worker", "--target", d.target,
+        dead = subprocess.run([sys.executable, "-m", "kvd.engine.worker", "--pool", "default", "--target", d.target,
                                "--die-after-checkpoints", "2"], input=json.dumps(req) + "\n",
                               capture_output=True, text=True, timeout=300)
         check(dead.returncode == -9 and "died_after_checkpoints" in dead.stdout,
@@ -85,7 +85,7 @@ def prove_resume_wait(kvd, tmp):
     try:
         req = {"id": "hang", "prompt": base(10, 9), "max_new": 9, "checkpoint_every": 2}
         full = run_worker(d.target, [dict(req, id="hang-whole")]).get("hang-whole", {})
-        hung = subprocess.Popen([sys.executable, "-m", "kvd.engine.worker", "--target", d.target,
+        hung = subprocess.Popen([sys.executable, "-m", "kvd.engine.worker", "--pool", "default", "--target", d.target,
                                  "--stop-after-checkpoints", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True)
         hung.stdin.write(json.dumps(req) + "\n")
@@ -234,12 +234,33 @@ def prove_format(kvd, tmp):
     bare = POOL.format(cap=16).split("    dtype:")[0]
     d = Daemon(kvd, tmp, bare, name="undeclared")
     try:
-        out = subprocess.run([sys.executable, "-m", "kvd.engine.worker", "--target", d.target],
+        out = subprocess.run([sys.executable, "-m", "kvd.engine.worker", "--pool", "default", "--target", d.target],
                              input=json.dumps(FIRST[0]) + "\n", capture_output=True, text=True, timeout=120)
         check(out.returncode != 0 and "(undeclared)" in out.stderr,
               "the engine worker refuses a pool that does not declare its format")
     finally:
         d.stop()
+    # A careless prompt file: ids outside the vocabulary, not JSON, no prompt. Each line is answered
+    # with an error naming it (no traceback), the good line is still served, the exit status is 1.
+    d = Daemon(kvd, tmp, POOL.format(cap=16), name="badinput")
+    try:
+        lines = ['{"id": "big", "prompt": [1, 2, 97]}', "not json", '{"id": "empty", "prompt": []}',
+                 '{"id": "neg", "prompt": [-1]}', json.dumps(dict(FIRST[0], id="fine"))]
+        out = subprocess.run([sys.executable, "-m", "kvd.engine.worker", "--pool", "default", "--target", d.target],
+                             input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120)
+        answers = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        errors = [a["error"] for a in answers if "error" in a]
+        check(out.returncode == 1 and "Traceback" not in out.stderr and len(errors) == 4
+              and "token id 97 is outside the model's vocabulary 0..96" in errors[0] and "not JSON" in errors[1]
+              and any(a.get("id") == "fine" and a.get("tokens") for a in answers),
+              f"bad prompt lines are named and skipped, the good one served ({out.stdout.strip()[-600:]} {out.stderr[-300:]})")
+        with Client(d.target, worker_name="after") as c:
+            check(c.report().live_requests == 0, "the refused lines left no request behind")
+    finally:
+        d.stop()
+    helped = subprocess.run([sys.executable, "-m", "kvd.engine.worker", "--help"], capture_output=True, text=True)
+    check(helped.returncode == 0 and "one JSON object a line" in helped.stdout and "0..96" in helped.stdout
+          and "tiny-engine" in helped.stdout, "--help describes the input, the vocabulary and the pool")
     # Operator typos: numbers that do not add up, an unknown dtype, a misspelt key.
     for bad, word in (("kv_heads: 2", "kv_heads: 3"), ("float32", "float31"), ("head_dim: 8", "head_dims: 8")):
         path = os.path.join(tmp, "typo.yaml")
