@@ -28,6 +28,7 @@
 #include "absl/strings/str_join.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvd/v1/kvd.grpc.pb.h"
+#include "proto/grpc_status.h"
 #include "server/build_info.h"
 #include "server/config_values.h"
 #include "server/kvdctl_json.h"
@@ -72,18 +73,9 @@ std::string Bytes(int64_t b) {
   return absl::StrCat(b, " B");
 }
 
-// gRPC's name for a status code, as kvd's documentation and logs spell it.
-const char* CodeName(grpc::StatusCode code) {
-  static constexpr const char* kNames[] = {
-      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-      "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
-  const int i = static_cast<int>(code);
-  return i >= 0 && i < static_cast<int>(std::size(kNames)) ? kNames[i] : "UNKNOWN";
-}
-
 int Fail(const grpc::Status& s) {
-  std::cerr << "kvdctl: " << CodeName(s.error_code()) << ": " << s.error_message() << "\n";
+  // The code by name (FAILED_PRECONDITION), as the docs and kvd's logs spell it.
+  std::cerr << "kvdctl: " << kvd::FromGrpcStatus(s) << "\n";
   return 1;
 }
 

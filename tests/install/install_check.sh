@@ -13,6 +13,7 @@ kvd_pid=
 cleanup() { [ -n "$kvd_pid" ] && kill "$kvd_pid" 2>/dev/null; wait 2>/dev/null || true; rm -rf "$tmp"; }
 trap cleanup EXIT
 fail() { echo "install_check: FAIL: $*" >&2; exit 1; }
+source "$here/consumer_build.sh"
 prefix="$tmp/prefix"
 
 cmake --install "$build" --prefix "$prefix" >"$tmp/install.log" || { cat "$tmp/install.log" >&2; fail "cmake --install"; }
@@ -29,18 +30,9 @@ grep -q "^ExecStart=$prefix/bin/kvd " "$prefix/lib/systemd/system/kvd.service" \
 ! grep -rq "$(cd "$here/../.." && pwd)" "$libdir/cmake/kvd" "$libdir/pkgconfig" \
   || fail "the installed package names the source tree"
 
-gen=()
-command -v ninja >/dev/null && gen=(-G Ninja)
-# An engine builds with the flags kvd was built with (the sanitizer pass instruments kvd's libraries).
-cxx_flags=$(sed -n 's/^CMAKE_CXX_FLAGS:STRING=//p' "$build/CMakeCache.txt")
-ld_flags=$(sed -n 's/^CMAKE_EXE_LINKER_FLAGS:STRING=//p' "$build/CMakeCache.txt")
-cmake -S "$here/consumer" -B "$tmp/consumer-cmake" "${gen[@]}" -DCMAKE_PREFIX_PATH="$prefix" \
-  "-DCMAKE_CXX_FLAGS=$cxx_flags" "-DCMAKE_EXE_LINKER_FLAGS=$ld_flags" >"$tmp/consumer.log" 2>&1 \
-  || { cat "$tmp/consumer.log" >&2; fail "find_package(kvd) in an out-of-tree project"; }
-cmake --build "$tmp/consumer-cmake" >>"$tmp/consumer.log" 2>&1 || { tail -30 "$tmp/consumer.log" >&2; fail "building against kvd::client"; }
-flags=$(PKG_CONFIG_PATH="$libdir/pkgconfig" pkg-config --cflags --libs --static kvd-client) || fail "pkg-config kvd-client"
-# shellcheck disable=SC2086
-${CXX:-g++} -std=c++20 $cxx_flags -o "$tmp/consumer-pc" "$here/consumer/consumer_worker.cc" $flags $ld_flags >"$tmp/pc.log" 2>&1 \
+consumer_cmake "$build" "$prefix" "$tmp/consumer-cmake" "$tmp/consumer.log" \
+  || { tail -30 "$tmp/consumer.log" >&2; fail "find_package(kvd) and kvd::client in an out-of-tree project"; }
+consumer_pkg_config "$build" "$libdir/pkgconfig" "$tmp/consumer-pc" "$tmp/pc.log" \
   || { tail -30 "$tmp/pc.log" >&2; fail "building with pkg-config --static kvd-client"; }
 
 sock="$tmp/kvd.sock"

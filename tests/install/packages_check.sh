@@ -14,6 +14,7 @@ root="$(cd "$here/../.." && pwd)"
 tmp="$(mktemp -d /tmp/kvd-packages-check.XXXXXX)"
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "packages_check: FAIL: $*" >&2; exit 1; }
+source "$here/consumer_build.sh"
 for tool in dpkg-buildpackage dh; do
   command -v "$tool" >/dev/null || fail "$tool is missing (scripts/setup.sh installs debhelper and dpkg-dev)"
 done
@@ -44,14 +45,8 @@ done
 mkdir "$tmp/dev"
 dpkg-deb -x "$(deb libkvd-dev)" "$tmp/dev"
 ! grep -rq "$build\|$root" "$tmp/dev/usr/lib/cmake" "$tmp/dev/usr/lib/pkgconfig" || fail "libkvd-dev names the build or source tree"
-gen=()
-command -v ninja >/dev/null && gen=(-G Ninja)
-# An engine builds with the flags kvd was built with (the sanitizer pass instruments kvd's libraries).
-cxx_flags=$(sed -n 's/^CMAKE_CXX_FLAGS:STRING=//p' "$build/CMakeCache.txt")
-ld_flags=$(sed -n 's/^CMAKE_EXE_LINKER_FLAGS:STRING=//p' "$build/CMakeCache.txt")
-cmake -S "$here/consumer" -B "$tmp/consumer" "${gen[@]}" -DCMAKE_PREFIX_PATH="$tmp/dev/usr" \
-  "-DCMAKE_CXX_FLAGS=$cxx_flags" "-DCMAKE_EXE_LINKER_FLAGS=$ld_flags" >"$tmp/consumer.log" 2>&1 \
-  && cmake --build "$tmp/consumer" >>"$tmp/consumer.log" 2>&1 || { tail -30 "$tmp/consumer.log" >&2; fail "a worker against libkvd-dev"; }
+consumer_cmake "$build" "$tmp/dev/usr" "$tmp/consumer" "$tmp/consumer.log" \
+  || { tail -30 "$tmp/consumer.log" >&2; fail "a worker against libkvd-dev"; }
 
 for f in /usr/lib/python3/dist-packages/kvd/client.py /usr/lib/python3/dist-packages/kvd/v1/kvd_pb2.py \
          /usr/lib/python3/dist-packages/kvd/engine/worker.py; do
