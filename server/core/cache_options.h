@@ -97,6 +97,8 @@ struct CacheOptions {
   int64_t event_buffer = 65536;
 
   absl::Status Validate() const;
+  // Bytes every pool's blocks hold together, across shards: the budget when budget_bytes is 0.
+  int64_t CapacityBytes() const;
 };
 
 }  // namespace kvd

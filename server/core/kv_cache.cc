@@ -23,6 +23,12 @@ absl::Status CheckId(absl::string_view what, const std::string& id, bool require
 
 }  // namespace
 
+int64_t CacheOptions::CapacityBytes() const {
+  int64_t bytes = 0;
+  for (const auto& p : pools) bytes += p.capacity_blocks * p.block_bytes_all_shards();
+  return bytes;
+}
+
 absl::Status CacheOptions::Validate() const {
   if (pools.empty()) return absl::InvalidArgumentError("at least one pool is required");
   absl::flat_hash_set<std::string> names;
@@ -34,8 +40,7 @@ absl::Status CacheOptions::Validate() const {
   }
   // The budget bounds what the pools may hold together; one beyond their capacity bounds nothing
   // and reads as if it did.
-  int64_t capacity_bytes = 0;
-  for (const auto& p : pools) capacity_bytes += p.capacity_blocks * p.block_bytes_all_shards();
+  const int64_t capacity_bytes = CapacityBytes();
   if (budget_bytes > capacity_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "budget_bytes ", budget_bytes, " is more than the pools hold together (", capacity_bytes,
@@ -120,9 +125,7 @@ std::string PublishOutcomeName(PublishOutcome outcome) {
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(CacheOptions options, const Clock* clock) {
   KVD_RETURN_IF_ERROR(options.Validate());
-  int64_t capacity_bytes = 0;
-  for (const auto& p : options.pools) capacity_bytes += p.capacity_blocks * p.block_bytes_all_shards();
-  int64_t budget = options.budget_bytes == 0 ? capacity_bytes : options.budget_bytes;
+  int64_t budget = options.budget_bytes == 0 ? options.CapacityBytes() : options.budget_bytes;
   if (options.checkpoint_budget_bytes == 0) options.checkpoint_budget_bytes = budget / 4;
   return std::unique_ptr<KvCache>(new KvCache(std::move(options), clock, budget));
 }

@@ -10,6 +10,24 @@
 #include <string>
 
 namespace kvd {
+namespace {
+
+// /proc/stat's btime (seconds since the epoch; 0 when unreadable), read once: it never changes.
+int64_t BootTimeSeconds() {
+  static const int64_t boot = [] {
+    std::ifstream proc_stat("/proc/stat");
+    std::string key;
+    int64_t value = 0;
+    while (proc_stat >> key) {
+      if (key == "btime" && proc_stat >> value) return value;
+      proc_stat.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+    }
+    return int64_t{0};
+  }();
+  return boot;
+}
+
+}  // namespace
 
 ProcessStats ReadProcessStats() {
   ProcessStats s;
@@ -34,17 +52,8 @@ ProcessStats ReadProcessStats() {
     }
     const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
     s.cpu_seconds = static_cast<double>(utime + stime) / tick;
-    // The boot time is /proc/stat's btime (seconds since the epoch).
-    if (std::ifstream proc_stat("/proc/stat"); proc_stat && start_ticks > 0) {
-      std::string key;
-      int64_t value = 0;
-      while (proc_stat >> key) {
-        if (key == "btime" && proc_stat >> value) {
-          s.start_time_seconds = static_cast<double>(value) + static_cast<double>(start_ticks) / tick;
-          break;
-        }
-        proc_stat.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
-      }
+    if (start_ticks > 0 && BootTimeSeconds() > 0) {
+      s.start_time_seconds = static_cast<double>(BootTimeSeconds()) + static_cast<double>(start_ticks) / tick;
     }
   }
   if (DIR* d = opendir("/proc/self/fd")) {
