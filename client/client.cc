@@ -551,7 +551,8 @@ absl::StatusOr<std::unique_ptr<EventWatcher>> Client::WatchEvents(uint64_t after
   return std::make_unique<GrpcEventWatcher>(impl_->stub(), after_sequence);
 }
 
-absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl::Duration wait) {
+absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl::Duration wait,
+                                                         const std::string& peer) {
   KVD_ASSIGN_OR_RETURN(const PoolView* pool, FindPool(spec.ns.pool));
   if (wait < absl::Milliseconds(1)) wait = absl::Milliseconds(1);
   const absl::Time deadline = absl::Now() + wait;
@@ -563,6 +564,7 @@ absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl:
     v1::StartRequest req;
     ToProto(spec, req.mutable_admit());
     req.set_max_wait_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
+    req.set_peer(peer);
     // The daemon waits for admission (first come, first served) and answers RESOURCE_EXHAUSTED
     // when `wait` passes; the call's own deadline leaves room for the Acquire after it.
     absl::StatusOr<v1::StartResponse> r = impl_->Call<v1::StartResponse>(

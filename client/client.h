@@ -195,9 +195,11 @@ class Client {
 
   // Admit + Acquire in one round trip (the Start RPC): the daemon waits for room in the budget,
   // first come first served, up to `wait` (DEADLINE_EXCEEDED after). The request releases itself
-  // (interrupted) if dropped unreleased.
+  // (interrupted) if dropped unreleased. `peer`: a peer kvd (a name in kvd's transfer.peers)
+  // whose cached blocks of the prompt kvd pulls first (docs/transfer.md).
   absl::StatusOr<std::unique_ptr<KvRequest>> Start(RequestSpec spec,
-                                                   absl::Duration wait = absl::Seconds(10));
+                                                   absl::Duration wait = absl::Seconds(10),
+                                                   const std::string& peer = "");
 
   // One scheduler step (client/step.h). The status fails the whole step (kvd unreachable after
   // retries with the same sequence number, or a refused step); each item's own outcome is in

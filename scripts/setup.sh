@@ -12,7 +12,7 @@ kvd_packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev prometheus-cpp-dev catch2 libabsl-dev libxxhash-dev
   libcli11-dev libyaml-cpp-dev libsystemd-dev liblz4-dev libzstd-dev
-  libzmq3-dev libmsgpack-cxx-dev libssl-dev libhiredis-dev
+  libzmq3-dev libmsgpack-cxx-dev libssl-dev libhiredis-dev libucx-dev
 )
 # Only the tests need these: manifest and unit-file checks, the Python client and router-event
 # subscriber, a real redis-server for the shared tier, PyTorch (CPU) for the engine proof, strace
@@ -21,7 +21,8 @@ kvd_packages=(
 # .deb packages (scripts/build-packages.sh).
 kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd strace prometheus clang
                    python3-zmq python3-msgpack python3-cbor2 python3-numpy redis-server python3-torch
-                   python3-venv python3-pip python3-setuptools python3-wheel debhelper build-essential)
+                   python3-venv python3-pip python3-setuptools python3-wheel debhelper build-essential
+                   iproute2 openssl ucx-utils)
 # Commands the deploy checks run (kubectl renders the kustomize overlays; node and npm validate
 # them against the API schemas), as "command:Debian package": installed only when the command is
 # missing, since a kubectl or node from another repository conflicts with Debian's package.

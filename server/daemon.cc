@@ -321,12 +321,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
     d->cache_->SetEvictionSink(d->tiers_.get());
     if (d->options_.cache.demote_reserve > 0) d->mover_ = std::make_unique<DemotionMover>(d->cache_.get());
   }
+  if (d->options_.transfer.enabled()) {
+    KVD_ASSIGN_OR_RETURN(d->transfer_, Transfer::Start(d->options_.transfer, d->cache_.get(), d->arena_.get()));
+  }
   d->workers_ = std::make_unique<AttachmentRegistry>(SystemClock::Get(), so.lease_ttl);
   // A successor binds the metrics address only once its predecessor has let it go (Start).
   KVD_ASSIGN_OR_RETURN(d->metrics_, Metrics::Start(received != nullptr ? "" : so.metrics_listen, d->cache_.get(),
                                                    [w = d->workers_.get()] { return static_cast<int64_t>(w->size()); },
                                                    d->arena_->backend(),
                                                    d->tiers_.get(), d->router_events_.get()));
+  if (d->transfer_ != nullptr) d->metrics_->AddCollectable(d->transfer_->metrics_registry());
   KVD_RETURN_IF_ERROR(EnsureParentDir(so.side_socket));
   gid_t socket_gid = getegid();  // the sockets' group: socket_group, else kvd's own
   if (!so.socket_group.empty()) {
@@ -339,7 +343,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
                                                         received != nullptr ? std::move(received->side_fd) : UniqueFd()));
   d->service_ = std::make_unique<KvdService>(d->cache_.get(), d->workers_.get(), d->arena_.get(),
                                              d->metrics_.get(), so.side_socket, so.lease_ttl,
-                                             d->tiers_.get());
+                                             d->tiers_.get(), d->transfer_ != nullptr ? d->transfer_->puller() : nullptr);
   d->service_->set_on_serving([raw = d.get()](bool serving) {
     if (raw->server_ != nullptr) raw->server_->GetHealthCheckService()->SetServingStatus(serving);
   });
@@ -514,6 +518,8 @@ absl::StatusOr<HandoffOffer> Daemon::StopForHandoff() {
   service_->BeginHandoff();  // the streams Shutdown cancels must not release what EndAllFenced fences
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
   if (tiers_ != nullptr) tiers_->Quiesce();
+  // Pulls in flight finish; the peer listener's port goes to the successor.
+  transfer_.reset();
   HandoffOffer offer;
   // Live requests end as interrupted; what they owned stays fenced for their workers, which may
   // still be writing it, and crosses to the successor that way (kv_cache_fences.cc).
@@ -548,6 +554,7 @@ Daemon::~Daemon() {
   // Promotions, object reads and flushes finish RPCs from the store's threads: let them finish
   // while the server lives (Shutdown has stopped new calls).
   if (tiers_ != nullptr) tiers_->Quiesce();
+  transfer_.reset();  // pulls finish their RPCs, peers' leases are released
   server_.reset();
   metrics_.reset();        // the exposer reads the tiers, the events publisher and the cache
   side_.reset();

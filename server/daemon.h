@@ -25,6 +25,7 @@
 #include "server/rpc/peer_listener.h"
 #include "server/rpc/slab_side_channel.h"
 #include "server/store/tier_store.h"
+#include "server/transfer/transfer.h"
 
 namespace kvd {
 
@@ -65,6 +66,8 @@ class Daemon {
   const std::string& grpc_address() const { return options_.server.listen; }
   const std::string& side_socket() const { return options_.server.side_socket; }
   int metrics_port() const { return metrics_->port(); }
+  // The peer transfer listener as bound (HOST:PORT); empty without a transfer section.
+  std::string transfer_address() const { return transfer_ != nullptr ? transfer_->bound() : std::string(); }
   KvCache* cache() const { return cache_.get(); }
   TierStore* tiers() const { return tiers_.get(); }
 
@@ -89,6 +92,7 @@ class Daemon {
   std::unique_ptr<TierStore> tiers_;  // null unless tiers are configured
   std::unique_ptr<DemotionMover> mover_;  // with tiers and a demote_reserve; before tiers_ goes
   std::unique_ptr<RouterEventPublisher> router_events_;  // null unless configured
+  std::unique_ptr<Transfer> transfer_;  // null unless transfer is configured; before service_ goes
   std::unique_ptr<AttachmentRegistry> workers_;
   std::unique_ptr<Metrics> metrics_;
   AccessPolicy access_;

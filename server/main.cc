@@ -50,7 +50,8 @@ void WriteReadyFile(const std::string& path, const kvd::Daemon& d) {
   {
     std::ofstream out(tmp);
     out << "{\"grpc\": \"" << d.grpc_address() << "\", \"side_socket\": \"" << d.side_socket()
-        << "\", \"metrics_port\": " << d.metrics_port() << ", \"pid\": " << getpid() << "}\n";
+        << "\", \"metrics_port\": " << d.metrics_port() << ", \"transfer\": \"" << d.transfer_address()
+        << "\", \"pid\": " << getpid() << "}\n";
   }
   std::rename(tmp.c_str(), path.c_str());
 }

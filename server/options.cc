@@ -156,6 +156,36 @@ absl::Status ReadTiers(const YAML::Node& node, const std::string& where, TierOpt
   return absl::OkStatus();
 }
 
+absl::Status ReadTransfer(const YAML::Node& node, const std::string& where, TransferOptions* t) {
+  KVD_RETURN_IF_ERROR(CheckKeys(node, where,
+                                {"listen", "tls_cert_file", "tls_key_file", "tls_ca_file", "peers", "allowed_peers",
+                                 "pull_timeout_s", "lease_s", "max_leases", "pull_threads"}));
+  KVD_RETURN_IF_ERROR(Read(node, "listen", &t->listen, where));
+  KVD_RETURN_IF_ERROR(Read(node, "tls_cert_file", &t->tls_cert_file, where));
+  KVD_RETURN_IF_ERROR(Read(node, "tls_key_file", &t->tls_key_file, where));
+  KVD_RETURN_IF_ERROR(Read(node, "tls_ca_file", &t->tls_ca_file, where));
+  KVD_RETURN_IF_ERROR(Read(node, "allowed_peers", &t->allowed_peers, where));
+  KVD_RETURN_IF_ERROR(ReadSeconds(node, "pull_timeout_s", &t->pull_timeout, where));
+  KVD_RETURN_IF_ERROR(ReadSeconds(node, "lease_s", &t->lease, where));
+  KVD_RETURN_IF_ERROR(Read(node, "max_leases", &t->max_leases, where));
+  KVD_RETURN_IF_ERROR(Read(node, "pull_threads", &t->pull_threads, where));
+  if (const YAML::Node peers = node["peers"]) {
+    if (!peers.IsSequence()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": peers must be a list of {name, address}"));
+    }
+    for (size_t i = 0; i < peers.size(); ++i) {
+      const std::string at = absl::StrCat(where, ": peers[", i, "]");
+      if (!peers[i].IsMap()) return absl::InvalidArgumentError(absl::StrCat(at, ": expected {name, address}"));
+      KVD_RETURN_IF_ERROR(CheckKeys(peers[i], at, {"name", "address"}));
+      TransferPeer p;
+      KVD_RETURN_IF_ERROR(Read(peers[i], "name", &p.name, at));
+      KVD_RETURN_IF_ERROR(Read(peers[i], "address", &p.address, at));
+      t->peers.push_back(std::move(p));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReadRouterEvents(const YAML::Node& node, const std::string& where, RouterEventsOptions* r) {
   KVD_RETURN_IF_ERROR(CheckKeys(node, where,
                                 {"endpoint", "endpoint_mode", "replay_endpoint", "replay_topic_frame", "topic", "node",
@@ -336,6 +366,7 @@ absl::Status Options::Validate() const {
     for (const PoolGeometry& g : cache.pools) named.pools.push_back(g.name);
     KVD_RETURN_IF_ERROR(CheckRouterEventsOptions(named));
   }
+  KVD_RETURN_IF_ERROR(transfer.Validate());
   KVD_RETURN_IF_ERROR(cache.Validate());
   if (cache.demote_reserve > 0 && tiers.host_bytes <= 0 && tiers.disk_dir.empty()) {
     return absl::InvalidArgumentError(
@@ -364,7 +395,7 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
        "max_checkpoint_state_bytes_per_worker", "boundary_high_watermark",
        "boundary_low_watermark", "demote_reserve", "event_buffer", "eviction_policy", "slru_main_fraction", "slru_ghost_fraction",
        "horizon_probation", "horizon_main", "horizon_sample_every", "horizon_margin",
-       "max_requests_per_worker", "max_bytes_per_worker", "step_credit_blocks", "pools", "tiers", "router_events", "tls_cert_file",
+       "max_requests_per_worker", "max_bytes_per_worker", "step_credit_blocks", "pools", "tiers", "router_events", "transfer", "tls_cert_file",
        "tls_key_file", "tls_client_ca_file", "allowed_uids", "allowed_gids", "socket_group"}));
   ServerOptions& s = options->server;
   CacheOptions& c = options->cache;
@@ -421,6 +452,9 @@ absl::Status LoadConfigFile(const std::string& path, Options* options) {
   }
   if (const YAML::Node events = root["router_events"]) {
     KVD_RETURN_IF_ERROR(ReadRouterEvents(events, absl::StrCat(where, ": router_events"), &options->router_events));
+  }
+  if (const YAML::Node transfer = root["transfer"]) {
+    KVD_RETURN_IF_ERROR(ReadTransfer(transfer, absl::StrCat(where, ": transfer"), &options->transfer));
   }
   if (const YAML::Node pools = root["pools"]) {
     if (!pools.IsSequence()) return absl::InvalidArgumentError(absl::StrCat(where, ": pools must be a list"));

@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "server/core/cache_options.h"
 #include "server/events/router_event_publisher.h"
+#include "server/transfer/transfer_options.h"
 #include "server/store/tier_types.h"
 
 namespace kvd {
@@ -65,6 +66,7 @@ struct Options {
   CacheOptions cache;
   TierOptions tiers;  // the `tiers:` map of the config file; off unless host_bytes or disk_dir
   RouterEventsOptions router_events;  // the `router_events:` map; off unless endpoint is set
+  TransferOptions transfer;  // the `transfer:` map: peer transfer over UCX; off unless listen is set
 
   // Fills defaults that depend on the environment (listen address, side socket, default pool).
   void ApplyDefaults();

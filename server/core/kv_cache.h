@@ -152,6 +152,8 @@ class KvCache final : public TierPort {
   absl::StatusOr<RequestSpec> SpecOf(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);  // NOT_FOUND: not live
   // TierPort (tier_port.h states the contracts).
   absl::Status AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<PinnedPrefix> PinPrefix(const Namespace& ns, absl::Span<const Token> tokens, int64_t skip_blocks,
+                                         int64_t max_blocks) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks) override ABSL_LOCKS_EXCLUDED(mu_);
   void UnpinBlocks(PoolId pool, absl::Span<const BlockIndex> blocks) override ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<CachedBlockRef> SnapshotCached() const override ABSL_LOCKS_EXCLUDED(mu_);

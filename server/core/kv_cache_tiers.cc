@@ -141,6 +141,31 @@ absl::Status KvCache::AdoptPromoted(const RequestId& id, int64_t new_cached_toke
   return status;
 }
 
+absl::StatusOr<TierPort::PinnedPrefix> KvCache::PinPrefix(const Namespace& ns, absl::Span<const Token> tokens,
+                                                         int64_t skip_blocks, int64_t max_blocks) {
+  KVD_ASSIGN_OR_RETURN(PoolId id, FindPool(ns.pool));
+  const int32_t bt = pool_geometries_[id].block_tokens;
+  const int64_t len = std::min<int64_t>(static_cast<int64_t>(tokens.size()), pool_geometries_[id].max_model_len);
+  const std::vector<BlockKey> keys = ChainKeys(ns, tokens.first(static_cast<size_t>(len)), bt, len / bt);
+  PinnedPrefix out;
+  out.pool = id;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    Pool& pool = *pools_[id];
+    const std::vector<CachedBlock*> hit =
+        index_.Match(index_.FindRoot(ns), tokens.first(static_cast<size_t>(len)), bt, MaxHitBlocks(pool, len), keys);
+    for (int64_t i = std::max<int64_t>(skip_blocks, 0); i < static_cast<int64_t>(hit.size()); ++i) {
+      if (max_blocks > 0 && static_cast<int64_t>(out.blocks.size()) >= max_blocks) break;
+      const BlockIndex b = hit[static_cast<size_t>(i)]->address.index;
+      RefLocked(id, b);  // a peer's read is a use
+      ++pool.pins[b];
+      out.blocks.push_back(b);
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<RequestSpec> KvCache::SpecOf(const RequestId& id) const {
   absl::MutexLock lock(&mu_);
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));

@@ -40,6 +40,17 @@ class TierPort {
   virtual void UnpinBlocks(PoolId pool, absl::Span<const BlockIndex> blocks) = 0;
   virtual absl::Status AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) = 0;
 
+  // Peer transfer (server/transfer): pins the cached blocks of the longest cached prefix of
+  // `tokens` in `ns`, from block `skip_blocks` on, at most `max_blocks` (0: all) and never the
+  // block holding the last token; pinned blocks stay cached and unmoved until UnpinBlocks.
+  // NOT_FOUND for an unknown pool; an empty list when nothing past `skip_blocks` is cached.
+  struct PinnedPrefix {
+    PoolId pool = 0;
+    std::vector<BlockIndex> blocks;
+  };
+  virtual absl::StatusOr<PinnedPrefix> PinPrefix(const Namespace& ns, absl::Span<const Token> tokens,
+                                                 int64_t skip_blocks, int64_t max_blocks) = 0;
+
   // Flush and upload. SnapshotCached lists every cached block (in slices, the lock taken per
   // slice: a block cached or evicted meanwhile may be missed or stale). VisitCached calls fn(view)
   // for those of `refs` still cached (same key), without the engine's lock, the blocks and their

@@ -245,9 +245,15 @@ absl::Status Metrics::Listen(const std::string& listen) {
   }
   exposer_->RegisterCollectable(registry_);
   exposer_->RegisterCollectable(collector_);
+  for (const auto& c : extra_) exposer_->RegisterCollectable(c);
   auto ports = exposer_->GetListeningPorts();
   port_ = ports.empty() ? 0 : ports[0];
   return absl::OkStatus();
+}
+
+void Metrics::AddCollectable(std::shared_ptr<prometheus::Collectable> collectable) {
+  extra_.push_back(collectable);
+  if (exposer_ != nullptr) exposer_->RegisterCollectable(collectable);
 }
 
 void Metrics::DetachSources() { static_cast<CacheCollector*>(collector_.get())->Detach(); }

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <vector>
 #include <string>
 
 #include "absl/status/status.h"
@@ -55,12 +56,15 @@ class Metrics {
   // Scrapes stop reading the cache, tiers and router events (which may then go); the endpoint
   // still answers, with RPC histograms only. Returns once no scrape reads them.
   void DetachSources();
+  // Exposes `collectable` too (another component's registry), now and on a later Listen.
+  void AddCollectable(std::shared_ptr<prometheus::Collectable> collectable);
 
  private:
   Metrics() = default;
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<prometheus::Collectable> collector_;  // cache state, read at scrape time
+  std::vector<std::shared_ptr<prometheus::Collectable>> extra_;  // AddCollectable's
   prometheus::Family<prometheus::Histogram>* rpc_latency_ = nullptr;
   prometheus::Family<prometheus::Histogram>* admission_wait_ = nullptr;
   std::unique_ptr<prometheus::Exposer> exposer_;

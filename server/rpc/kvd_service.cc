@@ -30,9 +30,10 @@ absl::Status RequireId(absl::string_view what, const std::string& value) {
 
 KvdService::KvdService(KvCache* cache, AttachmentRegistry* workers, const DeviceArena* arena,
                        Metrics* metrics, std::string side_socket, absl::Duration lease_ttl,
-                       TierStore* tiers)
+                       TierStore* tiers, PeerPuller* puller)
     : cache_(cache),
       tiers_(tiers),
+      puller_(puller),
       workers_(workers),
       arena_(arena),
       metrics_(metrics),
@@ -201,14 +202,30 @@ grpc::ServerUnaryReactor* KvdService::Fits(grpc::CallbackServerContext* ctx,
   });
 }
 
+absl::Status KvdService::CheckPeer(const std::string& peer) const {
+  if (peer.empty()) return absl::OkStatus();
+  if (puller_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "this kvd pulls from no peer: its config has no transfer section (docs/transfer.md)");
+  }
+  return puller_->CheckPeer(peer);
+}
+
 void KvdService::AcquireThen(const RequestId& id, v1::AcquireResponse* resp,
-                             std::function<void(absl::Status)> done) {
+                             std::function<void(absl::Status)> done, const std::string& peer) {
   absl::StatusOr<AcquireResult> r = cache_->Acquire(id);
   if (!r.ok()) return done(r.status());
   for (const WorkerId& w : r->publishers) {
     if (std::string e = workers_->EventHandle(w); !e.empty()) r->publisher_events.push_back(std::move(e));
   }
   ToProto(*r, resp);
+  if (!peer.empty() && puller_ != nullptr && !r->resumed) {
+    // After the lower tiers (if any) promoted what they hold: the peer is asked for the rest.
+    done = [this, id, peer, resp, done = std::move(done)](absl::Status s) mutable {
+      if (!s.ok()) return done(s);
+      PullThen(id, peer, resp, std::move(done));
+    };
+  }
   if (tiers_ == nullptr) return done(absl::OkStatus());
   // Lower tiers may hold more of the prefix: the answer waits (off this thread) until those
   // blocks are copied into the request's table and published.
@@ -228,6 +245,21 @@ void KvdService::AcquireThen(const RequestId& id, v1::AcquireResponse* resp,
     (*finish)(absl::OkStatus());
   });
   if (!promoting) (*finish)(absl::OkStatus());
+}
+
+void KvdService::PullThen(const RequestId& id, const std::string& peer, v1::AcquireResponse* resp,
+                          std::function<void(absl::Status)> done) {
+  absl::StatusOr<RequestSpec> spec = cache_->SpecOf(id);
+  if (!spec.ok()) return done(absl::OkStatus());
+  std::vector<BlockIndex> table(resp->blocks().begin(), resp->blocks().end());
+  auto finish = std::make_shared<std::function<void(absl::Status)>>(std::move(done));
+  // A failed pull leaves the request as the local lookup served it: the answer is that.
+  const bool pulling = puller_->Pull(peer, id, *spec, resp->pool_id(), resp->cached_tokens(), std::move(table),
+                                     [resp, finish](absl::StatusOr<int64_t> cached) {
+                                       if (cached.ok()) resp->set_cached_tokens(*cached);
+                                       (*finish)(absl::OkStatus());
+                                     });
+  if (!pulling) (*finish)(absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* KvdService::Acquire(grpc::CallbackServerContext* ctx,
@@ -258,6 +290,7 @@ grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, co
                                                      absl::ToInt64Milliseconds(kMaxStartWait), ", not ",
                                                      req->max_wait_ms()));
     }
+    KVD_RETURN_IF_ERROR(CheckPeer(req->peer()));
     return CheckWorker(ctx, req->admit().worker_id(), "");
   }();
   if (!caller.ok()) {
@@ -279,7 +312,7 @@ grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, co
   std::string pool = spec.ns.pool;
   admission_->Admit(
       std::move(spec), deadline, [ctx] { return ctx->IsCancelled(); },
-      [this, reactor, resp, start, id, worker, pool = std::move(pool), key = caller->key](
+      [this, reactor, resp, start, id, worker, pool = std::move(pool), key = caller->key, peer = req->peer()](
           absl::StatusOr<AdmitResult> admitted, absl::Duration waited) {
         resp->set_waited(waited > absl::ZeroDuration());
         resp->set_waited_us(absl::ToInt64Microseconds(waited));
@@ -300,13 +333,16 @@ grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, co
                                "worker ", worker.value(), " detached while request '", id.value(),
                                "' waited for admission")));
         }
-        AcquireThen(id, resp->mutable_acquired(), [this, reactor, start, id](absl::Status s) {
-          if (!s.ok()) {  // admitted but not acquired: the reservation goes back (Client::Start does the same)
-            (void)cache_->Release(id, /*completed=*/false);
-            admission_->Poke();
-          }
-          FinishRpc(reactor, "Start", start, s);
-        });
+        AcquireThen(
+            id, resp->mutable_acquired(),
+            [this, reactor, start, id](absl::Status s) {
+              if (!s.ok()) {  // admitted but not acquired: the reservation goes back (Client::Start does the same)
+                (void)cache_->Release(id, /*completed=*/false);
+                admission_->Poke();
+              }
+              FinishRpc(reactor, "Start", start, s);
+            },
+            peer);
       });
   return reactor;
 }

@@ -25,6 +25,7 @@
 #include "server/rpc/peer_listener.h"
 #include "server/rpc/roles.h"
 #include "server/store/tier_store.h"
+#include "server/transfer/peer_puller.h"
 
 namespace kvd {
 
@@ -34,7 +35,7 @@ class KvdService final : public v1::Kvd::CallbackService {
   // null when kvd runs without lower tiers.
   KvdService(KvCache* cache, AttachmentRegistry* workers, const DeviceArena* arena,
              Metrics* metrics, std::string side_socket, absl::Duration lease_ttl,
-             TierStore* tiers = nullptr);
+             TierStore* tiers = nullptr, PeerPuller* puller = nullptr);
   ~KvdService() override;  // ends Start's waits (UNAVAILABLE) before anything it borrows goes
 
   // After this, Admit, Fits and Attach answer UNAVAILABLE; running requests continue. Calls
@@ -195,9 +196,15 @@ class KvdService final : public v1::Kvd::CallbackService {
                                                   const RequestSpec& spec);
   // The wait of AdmitAfterOwnerGone alone (Start queues its admission afterwards).
   void WaitOwnerGone(const grpc::CallbackServerContext* ctx, const RequestSpec& spec);
-  // Acquire, with promotion from lower tiers; fills `resp` and calls `done` exactly once, maybe
-  // on another thread (a promotion's).
-  void AcquireThen(const RequestId& id, v1::AcquireResponse* resp, std::function<void(absl::Status)> done);
+  // Acquire, with promotion from lower tiers, then a pull from `peer` (empty: none); fills `resp`
+  // and calls `done` exactly once, maybe on another thread (a promotion's or a pull's).
+  void AcquireThen(const RequestId& id, v1::AcquireResponse* resp, std::function<void(absl::Status)> done,
+                   const std::string& peer = "");
+  // After promotion: the pull from `peer`, then done(OK) (a failed pull leaves `resp` as it was).
+  void PullThen(const RequestId& id, const std::string& peer, v1::AcquireResponse* resp,
+                std::function<void(absl::Status)> done);
+  // OK for no peer or a configured one; Start's and step start's check before admission.
+  absl::Status CheckPeer(const std::string& peer) const;
   static constexpr absl::Duration kDefaultStartWait = absl::Seconds(30);
   // The longest a Start may ask to wait for admission (max_wait_ms); longer is INVALID_ARGUMENT.
   static constexpr absl::Duration kMaxStartWait = absl::Minutes(10);
@@ -223,6 +230,7 @@ class KvdService final : public v1::Kvd::CallbackService {
 
   KvCache* const cache_;
   TierStore* const tiers_;
+  PeerPuller* const puller_;  // null without transfer
   AttachmentRegistry* const workers_;
   const DeviceArena* const arena_;
   Metrics* const metrics_;

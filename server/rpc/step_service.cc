@@ -289,6 +289,7 @@ void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const Worker
                                                         absl::ToInt64Milliseconds(kMaxStartWait), ", not ",
                                                         sr.max_wait_ms())));
   }
+  if (absl::Status peer = CheckPeer(sr.peer()); !peer.ok()) return fail(peer);
   std::shared_ptr<ParkedStart> park;
   {
     absl::MutexLock lock(&log->mu);
@@ -336,14 +337,17 @@ void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const Worker
     log->parked.erase(item.request_id());
   }
   if (!admitted.ok()) return fail(admitted.status());
-  AcquireThen(id, result->mutable_acquired(), [this, id, result, done = std::move(done)](absl::Status s) {
-    if (!s.ok()) {  // admitted but not acquired: the reservation goes back
-      (void)cache_->Release(id, /*completed=*/false);
-      admission_->Poke();
-      SetStatus(s, result);
-    }
-    done();
-  });
+  AcquireThen(
+      id, result->mutable_acquired(),
+      [this, id, result, done = std::move(done)](absl::Status s) {
+        if (!s.ok()) {  // admitted but not acquired: the reservation goes back
+          (void)cache_->Release(id, /*completed=*/false);
+          admission_->Poke();
+          SetStatus(s, result);
+        }
+        done();
+      },
+      sr.peer());
 }
 
 }  // namespace kvd

@@ -112,6 +112,9 @@ bool DaemonProcess::Start() {
     const std::string json = ReadFile(ready);
     if (!json.empty()) {
       metrics_port_ = static_cast<int>(JsonInt(json, "metrics_port"));
+      if (const size_t t = json.find("\"transfer\": \""); t != std::string::npos) {
+        transfer_address_ = json.substr(t + 13, json.find('"', t + 13) - (t + 13));
+      }
       if (own_listen_) {  // "grpc": "HOST:PORT" as bound
         const size_t at = json.find("\"grpc\": \"") + 9;
         tcp_target_ = json.substr(at, json.find('"', at) - at);

@@ -34,6 +34,8 @@ class DaemonProcess {
   // The gRPC target: the Unix socket, or HOST:PORT when extra_flags gave a --listen.
   std::string target() const { return tcp_target_.empty() ? "unix://" + socket_ : tcp_target_; }
   const std::string& side_socket() const { return side_socket_; }
+  // The peer transfer listener as bound (HOST:PORT); empty without a transfer section.
+  const std::string& transfer_address() const { return transfer_address_; }
   int metrics_port() const { return metrics_port_; }
   pid_t pid() const { return pid_; }
   const std::string& dir() const { return dir_.path(); }
@@ -65,6 +67,7 @@ class DaemonProcess {
   pid_t pid_ = -1;
   pid_t predecessor_ = -1;
   std::string tcp_target_;
+  std::string transfer_address_;
 };
 
 struct ProcessResult {

@@ -627,11 +627,12 @@ class Client:
         return per_layer.reshape(p.num_layers, p.block_tokens, -1)
 
     def request(self, request_id, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="",
-                adapter="", media_keys=(), media=(), wait_s=10.0):
+                adapter="", media_keys=(), media=(), wait_s=10.0, peer=""):
         """Admit (the daemon waits while the budget is full, up to wait_s) and acquire, in one
         round trip (Start): a Request context manager. `media`: (identifier, offset, length) of each
         multimodal item, in prompt order (router events key only the blocks an item overlaps, as
-        vLLM does); `media_keys`: identifiers without positions (every block)."""
+        vLLM does); `media_keys`: identifiers without positions (every block). `peer`: a peer kvd
+        (a name in kvd's transfer.peers) whose cached blocks of the prompt kvd pulls first."""
         ns = kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt, adapter=adapter, media_keys=list(media_keys),
                                media=[kvd_pb2.MediaItem(identifier=i, offset=o, length=n) for i, o, n in media])
         deadline = time.monotonic() + wait_s
@@ -646,7 +647,7 @@ class Client:
             # One round trip: the daemon waits for room (first come, first served) up to wait_s, and
             # gives the admission back itself if the Acquire after it fails.
             try:
-                resp = self._rpc("Start", kvd_pb2.StartRequest(admit=admit, max_wait_ms=max(1, int(left * 1000))),
+                resp = self._rpc("Start", kvd_pb2.StartRequest(admit=admit, max_wait_ms=max(1, int(left * 1000)), peer=peer),
                                  timeout=left + 30).acquired
             except KvdError as e:
                 if self._lost(e, epoch) and time.monotonic() < deadline:

@@ -55,11 +55,11 @@ class StepBatch:
         self.items = []
 
     def start(self, req, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="", adapter="",
-              max_wait_s=30.0):
+              max_wait_s=30.0, peer=""):
         ns = kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt, adapter=adapter)
         admit = kvd_pb2.AdmitRequest(namespace=ns, prompt=list(prompt), max_new_tokens=max_new_tokens,
                                      session_id=session, resume_from=resume_from)
-        self.items.append(("start", req, kvd_pb2.StartRequest(admit=admit, max_wait_ms=max(1, int(max_wait_s * 1000)))))
+        self.items.append(("start", req, kvd_pb2.StartRequest(admit=admit, max_wait_ms=max(1, int(max_wait_s * 1000)), peer=peer)))
         return self
 
     def grow(self, req, tokens):

@@ -20,8 +20,9 @@ from kvd.engine.paged_kv import PagedKv
 
 
 class Engine:
-    def __init__(self, client, pool="default", cfg=None, wrong_layer_stride=False):
+    def __init__(self, client, pool="default", cfg=None, wrong_layer_stride=False, peer=""):
         self.client = client
+        self.peer = peer  # a peer kvd that may hold the prompts' prefixes (docs/transfer.md)
         self.pool = pool
         self.models = {}
         self.cfg = cfg or TinyDecoder().cfg
@@ -93,4 +94,5 @@ class Engine:
         """Client.request. A resume right after the previous worker died needs no retry: kvd's
         Admit waits (bounded) for the dead worker's request to end."""
         return self.client.request(request_id, self.pool, list(prompt), max_new_tokens=max_new,
-                                   cache_salt=salt, adapter=adapter, resume_from=request_id if resume else "")
+                                   cache_salt=salt, adapter=adapter, resume_from=request_id if resume else "",
+                                   peer=self.peer)

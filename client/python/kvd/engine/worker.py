@@ -41,13 +41,15 @@ def main(argv=None):
                     help="SIGKILL this process right after its Nth checkpoint (a crash, for tests)")
     ap.add_argument("--stop-after-checkpoints", type=int, default=0,
                     help="SIGSTOP this process right after its Nth checkpoint (a hung worker, for tests)")
+    ap.add_argument("--peer", default="",
+                    help="a peer kvd (a name in kvd's transfer.peers) to pull cached prefixes from")
     ap.add_argument("--wrong-layer-stride", action="store_true",
                     help="read reused KV from the wrong layer (proves the exactness check can fail)")
     args = ap.parse_args(argv)
     src = open(args.prompts) if args.prompts else sys.stdin
     # The pool must hold KV the way this model reads it; kvd refuses the Attach otherwise.
     with Client(args.target, worker_name=args.name, expect=[Config().expectation(args.pool)]) as client:
-        engine = Engine(client, args.pool, wrong_layer_stride=args.wrong_layer_stride)
+        engine = Engine(client, args.pool, wrong_layer_stride=args.wrong_layer_stride, peer=args.peer)
         checkpoints = 0
         vocab = Config().vocab
         failed = False

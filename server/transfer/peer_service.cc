@@ -1,0 +1,221 @@
+#include "server/transfer/peer_service.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gpu/slab_layout.h"
+#include "proto/convert.h"
+#include "proto/grpc_status.h"
+#include "proto/vocab/status_macros.h"
+#include "server/obs/log_safe.h"
+#include "server/transfer/block_checksum.h"
+#include "spdlog/spdlog.h"
+
+namespace kvd {
+namespace {
+
+constexpr int64_t kMaxLeaseMs = 60'000;
+
+void ToProto(const PoolGeometry& g, peer::v1::Geometry* out) {
+  out->set_block_tokens(g.block_tokens);
+  out->set_num_layers(g.num_layers);
+  out->set_bytes_per_token_per_layer(g.bytes_per_token_per_layer);
+  out->set_capacity_blocks(g.capacity_blocks);
+  out->set_num_shards(g.num_shards);
+  out->set_layout(PoolLayoutName(g.layout));
+  out->set_kv_dtype(g.kv.dtype);
+  out->set_kv_heads(g.kv.kv_heads);
+  out->set_head_dim(g.kv.head_dim);
+  out->set_kv_arrangement(g.kv.arrangement);
+}
+
+}  // namespace
+
+PeerService::PeerService(TierPort* cache, const DeviceArena* arena, const UcxNode* node,
+                         const TransferOptions& options, TransferMetrics* metrics)
+    : cache_(cache),
+      arena_(arena),
+      node_(node),
+      options_(options),
+      allowed_([&] {
+        const std::vector<std::string> names = options.AllowedNames();
+        return absl::flat_hash_set<std::string>(names.begin(), names.end());
+      }()),
+      metrics_(metrics) {
+  reaper_ = std::thread([this] { ReapLoop(); });
+}
+
+PeerService::~PeerService() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  reaper_.join();
+  Expire(/*all=*/true);
+}
+
+int64_t PeerService::leases() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(leases_.size());
+}
+
+absl::StatusOr<std::string> PeerService::Authenticate(const grpc::CallbackServerContext* ctx) const {
+  std::vector<std::string> names;
+  if (const std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context(); auth != nullptr) {
+    for (const char* property : {"x509_common_name", "x509_subject_alternative_name"}) {
+      for (const grpc::string_ref& v : auth->FindPropertyValues(property)) names.emplace_back(v.data(), v.size());
+    }
+  }
+  for (const std::string& n : names) {
+    if (allowed_.contains(n)) return n;
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "this kvd serves peers named in transfer.allowed_peers only; the caller's certificate names ",
+      names.empty() ? std::string("nobody") : absl::StrJoin(names, ", ")));
+}
+
+grpc::ServerUnaryReactor* PeerService::Offer(grpc::CallbackServerContext* ctx, const peer::v1::OfferRequest* req,
+                                             peer::v1::OfferResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  Expire(/*all=*/false);
+  absl::StatusOr<std::string> peer = Authenticate(ctx);
+  absl::Status status = peer.ok() ? DoOffer(*peer, *req, resp) : peer.status();
+  if (!peer.ok()) {
+    metrics_->Offer("unauthenticated");
+    spdlog::warn("peer transfer: refused an Offer from {}: {}", LogSafe(ctx->peer()), LogSafe(status.ToString(), 256));
+  } else if (!status.ok()) {
+    metrics_->Offer(absl::StatusCodeToString(status.code()));
+  } else {
+    metrics_->Offer(resp->blocks().empty() ? "nothing" : "offered", resp->blocks_size());
+  }
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+absl::Status PeerService::DoOffer(const std::string& peer, const peer::v1::OfferRequest& req,
+                                  peer::v1::OfferResponse* resp) {
+  if (req.tokens().empty()) return absl::InvalidArgumentError("tokens is empty");
+  if (req.lease_ms() <= 0 || req.lease_ms() > kMaxLeaseMs) {
+    return absl::InvalidArgumentError(absl::StrCat("lease_ms must be in (0, ", kMaxLeaseMs, "], not ", req.lease_ms()));
+  }
+  if (req.skip_blocks() < 0 || req.max_blocks() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("skip_blocks and max_blocks must be >= 0, not ", req.skip_blocks(),
+                                                   " and ", req.max_blocks()));
+  }
+  const Namespace ns = FromProto(req.namespace_());
+  const std::vector<PoolGeometry>& pools = cache_->pools();
+  auto it = std::find_if(pools.begin(), pools.end(), [&](const PoolGeometry& g) { return g.name == ns.pool; });
+  if (it == pools.end()) return absl::NotFoundError(absl::StrCat("no pool '", ns.pool, "' on this kvd"));
+  const PoolId pool = static_cast<PoolId>(it - pools.begin());
+  KVD_RETURN_IF_ERROR(node_->Transferable(pool));
+  {
+    absl::MutexLock lock(&mu_);
+    if (static_cast<int64_t>(leases_.size()) + reserved_ >= options_.max_leases) {
+      return absl::ResourceExhaustedError(absl::StrCat("this kvd holds ", options_.max_leases,
+                                                       " leases for peers already (transfer.max_leases)"));
+    }
+    ++reserved_;
+  }
+  const std::vector<Token> tokens = TokensFromProto(req.tokens());
+  absl::StatusOr<TierPort::PinnedPrefix> pinned = cache_->PinPrefix(ns, tokens, req.skip_blocks(), req.max_blocks());
+  std::vector<uint64_t> sums;
+  if (pinned.ok() && !pinned->blocks.empty()) {
+    // The pins keep the bytes immutable: checksums run without any lock.
+    std::vector<uint8_t> scratch;
+    for (BlockIndex b : pinned->blocks) {
+      absl::StatusOr<uint64_t> sum = BlockChecksum(*arena_, pool, b, &scratch);
+      if (!sum.ok()) {
+        cache_->UnpinBlocks(pool, pinned->blocks);
+        pinned = sum.status();
+        break;
+      }
+      sums.push_back(*sum);
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  --reserved_;
+  KVD_RETURN_IF_ERROR(pinned.status());
+  if (pinned->blocks.empty()) return absl::OkStatus();  // nothing cached past skip_blocks
+  const uint64_t id = next_lease_++;
+  resp->set_lease(id);
+  resp->set_ucx_address(node_->address());
+  const PoolGeometry& g = pools[pool];
+  ToProto(g, resp->mutable_geometry());
+  for (uint32_t shard = 0; shard < static_cast<uint32_t>(g.num_shards); ++shard) {
+    const UcxNode::SlabKey& key = node_->slab_key(pool, shard);
+    peer::v1::Slab* s = resp->add_slabs();
+    s->set_shard(shard);
+    s->set_address(key.address);
+    s->set_size_bytes(key.size_bytes);
+    s->set_rkey(key.rkey);
+  }
+  for (size_t i = 0; i < pinned->blocks.size(); ++i) {
+    resp->add_blocks(pinned->blocks[i]);
+    resp->add_checksums(sums[i]);
+  }
+  leases_[id] = Lease{pool, std::move(pinned->blocks), absl::Now() + absl::Milliseconds(req.lease_ms()), peer};
+  metrics_->SetLeases(static_cast<int64_t>(leases_.size()));
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* PeerService::Release(grpc::CallbackServerContext* ctx, const peer::v1::ReleaseRequest* req,
+                                               peer::v1::ReleaseResponse* /*resp*/) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  absl::StatusOr<std::string> peer = Authenticate(ctx);
+  if (!peer.ok()) {
+    reactor->Finish(ToGrpcStatus(peer.status()));
+    return reactor;
+  }
+  Lease lease;
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = leases_.find(req->lease());
+    // Only the peer that took a lease may release it.
+    if (it == leases_.end() || it->second.peer != *peer) {
+      status = absl::NotFoundError(absl::StrCat("no lease ", req->lease(), " held by ", *peer, " (released or expired)"));
+    } else {
+      lease = std::move(it->second);
+      leases_.erase(it);
+      metrics_->SetLeases(static_cast<int64_t>(leases_.size()));
+    }
+  }
+  if (status.ok()) cache_->UnpinBlocks(lease.pool, lease.blocks);
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+void PeerService::Expire(bool all) {
+  std::vector<Lease> gone;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    for (auto it = leases_.begin(); it != leases_.end();) {
+      if (all || it->second.expires <= now) {
+        gone.push_back(std::move(it->second));
+        leases_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+    if (!gone.empty()) metrics_->SetLeases(static_cast<int64_t>(leases_.size()));
+  }
+  for (const Lease& l : gone) {
+    if (!all) spdlog::info("peer transfer: a lease of {} blocks for {} expired unreleased", l.blocks.size(), LogSafe(l.peer));
+    cache_->UnpinBlocks(l.pool, l.blocks);
+  }
+}
+
+void PeerService::ReapLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stop_), absl::Milliseconds(200));
+    if (stop_) break;
+    mu_.Unlock();
+    Expire(/*all=*/false);
+    mu_.Lock();
+  }
+}
+
+}  // namespace kvd

@@ -1,0 +1,58 @@
+#include "server/transfer/transfer.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "proto/vocab/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace kvd {
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* field) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("transfer.", field, ": cannot read ", path));
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transfer>> Transfer::Start(const TransferOptions& options, TierPort* cache,
+                                                          const DeviceArena* arena) {
+  std::unique_ptr<Transfer> t(new Transfer());
+  t->metrics_ = std::make_unique<TransferMetrics>();
+  KVD_ASSIGN_OR_RETURN(t->node_, UcxNode::Create(arena));
+  KVD_ASSIGN_OR_RETURN(t->puller_, PeerPuller::Create(options, cache, arena, t->node_.get(), t->metrics_.get()));
+  t->service_ = std::make_unique<PeerService>(cache, arena, t->node_.get(), options, t->metrics_.get());
+
+  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  KVD_ASSIGN_OR_RETURN(std::string cert, ReadPem(options.tls_cert_file, "tls_cert_file"));
+  KVD_ASSIGN_OR_RETURN(std::string key, ReadPem(options.tls_key_file, "tls_key_file"));
+  KVD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(options.tls_ca_file, "tls_ca_file"));
+  ssl.pem_key_cert_pairs.push_back({key, cert});
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen, grpc::SslServerCredentials(ssl), &port);
+  builder.RegisterService(t->service_.get());
+  t->server_ = builder.BuildAndStart();
+  if (t->server_ == nullptr || port == 0) {
+    return absl::UnavailableError(absl::StrCat("transfer.listen: cannot serve peers on ", options.listen));
+  }
+  t->bound_ = absl::StrCat(options.listen.substr(0, options.listen.rfind(':')), ":", port);
+  spdlog::info("peer transfer: serving peers on {} (mutual TLS), pulling from {} configured peers", t->bound_,
+               options.peers.size());
+  return t;
+}
+
+Transfer::~Transfer() {
+  if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+  service_.reset();
+  puller_.reset();
+}
+
+}  // namespace kvd

@@ -1,0 +1,520 @@
+// Peer transfer (docs/transfer.md): two real kvd daemons on loopback, each with its own worker
+// clients; the Peer service under mutual TLS with certificates the test makes (openssl). Node A
+// prefills, node B pulls through UCX, and every pulled byte is compared with what A's worker
+// wrote. Then what goes wrong: a peer not configured, an unauthenticated caller, pins against
+// eviction, leases that expire, a hostile peer (a proxy in this process that corrupts A's real
+// offers), and a peer stopped and killed in the middle of a pull. The two-namespace test with the
+// reference engine is tests/transfer/netns_pull.py.
+#include <csignal>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <catch2/catch.hpp>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "kvd/peer/v1/peer.grpc.pb.h"
+#include "tests/integration/harness.h"
+
+namespace kvd {
+namespace {
+
+using namespace kvd::testing;
+using client::Client;
+using client::KvRequest;
+
+constexpr int kBlockTokens = 16;
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// A CA, and a certificate it signed for each name (CN and DNS subjectAltName).
+struct Certs {
+  TempDir dir;
+  bool ok = false;
+  Certs() {
+    const std::string script =
+        "set -e; cd '" + dir.path() + "'\n"
+        "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=kvd-peer-ca -keyout ca.key -out ca.pem 2>/dev/null\n"
+        "for who in node-a node-b evil stranger; do\n"
+        "  openssl req -newkey rsa:2048 -nodes -subj /CN=$who -keyout $who.key -out $who.csr 2>/dev/null\n"
+        "  printf 'subjectAltName=DNS:%s\\n' $who > $who.ext\n"
+        "  openssl x509 -req -in $who.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -extfile $who.ext -out $who.pem 2>/dev/null\n"
+        "done\n";
+    ok = RunProcess("/bin/sh", {"-c", script}).exit_code == 0;
+  }
+  std::string path(const std::string& file) const { return dir.path() + "/" + file; }
+};
+
+// A pool of 16-token blocks of 2 layers x `bytes_per_token_per_layer`, and a transfer section
+// for `name`, pulling from `peers` (name, address).
+std::string NodeConfig(const Certs& certs, const std::string& name,
+                       const std::vector<std::pair<std::string, std::string>>& peers,
+                       const std::string& allowed = "", int64_t bytes_per_token_per_layer = 64,
+                       int capacity_blocks = 256, const std::string& extra = "") {
+  std::string yaml = absl::StrCat(
+      "pools:\n"
+      "  - name: default\n"
+      "    block_tokens: ", kBlockTokens, "\n"
+      "    num_layers: 2\n"
+      "    bytes_per_token_per_layer: ", bytes_per_token_per_layer, "\n"
+      "    capacity_blocks: ", capacity_blocks, "\n"
+      "    max_model_len: 20000\n"
+      "transfer:\n"
+      "  listen: 127.0.0.1:0\n"
+      "  tls_cert_file: ", certs.path(name + ".pem"), "\n"
+      "  tls_key_file: ", certs.path(name + ".key"), "\n"
+      "  tls_ca_file: ", certs.path("ca.pem"), "\n", extra);
+  if (!allowed.empty()) absl::StrAppend(&yaml, "  allowed_peers: [", allowed, "]\n");
+  if (!peers.empty()) {
+    absl::StrAppend(&yaml, "  peers:\n");
+    for (const auto& [n, a] : peers) absl::StrAppend(&yaml, "    - {name: ", n, ", address: \"", a, "\"}\n");
+  }
+  return yaml;
+}
+
+// The byte a worker writes at `offset` of layer `layer` of prompt block `position`.
+uint8_t Pattern(uint32_t seed, int64_t position, int32_t layer, int64_t offset) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ (position * 0x100000001B3ull) ^ (layer * 0xC2B2AE3Dull) ^ offset;
+  x ^= x >> 29;
+  x *= 0xBF58476D1CE4E5B9ull;
+  return static_cast<uint8_t>(x >> 56);
+}
+
+std::unique_ptr<Client> Connect(const DaemonProcess& d, const std::string& name) {
+  auto c = Client::Connect({.target = d.target(), .worker_name = name});
+  REQUIRE(c.ok());
+  return std::move(*c);
+}
+
+std::vector<Token> Prompt(uint32_t seed, int blocks) {  // `blocks` full blocks and one more token
+  std::vector<Token> p;
+  for (int i = 0; i < blocks * kBlockTokens + 1; ++i) p.push_back(static_cast<Token>((seed * 7919 + i * 31) % 50000));
+  return p;
+}
+
+void WriteBlocks(Client& c, const KvRequest& r, int64_t first, int64_t count, uint32_t seed) {
+  const client::PoolView* pool = *c.FindPool("default");
+  const int64_t n = pool->geometry.layer_block_bytes();
+  std::vector<uint8_t> buf(static_cast<size_t>(n));
+  for (int64_t i = first; i < first + count; ++i) {
+    for (int32_t layer = 0; layer < pool->geometry.num_layers; ++layer) {
+      for (int64_t j = 0; j < n; ++j) buf[j] = Pattern(seed, i, layer, j);
+      REQUIRE(c.WriteLayer(r.pool(), r.blocks()[i], layer, 0, buf.data(), n).ok());
+    }
+  }
+}
+
+// Whether the first `count` blocks of `r` hold what WriteBlocks wrote for `seed`.
+bool BlocksExact(Client& c, const KvRequest& r, int64_t count, uint32_t seed) {
+  const client::PoolView* pool = *c.FindPool("default");
+  const int64_t n = pool->geometry.layer_block_bytes();
+  std::vector<uint8_t> buf(static_cast<size_t>(n));
+  for (int64_t i = 0; i < count; ++i) {
+    for (int32_t layer = 0; layer < pool->geometry.num_layers; ++layer) {
+      if (!c.ReadLayer(r.pool(), r.blocks()[i], layer, 0, buf.data(), n).ok()) return false;
+      for (int64_t j = 0; j < n; ++j) {
+        if (buf[j] != Pattern(seed, i, layer, j)) return false;
+      }
+    }
+  }
+  return true;
+}
+
+// A worker of `d` computes `blocks` blocks of prompt `seed` and publishes them.
+void Prefill(Client& c, const std::string& id, uint32_t seed, int blocks) {
+  auto r = c.Start(PoolRequest(id, Prompt(seed, blocks), 1));
+  REQUIRE(r.ok());
+  WriteBlocks(c, **r, (*r)->cached_tokens() / kBlockTokens, blocks - (*r)->cached_tokens() / kBlockTokens, seed);
+  REQUIRE((*r)->End(blocks, {}, true).ok());
+}
+
+// B's worker starts prompt `seed` naming `peer`; answers the cached tokens, and whether the bytes
+// of the cached blocks are exact.
+std::pair<int64_t, bool> PullStart(Client& c, const std::string& id, uint32_t seed, int blocks, const std::string& peer) {
+  auto r = c.Start(PoolRequest(id, Prompt(seed, blocks), 1), absl::Seconds(30), peer);
+  INFO(r.status().ToString());
+  REQUIRE(r.ok());
+  const int64_t cached = (*r)->cached_tokens();
+  const bool exact = BlocksExact(c, **r, cached / kBlockTokens, seed);
+  REQUIRE((*r)->Release(true).ok());
+  return {cached, exact};
+}
+
+int64_t Cached(Client& c, uint32_t seed, int blocks) {
+  Namespace ns;
+  ns.pool = "default";
+  auto n = c.PeekPrefixLen(ns, Prompt(seed, blocks));
+  REQUIRE(n.ok());
+  return *n;
+}
+
+std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const Certs& certs, const std::string& who) {
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = ReadText(certs.path("ca.pem"));
+  if (!who.empty()) {
+    ssl.pem_private_key = ReadText(certs.path(who + ".key"));
+    ssl.pem_cert_chain = ReadText(certs.path(who + ".pem"));
+  }
+  return grpc::SslCredentials(ssl);
+}
+
+// A raw stub to `d`'s Peer service, as `who` (empty: no client certificate).
+std::unique_ptr<peer::v1::Peer::Stub> PeerStub(const Certs& certs, const DaemonProcess& d, const std::string& server_name,
+                                               const std::string& who) {
+  grpc::ChannelArguments args;
+  args.SetSslTargetNameOverride(server_name);
+  return peer::v1::Peer::NewStub(grpc::CreateCustomChannel(d.transfer_address(), PeerCredentials(certs, who), args));
+}
+
+grpc::Status Offer(peer::v1::Peer::Stub& stub, uint32_t seed, int blocks, int64_t lease_ms, peer::v1::OfferResponse* resp) {
+  peer::v1::OfferRequest req;
+  req.mutable_namespace_()->set_pool("default");
+  for (Token t : Prompt(seed, blocks)) req.add_tokens(t);
+  req.set_lease_ms(lease_ms);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return stub.Offer(&ctx, req, resp);
+}
+
+TEST_CASE("A kvd pulls a peer's cached prefix over UCX, verified, and serves it as its own", "[integration][transfer]") {
+  Certs certs;
+  if (!certs.ok) {
+    WARN("skipped: openssl could not generate test certificates");
+    return;
+  }
+  DaemonProcess a(NodeConfig(certs, "node-a", {}, "node-b"));
+  REQUIRE(!a.transfer_address().empty());
+  DaemonProcess b(NodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}}));
+  auto wa = Connect(a, "prefill");
+  auto wb = Connect(b, "decode");
+  Prefill(*wa, "p1", 1, 8);
+
+  // B had nothing: all 8 blocks come from A, bit-exact, and count as a hit.
+  auto [cached, exact] = PullStart(*wb, "d1", 1, 8, "node-a");
+  CHECK(cached == 8 * kBlockTokens);
+  CHECK(exact);
+  CHECK(Metric(b, "kvd_peer_pulled_blocks_total") == 8);
+  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"pulled\"}") == 1);
+  CHECK(Metric(a, "kvd_peer_offered_blocks_total") == 8);
+  CHECK(Metric(a, "kvd_peer_leases") == 0);  // released once read
+  // Published on B: a later request hits locally, no peer named.
+  CHECK(Cached(*wb, 1, 8) == 8 * kBlockTokens);
+  auto [again, again_exact] = PullStart(*wb, "d2", 1, 8, "");
+  CHECK(again == 8 * kBlockTokens);
+  CHECK(again_exact);
+
+  // B holds the first 3 blocks of another prompt itself: only the 5 after them are pulled.
+  Prefill(*wa, "p2", 2, 8);
+  Prefill(*wb, "b2", 2, 3);
+  auto [cached2, exact2] = PullStart(*wb, "d3", 2, 8, "node-a");
+  CHECK(cached2 == 8 * kBlockTokens);
+  CHECK(exact2);
+  CHECK(Metric(b, "kvd_peer_pulled_blocks_total") == 8 + 5);
+
+  // A peer without the prompt: nothing to pull, the request computes as after a miss.
+  auto [cold, cold_exact] = PullStart(*wb, "d4", 3, 8, "node-a");
+  CHECK(cold == 0);
+  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"nothing\"}") == 1);
+
+  // Both ways: A pulls from B what only B computed.
+  DaemonProcess a2(NodeConfig(certs, "node-a", {{"node-b", b.transfer_address()}}));
+  auto wa2 = Connect(a2, "decode-a");
+  Prefill(*wb, "b4", 4, 6);
+  auto [back, back_exact] = PullStart(*wa2, "a4", 4, 6, "node-b");
+  CHECK(back == 6 * kBlockTokens);
+  CHECK(back_exact);
+}
+
+TEST_CASE("Eight pulls at once, each exact", "[integration][transfer]") {
+  Certs certs;
+  if (!certs.ok) return;
+  DaemonProcess a(NodeConfig(certs, "node-a", {}, "node-b"));
+  DaemonProcess b(NodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}}));
+  auto wa = Connect(a, "prefill");
+  for (uint32_t s = 10; s < 18; ++s) Prefill(*wa, absl::StrCat("p", s), s, 6);
+  std::vector<std::unique_ptr<Client>> workers;
+  for (int i = 0; i < 8; ++i) workers.push_back(Connect(b, absl::StrCat("decode", i)));
+  std::vector<std::pair<int64_t, bool>> got(8);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&, i] {
+      auto r = workers[i]->Start(PoolRequest(absl::StrCat("d", i), Prompt(10 + i, 6), 1), absl::Seconds(30), "node-a");
+      if (!r.ok()) return;
+      got[i] = {(*r)->cached_tokens(), BlocksExact(*workers[i], **r, (*r)->cached_tokens() / kBlockTokens, 10 + i)};
+      (void)(*r)->Release(true);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 8; ++i) {
+    CHECK(got[i].first == 6 * kBlockTokens);
+    CHECK(got[i].second);
+  }
+  CHECK(Metric(b, "kvd_peer_pulled_blocks_total") == 8 * 6);
+  CHECK(Metric(a, "kvd_peer_leases") == 0);
+}
+
+TEST_CASE("A peer hint kvd cannot follow is refused before anything is admitted", "[integration][transfer]") {
+  Certs certs;
+  if (!certs.ok) return;
+  DaemonProcess b(NodeConfig(certs, "node-b", {{"node-a", "127.0.0.1:1"}}));
+  auto wb = Connect(b, "decode");
+  auto r = wb->Start(PoolRequest("x", Prompt(1, 2), 1), absl::Seconds(5), "node-z");
+  REQUIRE(!r.ok());
+  CHECK(r.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(r.status().message()).find("'node-z' is not configured (transfer.peers: node-a)") != std::string::npos);
+  auto handles = wb->ListHandles();
+  REQUIRE(handles.ok());
+  CHECK(handles->empty());
+  // A peer that cannot be reached: the request is served as after a miss, and answers in time.
+  auto unreachable = wb->Start(PoolRequest("y", Prompt(1, 2), 1), absl::Seconds(5), "node-a");
+  REQUIRE(unreachable.ok());
+  CHECK((*unreachable)->cached_tokens() == 0);
+  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"offer\"}") == 1);
+
+  DaemonProcess plain(SmallPoolConfig());
+  auto wp = Connect(plain, "w");
+  auto p = wp->Start(PoolRequest("z", Range(1, 9)), absl::Seconds(5), "node-a");
+  REQUIRE(!p.ok());
+  CHECK(p.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(p.status().message()).find("no transfer section") != std::string::npos);
+
+  // Operator typos in the section are named at startup.
+  TempDir dir;
+  std::ofstream(dir.path() + "/bad.yaml") << NodeConfig(certs, "node-b", {{"node-a", "no-port"}});
+  ProcessResult bad = RunProcess(KvdBinary(), {"--config=" + dir.path() + "/bad.yaml", "--print-config"});
+  CHECK(bad.exit_code != 0);
+  CHECK(bad.out.find("peer 'node-a' needs an address HOST:PORT, not 'no-port'") != std::string::npos);
+}
+
+TEST_CASE("Only authenticated, allowed peers get offers", "[integration][transfer]") {
+  Certs certs;
+  if (!certs.ok) return;
+  DaemonProcess a(NodeConfig(certs, "node-a", {}, "node-b"));
+  auto wa = Connect(a, "prefill");
+  Prefill(*wa, "p", 1, 4);
+  // Signed by the CA, but not a name A allows.
+  peer::v1::OfferResponse resp;
+  grpc::Status s = Offer(*PeerStub(certs, a, "node-a", "stranger"), 1, 4, 1000, &resp);
+  CHECK(s.error_code() == grpc::StatusCode::PERMISSION_DENIED);
+  CHECK(s.error_message().find("names stranger") != std::string::npos);
+  CHECK(resp.blocks().empty());
+  CHECK(resp.ucx_address().empty());
+  // No client certificate: the TLS handshake itself fails.
+  peer::v1::OfferResponse none;
+  CHECK(!Offer(*PeerStub(certs, a, "node-a", ""), 1, 4, 1000, &none).ok());
+  CHECK(none.ucx_address().empty());
+  // Plain text on the peer port gets nothing either.
+  auto plain = peer::v1::Peer::NewStub(grpc::CreateChannel(a.transfer_address(), grpc::InsecureChannelCredentials()));
+  peer::v1::OfferResponse plain_resp;
+  CHECK(!Offer(*plain, 1, 4, 1000, &plain_resp).ok());
+  CHECK(Metric(a, "kvd_peer_leases") == 0);
+  CHECK(Metric(a, "kvd_peer_offers_total{outcome=\"unauthenticated\"}") == 1);
+
+  // A kvd whose certificate A does not allow pulls nothing; its request computes.
+  DaemonProcess c(NodeConfig(certs, "stranger", {{"node-a", a.transfer_address()}}));
+  auto wc = Connect(c, "decode");
+  auto [cached, exact] = PullStart(*wc, "d", 1, 4, "node-a");
+  CHECK(cached == 0);
+  CHECK(Cached(*wc, 1, 4) == 0);
+  CHECK(Metric(c, "kvd_peer_pulls_total{outcome=\"offer\"}") == 1);
+  // The allowed peer gets the offer; bad arguments are named.
+  auto b = PeerStub(certs, a, "node-a", "node-b");
+  peer::v1::OfferResponse bad;
+  grpc::Status lease = Offer(*b, 1, 4, 0, &bad);
+  CHECK(lease.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK(lease.error_message().find("lease_ms must be in (0, 60000], not 0") != std::string::npos);
+  peer::v1::OfferResponse good;
+  REQUIRE(Offer(*b, 1, 4, 1000, &good).ok());
+  CHECK(good.blocks_size() == 4);
+  CHECK(good.checksums_size() == 4);
+  CHECK(good.slabs_size() == 1);
+  // Another peer cannot release it.
+  grpc::ClientContext ctx;
+  peer::v1::ReleaseRequest rel;
+  rel.set_lease(good.lease());
+  peer::v1::ReleaseResponse ignored;
+  CHECK(PeerStub(certs, a, "node-a", "stranger")->Release(&ctx, rel, &ignored).error_code() ==
+        grpc::StatusCode::PERMISSION_DENIED);
+  CHECK(Metric(a, "kvd_peer_leases") == 1);
+}
+
+TEST_CASE("Offered blocks stay pinned against eviction until released or expired", "[integration][transfer]") {
+  Certs certs;
+  if (!certs.ok) return;
+  DaemonProcess a(NodeConfig(certs, "node-a", {}, "node-b"));
+  auto wa = Connect(a, "prefill");
+  Prefill(*wa, "p", 1, 4);
+  auto b = PeerStub(certs, a, "node-a", "node-b");
+  peer::v1::OfferResponse offer;
+  REQUIRE(Offer(*b, 1, 4, 60'000, &offer).ok());
+  REQUIRE(offer.blocks_size() == 4);
+  // The operator clears the cache: the pinned blocks stay (a reader may be mid-get).
+  REQUIRE(wa->Gc().ok());
+  CHECK(Cached(*wa, 1, 4) == 4 * kBlockTokens);
+  {
+    grpc::ClientContext ctx;
+    peer::v1::ReleaseRequest rel;
+    rel.set_lease(offer.lease());
+    peer::v1::ReleaseResponse ignored;
+    REQUIRE(b->Release(&ctx, rel, &ignored).ok());
+  }
+  {  // twice: NOT_FOUND, nothing unpinned twice
+    grpc::ClientContext ctx;
+    peer::v1::ReleaseRequest rel;
+    rel.set_lease(offer.lease());
+    peer::v1::ReleaseResponse ignored;
+    CHECK(b->Release(&ctx, rel, &ignored).error_code() == grpc::StatusCode::NOT_FOUND);
+  }
+  REQUIRE(wa->Gc().ok());
+  CHECK(Cached(*wa, 1, 4) == 0);
+
+  // A puller that never releases: the lease expires and the blocks can go.
+  Prefill(*wa, "p2", 2, 4);
+  peer::v1::OfferResponse forgotten;
+  REQUIRE(Offer(*b, 2, 4, 300, &forgotten).ok());
+  CHECK(Metric(a, "kvd_peer_leases") == 1);
+  absl::SleepFor(absl::Milliseconds(900));
+  CHECK(Metric(a, "kvd_peer_leases") == 0);
+  REQUIRE(wa->Gc().ok());
+  CHECK(Cached(*wa, 2, 4) == 0);
+}
+
+// A peer in this process that answers with A's real offers, corrupted as `mode` says.
+class HostilePeer final : public peer::v1::Peer::Service {
+ public:
+  HostilePeer(std::unique_ptr<peer::v1::Peer::Stub> real) : real_(std::move(real)) {}
+  std::atomic<int> mode{0};
+  enum Mode { kGeometry = 1, kIndex, kCount, kSlabSize, kAddress, kChecksum, kNoKey, kLayout };
+
+  grpc::Status Offer(grpc::ServerContext*, const peer::v1::OfferRequest* req, peer::v1::OfferResponse* resp) override {
+    grpc::ClientContext ctx;
+    grpc::Status s = real_->Offer(&ctx, *req, resp);
+    if (!s.ok() || resp->blocks().empty()) return s;
+    switch (mode.load()) {
+      case kGeometry: resp->mutable_geometry()->set_bytes_per_token_per_layer(128); break;
+      case kIndex: resp->set_blocks(1, 1u << 30); break;
+      case kCount: resp->add_blocks(resp->blocks(0)), resp->add_checksums(0); break;
+      case kSlabSize: resp->mutable_slabs(0)->set_size_bytes(int64_t{1} << 40); break;
+      case kAddress: resp->mutable_slabs(0)->set_address(resp->slabs(0).address() + 4096); break;
+      case kChecksum: resp->set_checksums(2, resp->checksums(2) ^ 1); break;
+      case kNoKey: resp->mutable_slabs(0)->clear_rkey(); break;
+      case kLayout: resp->mutable_geometry()->set_layout("block_major"); break;
+    }
+    return s;
+  }
+  grpc::Status Release(grpc::ServerContext*, const peer::v1::ReleaseRequest* req, peer::v1::ReleaseResponse* resp) override {
+    grpc::ClientContext ctx;
+    return real_->Release(&ctx, *req, resp);
+  }
+
+ private:
+  std::unique_ptr<peer::v1::Peer::Stub> real_;
+};
+
+TEST_CASE("A hostile peer's offers are bounds-checked and verified: nothing is cached, nothing else written",
+          "[integration][transfer]") {
+  Certs certs;
+  if (!certs.ok) return;
+  DaemonProcess a(NodeConfig(certs, "node-a", {}, "node-b"));
+  auto wa = Connect(a, "prefill");
+  HostilePeer hostile(PeerStub(certs, a, "node-a", "node-b"));
+  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  ssl.pem_root_certs = ReadText(certs.path("ca.pem"));
+  ssl.pem_key_cert_pairs.push_back({ReadText(certs.path("evil.key")), ReadText(certs.path("evil.pem"))});
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::SslServerCredentials(ssl), &port);
+  builder.RegisterService(&hostile);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  REQUIRE(port > 0);
+  DaemonProcess b(NodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}, {"evil", absl::StrCat("127.0.0.1:", port)}}));
+  auto wb = Connect(b, "decode");
+  // A canary B computed itself, next to whatever the pulls write.
+  Prefill(*wb, "canary", 99, 8);
+
+  const std::vector<std::pair<HostilePeer::Mode, std::string>> modes = {
+      {HostilePeer::kGeometry, "geometry"}, {HostilePeer::kLayout, "geometry"},  {HostilePeer::kIndex, "bounds"},
+      {HostilePeer::kCount, "bounds"},      {HostilePeer::kSlabSize, "bounds"}, {HostilePeer::kNoKey, "bounds"},
+      {HostilePeer::kAddress, "checksum"},  {HostilePeer::kChecksum, "checksum"}};
+  uint32_t seed = 1;
+  for (const auto& [mode, cause] : modes) {
+    INFO("mode " << mode);
+    Prefill(*wa, absl::StrCat("p", seed), seed, 4);
+    hostile.mode = mode;
+    auto [cached, exact] = PullStart(*wb, absl::StrCat("d", seed), seed, 4, "evil");
+    CHECK(cached == 0);
+    CHECK(Cached(*wb, seed, 4) == 0);  // nothing partial cached
+    ++seed;
+  }
+  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"geometry\"}") == 2);
+  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"bounds\"}") == 4);
+  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"checksum\"}") == 2);
+  CHECK(Metric(b, "kvd_peer_pulled_blocks_total") == 0);
+  CHECK(b.Log().find("differs in bytes_per_token_per_layer: 128 there, 64 here") != std::string::npos);
+  CHECK(b.Log().find("fails its checksum") != std::string::npos);
+  // Every lease went back to A, and B's own blocks are as its worker wrote them.
+  CHECK(Metric(a, "kvd_peer_leases") == 0);
+  auto canary = wb->Start(PoolRequest("canary2", Prompt(99, 8), 1));
+  REQUIRE(canary.ok());
+  CHECK((*canary)->cached_tokens() == 8 * kBlockTokens);
+  CHECK(BlocksExact(*wb, **canary, 8, 99));
+  REQUIRE((*canary)->Release(true).ok());
+  // Nothing wedged: the honest path pulls the same prompt at once.
+  hostile.mode = 0;
+  auto [cached, exact] = PullStart(*wb, "honest", 1, 4, "evil");
+  CHECK(cached == 4 * kBlockTokens);
+  CHECK(exact);
+  server->Shutdown();
+}
+
+TEST_CASE("A peer stopped and killed in the middle of a pull leaves nothing partial", "[integration][transfer]") {
+  Certs certs;
+  if (!certs.ok) return;
+  // 512 KiB blocks; a 1024-block prompt is 512 MiB: long enough on loopback to be stopped mid-way.
+  const int kBlocks = 1024;
+  DaemonProcess a(NodeConfig(certs, "node-a", {}, "node-b", 16384, kBlocks + 8));
+  DaemonProcess b(NodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}}, "", 16384, kBlocks + 8,
+                             "  pull_timeout_s: 20\n"));
+  auto wa = Connect(a, "prefill");
+  auto wb = Connect(b, "decode");
+  Prefill(*wa, "p", 5, kBlocks);
+  std::pair<int64_t, bool> got{-1, false};
+  std::thread pull([&] { got = PullStart(*wb, "d", 5, kBlocks, "node-a"); });
+  // Once A has answered the offer, B's gets are in flight: stop A, then kill it.
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (Metric(a, "kvd_peer_leases") < 1 && Metric(a, "kvd_peer_offered_blocks_total") < 1 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  a.Signal(SIGSTOP);
+  absl::SleepFor(absl::Milliseconds(300));
+  a.Signal(SIGKILL);
+  pull.join();
+  // All or nothing, never part: in practice nothing (the reads were cut), but a pull that
+  // finished before the stop must then be whole and exact.
+  INFO("B's log: " << b.Log());
+  if (got.first == 0) {
+    CHECK(Cached(*wb, 5, kBlocks) == 0);
+    CHECK(std::max<int64_t>(0, Metric(b, "kvd_peer_pulls_total{outcome=\"transfer\"}")) +
+              std::max<int64_t>(0, Metric(b, "kvd_peer_pulls_total{outcome=\"timeout\"}")) ==
+          1);
+  } else {
+    WARN("the pull finished before the peer was stopped");
+    CHECK(got.first == kBlocks * kBlockTokens);
+    CHECK(got.second);
+  }
+  // B serves on, and the blocks the failed pull used are free again.
+  auto r = wb->Start(PoolRequest("after", Prompt(6, kBlocks), 1));
+  REQUIRE(r.ok());
+  REQUIRE((*r)->Release(true).ok());
+}
+
+}  // namespace
+}  // namespace kvd
