@@ -161,6 +161,7 @@ absl::StatusOr<TierPort::PinnedPrefix> KvCache::PinPrefix(const Namespace& ns, a
       RefLocked(id, b);  // a peer's read is a use
       ++pool.pins[b];
       out.blocks.push_back(b);
+      out.serials.push_back(hit[static_cast<size_t>(i)]->serial);
     }
   }
   return out;

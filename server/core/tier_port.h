@@ -47,6 +47,7 @@ class TierPort {
   struct PinnedPrefix {
     PoolId pool = 0;
     std::vector<BlockIndex> blocks;
+    std::vector<uint64_t> serials;  // each block's insertion serial: unique, never reused
   };
   virtual absl::StatusOr<PinnedPrefix> PinPrefix(const Namespace& ns, absl::Span<const Token> tokens,
                                                  int64_t skip_blocks, int64_t max_blocks) = 0;

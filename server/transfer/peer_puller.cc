@@ -29,6 +29,15 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, const char* field) 
 
 std::chrono::system_clock::time_point Chrono(absl::Time t) { return absl::ToChronoTime(t); }
 
+// The most blocks one read spans: small enough that blocks complete (and are verified) while
+// later reads are in flight, large enough that a read is megabytes on real geometries.
+constexpr int64_t kChunkBlocks = 32;
+
+// Reads per block: one per row (layer, on the layer-major layout) per shard.
+int64_t local_rows_per_block(const SlabLayout& layout, const PoolGeometry& g) {
+  return layout.Block(0).rows * g.num_shards;
+}
+
 template <typename T>
 absl::Status Same(const char* field, const T& local, const T& offered) {
   if (local == offered) return absl::OkStatus();
@@ -192,14 +201,17 @@ absl::StatusOr<int64_t> PeerPuller::RunPull(const std::string& peer, const Reque
     return pinned;
   }
   // One read per row of each run of blocks consecutive on both sides: a row of block b+1 follows
-  // the same row of block b in either layout (gpu/slab_layout.h).
+  // the same row of block b in either layout (gpu/slab_layout.h). Runs are cut at kChunkBlocks so
+  // that blocks complete, and are verified, while later ones are still in flight.
   const SlabLayout layout(g);
   std::vector<UcxNode::Read> reads;
+  std::vector<std::pair<int64_t, int64_t>> read_blocks;  // per read: its first block and count
   std::vector<std::string> rkeys;
   for (const peer::v1::Slab& s : offer.slabs()) rkeys.push_back(s.rkey());
   for (int64_t i = 0; i < n;) {
     int64_t run = 1;
-    while (i + run < n && offer.blocks(static_cast<int>(i + run)) == offer.blocks(static_cast<int>(i + run - 1)) + 1 &&
+    while (i + run < n && run < kChunkBlocks &&
+           offer.blocks(static_cast<int>(i + run)) == offer.blocks(static_cast<int>(i + run - 1)) + 1 &&
            targets[i + run] == targets[i + run - 1] + 1) {
       ++run;
     }
@@ -211,11 +223,29 @@ absl::StatusOr<int64_t> PeerPuller::RunPull(const std::string& peer, const Reque
             shard, node_->local_base(pool, shard) + local.slab_offset + row * local.slab_pitch,
             offer.slabs(static_cast<int>(shard)).address() + static_cast<uint64_t>(remote.slab_offset + row * remote.slab_pitch),
             run * local.row_bytes});
+        read_blocks.emplace_back(i, run);
       }
     }
     i += run;
   }
-  absl::Status got = node_->Get(offer.ucx_address(), pool, rkeys, reads, deadline);
+  // Each block is verified as soon as its last row lands; the first mismatch ends the transfer.
+  std::vector<int64_t> rows_left(static_cast<size_t>(n), local_rows_per_block(layout, g));
+  std::vector<uint8_t> scratch;
+  int64_t verified_blocks = 0;
+  auto verify = [&](size_t read) -> absl::Status {
+    const auto [first, count] = read_blocks[read];
+    for (int64_t i = first; i < first + count; ++i) {
+      if (--rows_left[static_cast<size_t>(i)] != 0) continue;
+      KVD_ASSIGN_OR_RETURN(uint64_t sum, BlockChecksum(*arena_, pool, targets[i], &scratch));
+      if (sum != offer.checksums(static_cast<int>(i))) {
+        return absl::DataLossError(absl::StrCat("block ", skip + i, " of the prompt (peer block ",
+                                                offer.blocks(static_cast<int>(i)), ") fails its checksum"));
+      }
+      ++verified_blocks;
+    }
+    return absl::OkStatus();
+  };
+  absl::Status got = node_->Get(offer.ucx_address(), pool, rkeys, reads, deadline, verify);
   release();  // the bytes are here (or will never be): the peer's pins can go
   if (absl::IsInternal(got)) {
     // Reads may still land: these blocks stay pinned for good rather than be handed to anyone.
@@ -224,20 +254,13 @@ absl::StatusOr<int64_t> PeerPuller::RunPull(const std::string& peer, const Reque
     return got;
   }
   absl::Status verified = got;
-  if (!got.ok()) {
-    *cause = absl::IsDeadlineExceeded(got) ? "timeout" : absl::IsInvalidArgument(got) ? "remote_key" : "transfer";
-  } else {
+  if (absl::IsDataLoss(got)) {
     *cause = "checksum";
-    std::vector<uint8_t> scratch;
-    for (int64_t i = 0; i < n && verified.ok(); ++i) {
-      absl::StatusOr<uint64_t> sum = BlockChecksum(*arena_, pool, targets[i], &scratch);
-      if (!sum.ok()) {
-        verified = sum.status();
-      } else if (*sum != offer.checksums(static_cast<int>(i))) {
-        verified = absl::DataLossError(absl::StrCat("block ", skip + i, " of the prompt (peer block ",
-                                                    offer.blocks(static_cast<int>(i)), ") fails its checksum"));
-      }
-    }
+  } else if (!got.ok()) {
+    *cause = absl::IsDeadlineExceeded(got) ? "timeout" : absl::IsInvalidArgument(got) ? "remote_key" : "transfer";
+  } else if (verified_blocks != n) {  // every read completed, so every block was checked
+    *cause = "checksum";
+    verified = absl::InternalError(absl::StrCat(verified_blocks, " of ", n, " pulled blocks were verified"));
   }
   if (verified.ok()) {
     *cause = "request_gone";

@@ -121,16 +121,37 @@ absl::Status PeerService::DoOffer(const std::string& peer, const peer::v1::Offer
   absl::StatusOr<TierPort::PinnedPrefix> pinned = cache_->PinPrefix(ns, tokens, req.skip_blocks(), req.max_blocks());
   std::vector<uint64_t> sums;
   if (pinned.ok() && !pinned->blocks.empty()) {
-    // The pins keep the bytes immutable: checksums run without any lock.
-    std::vector<uint8_t> scratch;
-    for (BlockIndex b : pinned->blocks) {
-      absl::StatusOr<uint64_t> sum = BlockChecksum(*arena_, pool, b, &scratch);
-      if (!sum.ok()) {
-        cache_->UnpinBlocks(pool, pinned->blocks);
-        pinned = sum.status();
-        break;
+    // Kept checksums first; the rest are computed without any lock (the pins keep the bytes
+    // immutable) and kept.
+    const auto key = [pool](BlockIndex b) { return uint64_t{pool} << 32 | b; };
+    sums.assign(pinned->blocks.size(), 0);
+    std::vector<bool> known(pinned->blocks.size(), false);
+    {
+      absl::MutexLock lock(&sums_mu_);
+      for (size_t i = 0; i < pinned->blocks.size(); ++i) {
+        auto it = sums_.find(key(pinned->blocks[i]));
+        if (it != sums_.end() && it->second.first == pinned->serials[i]) {
+          sums[i] = it->second.second;
+          known[i] = true;
+        }
       }
-      sums.push_back(*sum);
+    }
+    std::vector<uint8_t> scratch;
+    absl::Status hashed;
+    for (size_t i = 0; i < pinned->blocks.size() && hashed.ok(); ++i) {
+      if (known[i]) continue;
+      absl::StatusOr<uint64_t> sum = BlockChecksum(*arena_, pool, pinned->blocks[i], &scratch);
+      if (!sum.ok()) hashed = sum.status();
+      else sums[i] = *sum;
+    }
+    if (!hashed.ok()) {
+      cache_->UnpinBlocks(pool, pinned->blocks);
+      pinned = hashed;
+    } else {
+      absl::MutexLock lock(&sums_mu_);
+      for (size_t i = 0; i < pinned->blocks.size(); ++i) {
+        if (!known[i]) sums_[key(pinned->blocks[i])] = {pinned->serials[i], sums[i]};
+      }
     }
   }
   absl::MutexLock lock(&mu_);

@@ -3,8 +3,11 @@
 // Release, or the lease's expiry, unpins them. It serves on its own mutual-TLS listener
 // (Transfer), and only callers whose verified certificate names an allowed peer.
 //
-// Thread-safe. mu_ guards the lease table only: pinning, unpinning (the engine's lock) and
-// checksums (block bytes) run without it. A reaper thread expires leases.
+// A block's checksum is computed once per time it is cached (keyed by its insertion serial) and
+// kept, so that a prefix many decode nodes pull is hashed once.
+//
+// Thread-safe. mu_ guards the lease table, sums_mu_ the checksums kept; pinning, unpinning (the
+// engine's lock) and hashing (block bytes) run under neither. A reaper thread expires leases.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +68,9 @@ class PeerService final : public peer::v1::Peer::CallbackService {
   int64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;  // Offers between their count check and their lease
   uint64_t next_lease_ ABSL_GUARDED_BY(mu_) = 1;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  mutable absl::Mutex sums_mu_;
+  // (pool << 32 | block) -> (serial, checksum): one entry per block index at most.
+  absl::flat_hash_map<uint64_t, std::pair<uint64_t, uint64_t>> sums_ ABSL_GUARDED_BY(sums_mu_);
   std::thread reaper_;
 };
 

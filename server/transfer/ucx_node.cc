@@ -162,13 +162,15 @@ bool UcxNode::ProgressOnce() {
 }
 
 absl::Status UcxNode::Get(const std::string& peer_address, PoolId pool, const std::vector<std::string>& rkeys,
-                          const std::vector<Read>& reads, absl::Time deadline) {
+                          const std::vector<Read>& reads, absl::Time deadline,
+                          const std::function<absl::Status(size_t)>& on_read) {
   if (absl::Status t = Transferable(pool); !t.ok()) return t;
   ucp_worker_h worker = static_cast<ucp_worker_h>(worker_);
   std::atomic<int> ep_error{UCS_OK};
   ucp_ep_h ep = nullptr;
   std::vector<ucp_rkey_h> unpacked(rkeys.size(), nullptr);
-  std::vector<void*> pending;  // UCX requests not complete yet
+  std::vector<std::pair<void*, size_t>> pending;  // UCX requests not complete yet, and their read
+  std::vector<size_t> done;                       // reads completed, not reported to on_read yet
   absl::Status status;
   {
     absl::MutexLock lock(&mu_);
@@ -198,24 +200,33 @@ absl::Status UcxNode::Get(const std::string& peer_address, PoolId pool, const st
       if (UCS_PTR_IS_ERR(req)) {
         status = UcxError("ucp_get_nbx", UCS_PTR_STATUS(req));
       } else if (req != nullptr) {
-        pending.push_back(req);
+        pending.emplace_back(req, i);
+      } else {
+        done.push_back(i);
       }
     }
   }
   // Progress until every read completed, one failed, the connection broke or the deadline passed.
   auto reap = [&]() {  // under mu_
     size_t kept = 0;
-    for (void* req : pending) {
+    for (const auto& [req, index] : pending) {
       const ucs_status_t s = ucp_request_check_status(req);
       if (s == UCS_INPROGRESS) {
-        pending[kept++] = req;
+        pending[kept++] = {req, index};
         continue;
       }
       if (s != UCS_OK && status.ok()) status = UcxError("reading the peer's blocks", s);
+      if (s == UCS_OK) done.push_back(index);
       ucp_request_free(req);
     }
     pending.resize(kept);
   };
+  // Reads done are reported without mu_ (the caller checks their bytes meanwhile).
+  auto report = [&] {
+    for (size_t i = 0; i < done.size() && status.ok() && on_read; ++i) status = on_read(done[i]);
+    done.clear();
+  };
+  report();
   while (status.ok() && !pending.empty()) {
     if (ep_error.load() != UCS_OK) {
       status = UcxError("the connection to the peer failed", static_cast<ucs_status_t>(ep_error.load()));
@@ -230,6 +241,7 @@ absl::Status UcxNode::Get(const std::string& peer_address, PoolId pool, const st
       absl::MutexLock lock(&mu_);
       reap();
     }
+    report();
     if (!progressed) std::this_thread::yield();
   }
   // Close: flushed when all went well, by force otherwise, which cancels reads still in flight.

@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -64,13 +65,16 @@ class UcxNode {
     int64_t length = 0;
   };
   // Connects to the worker at `peer_address`, unpacks one remote key per shard (`rkeys`) and
-  // issues every read, all in flight at once; returns when all completed. On error or at
+  // issues every read, all in flight at once; returns when all completed. `on_read` (may be
+  // empty) is called with the index of each read as it completes, on this thread without mu_;
+  // an error it returns ends the transfer like a failed read. On error or at
   // `deadline` it closes the connection by force and waits until no read can still land, so that
   // after it returns nothing writes to the destination any more (INTERNAL if that wait itself
   // gave out: the caller must then never reuse the destination). INVALID_ARGUMENT for a remote
   // key UCX cannot unpack; UNAVAILABLE for a connection or read error; DEADLINE_EXCEEDED.
   absl::Status Get(const std::string& peer_address, PoolId pool, const std::vector<std::string>& rkeys,
-                   const std::vector<Read>& reads, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
+                   const std::vector<Read>& reads, absl::Time deadline,
+                   const std::function<absl::Status(size_t read)>& on_read = {}) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct MappedSlab {
