@@ -135,6 +135,7 @@ absl::StatusOr<int64_t> PeerPuller::RunPull(const std::string& peer, const Reque
   req.set_max_blocks(want);
   req.set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
   peer::v1::OfferResponse offer;
+  const absl::Time started = absl::Now();
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(Chrono(deadline));
@@ -245,7 +246,9 @@ absl::StatusOr<int64_t> PeerPuller::RunPull(const std::string& peer, const Reque
     }
     return absl::OkStatus();
   };
+  const absl::Time offered = absl::Now();
   absl::Status got = node_->Get(offer.ucx_address(), pool, rkeys, reads, deadline, verify);
+  const absl::Time read = absl::Now();
   release();  // the bytes are here (or will never be): the peer's pins can go
   if (absl::IsInternal(got)) {
     // Reads may still land: these blocks stay pinned for good rather than be handed to anyone.
@@ -269,6 +272,10 @@ absl::StatusOr<int64_t> PeerPuller::RunPull(const std::string& peer, const Reque
   }
   cache_->UnpinBlocks(pool, targets);
   if (!verified.ok()) return verified;
+  spdlog::debug("peer transfer: pulled {} blocks ({} MiB, {} reads) of request {} from {}: offer {} ms, reads and "
+                "checksums {} ms, publish and release {} ms", n, n * g.block_bytes_all_shards() >> 20, reads.size(),
+                LogSafe(id.value()), LogSafe(peer), absl::ToInt64Milliseconds(offered - started),
+                absl::ToInt64Milliseconds(read - offered), absl::ToInt64Milliseconds(absl::Now() - read));
   return (skip + n) * bt;
 }
 

@@ -22,6 +22,9 @@ absl::Status UcxError(absl::string_view call, ucs_status_t status) {
 // destination (INTERNAL). UCX completes cancelled requests on the next progress passes.
 constexpr absl::Duration kCancelWait = absl::Seconds(10);
 
+// Reads one pull keeps in flight.
+constexpr size_t kMaxInFlight = 32;
+
 // Set by UCX when the connection to the peer fails (the peer died, the network went).
 void OnEndpointError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
   static_cast<std::atomic<int>*>(arg)->store(static_cast<int>(status));
@@ -144,6 +147,12 @@ absl::Status UcxNode::Transferable(PoolId pool) const {
 void UcxNode::ProgressLoop() {
   ucp_worker_h worker = static_cast<ucp_worker_h>(worker_);
   while (!stop_.load()) {
+    // A Get in progress drives the worker itself (peers' reads of this node included): stand
+    // aside rather than contend for mu_ and a core.
+    if (active_gets_.load() > 0) {
+      absl::SleepFor(absl::Milliseconds(2));
+      continue;
+    }
     {
       absl::MutexLock lock(&mu_);
       while (ucp_worker_progress(worker) != 0) {
@@ -165,6 +174,11 @@ absl::Status UcxNode::Get(const std::string& peer_address, PoolId pool, const st
                           const std::vector<Read>& reads, absl::Time deadline,
                           const std::function<absl::Status(size_t)>& on_read) {
   if (absl::Status t = Transferable(pool); !t.ok()) return t;
+  active_gets_.fetch_add(1);
+  struct Leave {
+    std::atomic<int>& n;
+    ~Leave() { n.fetch_sub(1); }
+  } leave{active_gets_};
   ucp_worker_h worker = static_cast<ucp_worker_h>(worker_);
   std::atomic<int> ep_error{UCS_OK};
   ucp_ep_h ep = nullptr;
@@ -191,20 +205,29 @@ absl::Status UcxNode::Get(const std::string& peer_address, PoolId pool, const st
             absl::StrCat("the peer's remote key for shard ", i, " does not unpack: ", ucs_status_string(s)));
       }
     }
+  }
+  // Reads go out kMaxInFlight at a time: enough to keep the transport busy, few enough that
+  // polling them each pass costs nothing.
+  size_t next = 0;
+  auto issue = [&]() {  // under mu_
     ucp_request_param_t param{};
-    for (size_t i = 0; i < reads.size() && status.ok(); ++i) {
-      const Read& r = reads[i];
+    for (; next < reads.size() && pending.size() < kMaxInFlight && status.ok(); ++next) {
+      const Read& r = reads[next];
       param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH;
       param.memh = static_cast<ucp_mem_h>(pools_[pool].slabs[r.shard].memh);
       ucs_status_ptr_t req = ucp_get_nbx(ep, r.local, static_cast<size_t>(r.length), r.remote, unpacked[r.shard], &param);
       if (UCS_PTR_IS_ERR(req)) {
         status = UcxError("ucp_get_nbx", UCS_PTR_STATUS(req));
       } else if (req != nullptr) {
-        pending.emplace_back(req, i);
+        pending.emplace_back(req, next);
       } else {
-        done.push_back(i);
+        done.push_back(next);
       }
     }
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    issue();
   }
   // Progress until every read completed, one failed, the connection broke or the deadline passed.
   auto reap = [&]() {  // under mu_
@@ -227,7 +250,7 @@ absl::Status UcxNode::Get(const std::string& peer_address, PoolId pool, const st
     done.clear();
   };
   report();
-  while (status.ok() && !pending.empty()) {
+  while (status.ok() && (!pending.empty() || next < reads.size())) {
     if (ep_error.load() != UCS_OK) {
       status = UcxError("the connection to the peer failed", static_cast<ucs_status_t>(ep_error.load()));
       break;
@@ -240,6 +263,7 @@ absl::Status UcxNode::Get(const std::string& peer_address, PoolId pool, const st
     {
       absl::MutexLock lock(&mu_);
       reap();
+      issue();
     }
     report();
     if (!progressed) std::this_thread::yield();

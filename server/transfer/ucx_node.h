@@ -98,6 +98,7 @@ class UcxNode {
   mutable absl::Mutex mu_;         // serializes UCX calls on context_ and worker_
   int event_fd_ = -1;              // the worker's (owned by UCX)
   std::atomic<bool> stop_{false};
+  std::atomic<int> active_gets_{0};  // Gets driving the worker now: the progress thread waits
   std::thread progress_;
 };
 

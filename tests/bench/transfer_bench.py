@@ -61,14 +61,17 @@ def fill_and_publish(client, pool, prompt, seed):
         req.end(publish_blocks=len(blocks))
 
 
-def perftest(pair, size, iters):
-    """ucx_perftest get bandwidth from B reading A, MB/s (10^6 bytes)."""
+def perftest(pair, size, iters, outstanding=0):
+    """ucx_perftest get bandwidth from B reading A, MB/s (10^6 bytes); `outstanding` > 0 keeps
+    that many gets in flight (-O), as a pull does."""
     env = dict(os.environ, UCX_TLS="tcp")
     server = subprocess.Popen(["ip", "netns", "exec", pair.a.ns, "ucx_perftest", "-p", "13337"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(1.0)
+    window = ["-O", str(outstanding)] if outstanding else []
     r = subprocess.run(["ip", "netns", "exec", pair.b.ns, "ucx_perftest", pair.a.ip, "-p", "13337", "-t", "ucp_get",
-                        "-s", str(size), "-n", str(iters)], env=env, capture_output=True, text=True, timeout=300)
+                        "-s", str(size), "-n", str(iters), "-w", "50"] + window,
+                       env=env, capture_output=True, text=True, timeout=300)
     server.wait(timeout=30)
     final = [line for line in r.stdout.splitlines() if line.startswith("Final:")]
     if not final:
@@ -97,19 +100,30 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("kvd")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--part", choices=["all", "throughput", "ttft"], default="all")
     args = ap.parse_args()
     reason = netns.why_not()
     if reason:
         sys.exit(f"transfer_bench: {reason}")
-    from kvd.client import Client
-
     redis_port = 16379
+    if args.part in ("all", "throughput"):
+        throughput(args)
+    if args.part in ("all", "ttft"):
+        ttft(args, redis_port)
+
+
+def throughput(args):
+    from kvd.client import Client
     with netns.Pair(args.kvd, pools=LLAMA) as pair:
         a = Client(pair.a.target, worker_name="prefill")
         b = Client(pair.b.target, worker_name="decode")
         llama_prompt = [(i * 7) % 50000 for i in range(TOKENS + 1)]
         fill_and_publish(a, "llama", llama_prompt, 1)
-        pulls = []
+        # Pulls and the transport's own get bandwidth alternate, so that both see the same machine:
+        # ucx_perftest with 16 gets in flight (a pull keeps 32), of 2 MiB (the same two buffers
+        # each time: they stay in the CPU caches) and of 64 MiB (1 GiB in flight: memory as cold
+        # as the 2 GiB a pull reads and writes).
+        pulls, gets, cold = [], [], []
         for rep in range(args.reps):
             gc(b)
             t0 = time.perf_counter()
@@ -118,16 +132,23 @@ def main():
                 assert req.cached_tokens == TOKENS, req.cached_tokens
                 req.release()
             pulls.append(elapsed)
-        bw = perftest(pair, 2 << 20, 400)
+            gets.append(perftest(pair, 2 << 20, 500, outstanding=16))
+            cold.append(perftest(pair, 64 << 20, 48, outstanding=16))
+        single = perftest(pair, 2 << 20, 500)  # one get at a time, for reference
         nbytes = TOKENS // 16 * (2 << 20)
-        med = statistics.median(pulls)
-        print(json.dumps({"part": "throughput", "bytes": nbytes, "pull_s": pulls, "median_s": med,
-                          "pull_MBps": nbytes / med / 1e6, "perftest_get_MBps": bw,
-                          "ratio": nbytes / med / 1e6 / bw}), flush=True)
+        pull_bw = nbytes / statistics.median(pulls) / 1e6
+        print(json.dumps({"part": "throughput", "bytes": nbytes, "pull_s": pulls, "median_s": statistics.median(pulls),
+                          "pull_MBps": pull_bw, "perftest_2MiB_O16_MBps": gets, "perftest_64MiB_O16_MBps": cold,
+                          "perftest_2MiB_O0_MBps": single,
+                          "ratio_2MiB": pull_bw / statistics.median(gets),
+                          "ratio_64MiB": pull_bw / statistics.median(cold)}), flush=True)
         a.close()
         b.close()
 
-    # Time to first token, reference engine, 16k-token prompts.
+
+def ttft(args, redis_port):
+    """Time to first token, reference engine, 16k-token prompts."""
+    from kvd.client import Client
     redis = f"  redis_url: redis://127.0.0.1:{redis_port}\n"
     with netns.Pair(args.kvd, pools=LLAMA + "tiers:\n" + redis) as pair:
         rs = subprocess.Popen(["ip", "netns", "exec", pair.b.ns, "redis-server", "--port", str(redis_port), "--save", "",

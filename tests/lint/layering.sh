@@ -3,7 +3,7 @@
 #   proto/vocab  the vocabulary: includes only itself (and Abseil, xxHash, the standard library)
 #   proto, gpu, client  include nothing under server/
 #   kvd_vocab, kvd_gpu, kvd_proto, kvd_client  link no engine (kvd_core) and no store
-#   server/store  sees the engine through TierPort only; server/obs includes nothing of server/rpc
+#   server/store, server/transfer  see the engine through TierPort only; server/obs includes nothing of server/rpc
 # Usage: layering.sh SOURCE_DIR
 set -euo pipefail
 root="$1"
@@ -17,6 +17,8 @@ while IFS= read -r hit; do bad "includes server/: $hit"; done < <(
   grep -rn '#include "server/' proto gpu client --include=*.h --include=*.cc --include=*.cu || true)
 while IFS= read -r hit; do bad "the store reaches into the engine (use server/core/tier_port.h): $hit"; done < <(
   grep -rn '#include "server/core/kv_cache' server/store || true)
+while IFS= read -r hit; do bad "peer transfer reaches into the engine (use server/core/tier_port.h): $hit"; done < <(
+  grep -rn '#include "server/core/kv_cache' server/transfer || true)
 while IFS= read -r hit; do bad "obs depends on rpc (read registries through functions): $hit"; done < <(
   grep -rn '#include "server/rpc/' server/obs || true)
 for f in proto/CMakeLists.txt gpu/CMakeLists.txt client/CMakeLists.txt; do
