@@ -1,8 +1,6 @@
 #include "server/transfer/peer_puller.h"
 
 #include <chrono>
-#include <fstream>
-#include <sstream>
 
 #include <grpcpp/grpcpp.h>
 
@@ -18,14 +16,6 @@
 
 namespace kvd {
 namespace {
-
-absl::StatusOr<std::string> ReadPem(const std::string& path, const char* field) {
-  std::ifstream in(path);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("transfer.", field, ": cannot read ", path));
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 std::chrono::system_clock::time_point Chrono(absl::Time t) { return absl::ToChronoTime(t); }
 
@@ -69,9 +59,9 @@ absl::StatusOr<std::unique_ptr<PeerPuller>> PeerPuller::Create(const TransferOpt
                                                                TransferMetrics* metrics) {
   std::unique_ptr<PeerPuller> p(new PeerPuller(options, cache, arena, node, metrics));
   grpc::SslCredentialsOptions ssl;
-  KVD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(options.tls_ca_file, "tls_ca_file"));
-  KVD_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadPem(options.tls_key_file, "tls_key_file"));
-  KVD_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadPem(options.tls_cert_file, "tls_cert_file"));
+  KVD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadTransferPem(options.tls_ca_file, "tls_ca_file"));
+  KVD_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadTransferPem(options.tls_key_file, "tls_key_file"));
+  KVD_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadTransferPem(options.tls_cert_file, "tls_cert_file"));
   for (const TransferPeer& peer : options.peers) {
     grpc::ChannelArguments args;
     // The peer is who its certificate says: its name, whatever address reaches it.

@@ -1,8 +1,5 @@
 #include "server/transfer/transfer.h"
 
-#include <fstream>
-#include <sstream>
-
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
@@ -10,17 +7,6 @@
 #include "spdlog/spdlog.h"
 
 namespace kvd {
-namespace {
-
-absl::StatusOr<std::string> ReadPem(const std::string& path, const char* field) {
-  std::ifstream in(path);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("transfer.", field, ": cannot read ", path));
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<Transfer>> Transfer::Start(const TransferOptions& options, TierPort* cache,
                                                           const DeviceArena* arena) {
@@ -31,9 +17,9 @@ absl::StatusOr<std::unique_ptr<Transfer>> Transfer::Start(const TransferOptions&
   t->service_ = std::make_unique<PeerService>(cache, arena, t->node_.get(), options, t->metrics_.get());
 
   grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  KVD_ASSIGN_OR_RETURN(std::string cert, ReadPem(options.tls_cert_file, "tls_cert_file"));
-  KVD_ASSIGN_OR_RETURN(std::string key, ReadPem(options.tls_key_file, "tls_key_file"));
-  KVD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(options.tls_ca_file, "tls_ca_file"));
+  KVD_ASSIGN_OR_RETURN(std::string cert, ReadTransferPem(options.tls_cert_file, "tls_cert_file"));
+  KVD_ASSIGN_OR_RETURN(std::string key, ReadTransferPem(options.tls_key_file, "tls_key_file"));
+  KVD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadTransferPem(options.tls_ca_file, "tls_ca_file"));
   ssl.pem_key_cert_pairs.push_back({key, cert});
   grpc::ServerBuilder builder;
   int port = 0;
