@@ -18,6 +18,7 @@
 #include "client/client.h"
 #include "kvd/peer/v1/peer.grpc.pb.h"
 #include "tests/integration/harness.h"
+#include "tests/util/free_port.h"
 
 namespace kvd {
 namespace {
@@ -473,6 +474,31 @@ TEST_CASE("A hostile peer's offers are bounds-checked and verified: nothing is c
   CHECK(cached == 4 * kBlockTokens);
   CHECK(exact);
   server->Shutdown();
+}
+
+TEST_CASE("A peer's hot handoff hands its listener and cached blocks over: pulls go on", "[integration][transfer]") {
+  Certs certs;
+  if (!certs.ok) return;
+  // A fixed address (a successor binds what its predecessor let go), picked free just now.
+  const int port = FreeLoopbackPort();
+  REQUIRE(port > 0);
+  std::string config = NodeConfig(certs, "node-a", {}, "node-b");
+  config.replace(config.find("127.0.0.1:0"), 11, absl::StrCat("127.0.0.1:", port));
+  DaemonProcess a(config);
+  REQUIRE(a.transfer_address() == absl::StrCat("127.0.0.1:", port));
+  DaemonProcess b(NodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}}));
+  auto wa = Connect(a, "prefill");
+  auto wb = Connect(b, "decode");
+  Prefill(*wa, "p1", 1, 6);
+  CHECK(PullStart(*wb, "d1", 1, 6, "node-a").first == 6 * kBlockTokens);
+  Prefill(*wa, "p2", 2, 6);
+  REQUIRE(a.TakeOver());
+  REQUIRE(a.WaitPredecessorExit(absl::Seconds(10)).value_or(-1) == 0);
+  // The successor serves peers on the same address, from the blocks it took over.
+  auto [cached, exact] = PullStart(*wb, "d2", 2, 6, "node-a");
+  CHECK(cached == 6 * kBlockTokens);
+  CHECK(exact);
+  CHECK(Metric(a, "kvd_peer_offered_blocks_total") == 6);  // the successor's own count
 }
 
 TEST_CASE("A peer stopped and killed in the middle of a pull leaves nothing partial", "[integration][transfer]") {
