@@ -29,17 +29,26 @@ def why_not():
     for tool in ("ip", "openssl"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed"
+    # Everything the setup needs, tried once: a chroot can create namespaces but not enter them.
     probe = f"kvdprobe{os.getpid()}"
     r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if r.returncode != 0:
         return f"ip netns add failed: {r.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    try:
+        r = subprocess.run(["ip", "netns", "exec", probe, "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+        if r.returncode != 0:
+            return f"ip netns exec failed: {r.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 
 def sh(*cmd, ns=None, check=True, **kw):
     full = (["ip", "netns", "exec", ns] if ns else []) + list(cmd)
-    return subprocess.run(full, check=check, capture_output=True, text=True, **kw)
+    r = subprocess.run(full, capture_output=True, text=True, **kw)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(full)} failed ({r.returncode}): {r.stderr.strip()}")
+    return r
 
 
 class Node:
