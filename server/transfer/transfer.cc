@@ -36,7 +36,9 @@ absl::StatusOr<std::unique_ptr<Transfer>> Transfer::Start(const TransferOptions&
 }
 
 Transfer::~Transfer() {
+  // The server before the service it calls; the service's leases go back; pulls finish last.
   if (server_ != nullptr) server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(1)));
+  server_.reset();
   service_.reset();
   puller_.reset();
 }
