@@ -73,7 +73,10 @@ absl::StatusOr<std::unique_ptr<PeerPuller>> PeerPuller::Create(const TransferOpt
   return p;
 }
 
-PeerPuller::~PeerPuller() { pulls_.reset(); }
+PeerPuller::~PeerPuller() {
+  stopping_.store(true);  // pulls still queued answer at once; those running finish
+  pulls_.reset();
+}
 
 absl::Status PeerPuller::CheckPeer(const std::string& peer) const {
   if (peers_.contains(peer)) return absl::OkStatus();
@@ -90,8 +93,10 @@ bool PeerPuller::Pull(const std::string& peer, const RequestId& id, const Reques
   if (cached_tokens / bt >= max_blocks || !peers_.contains(peer)) return false;
   pulls_->Submit([this, peer, id, spec, pool, cached_tokens, table = std::move(table), done = std::move(done)] {
     const absl::Time start = absl::Now();
-    std::string cause;
-    absl::StatusOr<int64_t> r = RunPull(peer, id, spec, pool, cached_tokens, table, &cause);
+    std::string cause = "offer";
+    absl::StatusOr<int64_t> r = stopping_.load()
+                                    ? absl::StatusOr<int64_t>(absl::UnavailableError("kvd is stopping"))
+                                    : RunPull(peer, id, spec, pool, cached_tokens, table, &cause);
     metrics_->Pull(cause);
     if (r.ok() && *r > cached_tokens) {
       const int64_t blocks = (*r - cached_tokens) / arena_->geometries()[pool].block_tokens;

@@ -14,6 +14,7 @@
 // this class is held across a call.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -39,7 +40,7 @@ class PeerPuller {
   static absl::StatusOr<std::unique_ptr<PeerPuller>> Create(const TransferOptions& options, TierPort* cache,
                                                             const DeviceArena* arena, UcxNode* node,
                                                             TransferMetrics* metrics);
-  ~PeerPuller();  // finishes the pulls queued and running
+  ~PeerPuller();  // finishes the pulls running; those queued answer at once, pulling nothing
 
   // OK when `peer` is a configured peer; INVALID_ARGUMENT naming those that are.
   absl::Status CheckPeer(const std::string& peer) const;
@@ -68,6 +69,7 @@ class PeerPuller {
   UcxNode* const node_;
   TransferMetrics* const metrics_;
   absl::flat_hash_map<std::string, Channel> peers_;  // fixed after Create
+  std::atomic<bool> stopping_{false};
   std::unique_ptr<Executor> pulls_;
 };
 

@@ -175,6 +175,14 @@ std::unique_ptr<peer::v1::Peer::Stub> PeerStub(const Certs& certs, const DaemonP
   return peer::v1::Peer::NewStub(grpc::CreateCustomChannel(d.transfer_address(), PeerCredentials(certs, who), args));
 }
 
+grpc::StatusCode Release(peer::v1::Peer::Stub& stub, uint64_t lease) {
+  grpc::ClientContext ctx;
+  peer::v1::ReleaseRequest rel;
+  rel.set_lease(lease);
+  peer::v1::ReleaseResponse ignored;
+  return stub.Release(&ctx, rel, &ignored).error_code();
+}
+
 grpc::Status Offer(peer::v1::Peer::Stub& stub, uint32_t seed, int blocks, int64_t lease_ms, peer::v1::OfferResponse* resp) {
   peer::v1::OfferRequest req;
   req.mutable_namespace_()->set_pool("default");
@@ -338,12 +346,7 @@ TEST_CASE("Only authenticated, allowed peers get offers", "[integration][transfe
   CHECK(good.checksums_size() == 4);
   CHECK(good.slabs_size() == 1);
   // Another peer cannot release it.
-  grpc::ClientContext ctx;
-  peer::v1::ReleaseRequest rel;
-  rel.set_lease(good.lease());
-  peer::v1::ReleaseResponse ignored;
-  CHECK(PeerStub(certs, a, "node-a", "stranger")->Release(&ctx, rel, &ignored).error_code() ==
-        grpc::StatusCode::PERMISSION_DENIED);
+  CHECK(Release(*PeerStub(certs, a, "node-a", "stranger"), good.lease()) == grpc::StatusCode::PERMISSION_DENIED);
   CHECK(Metric(a, "kvd_peer_leases") == 1);
 }
 
@@ -360,20 +363,8 @@ TEST_CASE("Offered blocks stay pinned against eviction until released or expired
   // The operator clears the cache: the pinned blocks stay (a reader may be mid-get).
   REQUIRE(wa->Gc().ok());
   CHECK(Cached(*wa, 1, 4) == 4 * kBlockTokens);
-  {
-    grpc::ClientContext ctx;
-    peer::v1::ReleaseRequest rel;
-    rel.set_lease(offer.lease());
-    peer::v1::ReleaseResponse ignored;
-    REQUIRE(b->Release(&ctx, rel, &ignored).ok());
-  }
-  {  // twice: NOT_FOUND, nothing unpinned twice
-    grpc::ClientContext ctx;
-    peer::v1::ReleaseRequest rel;
-    rel.set_lease(offer.lease());
-    peer::v1::ReleaseResponse ignored;
-    CHECK(b->Release(&ctx, rel, &ignored).error_code() == grpc::StatusCode::NOT_FOUND);
-  }
+  REQUIRE(Release(*b, offer.lease()) == grpc::StatusCode::OK);
+  CHECK(Release(*b, offer.lease()) == grpc::StatusCode::NOT_FOUND);  // twice: nothing unpinned twice
   REQUIRE(wa->Gc().ok());
   CHECK(Cached(*wa, 1, 4) == 0);
 
