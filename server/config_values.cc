@@ -1,6 +1,8 @@
 #include "server/config_values.h"
 
 #include <cmath>
+#include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -109,6 +111,14 @@ absl::StatusOr<std::string> NormalizeListen(absl::string_view key, absl::string_
     return absl::InvalidArgumentError(absl::StrCat(key, ": '", text, "' is neither: ", kForms));
   }
   return std::string(text);
+}
+
+absl::StatusOr<std::string> ReadConfigFile(absl::string_view key, const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(key, ": cannot read ", path));
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
 }
 
 }  // namespace kvd

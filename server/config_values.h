@@ -28,4 +28,8 @@ absl::StatusOr<absl::Duration> ParseDurationValue(absl::string_view key, absl::s
 // INVALID_ARGUMENT "<key>: '<text>' is neither ...".
 absl::StatusOr<std::string> NormalizeListen(absl::string_view key, absl::string_view text);
 
+// The whole file a config key names (a PEM certificate, key or CA bundle); INVALID_ARGUMENT
+// "<key>: cannot read <path>" when it cannot be read.
+absl::StatusOr<std::string> ReadConfigFile(absl::string_view key, const std::string& path);
+
 }  // namespace kvd

@@ -10,8 +10,6 @@
 #include <cstring>
 
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include <grpcpp/create_channel.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
@@ -28,6 +26,7 @@
 #include "gpu/cuda_arena.h"
 #endif
 #include "proto/vocab/status_macros.h"
+#include "server/config_values.h"
 #include "server/rpc/access_interceptor.h"
 #include "server/handoff.h"
 #include "server/slab_fd_store.h"
@@ -107,14 +106,6 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> MakeArena(const std::string& backen
   return MakeHostArena(pools, adopted);
 }
 
-absl::StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
-  std::ifstream in(path);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat(what, ": cannot read ", path));
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 // Unix sockets: insecure transport (the kernel checks peers: 0660 socket, SO_PEERCRED on the side
 // socket). TCP: TLS when a certificate is configured, optionally requiring client certificates;
 // plain TCP only with a warning.
@@ -125,11 +116,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const
     return grpc::InsecureServerCredentials();
   }
   grpc::SslServerCredentialsOptions ssl;
-  KVD_ASSIGN_OR_RETURN(std::string cert, ReadPem(so.tls_cert_file, "tls_cert_file"));
-  KVD_ASSIGN_OR_RETURN(std::string key, ReadPem(so.tls_key_file, "tls_key_file"));
+  KVD_ASSIGN_OR_RETURN(std::string cert, ReadConfigFile("tls_cert_file", so.tls_cert_file));
+  KVD_ASSIGN_OR_RETURN(std::string key, ReadConfigFile("tls_key_file", so.tls_key_file));
   ssl.pem_key_cert_pairs.push_back({key, cert});
   if (!so.tls_client_ca_file.empty()) {
-    KVD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem(so.tls_client_ca_file, "tls_client_ca_file"));
+    KVD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadConfigFile("tls_client_ca_file", so.tls_client_ca_file));
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(ssl);

@@ -54,14 +54,11 @@ PeerPuller::PeerPuller(const TransferOptions& options, TierPort* cache, const De
                        TransferMetrics* metrics)
     : options_(options), cache_(cache), arena_(arena), node_(node), metrics_(metrics) {}
 
-absl::StatusOr<std::unique_ptr<PeerPuller>> PeerPuller::Create(const TransferOptions& options, TierPort* cache,
+std::unique_ptr<PeerPuller> PeerPuller::Create(const TransferOptions& options, TierPort* cache,
                                                                const DeviceArena* arena, UcxNode* node,
-                                                               TransferMetrics* metrics) {
+                                                               TransferMetrics* metrics,
+                                                               const grpc::SslCredentialsOptions& ssl) {
   std::unique_ptr<PeerPuller> p(new PeerPuller(options, cache, arena, node, metrics));
-  grpc::SslCredentialsOptions ssl;
-  KVD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadTransferPem(options.tls_ca_file, "tls_ca_file"));
-  KVD_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadTransferPem(options.tls_key_file, "tls_key_file"));
-  KVD_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadTransferPem(options.tls_cert_file, "tls_cert_file"));
   for (const TransferPeer& peer : options.peers) {
     grpc::ChannelArguments args;
     // The peer is who its certificate says: its name, whatever address reaches it.

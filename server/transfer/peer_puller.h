@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/security/credentials.h>
+
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -36,10 +38,11 @@ namespace kvd {
 
 class PeerPuller {
  public:
-  // Reads the TLS files; INVALID_ARGUMENT naming one that cannot be read. Borrowed: all outlive this.
-  static absl::StatusOr<std::unique_ptr<PeerPuller>> Create(const TransferOptions& options, TierPort* cache,
-                                                            const DeviceArena* arena, UcxNode* node,
-                                                            TransferMetrics* metrics);
+  // Channels to every configured peer, presenting this node's certificate (`ssl`: this node's key
+  // and certificate, and the peers' CA). Borrowed: all outlive this.
+  static std::unique_ptr<PeerPuller> Create(const TransferOptions& options, TierPort* cache, const DeviceArena* arena,
+                                            UcxNode* node, TransferMetrics* metrics,
+                                            const grpc::SslCredentialsOptions& ssl);
   ~PeerPuller();  // finishes the pulls running; those queued answer at once, pulling nothing
 
   // OK when `peer` is a configured peer; INVALID_ARGUMENT naming those that are.

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/vocab/status_macros.h"
+#include "server/config_values.h"
 #include "spdlog/spdlog.h"
 
 namespace kvd {
@@ -12,14 +13,18 @@ absl::StatusOr<std::unique_ptr<Transfer>> Transfer::Start(const TransferOptions&
                                                           const DeviceArena* arena) {
   std::unique_ptr<Transfer> t(new Transfer());
   t->metrics_ = std::make_unique<TransferMetrics>();
+  // This node's certificate and key and the peers' CA, read once: presented as the server to
+  // pullers and as the client to the peers this node pulls from.
+  KVD_ASSIGN_OR_RETURN(std::string cert, ReadConfigFile("transfer.tls_cert_file", options.tls_cert_file));
+  KVD_ASSIGN_OR_RETURN(std::string key, ReadConfigFile("transfer.tls_key_file", options.tls_key_file));
+  KVD_ASSIGN_OR_RETURN(std::string ca, ReadConfigFile("transfer.tls_ca_file", options.tls_ca_file));
   KVD_ASSIGN_OR_RETURN(t->node_, UcxNode::Create(arena));
-  KVD_ASSIGN_OR_RETURN(t->puller_, PeerPuller::Create(options, cache, arena, t->node_.get(), t->metrics_.get()));
+  grpc::SslCredentialsOptions client{ca, key, cert};
+  t->puller_ = PeerPuller::Create(options, cache, arena, t->node_.get(), t->metrics_.get(), client);
   t->service_ = std::make_unique<PeerService>(cache, arena, t->node_.get(), options, t->metrics_.get());
 
   grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  KVD_ASSIGN_OR_RETURN(std::string cert, ReadTransferPem(options.tls_cert_file, "tls_cert_file"));
-  KVD_ASSIGN_OR_RETURN(std::string key, ReadTransferPem(options.tls_key_file, "tls_key_file"));
-  KVD_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadTransferPem(options.tls_ca_file, "tls_ca_file"));
+  ssl.pem_root_certs = ca;
   ssl.pem_key_cert_pairs.push_back({key, cert});
   grpc::ServerBuilder builder;
   int port = 0;

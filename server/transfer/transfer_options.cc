@@ -1,20 +1,10 @@
 #include "server/transfer/transfer_options.h"
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvd {
 
-absl::StatusOr<std::string> ReadTransferPem(const std::string& path, const char* field) {
-  std::ifstream in(path);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("transfer.", field, ": cannot read ", path));
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 std::vector<std::string> TransferOptions::AllowedNames() const {
   if (!allowed_peers.empty()) return allowed_peers;

@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 namespace kvd {
@@ -44,8 +43,5 @@ struct TransferOptions {
   // INVALID_ARGUMENT naming the first bad field (transfer.<field>).
   absl::Status Validate() const;
 };
-
-// The PEM file of transfer.<field>; INVALID_ARGUMENT naming the field and path when unreadable.
-absl::StatusOr<std::string> ReadTransferPem(const std::string& path, const char* field);
 
 }  // namespace kvd
