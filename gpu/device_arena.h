@@ -67,9 +67,6 @@ class DeviceArena {
   virtual absl::Status RegisterHostMemory(void* p, int64_t bytes) const { return absl::OkStatus(); }
   virtual void UnregisterHostMemory(void* p) const {}
   const std::vector<PoolGeometry>& geometries() const { return geometries_; }
-  // A slab's base as the daemon's own copies address it (host pointer, or CUDA device pointer):
-  // what peer transfer registers with UCX. nullptr for a bad pool or shard.
-  uint8_t* TransferBase(PoolId pool, uint32_t shard) const { return SlabBase(pool, shard); }
 
  protected:
   // The base address of a slab as the backend's copy understands it (host or device pointer).

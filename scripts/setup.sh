@@ -12,7 +12,7 @@ kvd_packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libspdlog-dev prometheus-cpp-dev catch2 libabsl-dev libxxhash-dev
   libcli11-dev libyaml-cpp-dev libsystemd-dev liblz4-dev libzstd-dev
-  libzmq3-dev libmsgpack-cxx-dev libssl-dev libhiredis-dev libucx-dev
+  libzmq3-dev libmsgpack-cxx-dev libssl-dev libhiredis-dev
 )
 # Only the tests need these: manifest and unit-file checks, the Python client and router-event
 # subscriber, a real redis-server for the shared tier, PyTorch (CPU) for the engine proof, strace

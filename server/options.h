@@ -66,7 +66,7 @@ struct Options {
   CacheOptions cache;
   TierOptions tiers;  // the `tiers:` map of the config file; off unless host_bytes or disk_dir
   RouterEventsOptions router_events;  // the `router_events:` map; off unless endpoint is set
-  TransferOptions transfer;  // the `transfer:` map: peer transfer over UCX; off unless listen is set
+  TransferOptions transfer;  // the `transfer:` map: peer transfer between kvds; off unless listen is set
 
   // Fills defaults that depend on the environment (listen address, side socket, default pool).
   void ApplyDefaults();

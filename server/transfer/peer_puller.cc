@@ -1,5 +1,7 @@
 #include "server/transfer/peer_puller.h"
 
+#include <xxhash.h>
+
 #include <chrono>
 
 #include <grpcpp/grpcpp.h>
@@ -11,21 +13,16 @@
 #include "proto/grpc_status.h"
 #include "proto/vocab/status_macros.h"
 #include "server/obs/log_safe.h"
-#include "server/transfer/block_checksum.h"
+#include "server/transfer/peer_service.h"
 #include "spdlog/spdlog.h"
 
 namespace kvd {
 namespace {
 
-std::chrono::system_clock::time_point Chrono(absl::Time t) { return absl::ToChronoTime(t); }
-
-// The most blocks one read spans: small enough that blocks complete (and are verified) while
-// later reads are in flight, large enough that a read is megabytes on real geometries.
-constexpr int64_t kChunkBlocks = 32;
-
-// Reads per block: one per row (layer, on the layer-major layout) per shard.
-int64_t local_rows_per_block(const SlabLayout& layout, const PoolGeometry& g) {
-  return layout.Block(0).rows * g.num_shards;
+// A gRPC deadline for a monotonic one: the time left, from now on the wall clock.
+std::chrono::system_clock::time_point GrpcDeadline(std::chrono::steady_clock::time_point deadline) {
+  return std::chrono::system_clock::now() +
+         std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline - std::chrono::steady_clock::now());
 }
 
 template <typename T>
@@ -38,6 +35,7 @@ absl::Status Same(const char* field, const T& local, const T& offered) {
 }  // namespace
 
 absl::Status CheckOfferedGeometry(const PoolGeometry& g, const peer::v1::Geometry& o) {
+  KVD_RETURN_IF_ERROR(Same("model_fingerprint", absl::StrCat("'", g.model_fingerprint, "'"), absl::StrCat("'", o.model_fingerprint(), "'")));
   KVD_RETURN_IF_ERROR(Same("block_tokens", int64_t{g.block_tokens}, int64_t{o.block_tokens()}));
   KVD_RETURN_IF_ERROR(Same("num_layers", int64_t{g.num_layers}, int64_t{o.num_layers()}));
   KVD_RETURN_IF_ERROR(Same("bytes_per_token_per_layer", g.bytes_per_token_per_layer, o.bytes_per_token_per_layer()));
@@ -50,29 +48,32 @@ absl::Status CheckOfferedGeometry(const PoolGeometry& g, const peer::v1::Geometr
   return Same("kv.arrangement", g.kv.arrangement, o.kv_arrangement());
 }
 
-PeerPuller::PeerPuller(const TransferOptions& options, TierPort* cache, const DeviceArena* arena, UcxNode* node,
+PeerPuller::PeerPuller(const TransferOptions& options, TierPort* cache, const DeviceArena* arena,
                        TransferMetrics* metrics)
-    : options_(options), cache_(cache), arena_(arena), node_(node), metrics_(metrics) {}
+    : options_(options), cache_(cache), arena_(arena), metrics_(metrics) {}
 
 std::unique_ptr<PeerPuller> PeerPuller::Create(const TransferOptions& options, TierPort* cache,
-                                                               const DeviceArena* arena, UcxNode* node,
-                                                               TransferMetrics* metrics,
-                                                               const grpc::SslCredentialsOptions& ssl) {
-  std::unique_ptr<PeerPuller> p(new PeerPuller(options, cache, arena, node, metrics));
+                                               const DeviceArena* arena, TransferMetrics* metrics,
+                                               const grpc::SslCredentialsOptions& ssl) {
+  std::unique_ptr<PeerPuller> p(new PeerPuller(options, cache, arena, metrics));
+  // A Read answers up to PeerService::kMaxReadBytes, or one block where a block is larger.
+  int64_t largest = PeerService::kMaxReadBytes;
+  for (const PoolGeometry& g : arena->geometries()) largest = std::max(largest, g.block_bytes_all_shards());
   for (const TransferPeer& peer : options.peers) {
     grpc::ChannelArguments args;
     // The peer is who its certificate says: its name, whatever address reaches it.
     args.SetSslTargetNameOverride(peer.name);
-    p->peers_[peer.name].stub =
-        peer::v1::Peer::NewStub(grpc::CreateCustomChannel(peer.address, grpc::SslCredentials(ssl), args));
+    args.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(largest + (1 << 20), INT32_MAX)));
+    Channel& c = p->peers_[peer.name];
+    c.stub = peer::v1::Peer::NewStub(grpc::CreateCustomChannel(peer.address, grpc::SslCredentials(ssl), args));
+    c.pulls = std::make_unique<Executor>(static_cast<int>(options.pull_threads));
   }
-  p->pulls_ = std::make_unique<Executor>(static_cast<int>(options.pull_threads));
   return p;
 }
 
 PeerPuller::~PeerPuller() {
   stopping_.store(true);  // pulls still queued answer at once; those running finish
-  pulls_.reset();
+  for (auto& [name, c] : peers_) c.pulls.reset();
 }
 
 absl::Status PeerPuller::CheckPeer(const std::string& peer) const {
@@ -83,42 +84,71 @@ absl::Status PeerPuller::CheckPeer(const std::string& peer) const {
                                                  names.empty() ? "none" : absl::StrJoin(names, ", "), ")"));
 }
 
+void PeerPuller::ReleaseLater(peer::v1::Peer::Stub* stub, uint64_t lease) {
+  if (lease == 0) return;
+  struct Call {
+    grpc::ClientContext ctx;
+    peer::v1::ReleaseRequest req;
+    peer::v1::ReleaseResponse resp;
+  };
+  auto* call = new Call;
+  call->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  call->req.set_lease(lease);
+  stub->async()->Release(&call->ctx, &call->req, &call->resp, [call](grpc::Status) { delete call; });
+}
+
 bool PeerPuller::Pull(const std::string& peer, const RequestId& id, const RequestSpec& spec, PoolId pool,
                       int64_t cached_tokens, std::vector<BlockIndex> table, PullDone done) {
   const int32_t bt = arena_->geometries()[pool].block_tokens;
   const int64_t max_blocks = (static_cast<int64_t>(spec.prompt.size()) - 1) / bt;  // leave one token to compute
-  if (cached_tokens / bt >= max_blocks || !peers_.contains(peer)) return false;
-  pulls_->Submit([this, peer, id, spec, pool, cached_tokens, table = std::move(table), done = std::move(done)] {
-    const absl::Time start = absl::Now();
-    std::string cause = "offer";
-    absl::StatusOr<int64_t> r = stopping_.load()
-                                    ? absl::StatusOr<int64_t>(absl::UnavailableError("kvd is stopping"))
-                                    : RunPull(peer, id, spec, pool, cached_tokens, table, &cause);
+  auto it = peers_.find(peer);
+  if (cached_tokens / bt >= max_blocks || it == peers_.end()) return false;
+  Channel& channel = it->second;
+  // The deadline counts from here: time queued behind other pulls is part of it.
+  const Clock::time_point deadline = Clock::now() + absl::ToChronoNanoseconds(options_.pull_timeout);
+  if (channel.pulls->pending() >= options_.pull_threads + kQueuedPerPeer) {
+    metrics_->Pull("shed");
+    spdlog::warn("peer transfer: pull of request {} from {} shed: {} pulls from that peer are queued already",
+                 LogSafe(id.value()), LogSafe(peer), kQueuedPerPeer);
+    done(absl::ResourceExhaustedError(absl::StrCat("peer ", peer, " has ", kQueuedPerPeer, " pulls queued")));
+    return true;
+  }
+  peer::v1::Peer::Stub* stub = channel.stub.get();
+  channel.pulls->Submit([this, stub, peer, id, spec, pool, cached_tokens, deadline, table = std::move(table),
+                         done = std::move(done)] {
+    const Clock::time_point start = Clock::now();
+    std::string cause = "timeout";
+    uint64_t lease = 0;
+    absl::StatusOr<int64_t> r =
+        stopping_.load()       ? absl::StatusOr<int64_t>(absl::UnavailableError("kvd is stopping"))
+        : start >= deadline    ? absl::StatusOr<int64_t>(absl::DeadlineExceededError("the pull waited its whole deadline in the queue"))
+                               : RunPull(stub, id, spec, pool, cached_tokens, table, deadline, &cause, &lease);
+    if (stopping_.load() && !r.ok()) cause = "offer";
     metrics_->Pull(cause);
     if (r.ok() && *r > cached_tokens) {
       const int64_t blocks = (*r - cached_tokens) / arena_->geometries()[pool].block_tokens;
       metrics_->Pulled(blocks, blocks * arena_->geometries()[pool].block_bytes_all_shards(),
-                       absl::ToDoubleSeconds(absl::Now() - start));
+                       std::chrono::duration<double>(Clock::now() - start).count());
     } else if (!r.ok()) {
       spdlog::warn("peer transfer: pull of request {} from {} failed ({}): {}; its worker computes those blocks",
                    LogSafe(id.value()), LogSafe(peer), cause, LogSafe(r.status().ToString(), 256));
     }
     done(std::move(r));
+    // After the answer: a peer that does not answer Release costs the request nothing.
+    ReleaseLater(stub, lease);
   });
   return true;
 }
 
-absl::StatusOr<int64_t> PeerPuller::RunPull(const std::string& peer, const RequestId& id, const RequestSpec& spec,
+absl::StatusOr<int64_t> PeerPuller::RunPull(peer::v1::Peer::Stub* stub, const RequestId& id, const RequestSpec& spec,
                                             PoolId pool, int64_t cached_tokens, const std::vector<BlockIndex>& table,
-                                            std::string* cause) {
-  const absl::Time deadline = absl::Now() + options_.pull_timeout;
+                                            Clock::time_point deadline, std::string* cause, uint64_t* lease) {
   const PoolGeometry& g = arena_->geometries()[pool];
   const int32_t bt = g.block_tokens;
   const int64_t skip = cached_tokens / bt;
   const int64_t want = (static_cast<int64_t>(spec.prompt.size()) - 1) / bt - skip;
+  const int64_t block_bytes = g.block_bytes_all_shards();
   *cause = "offer";
-  KVD_RETURN_IF_ERROR(node_->Transferable(pool));
-  peer::v1::Peer::Stub* stub = peers_.at(peer).stub.get();
 
   peer::v1::OfferRequest req;
   ToProto(spec.ns, req.mutable_namespace_());
@@ -127,147 +157,97 @@ absl::StatusOr<int64_t> PeerPuller::RunPull(const std::string& peer, const Reque
   req.set_max_blocks(want);
   req.set_lease_ms(absl::ToInt64Milliseconds(options_.lease));
   peer::v1::OfferResponse offer;
-  const absl::Time started = absl::Now();
+  const Clock::time_point started = Clock::now();
   {
     grpc::ClientContext ctx;
-    ctx.set_deadline(Chrono(deadline));
+    ctx.set_deadline(GrpcDeadline(deadline));
     grpc::Status s = stub->Offer(&ctx, req, &offer);
-    if (!s.ok()) return absl::Status(FromGrpcStatus(s).code(), absl::StrCat("Offer: ", s.error_message()));
+    *lease = offer.lease();
+    if (!s.ok()) {
+      if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) *cause = "timeout";
+      return absl::Status(FromGrpcStatus(s).code(), absl::StrCat("Offer: ", s.error_message()));
+    }
   }
-  // Whatever happens next, the peer's lease goes back (or expires if the peer cannot be reached).
-  auto release = [&] {
-    if (offer.lease() == 0) return;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(Chrono(absl::Now() + absl::Seconds(2)));
-    peer::v1::ReleaseRequest rel;
-    rel.set_lease(offer.lease());
-    peer::v1::ReleaseResponse ignored;
-    (void)stub->Release(&ctx, rel, &ignored);
-  };
-  const int64_t n = offer.blocks_size();
-  if (n == 0) {
+  const int64_t n = offer.checksums_size();
+  if (n == 0 && offer.blocks_size() == 0) {
     *cause = "nothing";
     return cached_tokens;
   }
-  // Everything the peer answered is checked before any read: what this kvd writes, and where, it
-  // computes from its own geometry and the request's own blocks alone.
-  absl::Status valid = [&]() -> absl::Status {
-    *cause = "geometry";
-    KVD_RETURN_IF_ERROR(CheckOfferedGeometry(g, offer.geometry()));
-    *cause = "bounds";
-    if (n > want || offer.checksums_size() != n) {
-      return absl::OutOfRangeError(absl::StrCat("the peer offered ", n, " blocks with ", offer.checksums_size(),
-                                                " checksums for at most ", want, " blocks asked"));
-    }
-    if (skip + n > static_cast<int64_t>(table.size())) {
-      return absl::OutOfRangeError(absl::StrCat("the request's table holds ", table.size(), " blocks, not ", skip + n));
-    }
-    for (uint32_t b : offer.blocks()) {
-      if (b >= g.capacity_blocks) {
-        return absl::OutOfRangeError(absl::StrCat("the peer offered block ", b, ", past the pool's ", g.capacity_blocks));
-      }
-    }
-    const int64_t slab_bytes = SlabLayout(g).slab_bytes();
-    if (offer.slabs_size() != g.num_shards) {
-      return absl::OutOfRangeError(absl::StrCat("the peer offered ", offer.slabs_size(), " slabs for ", g.num_shards, " shards"));
-    }
-    for (int i = 0; i < offer.slabs_size(); ++i) {
-      const peer::v1::Slab& s = offer.slabs(i);
-      if (s.shard() != static_cast<uint32_t>(i) || s.size_bytes() != slab_bytes || s.rkey().empty()) {
-        return absl::OutOfRangeError(absl::StrCat("the peer's slab ", i, " is shard ", s.shard(), " of ", s.size_bytes(),
-                                                  " bytes with a ", s.rkey().size(), "-byte key; expected shard ", i,
-                                                  " of ", slab_bytes, " bytes"));
-      }
-    }
-    if (offer.ucx_address().empty()) return absl::InvalidArgumentError("the peer sent no UCX address");
-    return absl::OkStatus();
-  }();
-  if (!valid.ok()) {
-    release();
-    return valid;
+  // Everything the peer answered is checked before anything is read: what this kvd writes, and
+  // where, it computes from its own geometry and the request's own blocks alone.
+  *cause = "geometry";
+  KVD_RETURN_IF_ERROR(CheckOfferedGeometry(g, offer.geometry()));
+  *cause = "bounds";
+  if (n > want || offer.blocks_size() != n) {
+    return absl::OutOfRangeError(absl::StrCat("the peer offered ", offer.blocks_size(), " blocks with ", n,
+                                              " checksums for at most ", want, " blocks asked"));
+  }
+  if (skip + n > static_cast<int64_t>(table.size())) {
+    return absl::OutOfRangeError(absl::StrCat("the request's table holds ", table.size(), " blocks, not ", skip + n));
   }
 
   const std::vector<BlockIndex> targets(table.begin() + skip, table.begin() + skip + n);
   if (absl::Status pinned = cache_->PinBlocks(id, targets); !pinned.ok()) {
     *cause = "request_gone";
-    release();
     return pinned;
   }
-  // One read per row of each run of blocks consecutive on both sides: a row of block b+1 follows
-  // the same row of block b in either layout (gpu/slab_layout.h). Runs are cut at kChunkBlocks so
-  // that blocks complete, and are verified, while later ones are still in flight.
-  const SlabLayout layout(g);
-  std::vector<UcxNode::Read> reads;
-  std::vector<std::pair<int64_t, int64_t>> read_blocks;  // per read: its first block and count
-  std::vector<std::string> rkeys;
-  for (const peer::v1::Slab& s : offer.slabs()) rkeys.push_back(s.rkey());
-  for (int64_t i = 0; i < n;) {
-    int64_t run = 1;
-    while (i + run < n && run < kChunkBlocks &&
-           offer.blocks(static_cast<int>(i + run)) == offer.blocks(static_cast<int>(i + run - 1)) + 1 &&
-           targets[i + run] == targets[i + run - 1] + 1) {
-      ++run;
-    }
-    const StridedBlock remote = layout.Block(offer.blocks(static_cast<int>(i)));
-    const StridedBlock local = layout.Block(targets[i]);
-    for (uint32_t shard = 0; shard < static_cast<uint32_t>(g.num_shards); ++shard) {
-      for (int64_t row = 0; row < local.rows; ++row) {
-        reads.push_back(UcxNode::Read{
-            shard, node_->local_base(pool, shard) + local.slab_offset + row * local.slab_pitch,
-            offer.slabs(static_cast<int>(shard)).address() + static_cast<uint64_t>(remote.slab_offset + row * remote.slab_pitch),
-            run * local.row_bytes});
-        read_blocks.emplace_back(i, run);
+  // Read answers whole blocks in order; each is checked (size, checksum) before a byte of it is
+  // written into the request's own block, so a wrong answer changes nothing here.
+  const Clock::time_point offered = Clock::now();
+  int64_t done = 0;
+  int64_t reads = 0;
+  absl::Status got = [&]() -> absl::Status {
+    while (done < n) {
+      peer::v1::ReadRequest rr;
+      rr.set_lease(offer.lease());
+      rr.set_first(done);
+      rr.set_count(n - done);
+      peer::v1::ReadResponse data;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(GrpcDeadline(deadline));
+      grpc::Status s = stub->Read(&ctx, rr, &data);
+      ++reads;
+      if (!s.ok()) {
+        *cause = s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ? "timeout" : "transfer";
+        return absl::Status(FromGrpcStatus(s).code(), absl::StrCat("Read: ", s.error_message()));
       }
-    }
-    i += run;
-  }
-  // Each block is verified as soon as its last row lands; the first mismatch ends the transfer.
-  std::vector<int64_t> rows_left(static_cast<size_t>(n), local_rows_per_block(layout, g));
-  std::vector<uint8_t> scratch;
-  int64_t verified_blocks = 0;
-  auto verify = [&](size_t read) -> absl::Status {
-    const auto [first, count] = read_blocks[read];
-    for (int64_t i = first; i < first + count; ++i) {
-      if (--rows_left[static_cast<size_t>(i)] != 0) continue;
-      KVD_ASSIGN_OR_RETURN(uint64_t sum, BlockChecksum(*arena_, pool, targets[i], &scratch));
-      if (sum != offer.checksums(static_cast<int>(i))) {
-        return absl::DataLossError(absl::StrCat("block ", skip + i, " of the prompt (peer block ",
-                                                offer.blocks(static_cast<int>(i)), ") fails its checksum"));
+      if (data.blocks_size() == 0 || done + data.blocks_size() > n) {
+        *cause = "bounds";
+        return absl::OutOfRangeError(absl::StrCat("the peer answered ", data.blocks_size(), " blocks for blocks [",
+                                                  done, ", ", n, ")"));
       }
-      ++verified_blocks;
+      for (const std::string& bytes : data.blocks()) {
+        if (static_cast<int64_t>(bytes.size()) != block_bytes) {
+          *cause = "bounds";
+          return absl::OutOfRangeError(absl::StrCat("the peer answered block ", skip + done, " of the prompt with ",
+                                                    bytes.size(), " bytes, not ", block_bytes));
+        }
+        if (XXH3_64bits(bytes.data(), bytes.size()) != offer.checksums(static_cast<int>(done))) {
+          *cause = "checksum";
+          return absl::DataLossError(absl::StrCat("block ", skip + done, " of the prompt (peer block ",
+                                                  offer.blocks(static_cast<int>(done)), ") fails its checksum"));
+        }
+        *cause = "transfer";
+        KVD_RETURN_IF_ERROR(arena_->WriteBlock(pool, targets[done], reinterpret_cast<const uint8_t*>(bytes.data())));
+        ++done;
+      }
     }
     return absl::OkStatus();
-  };
-  const absl::Time offered = absl::Now();
-  absl::Status got = node_->Get(offer.ucx_address(), pool, rkeys, reads, deadline, verify);
-  const absl::Time read = absl::Now();
-  release();  // the bytes are here (or will never be): the peer's pins can go
-  if (absl::IsInternal(got)) {
-    // Reads may still land: these blocks stay pinned for good rather than be handed to anyone.
-    spdlog::error("peer transfer: {}; {} blocks of pool '{}' are kept out of use", got.ToString(), n, g.name);
-    *cause = "transfer";
-    return got;
-  }
-  absl::Status verified = got;
-  if (absl::IsDataLoss(got)) {
-    *cause = "checksum";
-  } else if (!got.ok()) {
-    *cause = absl::IsDeadlineExceeded(got) ? "timeout" : absl::IsInvalidArgument(got) ? "remote_key" : "transfer";
-  } else if (verified_blocks != n) {  // every read completed, so every block was checked
-    *cause = "checksum";
-    verified = absl::InternalError(absl::StrCat(verified_blocks, " of ", n, " pulled blocks were verified"));
-  }
-  if (verified.ok()) {
+  }();
+  const Clock::time_point read = Clock::now();
+  if (got.ok()) {
     *cause = "request_gone";
-    verified = cache_->AdoptPromoted(id, (skip + n) * bt);
-    if (verified.ok()) *cause = "pulled";
+    got = cache_->AdoptPromoted(id, (skip + n) * bt);
+    if (got.ok()) *cause = "pulled";
   }
   cache_->UnpinBlocks(pool, targets);
-  if (!verified.ok()) return verified;
-  spdlog::debug("peer transfer: pulled {} blocks ({} MiB, {} reads) of request {} from {}: offer {} ms, reads and "
-                "checksums {} ms, publish and release {} ms", n, n * g.block_bytes_all_shards() >> 20, reads.size(),
-                LogSafe(id.value()), LogSafe(peer), absl::ToInt64Milliseconds(offered - started),
-                absl::ToInt64Milliseconds(read - offered), absl::ToInt64Milliseconds(absl::Now() - read));
+  if (!got.ok()) return got;
+  using Ms = std::chrono::milliseconds;
+  spdlog::debug("peer transfer: pulled {} blocks ({} MiB, {} reads) of request {}: offer {} ms, reads and "
+                "checksums {} ms, publish {} ms", n, n * block_bytes >> 20, reads, LogSafe(id.value()),
+                std::chrono::duration_cast<Ms>(offered - started).count(),
+                std::chrono::duration_cast<Ms>(read - offered).count(),
+                std::chrono::duration_cast<Ms>(Clock::now() - read).count());
   return (skip + n) * bt;
 }
 

@@ -1,20 +1,26 @@
 // PeerPuller pulls a request's prompt blocks from a peer kvd (docs/transfer.md, "Pull"): after
 // the local lookup (and promotion from lower tiers), it asks the peer for its cached blocks past
-// the request's cached prefix (Offer), reads them with UCX into the request's own writable blocks,
-// verifies every checksum, and publishes them (TierPort::AdoptPromoted), so that they hit like
-// any other cached block and the event stream announces them; then releases the peer's lease.
+// the request's cached prefix (Offer), reads their bytes over the same mutual-TLS channel (Read),
+// verifies each block's checksum before writing it into the request's own block, and publishes
+// them (TierPort::AdoptPromoted), so that they hit like any other cached block and the event
+// stream announces them; the peer's lease is released after the request is answered.
 //
-// Nothing partial is ever cached: an offer refused or malformed (geometry, format, counts,
-// indices, remote keys), a read that fails or passes the deadline, or one checksum that differs
-// leaves the request as Acquire served it, and its worker computes those blocks. The request's
-// blocks are pinned while reads may land in them, so a request released meanwhile cannot hand
-// them to anyone.
+// Nothing partial is ever cached: an offer refused or malformed (geometry, format, counts), a
+// read that fails, passes the deadline or answers the wrong size, or one checksum that differs
+// leaves the request as Acquire served it, and its worker computes those blocks. Every byte is
+// written by this process's own pull thread, so nothing lands in a block after the pull returns.
 //
-// Thread-safe. Pulls run on `pull_threads` threads of their own, never a gRPC thread; no lock of
-// this class is held across a call.
+// Bounded: a pull's deadline (transfer.pull_timeout) runs on the monotonic clock from Pull, so
+// time queued counts; each peer has its own `pull_threads` threads and a queue of at most
+// kQueuedPerPeer pulls (more are shed, counted "shed"), so a slow or dead peer delays only pulls
+// from itself. A pull whose deadline passed in the queue answers without calling the peer.
+//
+// Thread-safe. Pulls run on threads of their own, never a gRPC thread; no lock of this class is
+// held across a call.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -32,7 +38,6 @@
 #include "server/store/executor.h"
 #include "server/transfer/transfer_metrics.h"
 #include "server/transfer/transfer_options.h"
-#include "server/transfer/ucx_node.h"
 
 namespace kvd {
 
@@ -41,8 +46,9 @@ class PeerPuller {
   // Channels to every configured peer, presenting this node's certificate (`ssl`: this node's key
   // and certificate, and the peers' CA). Borrowed: all outlive this.
   static std::unique_ptr<PeerPuller> Create(const TransferOptions& options, TierPort* cache, const DeviceArena* arena,
-                                            UcxNode* node, TransferMetrics* metrics,
-                                            const grpc::SslCredentialsOptions& ssl);
+                                            TransferMetrics* metrics, const grpc::SslCredentialsOptions& ssl);
+  // Pulls queued (not running) per peer; past it a pull is shed.
+  static constexpr int64_t kQueuedPerPeer = 64;
   ~PeerPuller();  // finishes the pulls running; those queued answer at once, pulling nothing
 
   // OK when `peer` is a configured peer; INVALID_ARGUMENT naming those that are.
@@ -50,30 +56,33 @@ class PeerPuller {
 
   // Pulls from `peer` the blocks of `spec`'s prompt past `cached_tokens` into `table` (the
   // request's block table in pool `pool`), then calls done(new cached tokens) on a pull thread;
-  // done(cached_tokens) when the peer had nothing more, done(error) when the pull failed (the
-  // request unchanged). Returns false, without calling done, when no block is left to pull.
+  // done(cached_tokens) when the peer had nothing more, done(error) when the pull failed or was
+  // shed (the request unchanged), at most transfer.pull_timeout after this call. Returns false,
+  // without calling done, when no block is left to pull.
   using PullDone = std::function<void(absl::StatusOr<int64_t> cached_tokens)>;
   bool Pull(const std::string& peer, const RequestId& id, const RequestSpec& spec, PoolId pool,
             int64_t cached_tokens, std::vector<BlockIndex> table, PullDone done);
 
  private:
+  using Clock = std::chrono::steady_clock;
   struct Channel {
     std::unique_ptr<peer::v1::Peer::Stub> stub;
+    std::unique_ptr<Executor> pulls;  // this peer's own threads
   };
-  PeerPuller(const TransferOptions& options, TierPort* cache, const DeviceArena* arena, UcxNode* node,
-             TransferMetrics* metrics);
-  // The pull itself; `cause` gets the metric's outcome.
-  absl::StatusOr<int64_t> RunPull(const std::string& peer, const RequestId& id, const RequestSpec& spec, PoolId pool,
-                                  int64_t cached_tokens, const std::vector<BlockIndex>& table, std::string* cause);
+  PeerPuller(const TransferOptions& options, TierPort* cache, const DeviceArena* arena, TransferMetrics* metrics);
+  // The pull itself; `cause` gets the metric's outcome, `lease` the peer's lease to release.
+  absl::StatusOr<int64_t> RunPull(peer::v1::Peer::Stub* stub, const RequestId& id, const RequestSpec& spec,
+                                  PoolId pool, int64_t cached_tokens, const std::vector<BlockIndex>& table,
+                                  Clock::time_point deadline, std::string* cause, uint64_t* lease);
+  // Releases `lease` without waiting for the answer (an unreleased lease expires on the peer).
+  static void ReleaseLater(peer::v1::Peer::Stub* stub, uint64_t lease);
 
   const TransferOptions options_;
   TierPort* const cache_;
   const DeviceArena* const arena_;
-  UcxNode* const node_;
   TransferMetrics* const metrics_;
   absl::flat_hash_map<std::string, Channel> peers_;  // fixed after Create
   std::atomic<bool> stopping_{false};
-  std::unique_ptr<Executor> pulls_;
 };
 
 // OK when the offered geometry and format equal `local`'s; else FAILED_PRECONDITION naming the

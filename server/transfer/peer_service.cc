@@ -1,6 +1,11 @@
 #include "server/transfer/peer_service.h"
 
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
+
 #include <algorithm>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -28,15 +33,47 @@ void ToProto(const PoolGeometry& g, peer::v1::Geometry* out) {
   out->set_kv_heads(g.kv.kv_heads);
   out->set_head_dim(g.kv.head_dim);
   out->set_kv_arrangement(g.kv.arrangement);
+  out->set_model_fingerprint(g.model_fingerprint);
+}
+
+std::string Asn1Text(const ASN1_STRING* s) {
+  return std::string(reinterpret_cast<const char*>(ASN1_STRING_get0_data(s)), static_cast<size_t>(ASN1_STRING_length(s)));
 }
 
 }  // namespace
 
-PeerService::PeerService(TierPort* cache, const DeviceArena* arena, const UcxNode* node,
-                         const TransferOptions& options, TransferMetrics* metrics)
+absl::StatusOr<std::vector<std::string>> PeerNames(const std::string& pem) {
+  std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())), BIO_free);
+  if (bio == nullptr) return absl::ResourceExhaustedError("BIO_new_mem_buf");
+  std::unique_ptr<X509, decltype(&X509_free)> cert(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr), X509_free);
+  if (cert == nullptr) return absl::InvalidArgumentError("the peer's certificate is not PEM X.509");
+  std::vector<std::string> dns, uris;
+  std::unique_ptr<GENERAL_NAMES, void (*)(GENERAL_NAMES*)> sans(
+      static_cast<GENERAL_NAMES*>(X509_get_ext_d2i(cert.get(), NID_subject_alt_name, nullptr, nullptr)),
+      [](GENERAL_NAMES* n) { GENERAL_NAMES_free(n); });
+  for (int i = 0; sans != nullptr && i < sk_GENERAL_NAME_num(sans.get()); ++i) {
+    const GENERAL_NAME* n = sk_GENERAL_NAME_value(sans.get(), i);
+    if (n->type == GEN_DNS) dns.push_back(Asn1Text(n->d.dNSName));
+    if (n->type == GEN_URI) uris.push_back(absl::StrCat("uri:", Asn1Text(n->d.uniformResourceIdentifier)));
+  }
+  // The CN names the holder only where the certificate has no subjectAltName of any kind (RFC
+  // 6125 6.4.4 falls back to it without DNS names; kvd is stricter: a certificate that carries
+  // identities of other kinds is not also named by its CN).
+  if (sans == nullptr || sk_GENERAL_NAME_num(sans.get()) == 0) {
+    const X509_NAME* subject = X509_get_subject_name(cert.get());
+    for (int i = X509_NAME_get_index_by_NID(subject, NID_commonName, -1); i >= 0;
+         i = X509_NAME_get_index_by_NID(subject, NID_commonName, i)) {
+      dns.push_back(Asn1Text(X509_NAME_ENTRY_get_data(X509_NAME_get_entry(subject, i))));
+    }
+  }
+  dns.insert(dns.end(), uris.begin(), uris.end());
+  return dns;
+}
+
+PeerService::PeerService(TierPort* cache, const DeviceArena* arena, const TransferOptions& options,
+                         TransferMetrics* metrics)
     : cache_(cache),
       arena_(arena),
-      node_(node),
       options_(options),
       allowed_([&] {
         const std::vector<std::string> names = options.AllowedNames();
@@ -61,10 +98,13 @@ int64_t PeerService::leases() const {
 }
 
 absl::StatusOr<std::string> PeerService::Authenticate(const grpc::CallbackServerContext* ctx) const {
+  // The names come from the verified certificate itself, not from gRPC's flattened properties
+  // (which mix every subjectAltName kind with the CN).
   std::vector<std::string> names;
-  if (const std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context(); auth != nullptr) {
-    for (const char* property : {"x509_common_name", "x509_subject_alternative_name"}) {
-      for (const grpc::string_ref& v : auth->FindPropertyValues(property)) names.emplace_back(v.data(), v.size());
+  if (const std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context(); auth != nullptr && auth->IsPeerAuthenticated()) {
+    for (const grpc::string_ref& v : auth->FindPropertyValues("x509_pem_cert")) {
+      absl::StatusOr<std::vector<std::string>> parsed = PeerNames(std::string(v.data(), v.size()));
+      if (parsed.ok()) names.insert(names.end(), parsed->begin(), parsed->end());
     }
   }
   for (const std::string& n : names) {
@@ -108,7 +148,6 @@ absl::Status PeerService::DoOffer(const std::string& peer, const peer::v1::Offer
   auto it = std::find_if(pools.begin(), pools.end(), [&](const PoolGeometry& g) { return g.name == ns.pool; });
   if (it == pools.end()) return absl::NotFoundError(absl::StrCat("no pool '", ns.pool, "' on this kvd"));
   const PoolId pool = static_cast<PoolId>(it - pools.begin());
-  KVD_RETURN_IF_ERROR(node_->Transferable(pool));
   {
     absl::MutexLock lock(&mu_);
     if (static_cast<int64_t>(leases_.size()) + reserved_ >= options_.max_leases) {
@@ -160,23 +199,68 @@ absl::Status PeerService::DoOffer(const std::string& peer, const peer::v1::Offer
   if (pinned->blocks.empty()) return absl::OkStatus();  // nothing cached past skip_blocks
   const uint64_t id = next_lease_++;
   resp->set_lease(id);
-  resp->set_ucx_address(node_->address());
-  const PoolGeometry& g = pools[pool];
-  ToProto(g, resp->mutable_geometry());
-  for (uint32_t shard = 0; shard < static_cast<uint32_t>(g.num_shards); ++shard) {
-    const UcxNode::SlabKey& key = node_->slab_key(pool, shard);
-    peer::v1::Slab* s = resp->add_slabs();
-    s->set_shard(shard);
-    s->set_address(key.address);
-    s->set_size_bytes(key.size_bytes);
-    s->set_rkey(key.rkey);
-  }
+  ToProto(pools[pool], resp->mutable_geometry());
   for (size_t i = 0; i < pinned->blocks.size(); ++i) {
     resp->add_blocks(pinned->blocks[i]);
     resp->add_checksums(sums[i]);
   }
-  leases_[id] = Lease{pool, std::move(pinned->blocks), absl::Now() + absl::Milliseconds(req.lease_ms()), peer};
+  leases_[id] = Lease{pool, std::move(pinned->blocks), Clock::now() + std::chrono::milliseconds(req.lease_ms()), peer};
   metrics_->SetLeases(static_cast<int64_t>(leases_.size()));
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* PeerService::Read(grpc::CallbackServerContext* ctx, const peer::v1::ReadRequest* req,
+                                            peer::v1::ReadResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  absl::StatusOr<std::string> peer = Authenticate(ctx);
+  absl::Status status = peer.ok() ? DoRead(*peer, *req, resp) : peer.status();
+  if (!status.ok()) {
+    resp->Clear();
+    metrics_->Read(absl::StatusCodeToString(status.code()));
+    spdlog::warn("peer transfer: refused a Read from {}: {}", LogSafe(ctx->peer()), LogSafe(status.ToString(), 256));
+  } else {
+    metrics_->Read("read", resp->blocks_size());
+  }
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+absl::Status PeerService::DoRead(const std::string& peer, const peer::v1::ReadRequest& req,
+                                 peer::v1::ReadResponse* resp) {
+  const auto not_found = [&] {
+    return absl::NotFoundError(absl::StrCat("no lease ", req.lease(), " held by ", peer, " (released or expired)"));
+  };
+  PoolId pool = 0;
+  std::vector<BlockIndex> blocks;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = leases_.find(req.lease());
+    // Another peer's lease is as unknown as none: nothing says it exists.
+    if (it == leases_.end() || it->second.peer != peer || it->second.expires <= Clock::now()) return not_found();
+    const int64_t held = static_cast<int64_t>(it->second.blocks.size());
+    if (req.first() < 0 || req.first() >= held || req.count() <= 0) {
+      return absl::OutOfRangeError(absl::StrCat("lease ", req.lease(), " holds blocks [0, ", held, "); first ",
+                                                req.first(), " count ", req.count(), " is not among them"));
+    }
+    pool = it->second.pool;
+    const int64_t block_bytes = arena_->geometries()[pool].block_bytes_all_shards();
+    const int64_t fit = std::max<int64_t>(1, kMaxReadBytes / block_bytes);
+    const int64_t n = std::min({req.count(), held - req.first(), fit});
+    blocks.assign(it->second.blocks.begin() + req.first(), it->second.blocks.begin() + req.first() + n);
+  }
+  // The pins keep these blocks' bytes as they were cached while the lease holds; whether it held
+  // throughout is checked after the copy.
+  const size_t block_bytes = static_cast<size_t>(arena_->geometries()[pool].block_bytes_all_shards());
+  for (BlockIndex b : blocks) {
+    std::string* out = resp->add_blocks();
+    out->resize(block_bytes);
+    KVD_RETURN_IF_ERROR(arena_->ReadBlock(pool, b, reinterpret_cast<uint8_t*>(out->data())));
+  }
+  // A lease released or expired during the copy may have had its blocks unpinned and reused:
+  // then nothing read is answered. Unpinning follows the lease's removal from leases_, so a lease
+  // still here now was pinned for the whole copy.
+  absl::MutexLock lock(&mu_);
+  if (!leases_.contains(req.lease())) return not_found();
   return absl::OkStatus();
 }
 
@@ -211,7 +295,7 @@ void PeerService::Expire(bool all) {
   std::vector<Lease> gone;
   {
     absl::MutexLock lock(&mu_);
-    const absl::Time now = absl::Now();
+    const Clock::time_point now = Clock::now();
     for (auto it = leases_.begin(); it != leases_.end();) {
       if (all || it->second.expires <= now) {
         gone.push_back(std::move(it->second));

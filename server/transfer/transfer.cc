@@ -2,6 +2,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "proto/vocab/status_macros.h"
 #include "server/config_values.h"
@@ -18,15 +20,20 @@ absl::StatusOr<std::unique_ptr<Transfer>> Transfer::Start(const TransferOptions&
   KVD_ASSIGN_OR_RETURN(std::string cert, ReadConfigFile("transfer.tls_cert_file", options.tls_cert_file));
   KVD_ASSIGN_OR_RETURN(std::string key, ReadConfigFile("transfer.tls_key_file", options.tls_key_file));
   KVD_ASSIGN_OR_RETURN(std::string ca, ReadConfigFile("transfer.tls_ca_file", options.tls_ca_file));
-  KVD_ASSIGN_OR_RETURN(t->node_, UcxNode::Create(arena));
   grpc::SslCredentialsOptions client{ca, key, cert};
-  t->puller_ = PeerPuller::Create(options, cache, arena, t->node_.get(), t->metrics_.get(), client);
-  t->service_ = std::make_unique<PeerService>(cache, arena, t->node_.get(), options, t->metrics_.get());
+  t->puller_ = PeerPuller::Create(options, cache, arena, t->metrics_.get(), client);
+  t->service_ = std::make_unique<PeerService>(cache, arena, options, t->metrics_.get());
 
   grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   ssl.pem_root_certs = ca;
   ssl.pem_key_cert_pairs.push_back({key, cert});
   grpc::ServerBuilder builder;
+  int largest = 0;  // a Read's answer: up to kMaxReadBytes, or one block where a block is larger
+  for (const PoolGeometry& g : arena->geometries()) {
+    largest = static_cast<int>(std::min<int64_t>(
+        INT32_MAX, std::max({int64_t{largest}, PeerService::kMaxReadBytes, g.block_bytes_all_shards()}) + (1 << 20)));
+  }
+  builder.SetMaxSendMessageSize(largest);
   int port = 0;
   builder.AddListeningPort(options.listen, grpc::SslServerCredentials(ssl), &port);
   builder.RegisterService(t->service_.get());

@@ -1,6 +1,6 @@
-// Transfer is kvd's peer transfer, whole: the UCX node (ucx_node.h), the Peer service on its own
-// mutual-TLS listener (peer_service.h) and the puller that Start's `peer` hint drives
-// (peer_puller.h). The daemon creates it when the config has a `transfer:` section; docs/transfer.md
+// Transfer is kvd's peer transfer, whole: the Peer service on its own mutual-TLS listener
+// (peer_service.h) and the puller that Start's `peer` hint drives (peer_puller.h). Blocks travel
+// over that authenticated channel only: kvd exposes no one-sided memory access to anyone. The daemon creates it when the config has a `transfer:` section; docs/transfer.md
 // describes the protocol and docs/operations.md how to run it.
 #pragma once
 
@@ -16,14 +16,13 @@
 #include "server/transfer/peer_service.h"
 #include "server/transfer/transfer_metrics.h"
 #include "server/transfer/transfer_options.h"
-#include "server/transfer/ucx_node.h"
 
 namespace kvd {
 
 class Transfer {
  public:
-  // Maps the slabs, binds options.listen and serves peers. INVALID_ARGUMENT (a TLS file),
-  // UNAVAILABLE (UCX, or the address cannot be bound). Borrowed: cache and arena outlive this.
+  // Binds options.listen and serves peers. INVALID_ARGUMENT (a TLS file), UNAVAILABLE (the
+  // address cannot be bound). Borrowed: cache and arena outlive this.
   static absl::StatusOr<std::unique_ptr<Transfer>> Start(const TransferOptions& options, TierPort* cache,
                                                          const DeviceArena* arena);
   ~Transfer();  // stops serving peers (their leases are released), then finishes running pulls
@@ -36,7 +35,6 @@ class Transfer {
  private:
   Transfer() = default;
   std::unique_ptr<TransferMetrics> metrics_;
-  std::unique_ptr<UcxNode> node_;
   std::unique_ptr<PeerService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<PeerPuller> puller_;

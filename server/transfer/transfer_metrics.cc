@@ -22,6 +22,12 @@ TransferMetrics::TransferMetrics() : registry_(std::make_shared<prometheus::Regi
                  .Register(*registry_);
   auto& offered = prometheus::BuildCounter().Name("kvd_peer_offered_blocks_total").Help("Blocks pinned for peers by Offer.").Register(*registry_);
   offered_blocks_ = &offered.Add({});
+  reads_ = &prometheus::BuildCounter()
+                .Name("kvd_peer_reads_total")
+                .Help("Reads of leased blocks answered to peers, by outcome: read, or the error code.")
+                .Register(*registry_);
+  auto& read = prometheus::BuildCounter().Name("kvd_peer_read_blocks_total").Help("Leased blocks copied out to peers by Read.").Register(*registry_);
+  read_blocks_ = &read.Add({});
   auto& leases = prometheus::BuildGauge().Name("kvd_peer_leases").Help("Offers whose blocks peers hold pinned now.").Register(*registry_);
   leases_ = &leases.Add({});
 }
@@ -37,6 +43,11 @@ void TransferMetrics::Pulled(int64_t blocks, int64_t bytes, double seconds) {
 void TransferMetrics::Offer(absl::string_view outcome, int64_t blocks) {
   offers_->Add({{"outcome", std::string(outcome)}}).Increment();
   offered_blocks_->Increment(static_cast<double>(blocks));
+}
+
+void TransferMetrics::Read(absl::string_view outcome, int64_t blocks) {
+  reads_->Add({{"outcome", std::string(outcome)}}).Increment();
+  read_blocks_->Increment(static_cast<double>(blocks));
 }
 
 }  // namespace kvd

@@ -42,6 +42,11 @@ absl::Status TransferOptions::Validate() const {
       return absl::InvalidArgumentError(absl::StrCat("transfer.peers: peer '", p.name, "' is listed twice"));
     }
   }
+  for (const std::string& a : allowed_peers) {
+    if (a.empty() || a == "uri:") {
+      return absl::InvalidArgumentError(absl::StrCat("transfer.allowed_peers: an empty name ('", a, "')"));
+    }
+  }
   if (pull_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("transfer.pull_timeout must be positive, not ",
                                                    absl::FormatDuration(pull_timeout)));

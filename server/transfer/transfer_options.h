@@ -1,4 +1,4 @@
-// The `transfer:` section of kvd's config: peer transfer over UCX (docs/transfer.md). Off unless
+// The `transfer:` section of kvd's config: peer transfer between kvds over mutual TLS (docs/transfer.md). Off unless
 // `listen` is set.
 #pragma once
 
@@ -12,7 +12,7 @@
 namespace kvd {
 
 struct TransferPeer {
-  std::string name;     // the name its certificate carries (CN or a DNS subjectAltName)
+  std::string name;     // the name its certificate carries (a DNS subjectAltName, or its CN without any)
   std::string address;  // HOST:PORT of its transfer.listen
 };
 
@@ -26,7 +26,9 @@ struct TransferOptions {
   std::string tls_ca_file;
   // Peers this kvd pulls from: a Start's `peer` names one.
   std::vector<TransferPeer> peers;
-  // Certificate names allowed to pull from this kvd. Empty: the names of `peers`.
+  // Certificate names allowed to pull from this kvd (PeerNames in peer_service.h: DNS names, the
+  // CN of a certificate without subjectAltNames, "uri:VALUE" for a URI). Empty: the names of
+  // `peers`.
   std::vector<std::string> allowed_peers;
   // One pull, from Offer to the last checksum; past it the request computes instead.
   absl::Duration pull_timeout = absl::Seconds(10);

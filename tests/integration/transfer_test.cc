@@ -1,12 +1,15 @@
 // Peer transfer (docs/transfer.md): two real kvd daemons on loopback, each with its own worker
 // clients; the Peer service under mutual TLS with certificates the test makes (openssl). Node A
-// prefills, node B pulls through UCX, and every pulled byte is compared with what A's worker
-// wrote. Then what goes wrong: a peer not configured, an unauthenticated caller, pins against
+// prefills, node B pulls over that channel, and every pulled byte is compared with what A's
+// worker wrote. Then what goes wrong: a peer not configured, an unauthenticated caller, reads of
+// leases that are not the caller's, certificates whose names only look allowed, pins against
 // eviction, leases that expire, a hostile peer (a proxy in this process that corrupts A's real
-// offers), and a peer stopped and killed in the middle of a pull. The two-namespace test with the
+// offers and reads), a peer stopped while others serve, and one killed in the middle of a pull. The two-namespace test with the
 // reference engine is tests/transfer/netns_pull.py.
 #include <csignal>
 #include <fstream>
+#include <map>
+#include <tuple>
 #include <sstream>
 #include <thread>
 
@@ -36,19 +39,36 @@ std::string ReadText(const std::string& path) {
   return s.str();
 }
 
-// A CA, and a certificate it signed for each name (CN and DNS subjectAltName).
+// A CA, and a certificate it signed for each name (CN and DNS subjectAltName); and, for the
+// allow-list, certificates whose CN or other subjectAltName kinds say a name their DNS names do
+// not: file stem -> (CN, subjectAltName extension or "" for none).
 struct Certs {
   TempDir dir;
   bool ok = false;
+  static const std::vector<std::tuple<std::string, std::string, std::string>>& Odd() {
+    static const auto* odd = new std::vector<std::tuple<std::string, std::string, std::string>>{
+        {"cn-uri", "node-b", "URI:spiffe://example.org/node-x"},
+        {"cn-email", "node-b", "email:node-x@example.org"},
+        {"cn-ip", "node-b", "IP:127.0.0.9"},
+        {"cn-dns-other", "node-b", "DNS:node-x"},
+        {"uri-named", "someone-else", "URI:node-b"},
+        {"email-named", "someone-else", "email:node-b"},
+        {"cn-only", "node-b", ""},
+        {"dns-named", "someone-else", "DNS:node-b"},
+        {"spiffe", "someone-else", "URI:spiffe://example.org/node-b"}};
+    return *odd;
+  }
   Certs() {
-    const std::string script =
+    std::string script =
         "set -e; cd '" + dir.path() + "'\n"
         "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=kvd-peer-ca -keyout ca.key -out ca.pem 2>/dev/null\n"
-        "for who in node-a node-b evil stranger; do\n"
-        "  openssl req -newkey rsa:2048 -nodes -subj /CN=$who -keyout $who.key -out $who.csr 2>/dev/null\n"
-        "  printf 'subjectAltName=DNS:%s\\n' $who > $who.ext\n"
-        "  openssl x509 -req -in $who.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -extfile $who.ext -out $who.pem 2>/dev/null\n"
-        "done\n";
+        "cert() {  # stem, CN, subjectAltName ('' for none)\n"
+        "  openssl req -newkey rsa:2048 -nodes -subj \"/CN=$2\" -keyout $1.key -out $1.csr 2>/dev/null\n"
+        "  if [ -n \"$3\" ]; then printf 'subjectAltName=%s\\n' \"$3\" > $1.ext; else : > $1.ext; fi\n"
+        "  openssl x509 -req -in $1.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -extfile $1.ext -out $1.pem 2>/dev/null\n"
+        "}\n"
+        "for who in node-a node-b evil stranger; do cert $who $who DNS:$who; done\n";
+    for (const auto& [stem, cn, san] : Odd()) absl::StrAppend(&script, "cert ", stem, " ", cn, " '", san, "'\n");
     ok = RunProcess("/bin/sh", {"-c", script}).exit_code == 0;
   }
   std::string path(const std::string& file) const { return dir.path() + "/" + file; }
@@ -183,6 +203,16 @@ grpc::StatusCode Release(peer::v1::Peer::Stub& stub, uint64_t lease) {
   return stub.Release(&ctx, rel, &ignored).error_code();
 }
 
+grpc::Status Read(peer::v1::Peer::Stub& stub, uint64_t lease, int64_t first, int64_t count, peer::v1::ReadResponse* resp) {
+  peer::v1::ReadRequest req;
+  req.set_lease(lease);
+  req.set_first(first);
+  req.set_count(count);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return stub.Read(&ctx, req, resp);
+}
+
 grpc::Status Offer(peer::v1::Peer::Stub& stub, uint32_t seed, int blocks, int64_t lease_ms, peer::v1::OfferResponse* resp) {
   peer::v1::OfferRequest req;
   req.mutable_namespace_()->set_pool("default");
@@ -193,7 +223,7 @@ grpc::Status Offer(peer::v1::Peer::Stub& stub, uint32_t seed, int blocks, int64_
   return stub.Offer(&ctx, req, resp);
 }
 
-TEST_CASE("A kvd pulls a peer's cached prefix over UCX, verified, and serves it as its own", "[integration][transfer]") {
+TEST_CASE("A kvd pulls a peer's cached prefix over mutual TLS, verified, and serves it as its own", "[integration][transfer]") {
   Certs certs;
   if (!certs.ok) {
     WARN("skipped: openssl could not generate test certificates");
@@ -315,11 +345,10 @@ TEST_CASE("Only authenticated, allowed peers get offers", "[integration][transfe
   CHECK(s.error_code() == grpc::StatusCode::PERMISSION_DENIED);
   CHECK(s.error_message().find("names stranger") != std::string::npos);
   CHECK(resp.blocks().empty());
-  CHECK(resp.ucx_address().empty());
   // No client certificate: the TLS handshake itself fails.
   peer::v1::OfferResponse none;
   CHECK(!Offer(*PeerStub(certs, a, "node-a", ""), 1, 4, 1000, &none).ok());
-  CHECK(none.ucx_address().empty());
+  CHECK(none.checksums().empty());
   // Plain text on the peer port gets nothing either.
   auto plain = peer::v1::Peer::NewStub(grpc::CreateChannel(a.transfer_address(), grpc::InsecureChannelCredentials()));
   peer::v1::OfferResponse plain_resp;
@@ -344,10 +373,80 @@ TEST_CASE("Only authenticated, allowed peers get offers", "[integration][transfe
   REQUIRE(Offer(*b, 1, 4, 1000, &good).ok());
   CHECK(good.blocks_size() == 4);
   CHECK(good.checksums_size() == 4);
-  CHECK(good.slabs_size() == 1);
   // Another peer cannot release it.
   CHECK(Release(*PeerStub(certs, a, "node-a", "stranger"), good.lease()) == grpc::StatusCode::PERMISSION_DENIED);
   CHECK(Metric(a, "kvd_peer_leases") == 1);
+}
+
+TEST_CASE("A peer reads the blocks it was offered, while its lease holds, and nothing else", "[integration][transfer]") {
+  Certs certs;
+  if (!certs.ok) return;
+  DaemonProcess a(NodeConfig(certs, "node-a", {}, "node-b, evil"));
+  auto wa = Connect(a, "prefill");
+  Prefill(*wa, "p", 1, 4);
+  Prefill(*wa, "secret", 7, 4);  // cached, never offered to anyone
+  auto b = PeerStub(certs, a, "node-a", "node-b");
+  auto evil = PeerStub(certs, a, "node-a", "evil");
+  peer::v1::OfferResponse offer;
+  REQUIRE(Offer(*b, 1, 4, 60'000, &offer).ok());
+  REQUIRE(offer.checksums_size() == 4);
+
+  // The lease's own peer reads its blocks: exactly the bytes the checksums name.
+  peer::v1::ReadResponse data;
+  REQUIRE(Read(*b, offer.lease(), 1, 3, &data).ok());
+  REQUIRE(data.blocks_size() == 3);
+  CHECK(data.blocks(0).size() == 2 * kBlockTokens * 64);
+  // Another allowed peer, a caller nobody allowed, leases never given, reads past the lease: nothing.
+  const std::vector<std::pair<grpc::Status, grpc::StatusCode>> refused = {
+      {Read(*evil, offer.lease(), 0, 4, &data), grpc::StatusCode::NOT_FOUND},
+      {Read(*PeerStub(certs, a, "node-a", "stranger"), offer.lease(), 0, 4, &data), grpc::StatusCode::PERMISSION_DENIED},
+      {Read(*b, offer.lease() + 1, 0, 1, &data), grpc::StatusCode::NOT_FOUND},
+      {Read(*b, 0, 0, 1, &data), grpc::StatusCode::NOT_FOUND},
+      {Read(*b, offer.lease(), 4, 1, &data), grpc::StatusCode::OUT_OF_RANGE},
+      {Read(*b, offer.lease(), -1, 1, &data), grpc::StatusCode::OUT_OF_RANGE},
+      {Read(*b, offer.lease(), 0, 0, &data), grpc::StatusCode::OUT_OF_RANGE}};
+  for (const auto& [status, code] : refused) {
+    INFO(status.error_message());
+    CHECK(status.error_code() == code);
+  }
+  CHECK(!Read(*PeerStub(certs, a, "node-a", ""), offer.lease(), 0, 4, &data).ok());  // no certificate
+  // Released: the lease reads nothing more.
+  REQUIRE(Release(*b, offer.lease()) == grpc::StatusCode::OK);
+  CHECK(Read(*b, offer.lease(), 0, 1, &data).error_code() == grpc::StatusCode::NOT_FOUND);
+  // An expired lease neither.
+  peer::v1::OfferResponse brief;
+  REQUIRE(Offer(*b, 1, 4, 200, &brief).ok());
+  absl::SleepFor(absl::Milliseconds(400));
+  CHECK(Read(*b, brief.lease(), 0, 1, &data).error_code() == grpc::StatusCode::NOT_FOUND);
+  CHECK(Metric(a, "kvd_peer_reads_total{outcome=\"NOT_FOUND\"}") >= 5);
+  // A listens for peers on its transfer address alone: nothing else of it is reachable over the
+  // network, and no peer call writes anything. Both prompts are still as A's worker wrote them.
+  for (uint32_t seed : {1u, 7u}) {
+    auto r = wa->Start(PoolRequest(absl::StrCat("check", seed), Prompt(seed, 4), 1));
+    REQUIRE(r.ok());
+    CHECK((*r)->cached_tokens() == 4 * kBlockTokens);
+    CHECK(BlocksExact(*wa, **r, 4, seed));
+    REQUIRE((*r)->Release(true).ok());
+  }
+}
+
+TEST_CASE("The allow-list matches DNS names, the CN only without them, URIs only as configured", "[integration][transfer]") {
+  Certs certs;
+  if (!certs.ok) return;
+  DaemonProcess a(NodeConfig(certs, "node-a", {}, "node-b, \"uri:spiffe://example.org/node-b\""));
+  auto wa = Connect(a, "prefill");
+  Prefill(*wa, "p", 1, 2);
+  const std::map<std::string, bool> allowed = {
+      {"cn-uri", false},     {"cn-email", false}, {"cn-ip", false},    {"cn-dns-other", false}, {"uri-named", false},
+      {"email-named", false}, {"cn-only", true},   {"dns-named", true}, {"spiffe", true}};
+  for (const auto& [stem, want] : allowed) {
+    INFO(stem);
+    peer::v1::OfferResponse resp;
+    grpc::Status s = Offer(*PeerStub(certs, a, "node-a", stem), 1, 2, 1000, &resp);
+    CHECK(s.ok() == want);
+    if (!want) CHECK(s.error_code() == grpc::StatusCode::PERMISSION_DENIED);
+    if (want && s.ok()) CHECK(resp.checksums_size() == 2);
+  }
 }
 
 TEST_CASE("Offered blocks stay pinned against eviction until released or expired", "[integration][transfer]") {
@@ -379,12 +478,12 @@ TEST_CASE("Offered blocks stay pinned against eviction until released or expired
   CHECK(Cached(*wa, 2, 4) == 0);
 }
 
-// A peer in this process that answers with A's real offers, corrupted as `mode` says.
+// A peer in this process that answers with A's real offers and reads, corrupted as `mode` says.
 class HostilePeer final : public peer::v1::Peer::Service {
  public:
   HostilePeer(std::unique_ptr<peer::v1::Peer::Stub> real) : real_(std::move(real)) {}
   std::atomic<int> mode{0};
-  enum Mode { kGeometry = 1, kIndex, kCount, kSlabSize, kAddress, kChecksum, kNoKey, kLayout };
+  enum Mode { kGeometry = 1, kLayout, kCount, kChecksum, kShortBlock, kLongBlock, kExtraBlock, kNoBlock, kFlipByte, kSwap };
 
   grpc::Status Offer(grpc::ServerContext*, const peer::v1::OfferRequest* req, peer::v1::OfferResponse* resp) override {
     grpc::ClientContext ctx;
@@ -392,13 +491,25 @@ class HostilePeer final : public peer::v1::Peer::Service {
     if (!s.ok() || resp->blocks().empty()) return s;
     switch (mode.load()) {
       case kGeometry: resp->mutable_geometry()->set_bytes_per_token_per_layer(128); break;
-      case kIndex: resp->set_blocks(1, 1u << 30); break;
-      case kCount: resp->add_blocks(resp->blocks(0)), resp->add_checksums(0); break;
-      case kSlabSize: resp->mutable_slabs(0)->set_size_bytes(int64_t{1} << 40); break;
-      case kAddress: resp->mutable_slabs(0)->set_address(resp->slabs(0).address() + 4096); break;
-      case kChecksum: resp->set_checksums(2, resp->checksums(2) ^ 1); break;
-      case kNoKey: resp->mutable_slabs(0)->clear_rkey(); break;
       case kLayout: resp->mutable_geometry()->set_layout("block_major"); break;
+      case kCount: resp->add_blocks(resp->blocks(0)), resp->add_checksums(0); break;
+      case kChecksum: resp->set_checksums(2, resp->checksums(2) ^ 1); break;
+    }
+    return s;
+  }
+  grpc::Status Read(grpc::ServerContext*, const peer::v1::ReadRequest* req, peer::v1::ReadResponse* resp) override {
+    grpc::ClientContext ctx;
+    grpc::Status s = real_->Read(&ctx, *req, resp);
+    if (!s.ok() || resp->blocks().empty()) return s;
+    switch (mode.load()) {
+      case kShortBlock: resp->mutable_blocks(0)->pop_back(); break;
+      case kLongBlock: resp->mutable_blocks(0)->append(4096, 'x'); break;
+      case kExtraBlock: *resp->add_blocks() = resp->blocks(0); break;
+      case kNoBlock: resp->clear_blocks(); break;
+      case kFlipByte: (*resp->mutable_blocks(resp->blocks_size() - 1))[7] ^= 1; break;
+      case kSwap:
+        if (resp->blocks_size() > 1) resp->mutable_blocks(0)->swap(*resp->mutable_blocks(1));
+        break;
     }
     return s;
   }
@@ -411,21 +522,26 @@ class HostilePeer final : public peer::v1::Peer::Service {
   std::unique_ptr<peer::v1::Peer::Stub> real_;
 };
 
-TEST_CASE("A hostile peer's offers are bounds-checked and verified: nothing is cached, nothing else written",
+// A TLS server for `service` in this process, presenting `who`'s certificate.
+std::unique_ptr<grpc::Server> ServePeer(const Certs& certs, const std::string& who, grpc::Service* service, int* port) {
+  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  ssl.pem_root_certs = ReadText(certs.path("ca.pem"));
+  ssl.pem_key_cert_pairs.push_back({ReadText(certs.path(who + ".key")), ReadText(certs.path(who + ".pem"))});
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::SslServerCredentials(ssl), port);
+  builder.RegisterService(service);
+  return builder.BuildAndStart();
+}
+
+TEST_CASE("A hostile peer's offers and reads are bounds-checked and verified: nothing is cached, nothing else written",
           "[integration][transfer]") {
   Certs certs;
   if (!certs.ok) return;
   DaemonProcess a(NodeConfig(certs, "node-a", {}, "node-b"));
   auto wa = Connect(a, "prefill");
   HostilePeer hostile(PeerStub(certs, a, "node-a", "node-b"));
-  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  ssl.pem_root_certs = ReadText(certs.path("ca.pem"));
-  ssl.pem_key_cert_pairs.push_back({ReadText(certs.path("evil.key")), ReadText(certs.path("evil.pem"))});
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::SslServerCredentials(ssl), &port);
-  builder.RegisterService(&hostile);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = ServePeer(certs, "evil", &hostile, &port);
   REQUIRE(port > 0);
   DaemonProcess b(NodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}, {"evil", absl::StrCat("127.0.0.1:", port)}}));
   auto wb = Connect(b, "decode");
@@ -433,9 +549,10 @@ TEST_CASE("A hostile peer's offers are bounds-checked and verified: nothing is c
   Prefill(*wb, "canary", 99, 8);
 
   const std::vector<std::pair<HostilePeer::Mode, std::string>> modes = {
-      {HostilePeer::kGeometry, "geometry"}, {HostilePeer::kLayout, "geometry"},  {HostilePeer::kIndex, "bounds"},
-      {HostilePeer::kCount, "bounds"},      {HostilePeer::kSlabSize, "bounds"}, {HostilePeer::kNoKey, "bounds"},
-      {HostilePeer::kAddress, "checksum"},  {HostilePeer::kChecksum, "checksum"}};
+      {HostilePeer::kGeometry, "geometry"}, {HostilePeer::kLayout, "geometry"},   {HostilePeer::kCount, "bounds"},
+      {HostilePeer::kShortBlock, "bounds"}, {HostilePeer::kLongBlock, "bounds"},  {HostilePeer::kExtraBlock, "bounds"},
+      {HostilePeer::kNoBlock, "bounds"},    {HostilePeer::kChecksum, "checksum"}, {HostilePeer::kFlipByte, "checksum"},
+      {HostilePeer::kSwap, "checksum"}};
   uint32_t seed = 1;
   for (const auto& [mode, cause] : modes) {
     INFO("mode " << mode);
@@ -447,12 +564,13 @@ TEST_CASE("A hostile peer's offers are bounds-checked and verified: nothing is c
     ++seed;
   }
   CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"geometry\"}") == 2);
-  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"bounds\"}") == 4);
-  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"checksum\"}") == 2);
+  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"bounds\"}") == 5);
+  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"checksum\"}") == 3);
   CHECK(Metric(b, "kvd_peer_pulled_blocks_total") == 0);
   CHECK(b.Log().find("differs in bytes_per_token_per_layer: 128 there, 64 here") != std::string::npos);
   CHECK(b.Log().find("fails its checksum") != std::string::npos);
   // Every lease went back to A, and B's own blocks are as its worker wrote them.
+  absl::SleepFor(absl::Milliseconds(300));  // releases go out after the answer
   CHECK(Metric(a, "kvd_peer_leases") == 0);
   auto canary = wb->Start(PoolRequest("canary2", Prompt(99, 8), 1));
   REQUIRE(canary.ok());
@@ -464,6 +582,81 @@ TEST_CASE("A hostile peer's offers are bounds-checked and verified: nothing is c
   auto [cached, exact] = PullStart(*wb, "honest", 1, 4, "evil");
   CHECK(cached == 4 * kBlockTokens);
   CHECK(exact);
+  server->Shutdown();
+}
+
+// A peer that answers Offer honestly, then sits on every Read until told to go on.
+class StallingPeer final : public peer::v1::Peer::Service {
+ public:
+  StallingPeer(std::unique_ptr<peer::v1::Peer::Stub> real) : real_(std::move(real)) {}
+  grpc::Status Offer(grpc::ServerContext*, const peer::v1::OfferRequest* req, peer::v1::OfferResponse* resp) override {
+    grpc::ClientContext ctx;
+    return real_->Offer(&ctx, *req, resp);
+  }
+  grpc::Status Read(grpc::ServerContext* ctx, const peer::v1::ReadRequest*, peer::v1::ReadResponse*) override {
+    reads_.fetch_add(1);
+    while (!go_.load() && !ctx->IsCancelled()) absl::SleepFor(absl::Milliseconds(5));
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "stalled");
+  }
+  grpc::Status Release(grpc::ServerContext*, const peer::v1::ReleaseRequest*, peer::v1::ReleaseResponse*) override {
+    while (!go_.load()) absl::SleepFor(absl::Milliseconds(5));  // and never answers Release in time
+    return grpc::Status::OK;
+  }
+  int reads() const { return reads_.load(); }
+  void Go() { go_.store(true); }
+
+ private:
+  std::unique_ptr<peer::v1::Peer::Stub> real_;
+  std::atomic<int> reads_{0};
+  std::atomic<bool> go_{false};
+};
+
+TEST_CASE("A stalled peer costs a start its pull timeout, and pulls from other peers nothing", "[integration][transfer]") {
+  Certs certs;
+  if (!certs.ok) return;
+  DaemonProcess a(NodeConfig(certs, "node-a", {}, "node-b, evil"));
+  auto wa = Connect(a, "prefill");
+  StallingPeer stalling(PeerStub(certs, a, "node-a", "evil"));
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = ServePeer(certs, "evil", &stalling, &port);
+  REQUIRE(port > 0);
+  // One pull thread per peer: a stalled peer fills its own, never node-a's.
+  DaemonProcess b(NodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}, {"evil", absl::StrCat("127.0.0.1:", port)}},
+                             "", 64, 256, "  pull_timeout_s: 4\n  pull_threads: 1\n"));
+  auto wb = Connect(b, "decode");
+  auto wb2 = Connect(b, "decode2");
+  for (uint32_t s = 1; s <= 3; ++s) Prefill(*wa, absl::StrCat("p", s), s, 4);
+  // Two pulls from the stalled peer: the second waits behind the first in that peer's queue, and
+  // still answers within its own timeout, counted from its arrival.
+  std::atomic<int> stalled_done{0};
+  std::vector<std::pair<int64_t, absl::Duration>> stalled(2);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i) {
+    threads.emplace_back([&, i] {
+      auto c = Connect(b, absl::StrCat("stalled", i));
+      const absl::Time t0 = absl::Now();
+      auto [cached, exact] = PullStart(*c, absl::StrCat("s", i), 1 + i, 4, "evil");
+      stalled[i] = {cached, absl::Now() - t0};
+      stalled_done.fetch_add(1);
+    });
+  }
+  while (stalling.reads() < 1) absl::SleepFor(absl::Milliseconds(5));
+  // Meanwhile node-a serves at once.
+  auto [cached, exact] = PullStart(*wb2, "fine", 3, 4, "node-a");
+  CHECK(cached == 4 * kBlockTokens);
+  CHECK(exact);
+  CHECK(stalled_done.load() == 0);  // the stalled pulls were still waiting
+  for (auto& t : threads) t.join();
+  for (const auto& [got, took] : stalled) {
+    CHECK(got == 0);
+    // The deadline bounds the answer, queue time included (4 s; a generous margin for a loaded
+    // machine, far below the 8 s that two pulls queued one after the other would take).
+    CHECK(took < absl::Seconds(7));
+  }
+  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"timeout\"}") == 2);
+  CHECK(Cached(*wb, 1, 4) == 0);
+  CHECK(Cached(*wb, 2, 4) == 0);
+  stalling.Go();
   server->Shutdown();
 }
 

@@ -2,8 +2,7 @@
 benchmark (root only). Each namespace gets its own kvd with a `transfer:` section pulling from
 the other; the daemons' gRPC sockets are Unix sockets in a shared temporary directory, so workers
 run in the test's own namespace while the daemons reach each other only over the veth pair.
-UCX is held to TCP (UCX_TLS=tcp): on one machine it would otherwise pick shared memory, which
-is not what crosses nodes."""
+Certificates: node-a and node-b (each the other's peer) and a CA-signed `stranger` nobody allows."""
 import json
 import os
 import shutil
@@ -14,7 +13,7 @@ import urllib.request
 
 CERTS = r"""set -e
 openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=kvd-peer-ca -keyout ca.key -out ca.pem 2>/dev/null
-for who in node-a node-b; do
+for who in node-a node-b stranger; do
   openssl req -newkey rsa:2048 -nodes -subj /CN=$who -keyout $who.key -out $who.csr 2>/dev/null
   printf 'subjectAltName=DNS:%s\n' $who > $who.ext
   openssl x509 -req -in $who.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -extfile $who.ext -out $who.pem 2>/dev/null
@@ -72,6 +71,17 @@ class Node:
     def log(self):
         return open(f"{self.dir}/{self.name}.log").read()
 
+    def listening(self):
+        """(protocol, local address) of every socket listening in the node's namespace that is
+        not a Unix socket: TCP listeners and bound UDP sockets."""
+        out = []
+        for proto, flag in (("tcp", "-ltnH"), ("udp", "-lunH")):
+            for line in sh("ss", flag, ns=self.ns).stdout.splitlines():
+                fields = line.split()
+                if len(fields) >= 4:  # an IPv4 address on a dual-stack socket reads [::ffff:A.B.C.D]:P
+                    out.append((proto, fields[3].replace("[::ffff:", "").replace("]:", ":")))
+        return out
+
 
 class Pair:
     """Namespaces, veth pair, certificates and two serving kvds: `a` and `b`. `pools` (YAML,
@@ -121,7 +131,7 @@ transfer:
     - {{name: {peer}, address: "{self.ip[other]}:7070"}}
 {self.extra}"""
         open(f"{d}/{name}.yaml", "w").write(config)
-        env = dict(os.environ, UCX_TLS="tcp")
+        env = dict(os.environ)
         log = open(f"{d}/{name}.log", "w")
         proc = subprocess.Popen(
             ["ip", "netns", "exec", self.ns[side], self.kvd, f"--config={d}/{name}.yaml",

@@ -2,10 +2,13 @@
 """kvd-transfer end to end: two kvd daemons in two network namespaces joined by a veth pair
 (tests/transfer/netns.py), each with its own reference-engine workers (python3 -m
 kvd.engine.worker). The engine prefills a prompt on node A; an engine on node B names node-a as
-its peer, and kvd B pulls A's blocks over UCX (TCP across the veth): B's outputs must be bit-exact
-(tokens and the SHA-256 of every logit row) against A's cold run, with the prompt's blocks served
-as cached. Then the other way round, and then with node A killed: B's engine computes, and its
-output is still exact.
+its peer, and kvd B pulls A's blocks over the peers' mutual-TLS channel (across the veth): B's
+outputs must be bit-exact (tokens and the SHA-256 of every logit row) against A's cold run, with
+the prompt's blocks served as cached. Then the other way round; then an attacker in B's namespace
+(tests/transfer/peer_attack.py) tries A as nobody, as a name A does not allow and as B with leases
+it does not hold, while A must listen on nothing but its peer and metrics addresses, and A's
+cached bytes must be unchanged; then with node A killed: B's engine computes, and its output is
+still exact.
 
 Usage: netns_pull.py KVD   (PYTHONPATH holds the kvd package). Root only: exits 77 (skipped)
 with the reason otherwise."""
@@ -71,6 +74,25 @@ def main():
             got, want = pulled_a[p["id"] + "a"], cold_b[p["id"]]
             check(got["cached_tokens"] == (len(p["prompt"]) - 1) // 16 * 16 and got["digest"] == want["digest"],
                   f"node A pulls {p['id']} from B, bit-exact")
+
+        # What anyone on the network reaches of A: its peer listener (mutual TLS) and /metrics on
+        # loopback, nothing else; and through the listener, nothing without an allowed
+        # certificate and a lease of one's own.
+        listening = set(a.listening())
+        allowed = {("tcp", f"{a.ip}:7070"), ("tcp", f"127.0.0.1:{a.metrics_port}")}
+        check(listening <= allowed, f"node A listens only on its peer and metrics addresses ({sorted(listening)})")
+        attack = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_attack.py")
+        r = netns.sh(sys.executable, attack, f"{a.ip}:7070", "node-a", pair.dir, ns=b.ns)
+        got = json.loads(r.stdout)
+        print("attack:", got, flush=True)
+        check(got["nobody:offer"] not in ("OK", "OK_EMPTY") and "OK" not in got["nobody:read"],
+              "without a client certificate: no offer, no read")
+        check(got["stranger:offer"] == "PERMISSION_DENIED" and got["stranger:read"] == ["PERMISSION_DENIED"],
+              "a CA-signed name A does not allow: refused")
+        check(got["node-b:read"] == ["NOT_FOUND"], "the allowed peer reads no lease it does not hold")
+        after = engine(a, [dict(p1, id="p1-after")])["p1-after"]
+        check(after["cached_tokens"] == 192 and after["digest"] == cold["digest"] and after["tokens"] == cold["tokens"],
+              "A's cached blocks are unchanged after the attempts")
 
         # The peer is gone: B's engine computes, still exact, and nothing partial is cached.
         a.proc.kill()
