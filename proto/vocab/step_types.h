@@ -5,7 +5,9 @@
 // request that crosses a block boundary takes the next block from that credit in the worker's
 // own process, with no round trip, and the next step tells kvd (a kGrow naming the blocks). A
 // credit block is owned by the worker and charged to it like a reservation: it is never cached
-// content and never handed to anyone else until it is named by a kGrow or given back.
+// content and never handed to anyone else until it is named by a kGrow or given back by name
+// (CreditWant::returned). kvd never takes credit from a live worker: when it wants blocks back
+// (pressure, starts waiting for budget) it stops granting and asks (CreditHeld::wanted).
 #pragma once
 
 #include <cstdint>
@@ -44,14 +46,17 @@ struct StepOpResult {
   PublishResult publish;           // kPublish, kEnd
 };
 
-// A worker's credit in one pool: what it asks to hold after the step, and what it holds.
+// A worker's credit in one pool: what it asks to hold after the step and the blocks it gives
+// back; what it holds, and how many of them kvd asks back.
 struct CreditWant {
   PoolId pool = 0;
   int64_t blocks = 0;
+  std::vector<BlockIndex> returned;  // unplaced credit blocks the worker gives back
 };
 struct CreditHeld {
   PoolId pool = 0;
   std::vector<BlockIndex> blocks;
+  int64_t wanted = 0;  // blocks kvd asks the worker to give back (by name, in a later step)
 };
 
 }  // namespace kvd

@@ -174,6 +174,7 @@ KvCache::KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes)
       pool->queue.set_main_limits(options_.slru_main_fraction, std::numeric_limits<int64_t>::max());
       pool->queue.set_horizons(d.probation_horizon, d.main_horizon);
     }
+    owners_.AddPool(g.capacity_blocks);
     pools_.push_back(std::move(pool));
   }
 }

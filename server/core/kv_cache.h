@@ -34,6 +34,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "server/core/block_allocator.h"
+#include "server/core/block_ledger.h"
 #include "server/core/budget_ledger.h"
 #include "server/core/cache_options.h"
 #include "server/core/cache_snapshot.h"
@@ -107,14 +108,19 @@ class KvCache final : public TierPort {
 
   // One scheduler step of `worker` (kv_cache_step.cc; proto/vocab/step_types.h): applies `ops` in
   // order under one acquisition of the lock, each all or nothing with its own status (NOT_FOUND,
-  // PERMISSION_DENIED for another worker's request, then the per-request call's errors); then
-  // tops up or trims the worker's credit in each pool of `credit` to what it asks, capped by
-  // options().step_credit_blocks and an eighth of the pool, by pressure (a quarter at high, none at
-  // critical) and by the budget and the worker's limits. `held` (may be null) gets the credit the worker holds after.
+  // PERMISSION_DENIED for another worker's request, then the per-request call's errors); then, in
+  // each pool of `credit`, takes back the blocks the worker returns by name and tops its credit up
+  // towards what it asks, capped by options().step_credit_blocks and an eighth of the pool, by
+  // pressure (a quarter at high, none at critical) and by the budget and the worker's limits.
+  // Credit above that cap is never taken: it is asked back (CreditHeld::wanted), since the worker
+  // may be placing it right now. `held` (may be null) gets the credit the worker holds after.
   std::vector<StepOpResult> Step(const WorkerId& worker, const WorkerId& principal, std::vector<StepOp> ops,
                                  absl::Span<const CreditWant> credit, std::vector<CreditHeld>* held)
       ABSL_LOCKS_EXCLUDED(mu_);
   int64_t CreditBlocks(const WorkerId& worker, PoolId pool) const ABSL_LOCKS_EXCLUDED(mu_);  // held now
+  // Gives back every credit block of `worker` (its attachment ended; nothing else holds it).
+  // Returns how many.
+  int64_t DropCredit(const WorkerId& worker) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Tokens of `tokens` that Acquire would serve from the device tier now (capped to leave one
   // token to compute). Holds nothing. NOT_FOUND for an unknown pool.
@@ -192,6 +198,11 @@ class KvCache final : public TierPort {
   // Recomputes every derived count from scratch and compares (refs, free counts, queue membership,
   // budget). INTERNAL naming the first mismatch. O(cache size): tests only.
   absl::Status CheckInvariantsForTesting() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The worker's own view of its credit in `pool`: blocks it holds unplaced and blocks it placed
+  // into its requests but has not reported yet. INTERNAL naming the first of them the ledger does
+  // not record as that worker's credit (kvd took it, or handed it to another owner).
+  absl::Status CheckCreditForTesting(const WorkerId& worker, PoolId pool,
+                                     absl::Span<const BlockIndex> believed) const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   using BlockState = cache_state::BlockState;
@@ -221,7 +232,12 @@ class KvCache final : public TierPort {
   absl::StatusOr<std::vector<BlockIndex>> GrowLocked(const RequestId& id, int64_t additional,
                                                      absl::Span<const BlockIndex> credit)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void SetCreditLocked(const WorkerId& worker, const WorkerId& principal, const CreditWant& want)
+  // Takes back `want.returned` (blocks the worker does not hold are skipped), then tops up; returns
+  // how many blocks above the cap kvd asks back.
+  int64_t SetCreditLocked(const WorkerId& worker, const WorkerId& principal, const CreditWant& want)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The credit's ledger owner in `pool` of `worker`, or null when it holds none there.
+  const cache_state::PoolCredit* FindCreditLocked(const WorkerId& worker, PoolId pool) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives back every credit block of `worker`; returns them (by pool) for a fence, when asked.
   void DropCreditLocked(const WorkerId& worker, std::vector<CreditHeld>* taken) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -323,6 +339,7 @@ class KvCache final : public TierPort {
   absl::flat_hash_map<WorkerId, int64_t> checkpoint_state_by_worker_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<WorkerId, cache_state::WorkerCredit> credit_ ABSL_GUARDED_BY(mu_);
+  BlockLedger owners_ ABSL_GUARDED_BY(mu_);  // who may write each block (block_ledger.h)
   FenceMap fences_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, int32_t> fenced_ ABSL_GUARDED_BY(mu_);  // fences per block, by cache_state::FencedBlockKey
   absl::btree_map<std::pair<absl::Time, SessionId>, bool> session_expiry_ ABSL_GUARDED_BY(mu_);

@@ -36,13 +36,57 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
     ++usage[req->spec.limit_key()].requests;
     usage[req->spec.limit_key()].reserved_bytes += ledger_.BytesOf(req->pool, req->reserved_blocks);
   }
+  // The ownership ledger (block_ledger.h): every owner it records is live and of its kind, every
+  // block it records is owned under that owner's serial, and a credit owner is its worker's.
+  int64_t credit_owners = 0;
+  absl::Status ledger_ok;
+  owners_.ForEachOwner([&](const Owner& o, PoolId p, const absl::flat_hash_set<BlockIndex>& blocks) {
+    if (!ledger_ok.ok()) return;
+    if (o.kind == OwnerKind::kCredit) {
+      ++credit_owners;
+      const cache_state::PoolCredit* pc = FindCreditLocked(o.attachment, p);
+      if (pc == nullptr || pc->serial != o.epoch) {
+        ledger_ok = fail("the ledger names credit epoch ", o.epoch, " of '", o.attachment.value(),
+                         "' in pool ", p, ", which that worker does not hold");
+        return;
+      }
+    }
+    for (BlockIndex b : blocks) {
+      const BlockState& s = pools_[p]->blocks[b];
+      if (s.kind != BlockState::Kind::kOwned || s.owner != o.epoch || s.refs == 0) {
+        ledger_ok = fail("the ledger says ", OwnerKindName(o.kind), " of '", o.attachment.value(),
+                         "' writes block ", b, " of pool ", p, ", which it does not own");
+        return;
+      }
+      const Owner* slot = owners_.OwnerOf(p, b);
+      if (slot == nullptr || !(*slot == o)) {
+        ledger_ok = fail("block ", b, " of pool ", p, " has two owners in the ledger");
+        return;
+      }
+    }
+  });
+  if (!ledger_ok.ok()) return ledger_ok;
+  int64_t ledger_blocks = 0;
+  owners_.ForEach([&](PoolId p, BlockIndex b, const Owner&) {
+    ++ledger_blocks;
+    if (pools_[p]->blocks[b].kind == BlockState::Kind::kFree && ledger_ok.ok()) {
+      ledger_ok = fail("block ", b, " of pool ", p, " is on the free list and has an owner");
+    }
+  });
+  if (!ledger_ok.ok()) return ledger_ok;
+  if (ledger_blocks != owners_.num_owned()) return fail("the ledger's owned count drifted");
+  int64_t credit_pools = 0;
+  for (const auto& [worker, credit] : credit_) credit_pools += static_cast<int64_t>(credit.pools.size());
+  if (credit_pools != credit_owners) return fail("credit entries and the ledger's credit owners differ");
+
   for (const auto& [worker, credit] : credit_) {
     for (const auto& [p, pc] : credit.pools) {
-      if (pc.blocks.empty()) return fail("worker ", worker.value(), " keeps an empty credit entry");
+      const absl::flat_hash_set<BlockIndex>& blocks = owners_.BlocksOf(pc.serial);
+      if (blocks.empty()) return fail("worker ", worker.value(), " keeps an empty credit entry");
       live_serials[pc.serial] = p;
-      reserved[p] += static_cast<int64_t>(pc.blocks.size());
-      usage[credit.principal].reserved_bytes += ledger_.BytesOf(p, static_cast<int64_t>(pc.blocks.size()));
-      for (BlockIndex b : pc.blocks) {
+      reserved[p] += static_cast<int64_t>(blocks.size());
+      usage[credit.principal].reserved_bytes += ledger_.BytesOf(p, static_cast<int64_t>(blocks.size()));
+      for (BlockIndex b : blocks) {
         ++refs[p][b];
         const BlockState& s = pools_[p]->blocks[b];
         if (s.kind != BlockState::Kind::kOwned || s.owner != pc.serial) {

@@ -103,12 +103,13 @@ struct FenceRecord {
   int64_t charged_blocks = 0;  // charged to the ledger (the blocks it claimed from free)
   absl::Time until;
 };
-// A worker's block credit (proto/vocab/step_types.h) in one pool: free blocks it may place into its
-// requests' tables without asking, owned under `serial` and charged to the ledger and to the
-// worker's principal one block each until a grow names them or they are given back.
+// A worker's block credit (proto/vocab/step_types.h) in one pool: blocks it may place into its
+// requests' tables without asking, owned under `serial` (BlockState::owner) and charged to the
+// budget and to the worker's principal one block each until a grow names them or the worker
+// gives them back by name. Which blocks it holds is the BlockLedger's record of Owner{kCredit,
+// worker, serial} (KvCache::owners_): a grow checks and takes each one in O(1) under the lock.
 struct PoolCredit {
   uint64_t serial = 0;
-  absl::flat_hash_set<BlockIndex> blocks;  // a grow checks and takes each one in O(1) under the lock
 };
 struct WorkerCredit {
   WorkerId principal;  // whose per-worker limits the credit counts against

@@ -2,6 +2,7 @@
 // worker's block credit (proto/vocab/step_types.h states what credit is and promises).
 #include <algorithm>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "proto/vocab/status_macros.h"
 #include "server/core/kv_cache.h"
@@ -16,12 +17,16 @@ std::vector<StepOpResult> KvCache::Step(const WorkerId& worker, const WorkerId& 
     absl::MutexLock lock(&mu_);
     ExpireLocked(nullptr);
     for (size_t i = 0; i < ops.size(); ++i) out[i] = ApplyStepOpLocked(worker, ops[i]);
-    for (const CreditWant& want : credit) SetCreditLocked(worker, principal, want);
+    absl::flat_hash_map<PoolId, int64_t> wanted;
+    for (const CreditWant& want : credit) wanted[want.pool] = SetCreditLocked(worker, principal, want);
     if (held != nullptr) {
       held->clear();
       if (auto it = credit_.find(worker); it != credit_.end()) {
         for (const auto& [pool, pc] : it->second.pools) {
-          held->push_back(CreditHeld{pool, std::vector<BlockIndex>(pc.blocks.begin(), pc.blocks.end())});
+          const absl::flat_hash_set<BlockIndex>& blocks = owners_.BlocksOf(pc.serial);
+          auto w = wanted.find(pool);
+          held->push_back(CreditHeld{pool, std::vector<BlockIndex>(blocks.begin(), blocks.end()),
+                                     w == wanted.end() ? 0 : w->second});
         }
       }
       std::sort(held->begin(), held->end(), [](const CreditHeld& a, const CreditHeld& b) { return a.pool < b.pool; });
@@ -34,10 +39,49 @@ std::vector<StepOpResult> KvCache::Step(const WorkerId& worker, const WorkerId& 
 
 int64_t KvCache::CreditBlocks(const WorkerId& worker, PoolId pool) const {
   absl::MutexLock lock(&mu_);
+  const cache_state::PoolCredit* pc = FindCreditLocked(worker, pool);
+  return pc == nullptr ? 0 : static_cast<int64_t>(owners_.BlocksOf(pc->serial).size());
+}
+
+int64_t KvCache::DropCredit(const WorkerId& worker) {
+  std::vector<CreditHeld> taken;
+  {
+    absl::MutexLock lock(&mu_);
+    DropCreditLocked(worker, &taken);
+    UpdatePressureLocked();
+  }
+  Deliver();
+  int64_t n = 0;
+  for (const CreditHeld& c : taken) n += static_cast<int64_t>(c.blocks.size());
+  return n;
+}
+
+const cache_state::PoolCredit* KvCache::FindCreditLocked(const WorkerId& worker, PoolId pool) const {
   auto w = credit_.find(worker);
-  if (w == credit_.end()) return 0;
+  if (w == credit_.end()) return nullptr;
   auto p = w->second.pools.find(pool);
-  return p == w->second.pools.end() ? 0 : static_cast<int64_t>(p->second.blocks.size());
+  return p == w->second.pools.end() ? nullptr : &p->second;
+}
+
+absl::Status KvCache::CheckCreditForTesting(const WorkerId& worker, PoolId pool,
+                                            absl::Span<const BlockIndex> believed) const {
+  absl::MutexLock lock(&mu_);
+  const cache_state::PoolCredit* pc = FindCreditLocked(worker, pool);
+  for (BlockIndex b : believed) {
+    if (pool >= pools_.size() || b >= pools_[pool]->blocks.size()) {
+      return absl::InternalError(absl::StrCat("block ", b, " of pool ", pool, " does not exist"));
+    }
+    const Owner* o = owners_.OwnerOf(pool, b);
+    if (pc == nullptr || o == nullptr || o->kind != OwnerKind::kCredit || o->epoch != pc->serial ||
+        o->attachment != worker) {
+      return absl::InternalError(absl::StrCat(
+          "block ", b, " that worker ", worker.value(), " placed or holds as credit is ",
+          o == nullptr ? std::string("not owned in the ledger")
+                       : absl::StrCat("held by ", OwnerKindName(o->kind), " of '", o->attachment.value(), "'"),
+          "; its BlockState is ", static_cast<int>(pools_[pool]->blocks[b].kind)));
+    }
+  }
+  return absl::OkStatus();
 }
 
 StepOpResult KvCache::ApplyStepOpLocked(const WorkerId& worker, StepOp& op) {
@@ -116,16 +160,12 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
                                                    " positions takes ", needed, " new blocks, not the ", given,
                                                    " credit blocks named"));
   }
-  cache_state::PoolCredit* pc = nullptr;
+  const cache_state::PoolCredit* pc = given > 0 ? FindCreditLocked(req->spec.owner, req->pool) : nullptr;
   if (given > 0) {
-    auto w = credit_.find(req->spec.owner);
-    if (w != credit_.end()) {
-      auto p = w->second.pools.find(req->pool);
-      if (p != w->second.pools.end()) pc = &p->second;
-    }
+    const absl::flat_hash_set<BlockIndex>* mine = pc != nullptr ? &owners_.BlocksOf(pc->serial) : nullptr;
     for (int64_t i = 0; i < given; ++i) {
       const BlockIndex b = credit[i];
-      const bool held = pc != nullptr && pc->blocks.contains(b);
+      const bool held = mine != nullptr && mine->contains(b);
       if (!held || std::find(credit.begin(), credit.begin() + i, b) != credit.begin() + i) {
         return absl::InvalidArgumentError(absl::StrCat("block ", b, " is not in this worker's credit in pool '",
                                                        pool.geometry.name, "' (used twice, or never granted)"));
@@ -136,7 +176,7 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
   const int64_t grow = std::max<int64_t>(0, have + needed - req->reserved_blocks);
   const int64_t from_credit = std::min(grow, given);
   const int64_t extra = grow - from_credit;
-  const WorkerId& principal = pc != nullptr ? credit_[req->spec.owner].principal : req->spec.limit_key();
+  const WorkerId principal = pc != nullptr ? credit_[req->spec.owner].principal : req->spec.limit_key();
   const int64_t moved = principal == req->spec.limit_key() ? 0 : from_credit;
   if (!ledger_.CanReserve(req->pool, extra)) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -145,9 +185,17 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
   KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(req->spec.limit_key(), 0, ledger_.BytesOf(req->pool, extra + moved)));
   KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> owned, AllocateOwnedLocked(req->pool, needed - given, req->serial));
   std::vector<BlockIndex> appended(credit.begin(), credit.end());
-  for (BlockIndex b : credit) {
-    pc->blocks.erase(b);
-    pool.blocks[b].owner = req->serial;  // its one reference passes from the credit to the table
+  if (given > 0) {
+    // The worker named them: its credit gives them to its request (one reference, from the credit
+    // to the table). The ledger records requests' blocks once that path is routed into it.
+    const Owner from{OwnerKind::kCredit, req->spec.owner, pc->serial};
+    for (BlockIndex b : credit) {
+      KVD_CHECK(owners_.Release(req->pool, b, from).ok());
+      pool.blocks[b].owner = req->serial;
+    }
+    cache_state::WorkerCredit& wc = credit_[req->spec.owner];
+    if (owners_.BlocksOf(pc->serial).empty()) wc.pools.erase(req->pool);
+    if (wc.pools.empty()) credit_.erase(req->spec.owner);
   }
   ledger_.Unreserve(req->pool, given - from_credit);
   KVD_CHECK(ledger_.Reserve(req->pool, extra).ok());
@@ -161,8 +209,8 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
   return appended;
 }
 
-void KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& principal, const CreditWant& want) {
-  if (want.pool >= pools_.size()) return;
+int64_t KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& principal, const CreditWant& want) {
+  if (want.pool >= pools_.size()) return 0;
   Pool& pool = *pools_[want.pool];
   // A worker's credit never takes more than an eighth of a pool: it is budget no request holds.
   int64_t target = std::clamp<int64_t>(want.blocks, 0, std::min(options_.step_credit_blocks,
@@ -173,16 +221,25 @@ void KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& principal,
   if (wc.principal.empty()) wc.principal = principal;
   cache_state::PoolCredit& pc = wc.pools[want.pool];
   if (pc.serial == 0) pc.serial = next_serial_++;
-  const int64_t have = static_cast<int64_t>(pc.blocks.size());
-  if (have > target) {  // any of them go back
-    std::vector<BlockIndex> back(pc.blocks.begin(), pc.blocks.end());
-    back.resize(static_cast<size_t>(have - target));
-    for (BlockIndex b : back) {
-      UnrefLocked(want.pool, b);
-      pc.blocks.erase(b);
-    }
-    ledger_.Unreserve(want.pool, have - target);
-    workers_.AddUsage(wc.principal, 0, -ledger_.BytesOf(want.pool, have - target));
+  const Owner me{OwnerKind::kCredit, worker, pc.serial};
+  // Returned by name: the worker says it placed none of them. A block it does not hold (adopted by
+  // a grow, named twice, never granted) is skipped; the answer lists what it holds.
+  int64_t back = 0;
+  for (BlockIndex b : want.returned) {
+    if (b >= pool.blocks.size() || !owners_.Release(want.pool, b, me).ok()) continue;
+    UnrefLocked(want.pool, b);
+    ++back;
+  }
+  if (back > 0) {
+    ledger_.Unreserve(want.pool, back);
+    workers_.AddUsage(wc.principal, 0, -ledger_.BytesOf(want.pool, back));
+  }
+  const int64_t have = static_cast<int64_t>(owners_.BlocksOf(pc.serial).size());
+  int64_t wanted = 0;
+  if (have > target) {
+    // Never taken here: the worker may be placing any of them into a request at this moment
+    // (client/client_step.cc places credit with no round trip). Asked back instead.
+    wanted = have - target;
   } else if (have < target) {
     int64_t n = target - have;
     // As much as fits now: the budget (so every admitted request still gets its blocks), the
@@ -195,22 +252,29 @@ void KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& principal,
     if (n > 0) {
       absl::StatusOr<std::vector<BlockIndex>> got = AllocateOwnedLocked(want.pool, n, pc.serial);
       KVD_CHECK(got.ok());
-      pc.blocks.insert(got->begin(), got->end());
+      for (BlockIndex b : *got) KVD_CHECK(owners_.Assign(want.pool, b, me).ok());
       KVD_CHECK(ledger_.Reserve(want.pool, n).ok());
       workers_.AddUsage(wc.principal, 0, ledger_.BytesOf(want.pool, n));
     }
   }
-  if (pc.blocks.empty()) wc.pools.erase(want.pool);
+  if (owners_.BlocksOf(pc.serial).empty()) wc.pools.erase(want.pool);
   if (wc.pools.empty()) credit_.erase(worker);
+  return wanted;
 }
 
 void KvCache::DropCreditLocked(const WorkerId& worker, std::vector<CreditHeld>* taken) {
   auto it = credit_.find(worker);
   if (it == credit_.end()) return;
   for (auto& [pool, pc] : it->second.pools) {
-    const int64_t n = static_cast<int64_t>(pc.blocks.size());
-    if (taken != nullptr) taken->push_back(CreditHeld{pool, std::vector<BlockIndex>(pc.blocks.begin(), pc.blocks.end())});
-    for (BlockIndex b : pc.blocks) UnrefLocked(pool, b);
+    const Owner me{OwnerKind::kCredit, worker, pc.serial};
+    const absl::flat_hash_set<BlockIndex>& mine = owners_.BlocksOf(pc.serial);
+    std::vector<BlockIndex> blocks(mine.begin(), mine.end());
+    const int64_t n = static_cast<int64_t>(blocks.size());
+    for (BlockIndex b : blocks) {
+      KVD_CHECK(owners_.Release(pool, b, me).ok());
+      UnrefLocked(pool, b);
+    }
+    if (taken != nullptr) taken->push_back(CreditHeld{pool, std::move(blocks)});
     ledger_.Unreserve(pool, n);
     workers_.AddUsage(it->second.principal, 0, -ledger_.BytesOf(pool, n));
   }

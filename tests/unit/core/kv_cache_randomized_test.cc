@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
 #include "server/core/kv_cache.h"
 #include "tests/unit/core/test_util.h"
 
@@ -283,6 +284,199 @@ TEST_CASE("Random operation sequences keep every invariant and never serve wrong
     CHECK(r.evictions[static_cast<int>(EvictReason::kCapacity)] > 0);
     CHECK(r.published_blocks > 0);
     CHECK(r.waited > 0);
+  }
+}
+
+// Issue 40, items 1 and 5: several workers step with block credit the way the clients do. Each
+// places credit into its requests in its own process and reports it later (placed, unreported);
+// some steps' answers are lost (the client drops its credit and re-syncs); another worker's large
+// requests push pressure to high and critical and back. After every step the ownership ledger
+// must agree with everything, and every block a worker may be writing through its credit (held
+// or placed, unreported) must still be that worker's credit: kvd took none of it and handed none
+// of it to anyone else.
+class StepHarness {
+ public:
+  explicit StepHarness(uint32_t seed) : rng_(seed) {
+    CacheOptions o = SmallOptions(96);
+    o.step_credit_blocks = 12;
+    cache_ = MakeCache(o, &clock_);
+    for (int i = 0; i < 3; ++i) workers_.push_back(Worker{WorkerId(absl::StrCat("w", i))});
+  }
+  KvCache& cache() { return *cache_; }
+  int64_t lost() const { return lost_; }
+  int64_t asked() const { return asked_; }
+
+  void Step() {
+    const int pick = static_cast<int>(rng_() % 8);
+    if (pick == 0) return Pressure();
+    Worker& w = workers_[rng_() % workers_.size()];
+    // The engine's decode: covered growth placed at once, without a round trip.
+    bool must_send = false;
+    for (Live& r : w.live) {
+      if (r.broken || rng_() % 3 == 0) continue;
+      if (r.tokens + 1 > r.max_tokens) continue;
+      const bool crosses = (r.tokens + 1 + kBt - 1) / kBt > r.table;
+      if (crosses && w.credit.empty()) {
+        must_send = true;
+        continue;
+      }
+      ++r.tokens;
+      ++r.held_tokens;
+      if (crosses) {
+        r.placed.push_back(w.credit.back());
+        w.credit.pop_back();
+        ++r.table;
+      }
+    }
+    if (must_send || w.credit.size() < 4 || rng_() % 3 == 0) Sync(w);
+    Check();
+  }
+
+  void Check() {
+    RequireInvariants(*cache_);
+    for (const Worker& w : workers_) {
+      std::vector<BlockIndex> believed = w.credit;
+      for (const Live& r : w.live) believed.insert(believed.end(), r.placed.begin(), r.placed.end());
+      absl::Status s = cache_->CheckCreditForTesting(w.id, 0, believed);
+      INFO(s.ToString());
+      REQUIRE(s.ok());
+    }
+  }
+
+ private:
+  struct Live {
+    RequestId id;
+    int64_t tokens = 0;
+    int64_t max_tokens = 0;
+    int64_t table = 0;
+    int64_t held_tokens = 0;          // grown here, not told yet
+    std::vector<BlockIndex> placed;   // credit placed into it, not told yet
+    bool broken = false;              // a step naming it lost its answer: only ended now
+  };
+  struct Worker {
+    WorkerId id;
+    std::vector<BlockIndex> credit;   // what the last answer listed, less what was placed since
+    int64_t wanted = 0;               // what kvd asked back in its last answer
+    std::vector<Live> live;
+  };
+
+  // A step that goes out: held growth, ends, and the credit (returning what kvd asked for).
+  void Sync(Worker& w) {
+    std::vector<StepOp> ops;
+    std::vector<size_t> op_live;  // ops[k] is about w.live[op_live[k]]
+    for (size_t i = 0; i < w.live.size(); ++i) {
+      Live& r = w.live[i];
+      StepOp op;
+      op.id = r.id;
+      if (r.broken) {
+        op.kind = StepOpKind::kPreempt;  // only an end or preempt for a request that was named
+      } else if (r.held_tokens > 0) {
+        op.kind = StepOpKind::kGrow;
+        op.tokens = r.held_tokens;
+        op.credit_blocks = r.placed;
+      } else if (rng_() % 6 == 0) {
+        op.kind = StepOpKind::kEnd;
+        op.completed = true;
+      } else {
+        continue;
+      }
+      ops.push_back(std::move(op));
+      op_live.push_back(i);
+    }
+    CreditWant want{0, 12, {}};
+    for (int64_t k = 0; k < w.wanted && !w.credit.empty(); ++k) {
+      want.returned.push_back(w.credit.back());
+      w.credit.pop_back();
+    }
+    std::vector<CreditHeld> held;
+    std::vector<StepOpResult> results = cache_->Step(w.id, w.id, ops, {want}, &held);
+    const bool answer_lost = rng_() % 10 == 0;
+    std::vector<bool> gone(w.live.size(), false);
+    for (size_t k = 0; k < ops.size(); ++k) {
+      Live& r = w.live[op_live[k]];
+      if (ops[k].kind != StepOpKind::kGrow) {
+        REQUIRE(results[k].status.ok());
+        gone[op_live[k]] = true;
+      } else if (answer_lost) {
+        // Unknown outcome: the request it named can no longer be trusted.
+        r.broken = true;
+        r.placed.clear();
+        r.held_tokens = 0;
+      } else {
+        INFO(results[k].status.ToString());
+        REQUIRE(results[k].status.ok());
+        r.table += static_cast<int64_t>(results[k].blocks.size() - r.placed.size());
+        r.placed.clear();
+        r.held_tokens = 0;
+      }
+    }
+    if (answer_lost) {
+      // The credit list is dropped until an answer lists it again: nothing is placed meanwhile.
+      ++lost_;
+      w.credit.clear();
+      w.wanted = 0;
+    } else {
+      w.credit = held.empty() ? std::vector<BlockIndex>{} : held[0].blocks;
+      w.wanted = held.empty() ? 0 : held[0].wanted;
+      asked_ += w.wanted > 0 ? 1 : 0;
+    }
+    std::vector<Live> keep;
+    for (size_t i = 0; i < w.live.size(); ++i) {
+      if (!gone[i]) keep.push_back(std::move(w.live[i]));
+    }
+    w.live = std::move(keep);
+    // New requests, when they fit.
+    while (w.live.size() < 4) {
+      RequestSpec spec = Spec(absl::StrCat("r", next_++), Seq(static_cast<Token>(100 * next_), 1 + rng_() % 9), 12);
+      spec.owner = w.id;
+      absl::StatusOr<AdmitResult> a = cache_->Admit(spec);
+      if (!a.ok() || a->decision != AdmitDecision::kAdmitted) break;
+      absl::StatusOr<AcquireResult> acq = cache_->Acquire(spec.id);
+      REQUIRE(acq.ok());
+      Live r;
+      r.id = spec.id;
+      r.tokens = static_cast<int64_t>(spec.prompt.size());
+      r.max_tokens = r.tokens + 12;
+      r.table = static_cast<int64_t>(acq->blocks.size());
+      w.live.push_back(std::move(r));
+    }
+  }
+
+  // Another worker's large requests come and go: pressure high, critical, then normal again.
+  void Pressure() {
+    if (!big_.empty()) {
+      REQUIRE(cache_->Release(big_.back(), true).ok());
+      big_.pop_back();
+      return;
+    }
+    for (int i = 0; i < 3; ++i) {
+      RequestSpec spec = Spec(absl::StrCat("big", next_++), Seq(static_cast<Token>(90000 + 1000 * next_), 80), 0);
+      spec.owner = WorkerId("hog");
+      absl::StatusOr<AdmitResult> a = cache_->Admit(spec);
+      if (!a.ok() || a->decision != AdmitDecision::kAdmitted) break;
+      REQUIRE(cache_->Acquire(spec.id).ok());
+      big_.push_back(spec.id);
+    }
+  }
+
+  std::mt19937 rng_;
+  FakeClock clock_;
+  std::unique_ptr<KvCache> cache_;
+  std::vector<Worker> workers_;
+  std::vector<RequestId> big_;
+  int next_ = 0;
+  int64_t lost_ = 0;
+  int64_t asked_ = 0;
+};
+
+TEST_CASE("Random steps with credit under pressure and lost answers keep one writer per block",
+          "[core][randomized][step]") {
+  for (uint32_t seed : {1u, 2u, 3u, 4u}) {
+    INFO("seed " << seed);
+    StepHarness h(seed);
+    for (int step = 0; step < 1500; ++step) h.Step();
+    CHECK(h.lost() > 0);
+    CHECK(h.asked() > 0);
   }
 }
 

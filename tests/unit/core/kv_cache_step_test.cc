@@ -19,6 +19,11 @@ using namespace kvd::testing;
 
 const WorkerId kW("w0");
 
+void RequireOk(const absl::Status& s) {
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+}
+
 StepOp Op(StepOpKind kind, const std::string& id) {
   StepOp op;
   op.kind = kind;
@@ -26,9 +31,11 @@ StepOp Op(StepOpKind kind, const std::string& id) {
   return op;
 }
 
-std::vector<BlockIndex> Credit(KvCache& cache, int64_t want, PoolId pool = 0, const WorkerId& w = kW) {
+std::vector<BlockIndex> Credit(KvCache& cache, int64_t want, PoolId pool = 0, const WorkerId& w = kW,
+                               std::vector<BlockIndex> returned = {}, int64_t* wanted = nullptr) {
   std::vector<CreditHeld> held;
-  cache.Step(w, w, {}, {CreditWant{pool, want}}, &held);
+  cache.Step(w, w, {}, {CreditWant{pool, want, std::move(returned)}}, &held);
+  if (wanted != nullptr) *wanted = held.empty() ? 0 : held[0].wanted;
   return held.empty() ? std::vector<BlockIndex>{} : held[0].blocks;
 }
 
@@ -86,21 +93,99 @@ TEST_CASE("Credit is granted, adopted by a grow once, charged exactly and given 
     REQUIRE(cache->Report().reserved_bytes == 0);
     REQUIRE(cache->Report().pools[0].free_blocks == 64);
   }
-  SECTION("asking for less trims it") {
-    REQUIRE(Credit(*cache, 2).size() == 2);
+  SECTION("asking for less asks back and takes nothing; blocks named as returned go back") {
+    int64_t wanted = 0;
+    std::vector<BlockIndex> now = Credit(*cache, 2, 0, kW, {}, &wanted);
+    REQUIRE(now.size() == 7);
+    REQUIRE(wanted == 5);
+    RequireOk(cache->CheckCreditForTesting(kW, 0, now));
     RequireInvariants(*cache);
-    REQUIRE(Credit(*cache, 0).empty());
+    const int64_t reserved = cache->Report().reserved_bytes;
+    // Five named, one of them twice and one never held: those two are skipped.
+    std::vector<BlockIndex> back(now.begin(), now.begin() + 5);
+    back.push_back(now[0]);
+    back.push_back(credit.back());  // adopted by the grow above
+    now = Credit(*cache, 2, 0, kW, back, &wanted);
+    REQUIRE(now.size() == 2);
+    REQUIRE(wanted == 0);
+    REQUIRE(cache->Report().reserved_bytes == reserved - 5 * 64);
+    RequireInvariants(*cache);
+    REQUIRE(Credit(*cache, 0, 0, kW, now, &wanted).empty());
     RequireInvariants(*cache);
   }
-  SECTION("a handoff fences it with the worker's pid") {
-    REQUIRE(cache->EndAllFenced(clock.Now() + absl::Seconds(10), {{kW, 77}}) == 1);
+  SECTION("a handoff fences it for the worker's attachment") {
+    REQUIRE(cache->EndAllFenced(absl::Seconds(10), {{kW, 77}}) == 1);
     RequireInvariants(*cache);
     // Nothing the worker could still be writing is handed out: 4 table blocks + 7 credit fenced.
     REQUIRE(cache->Report().pools[0].owned_blocks == 4 + 7);
-    REQUIRE(cache->LiftFences(77) == 4 + 7);
+    REQUIRE(cache->LiftFences(kW, 77) == 4 + 7);
     RequireInvariants(*cache);
     REQUIRE(cache->Report().reserved_bytes == 0);
   }
+}
+
+// Issue 40, item 1: under pressure kvd used to give the first blocks of a worker's credit back to
+// the free list while the worker could be placing them (the C++ client places credit with no round
+// trip); the next allocation (LIFO) handed them to another worker. Now it asks and waits.
+TEST_CASE("Credit is never taken back under a worker's feet, whatever the pressure", "[core][step]") {
+  FakeClock clock;
+  CacheOptions o = SmallOptions(64);
+  o.step_credit_blocks = 100;
+  auto cache = MakeCache(o, &clock);
+  const WorkerId other("w1");
+  std::vector<BlockIndex> credit = Credit(*cache, 8);
+  REQUIRE(credit.size() == 8);
+  // The worker places its last credit block into a request of its own, unreported yet.
+  const std::vector<BlockIndex> believed = credit;
+  const bool critical = GENERATE(false, true);
+  // Another worker fills the budget: 8 + 52 of 64 blocks reserved is high pressure, 8 + 53 critical.
+  RequestSpec big = Spec("big", Seq(1000, critical ? 212 : 208), 0);
+  big.owner = other;
+  Start(*cache, big);
+  REQUIRE(cache->pressure_level() == (critical ? PressureLevel::kCritical : PressureLevel::kHigh));
+
+  int64_t wanted = 0;
+  std::vector<BlockIndex> held = Credit(*cache, 8, 0, kW, {}, &wanted);
+  REQUIRE(held.size() == 8);
+  REQUIRE(wanted == (critical ? 8 : 6));
+  RequireOk(cache->CheckCreditForTesting(kW, 0, believed));
+  RequireInvariants(*cache);
+  // Whatever the other worker takes now, it is none of the blocks this worker may be writing.
+  const int64_t rest = critical ? 3 : 4;
+  RequestSpec small = Spec("small", Seq(5000, static_cast<int>(4 * rest)), 0);
+  small.owner = other;
+  const AcquireResult got = Start(*cache, small);
+  for (BlockIndex b : got.blocks) {
+    INFO("block " << b);
+    REQUIRE(std::find(believed.begin(), believed.end(), b) == believed.end());
+  }
+  RequireOk(cache->CheckCreditForTesting(kW, 0, believed));
+  RequireInvariants(*cache);
+  // The worker answers: it gives back what it has not placed, by name; those go back at once.
+  std::vector<BlockIndex> back(believed.begin(), believed.end() - 1);
+  held = Credit(*cache, 8, 0, kW, back, &wanted);
+  REQUIRE(held == std::vector<BlockIndex>{believed.back()});
+  REQUIRE(wanted == 1);  // still critical: the small request took the rest
+  RequireInvariants(*cache);
+}
+
+// Issue 40, item 5: while starts wait, the service asks a worker's credit back (wants 0); a worker
+// that detaches after a grant loses what it was granted.
+TEST_CASE("Credit asked back is returned only by name; a worker that goes drops it", "[core][step]") {
+  FakeClock clock;
+  CacheOptions o = SmallOptions(64);
+  o.step_credit_blocks = 100;
+  auto cache = MakeCache(o, &clock);
+  std::vector<BlockIndex> credit = Credit(*cache, 8);
+  int64_t wanted = 0;
+  REQUIRE(Credit(*cache, 0, 0, kW, {}, &wanted).size() == 8);
+  REQUIRE(wanted == 8);
+  REQUIRE(cache->CreditBlocks(kW, 0) == 8);
+  REQUIRE(cache->DropCredit(kW) == 8);
+  REQUIRE(cache->CreditBlocks(kW, 0) == 0);
+  REQUIRE(cache->Report().reserved_bytes == 0);
+  REQUIRE(!cache->CheckCreditForTesting(kW, 0, credit).ok());
+  RequireInvariants(*cache);
 }
 
 TEST_CASE("A step's ops apply in order, each with its own status", "[core][step]") {
