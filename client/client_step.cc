@@ -9,6 +9,11 @@
 // listed, less the blocks held growth has taken since that step went out. A step that fails as a
 // whole is sent again with the same sequence number (kvd answers a repeat from its record, without
 // applying it twice) while the attachment lasts.
+//
+// Credit is never taken from under the engine: kvd asks for blocks back (StepCredit.wanted) and
+// the next step that goes out names that many unplaced ones (CreditWant.returned), taken off the
+// list before it is sent. A step whose outcome the client never learned (its retries failed)
+// drops the whole credit list: nothing is placed from it until an answer lists the credit again.
 #include "client/client.h"
 #include "client/client_impl.h"
 
@@ -126,12 +131,21 @@ void ApplyHeld(Client::Impl& im, const std::vector<StepState::HeldGrowth>& sent,
   absl::flat_hash_set<BlockIndex> taken;  // by growth held since this step went out
   for (const StepState::HeldGrowth& h : im.steps.held) taken.insert(h.credit_blocks.begin(), h.credit_blocks.end());
   for (auto& [pool, blocks] : im.steps.credit) blocks.clear();
+  im.steps.wanted.clear();
   for (const v1::StepCredit& c : resp.credit()) {
     std::vector<BlockIndex>& mine = im.steps.credit[c.pool_id()];
     for (uint32_t b : c.blocks()) {
       if (!taken.contains(b)) mine.push_back(b);
     }
+    if (c.wanted() > 0) im.steps.wanted[c.pool_id()] = c.wanted();
   }
+}
+
+// A step's outcome is unknown: the credit list may name blocks kvd no longer counts as this
+// worker's (a return it applied), so none is placed until an answer lists the credit again.
+void DropCredit(Client::Impl& im) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
+  im.steps.credit.clear();
+  im.steps.wanted.clear();
 }
 
 }  // namespace
@@ -154,8 +168,10 @@ void Client::Impl::Report() {
       if (resp.ok()) {
         ApplyHeld(*this, items, *resp, &steps.report_errors);
       } else {
-        // Unknown whether kvd applied it: the requests it named can no longer be trusted.
+        // Unknown whether kvd applied it: the requests it named can no longer be trusted, and the
+        // credit is re-synced from the next answer.
         for (const StepState::HeldGrowth& h : items) steps.report_errors.emplace_back(h.req, resp.status());
+        DropCredit(*this);
       }
     }
     steps.reporting = false;
@@ -185,6 +201,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
     im.steps.held.clear();
     im.steps.held_index.clear();
     im.steps.peak_need.clear();
+    im.steps.wanted.clear();
   }
   const std::vector<PoolView>& views = pools();
   const auto& items = batch.items();
@@ -263,17 +280,28 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
   auto want = [&](PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
     return im.options.step_credit_blocks <= 0 ? 0 : std::max(im.options.step_credit_blocks, 2 * im.steps.peak_need[pool]);
   };
-  bool low = false;
+  bool low = !im.steps.wanted.empty();  // kvd asked for blocks back: tell it soon
   for (const auto& [pool, used] : pools_used) {
     low |= static_cast<int64_t>(im.steps.credit[pool].size()) < want(pool) / 2;
   }
+  // The credit asked for, and the blocks kvd asked back, returned by name: off the list first,
+  // so that nothing places them while the step is in flight.
   auto add_credit = [&](v1::StepRequest* req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
-    if (im.options.step_credit_blocks <= 0) return;
+    for (const auto& [pool, n] : im.steps.wanted) pools_used.try_emplace(pool, false);
     for (const auto& [pool, used] : pools_used) {
+      auto owed = im.steps.wanted.find(pool);
+      if (im.options.step_credit_blocks <= 0 && owed == im.steps.wanted.end()) continue;
       v1::CreditWant* c = req->add_credit();
       c->set_pool(views[pool].geometry.name);
       c->set_blocks(want(pool));
+      if (owed == im.steps.wanted.end()) continue;
+      std::vector<BlockIndex>& mine = im.steps.credit[pool];
+      for (int64_t k = 0; k < owed->second && !mine.empty(); ++k) {
+        c->add_returned(mine.back());
+        mine.pop_back();
+      }
     }
+    im.steps.wanted.clear();
   };
   if (!must_send) {
     if (low && !im.steps.reporting) {  // tell kvd and refill while the engine computes
@@ -333,7 +361,6 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
     }
     sent_item.push_back(i);
   }
-  add_credit(&req);
   // Host-synchronized publish: the bytes a publish or checkpoint names are in memory first.
   if (publishes) {
     if (absl::Status s = im.AwaitWrites(); !s.ok()) {
@@ -341,10 +368,13 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
       return s;
     }
   }
+  add_credit(&req);
   absl::StatusOr<v1::StepResponse> resp = SendStep(im, req, epoch, absl::Seconds(30));
   if (!resp.ok()) {
-    // Unknown whether kvd applied it: the requests its held growth named can no longer be trusted.
+    // Unknown whether kvd applied it: the requests its held growth named can no longer be
+    // trusted, and the credit is re-synced from the next answer.
     for (const StepState::HeldGrowth& h : sent_held) h.req->error = resp.status();
+    DropCredit(im);
     return resp.status();
   }
   answer.sent = true;

@@ -33,6 +33,8 @@ struct StepState {
   uint64_t seq ABSL_GUARDED_BY(mu) = 0;
   absl::flat_hash_map<PoolId, std::vector<BlockIndex>> credit ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<PoolId, int64_t> peak_need ABSL_GUARDED_BY(mu);  // most blocks one step took
+  // Blocks kvd asked back (StepCredit.wanted) that the next step that goes out returns by name.
+  absl::flat_hash_map<PoolId, int64_t> wanted ABSL_GUARDED_BY(mu);
   std::vector<HeldGrowth> held ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<const StepRequest*, size_t> held_index ABSL_GUARDED_BY(mu);  // into `held`
   bool reporting ABSL_GUARDED_BY(mu) = false;  // a report is queued or in flight

@@ -6,12 +6,16 @@
 // per pool) and Acquire, which may finish on a promotion's thread; then the credit, with the
 // first part when the step has no start, else in a second KvCache::Step once every start is done.
 //
-// Locking: StepLog::mu guards a worker's last seq and answer, whether a step is being applied,
-// and its parked starts; ParkedStart::mu guards one start's answer from the admission queue. Each
-// is held only to read or write those fields: never while calling KvCache, the admission queue
-// or gRPC, and never one inside the other.
+// Locking: StepLog::mu guards a worker's last seq and answer, the step being applied and the
+// retries of it that wait for its answer, and its parked starts; ParkedStart::mu guards one
+// start's answer from the admission queue and whether it was withdrawn (so that a withdrawal and
+// an admission decide under one lock who gives the reservation back). Each is held only to read
+// or write those fields: never while calling KvCache, the admission queue or gRPC, and never one
+// inside the other.
 #include <atomic>
 #include <memory>
+
+#include <google/protobuf/util/message_differencer.h>
 
 #include "absl/strings/str_cat.h"
 #include "proto/convert.h"
@@ -25,13 +29,23 @@ struct KvdService::ParkedStart {
   absl::Mutex mu;
   bool answered ABSL_GUARDED_BY(mu) = false;
   absl::StatusOr<AdmitResult> result ABSL_GUARDED_BY(mu);
-  std::atomic<bool> cancelled{false};  // withdrawn (ended in a step) or its worker is gone
+  bool withdrawn ABSL_GUARDED_BY(mu) = false;  // ended in a step, or its worker is gone
+  std::atomic<bool> cancelled{false};          // `withdrawn`, as the admission queue reads it
+  v1::StartRequest start;  // as first sent, without its ids and wait: a resend must match it
 };
 
 struct KvdService::StepLog {
+  // A retry of the step being applied: answered with its answer once it is done.
+  struct Waiter {
+    grpc::ServerUnaryReactor* reactor;
+    v1::StepResponse* resp;
+    std::chrono::steady_clock::time_point start;
+  };
   absl::Mutex mu;
   uint64_t last_seq ABSL_GUARDED_BY(mu) = 0;
   bool busy ABSL_GUARDED_BY(mu) = false;
+  uint64_t busy_seq ABSL_GUARDED_BY(mu) = 0;  // the step being applied when busy
+  std::vector<Waiter> waiters ABSL_GUARDED_BY(mu);
   v1::StepResponse last ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<std::string, std::shared_ptr<ParkedStart>> parked ABSL_GUARDED_BY(mu);
 };
@@ -41,6 +55,15 @@ namespace {
 void SetStatus(const absl::Status& s, v1::StepResult* r) {
   r->set_code(static_cast<int32_t>(s.code()));
   r->set_message(std::string(s.message()));
+}
+
+// A start as compared between sends: what it asks for, not the ids the step carries or its wait.
+v1::StartRequest Comparable(const v1::StartRequest& sr) {
+  v1::StartRequest c = sr;
+  c.mutable_admit()->clear_worker_id();
+  c.mutable_admit()->clear_request_id();
+  c.clear_max_wait_ms();
+  return c;
 }
 
 // The item as the cache applies it. REQUIRES: a running-request op (not start, not empty).
@@ -111,9 +134,16 @@ void KvdService::ForgetSteps(const WorkerId& worker) {
     log = std::move(it->second);
     steps_.erase(it);
   }
-  absl::MutexLock lock(&log->mu);
-  for (auto& [id, park] : log->parked) park->cancelled = true;  // the queue drops them
-  log->parked.clear();
+  absl::flat_hash_map<std::string, std::shared_ptr<ParkedStart>> parked;
+  {
+    absl::MutexLock lock(&log->mu);
+    parked = std::exchange(log->parked, {});
+  }
+  for (auto& [id, park] : parked) {  // the queue drops them; one admitted meanwhile goes back
+    absl::MutexLock lock(&park->mu);
+    park->withdrawn = true;
+    park->cancelled = true;
+  }
 }
 
 absl::Status KvdService::CheckStep(const v1::StepRequest& req) const {
@@ -125,7 +155,11 @@ absl::Status KvdService::CheckStep(const v1::StepRequest& req) const {
   absl::flat_hash_map<std::string, int> seen;
   for (int i = 0; i < req.credit_size(); ++i) {
     const v1::CreditWant& c = req.credit(i);
-    KVD_RETURN_IF_ERROR(cache_->FindPool(c.pool()).status());
+    KVD_ASSIGN_OR_RETURN(const PoolId pool, cache_->FindPool(c.pool()));
+    if (c.returned_size() > cache_->pools()[pool].capacity_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat("credit for pool '", c.pool(), "' returns ", c.returned_size(),
+                                                     " blocks, more than the pool has"));
+    }
     if (c.blocks() < 0) {
       return absl::InvalidArgumentError(absl::StrCat("credit for pool '", c.pool(), "' asks for ", c.blocks(), " blocks"));
     }
@@ -157,9 +191,15 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
   {
     absl::MutexLock lock(&log->mu);
     absl::Status refused;
-    if (log->busy) {
+    if (log->busy && req->seq() == log->busy_seq) {
+      // A retry of the step being applied (its first attempt's connection broke, or timed out):
+      // it gets that step's answer once it is done, never a refusal of a step kvd then applies.
+      log->waiters.push_back(StepLog::Waiter{reactor, resp, start});
+      return reactor;
+    } else if (log->busy) {
       refused = absl::FailedPreconditionError(absl::StrCat(
-          "step ", req->seq(), " arrived while an earlier step of worker ", worker.value(), " is being applied"));
+          "step ", req->seq(), " arrived while step ", log->busy_seq, " of worker ", worker.value(),
+          " is being applied"));
     } else if (req->seq() == log->last_seq) {
       *resp = log->last;
       resp->set_replayed(true);
@@ -168,6 +208,7 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
           absl::StrCat("step seq ", req->seq(), " goes backwards: the last applied step is ", log->last_seq));
     } else {
       log->busy = true;
+      log->busy_seq = req->seq();
     }
     if (!refused.ok() || resp->replayed()) {
       FinishRpc(reactor, "Step", start, refused);
@@ -220,22 +261,26 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
         }
       }
       if (park != nullptr) {
-        park->cancelled = true;
+        // Decided under park->mu, as the admission callback decides: either it sees the start
+        // withdrawn and gives its reservation back, or it answered first and the request is
+        // ended here like any admitted one.
         absl::MutexLock lock(&park->mu);
+        park->withdrawn = true;
+        park->cancelled = true;
         if (!park->answered || !park->result.ok()) continue;  // nothing was admitted: OK
       }
     }
     ops.push_back(OpFromProto(item));
     op_items.push_back(i);
   }
-  // While starts wait for room, credit does not grow: it would take the room they wait for.
+  // While starts wait for room, credit does not grow and what is held is asked back: it is
+  // budget no request holds, and the room they wait for.
   const bool starts_waiting = admission_->waiting() > 0;
   std::vector<CreditWant> wants;
   for (const v1::CreditWant& c : req->credit()) {
     const PoolId pool = *cache_->FindPool(c.pool());
-    int64_t blocks = c.blocks();
-    if (starts_waiting) blocks = std::min(blocks, cache_->CreditBlocks(worker, pool));
-    wants.push_back(CreditWant{pool, blocks});
+    wants.push_back(CreditWant{pool, starts_waiting ? 0 : c.blocks(),
+                               std::vector<BlockIndex>(c.returned().begin(), c.returned().end())});
   }
   const bool credit_now = starts.empty();
   auto held = std::make_shared<std::vector<CreditHeld>>();
@@ -246,19 +291,38 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
     for (size_t k = 0; k < results.size(); ++k) ResultToProto(results[k], resp->mutable_results(op_items[k]));
     if (frees) admission_->Poke();
   }
-  auto finish = [this, reactor, resp, start, log, worker, principal, wants = std::move(wants), credit_now, held]() {
-    if (!credit_now) cache_->Step(worker, principal, {}, wants, held.get());
+  auto finish = [this, reactor, resp, start, log, worker, principal, key = caller->key, wants = std::move(wants),
+                 credit_now, held]() {
+    if (!credit_now) {
+      // After the starts, which may have waited past the worker's detach: what is granted to a
+      // worker that is gone goes back (its detach released what it held before this grant, or
+      // sees this grant: it removes the worker before it releases).
+      if (workers_->Check(worker, key).ok()) cache_->Step(worker, principal, {}, wants, held.get());
+      if (!workers_->Check(worker, key).ok()) {
+        held->clear();
+        (void)cache_->ReleaseWorker(worker);
+        admission_->Poke();
+      }
+    }
     for (const CreditHeld& c : *held) {
       v1::StepCredit* out = resp->add_credit();
       out->set_pool(cache_->pools()[c.pool].name);
       out->set_pool_id(c.pool);
       out->mutable_blocks()->Add(c.blocks.begin(), c.blocks.end());
+      out->set_wanted(c.wanted);
     }
+    std::vector<StepLog::Waiter> waiters;
     {
       absl::MutexLock lock(&log->mu);
       log->last = *resp;
       log->last_seq = resp->seq();
       log->busy = false;
+      waiters = std::exchange(log->waiters, {});
+    }
+    for (const StepLog::Waiter& w : waiters) {
+      *w.resp = *resp;
+      w.resp->set_replayed(true);
+      FinishRpc(w.reactor, "Step", w.start, absl::OkStatus());
     }
     FinishRpc(reactor, "Step", start, absl::OkStatus());
   };
@@ -295,27 +359,43 @@ void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const Worker
     absl::MutexLock lock(&log->mu);
     if (auto p = log->parked.find(item.request_id()); p != log->parked.end()) park = p->second;
   }
+  if (park != nullptr && !google::protobuf::util::MessageDifferencer::Equals(park->start, Comparable(sr))) {
+    // Sent again with another spec: it keeps its place with the first (refused, not swapped:
+    // what it asked for decided its place in the queue and its reservation).
+    return fail(absl::FailedPreconditionError(absl::StrCat(
+        "request '", LogSafe(item.request_id(), 256),
+        "' is waiting with another start; end it in a step to withdraw it, then start it anew")));
+  }
   if (park == nullptr) {
     RequestSpec spec = SpecFromProto(sr.admit());
     spec.id = id;
     spec.owner = worker;
     spec.principal = WorkerId(caller.key);
     park = std::make_shared<ParkedStart>();
+    park->start = Comparable(sr);
     const absl::Time deadline =
         absl::Now() + (sr.max_wait_ms() > 0 ? absl::Milliseconds(sr.max_wait_ms()) : kDefaultStartWait);
     admission_->Admit(
         std::move(spec), deadline, [park] { return park->cancelled.load(); },
         [this, park, worker, key = caller.key, id](absl::StatusOr<AdmitResult> admitted, absl::Duration) {
-          // Admitted after it was withdrawn or its worker went: the reservation goes back.
-          if (admitted.ok() && (park->cancelled.load() || !workers_->Check(worker, key).ok())) {
+          // Admitted after it was withdrawn or its worker went: the reservation goes back. Decided
+          // under park->mu, where a withdrawal marks it: exactly one of the two gives it back.
+          const bool worker_gone = !workers_->Check(worker, key).ok();
+          bool give_back = false;
+          {
+            absl::MutexLock lock(&park->mu);
+            if (admitted.ok() && (park->withdrawn || worker_gone)) {
+              give_back = true;
+              admitted = absl::FailedPreconditionError(
+                  absl::StrCat("request '", id.value(), "' was withdrawn or its worker detached while it waited"));
+            }
+            park->answered = true;
+            park->result = std::move(admitted);
+          }
+          if (give_back) {
             (void)cache_->Release(id, /*completed=*/false);
             admission_->Poke();
-            admitted = absl::FailedPreconditionError(
-                absl::StrCat("request '", id.value(), "' was withdrawn or its worker detached while it waited"));
           }
-          absl::MutexLock lock(&park->mu);
-          park->answered = true;
-          park->result = std::move(admitted);
         });
   }
   absl::StatusOr<AdmitResult> admitted;

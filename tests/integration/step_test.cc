@@ -3,6 +3,7 @@
 // and a kvd restart under a stepping client.
 #include <signal.h>
 
+#include <algorithm>
 #include <future>
 #include <set>
 
@@ -335,6 +336,143 @@ TEST_CASE("A start that does not fit waits in its pool's queue and keeps its pla
     REQUIRE(absl::IsNotFound(holder->GetHandle(RequestId("huge")).status()));
     REQUIRE(holder->Report()->live_requests == 1);  // small
   }
+}
+
+// Issue 40, items 1 and 5, against the real daemon with a hand-made (careless) client: under
+// critical pressure kvd used to give a worker's credit back to the free list at its next step,
+// and the next start (another worker's) was handed those blocks while the worker could still be
+// writing them. Now kvd asks for them back and waits for the worker to name them.
+TEST_CASE("Credit is asked back under pressure, never taken: nobody else is given a worker's credit",
+          "[integration][step]") {
+  DaemonProcess d(SmallPoolConfig(64));
+  auto observer = ConnectTo(d);
+  RawStepper careless(d);
+  RawStepper hog(d);
+  auto credit_step = [&](uint64_t seq, std::vector<uint32_t> returned, v1::StepResponse* resp) {
+    v1::StepRequest req;
+    req.set_seq(seq);
+    v1::CreditWant* c = req.add_credit();
+    c->set_pool("default");
+    c->set_blocks(8);
+    c->mutable_returned()->Add(returned.begin(), returned.end());
+    grpc::Status s = careless.Send(req, resp);
+    INFO(s.error_message());
+    REQUIRE(s.ok());
+  };
+  v1::StepResponse resp;
+  credit_step(1, {}, &resp);
+  REQUIRE(resp.credit_size() == 1);
+  const std::vector<uint32_t> credit(resp.credit(0).blocks().begin(), resp.credit(0).blocks().end());
+  REQUIRE(credit.size() == 8);  // an eighth of the pool
+
+  // Another worker takes 53 of the 56 blocks left: critical pressure.
+  v1::StepRequest big;
+  big.set_seq(1);
+  hog.Start(&big, "big", 180, /*max_new=*/20);
+  hog.Start(&big, "big2", 12, /*max_new=*/0);
+  v1::StepResponse big_resp;
+  REQUIRE(hog.Send(big, &big_resp).ok());
+  REQUIRE(big_resp.results(0).code() == 0);
+  REQUIRE(big_resp.results(1).code() == 0);
+
+  // The careless worker's next step asks for its usual credit and returns nothing.
+  credit_step(2, {}, &resp);
+  REQUIRE(resp.credit_size() == 1);
+  std::vector<uint32_t> held(resp.credit(0).blocks().begin(), resp.credit(0).blocks().end());
+  std::sort(held.begin(), held.end());
+  std::vector<uint32_t> sorted = credit;
+  std::sort(sorted.begin(), sorted.end());
+  REQUIRE(held == sorted);
+  REQUIRE(resp.credit(0).wanted() == 8);
+
+  // Whatever another worker starts now gets none of them.
+  v1::StepRequest small;
+  small.set_seq(2);
+  hog.Start(&small, "small", 12, /*max_new=*/0);
+  v1::StepResponse small_resp;
+  REQUIRE(hog.Send(small, &small_resp).ok());
+  REQUIRE(small_resp.results(0).code() == 0);
+  for (uint32_t b : small_resp.results(0).acquired().blocks()) {
+    INFO("block " << b);
+    REQUIRE(std::find(credit.begin(), credit.end(), b) == credit.end());
+  }
+
+  // Returned by name, they go back at once (a name it does not hold is skipped).
+  const int64_t reserved = observer->Report()->reserved_bytes;
+  std::vector<uint32_t> back = credit;
+  back.push_back(small_resp.results(0).acquired().blocks(0));
+  credit_step(3, back, &resp);
+  REQUIRE(resp.credit_size() == 0);
+  REQUIRE(observer->Report()->reserved_bytes < reserved);
+  REQUIRE(HandleTokens(*observer, "small") == 12);
+}
+
+TEST_CASE("A waiting start sent again with another spec is refused; credit is asked back while starts wait",
+          "[integration][step]") {
+  DaemonProcess d(SmallPoolConfig(64));
+  RawStepper worker(d);
+  RawStepper hog(d);
+  v1::StepRequest first;
+  first.set_seq(1);
+  first.add_credit()->set_pool("default");
+  first.mutable_credit(0)->set_blocks(8);
+  v1::StepResponse resp;
+  REQUIRE(worker.Send(first, &resp).ok());
+  REQUIRE(resp.credit(0).blocks_size() == 8);
+  v1::StepRequest big;
+  big.set_seq(1);
+  hog.Start(&big, "big", 160, /*max_new=*/0);  // 40 blocks: 16 left
+  REQUIRE(hog.Send(big, &resp).ok());
+  REQUIRE(resp.results(0).code() == 0);
+
+  v1::StepRequest wait;
+  wait.set_seq(2);
+  worker.Start(&wait, "w", 80, /*max_new=*/0)->mutable_start()->set_max_wait_ms(20000);  // 20 blocks
+  wait.add_credit()->set_pool("default");
+  wait.mutable_credit(0)->set_blocks(8);
+  REQUIRE(worker.Send(wait, &resp).ok());
+  REQUIRE(resp.results(0).code() == 0);
+  REQUIRE(resp.results(0).waiting());
+
+  // Sent again as it was: still waiting, and the worker's idle credit is asked back for it.
+  wait.set_seq(3);
+  REQUIRE(worker.Send(wait, &resp).ok());
+  REQUIRE(resp.results(0).code() == 0);
+  REQUIRE(resp.results(0).waiting());
+  REQUIRE(resp.credit_size() == 1);
+  REQUIRE(resp.credit(0).wanted() == resp.credit(0).blocks_size());
+  const std::vector<uint32_t> idle(resp.credit(0).blocks().begin(), resp.credit(0).blocks().end());
+
+  // Sent again asking for something else: refused, naming why; the first keeps its place.
+  v1::StepRequest other;
+  other.set_seq(4);
+  worker.Start(&other, "w", 84, /*max_new=*/0)->mutable_start()->set_max_wait_ms(20000);
+  REQUIRE(worker.Send(other, &resp).ok());
+  REQUIRE(resp.results(0).code() == grpc::StatusCode::FAILED_PRECONDITION);
+  REQUIRE_THAT(resp.results(0).message(), Catch::Contains("waiting with another start"));
+
+  // The worker gives its credit back; the hog ends: the first spec is admitted (20 blocks).
+  v1::StepRequest give;
+  give.set_seq(5);
+  give.add_credit()->set_pool("default");
+  give.mutable_credit(0)->mutable_returned()->Add(idle.begin(), idle.end());
+  REQUIRE(worker.Send(give, &resp).ok());
+  REQUIRE(resp.credit_size() == 0);
+  v1::StepRequest end;
+  end.set_seq(2);
+  v1::StepItem* e = end.add_items();
+  e->set_request_id("big");
+  e->mutable_end()->set_completed(true);
+  REQUIRE(hog.Send(end, &resp).ok());
+  REQUIRE(resp.results(0).code() == 0);
+  uint64_t seq = 6;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  do {
+    wait.set_seq(seq++);
+    REQUIRE(worker.Send(wait, &resp).ok());
+  } while (resp.results(0).waiting() && absl::Now() < deadline);
+  REQUIRE(resp.results(0).code() == 0);
+  REQUIRE(resp.results(0).acquired().blocks_size() == 20);
 }
 
 TEST_CASE("A kvd restart under a stepping client: its requests fail as restarted, credit starts over", "[integration][step]") {
