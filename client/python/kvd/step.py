@@ -12,6 +12,9 @@ Growth covered by credit is placed at once (appended to req.blocks) and held bac
 request; it goes out at the head of the next step that must (any other item, growth credit does not
 cover, or credit below half of what the client asks for). A step that fails as a whole is sent again
 with the same sequence number while the attachment lasts (kvd answers a repeat from its record).
+kvd never takes credit back: it asks (StepCredit.wanted), and the next step that goes out returns
+that many unplaced blocks by name. A step whose outcome stays unknown drops the credit list until
+an answer lists it again.
 """
 import time
 
@@ -97,6 +100,7 @@ class Stepper:
         self.epoch = None
         self.seq = 0
         self.credit = {}     # pool id -> [block]
+        self.wanted = {}     # pool id -> blocks kvd asked back, returned by the next step
         self.held = {}       # StepRequest -> [tokens, [credit blocks]] (insertion ordered)
         self.peak = {}       # pool id -> most blocks one step took
 
@@ -108,6 +112,7 @@ class Stepper:
         epoch = c.epoch
         if epoch != self.epoch:  # a new attachment: credit and held growth went with the old one
             self.epoch, self.seq, self.credit, self.held, self.peak = epoch, 0, {}, {}, {}
+            self.wanted = {}
         results = [StepResult() for _ in batch.items]
         send = [False] * len(batch.items)
         must, publishes = False, False
@@ -154,7 +159,7 @@ class Stepper:
             req.num_tokens += arg
         for p, n in need.items():
             self.peak[p] = max(self.peak.get(p, 0), n)
-        low = any(len(self.credit.get(p, [])) < self._want(p) // 2 for p in used)
+        low = bool(self.wanted) or any(len(self.credit.get(p, [])) < self._want(p) // 2 for p in used)
         if not must and not low:
             return results
 
@@ -179,11 +184,16 @@ class Stepper:
             else:
                 getattr(item, kind).CopyFrom(arg)
             sent.append(i)
-        if self.credit_blocks > 0:
-            for p in sorted(used):
-                step.credit.add(pool=c.pool(p).name, blocks=self._want(p))
         if publishes:
             c._await_writes()
+        for p in sorted(set(used) | set(self.wanted)):
+            owed = self.wanted.get(p, 0)
+            if self.credit_blocks <= 0 and owed == 0:
+                continue
+            mine = self.credit.setdefault(p, [])
+            back = [mine.pop() for _ in range(min(owed, len(mine)))]  # off the list before it is sent
+            step.credit.add(pool=c.pool(p).name, blocks=self._want(p), returned=back)
+        self.wanted = {}
         resp = None
         for attempt in range(3):
             try:
@@ -193,6 +203,7 @@ class Stepper:
                 if e.code != grpc.StatusCode.UNAVAILABLE or c.epoch != epoch or attempt == 2:
                     for req, _ in held:  # unknown whether kvd applied it: those requests are unusable
                         req.error = e
+                    self.credit, self.wanted = {}, {}  # and the credit is re-synced from the next answer
                     if c._lost(e, epoch):
                         raise KvdRestarted(f"step {step.seq}") from None
                     raise
@@ -222,6 +233,8 @@ class Stepper:
         self.credit = {}
         for cr in resp.credit:
             self.credit[cr.pool_id] = list(cr.blocks)
+            if cr.wanted > 0:
+                self.wanted[cr.pool_id] = cr.wanted
         return results
 
 
