@@ -284,8 +284,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
   }
   // Adopted memory may still be written by workers of the process that had it (docs/security.md,
   // "Leases and fencing"): what they may write stays fenced until they re-attach quiesced or a
-  // lease TTL has passed. A snapshot says which blocks; otherwise every free block is fenced.
-  const absl::Time fence_until = absl::Now() + so.lease_ttl;
+  // lease TTL has passed. A snapshot says which blocks; otherwise every free block is fenced, for
+  // the lease those workers were promised (the predecessor's, when it said; else this config's).
+  absl::Duration promised_ttl = so.lease_ttl;
+  if (received != nullptr && received->snapshot.lease_ttl > absl::ZeroDuration()) {
+    promised_ttl = received->snapshot.lease_ttl;
+  }
   bool fenced_all = false;
   if (received != nullptr) {
     // After Load, whose "all cleared" routers must hear first; the blocks are announced anew.
@@ -297,9 +301,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
     fenced_all = adopted;
   }
   if (fenced_all) {
-    const int64_t n = d->cache_->FenceFreeBlocks(fence_until);
+    const int64_t n = d->cache_->FenceFreeBlocks(promised_ttl);
     spdlog::warn("kept memory whose writers are unknown: {} block(s) are fenced for the lease TTL ({}); new "
-                 "requests wait for them", n, absl::FormatDuration(so.lease_ttl));
+                 "requests wait for them", n, absl::FormatDuration(promised_ttl));
   }
   if (d->tiers_ != nullptr && adopted) {
     if (fenced_all) {
@@ -436,7 +440,7 @@ void Daemon::LiftDueFences() {
   // A fenced writer that is gone writes nothing more.
   int64_t lifted = 0;
   for (uint32_t pid : cache_->FencedPids()) {
-    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) lifted += cache_->LiftFences(pid);
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) lifted += cache_->LiftFencesOfGone(pid);
   }
   const int64_t still = cache_->ExpireFences();
   if (restore_checkpoints_pending_ && still == 0 && tiers_ != nullptr) {
@@ -514,7 +518,7 @@ absl::StatusOr<HandoffOffer> Daemon::StopForHandoff() {
   HandoffOffer offer;
   // Live requests end as interrupted; what they owned stays fenced for their workers, which may
   // still be writing it, and crosses to the successor that way (kv_cache_fences.cc).
-  offer.requests_ended = cache_->EndAllFenced(absl::Now() + options_.server.lease_ttl, workers_->Pids());
+  offer.requests_ended = cache_->EndAllFenced(options_.server.lease_ttl, workers_->Pids());
   // The disk tier and the router events' ports go to the successor: close them before it opens
   // them. The metrics endpoint stays up (closing it takes civetweb half a second) but reads
   // nothing; the successor binds its address once this process has let it go (Start).
@@ -529,6 +533,7 @@ absl::StatusOr<HandoffOffer> Daemon::StopForHandoff() {
   offer.side_fd = handed_side_.get();
   offer.slabs = arena_->slabs();
   offer.snapshot = cache_->ExportSnapshot();
+  offer.snapshot.lease_ttl = options_.server.lease_ttl;
   handed_snapshot_ = offer.snapshot;
   spdlog::info("handoff: stopped; handing over {} cached block(s), {} slab(s); {} live request(s) ended",
                offer.snapshot.blocks.size(), offer.slabs.size(), offer.requests_ended);

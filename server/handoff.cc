@@ -95,9 +95,12 @@ void ToProto(const CacheSnapshot& in, pb::Snapshot* out) {
     p->set_pid(f.pid);
     p->set_pool(f.pool);
     p->mutable_blocks()->Add(f.blocks.begin(), f.blocks.end());
-    p->set_until_unix_ns(absl::ToUnixNanos(f.until));
+    p->set_until_unix_ns(absl::ToUnixNanos(absl::Now() + f.remaining));
+    p->set_attachment(f.attachment.value());
+    p->set_remaining_ns(absl::ToInt64Nanoseconds(f.remaining));
   }
   out->set_fences_known(in.fences_known);
+  out->set_lease_ttl_ms(absl::ToInt64Milliseconds(in.lease_ttl));
 }
 
 CacheSnapshot FromProto(const pb::Snapshot& in) {
@@ -137,9 +140,13 @@ CacheSnapshot FromProto(const pb::Snapshot& in) {
     f.pid = p.pid();
     f.pool = p.pool();
     f.blocks.assign(p.blocks().begin(), p.blocks().end());
-    f.until = absl::FromUnixNanos(p.until_unix_ns());
+    f.attachment = WorkerId(p.attachment());
+    // An older predecessor sends its wall-clock deadline only: the best this process can read of it.
+    f.remaining = p.remaining_ns() > 0 ? absl::Nanoseconds(p.remaining_ns())
+                                       : absl::FromUnixNanos(p.until_unix_ns()) - absl::Now();
   }
   out.fences_known = in.fences_known();
+  out.lease_ttl = absl::Milliseconds(in.lease_ttl_ms());
   return out;
 }
 

@@ -25,16 +25,27 @@
 // blocks): nothing changes then. A snapshot's fences are kept (until their time) and a cache
 // that holds a fence already refuses it too.
 //
-// Fences (kv_cache_fences.cc; docs/security.md, "Leases and fencing"):
-// - EndAllFenced(until, pids): ends every live request as interrupted (checkpoints kept, as
-//   Release does) and fences the blocks each owned, which its writer may still write, until
-//   `until`, for its worker's pid in `pids` (0 when absent). Returns the requests ended. For a
-//   daemon that stops serving.
-// - FenceFreeBlocks(until): fences every free block of every pool, for no pid: a start on memory
-//   whose writers are unknown (a crashed kvd's slabs, a failed handoff's). Returns the blocks.
-// - LiftFences(pid): hands on the blocks fenced for `pid` (it re-attached quiesced, or is gone);
-//   returns how many. ExpireFences(): lifts those past their time; returns the blocks still
-//   fenced. FencedPids(): the pids blocks are fenced for (never 0).
+// Fences (kv_cache_fences.cc; docs/security.md, "Leases and fencing"). A fence is owned by an
+// attachment (a worker id, unique across kvd processes) of one process (the kernel's pid), and
+// its deadline is a reading of the engine's clock (monotonic: a wall-clock step moves no fence);
+// callers pass durations, and a snapshot carries what is left of each.
+// - EndAllFenced(ttl, pids): ends every live request as interrupted (checkpoints kept, as
+//   Release does) and fences the blocks each owned and every worker's credit, which their
+//   writers may still write, for `ttl`, owned by the worker's attachment and its pid in `pids`
+//   (0 when absent). Returns the requests ended. For a daemon that stops serving.
+// - FenceWorker(worker, pid, ttl): the same for one worker whose attach stream broke while its
+//   lease was held (it may still be writing, and quiesces only after it notices). Returns the
+//   requests ended.
+// - FenceFreeBlocks(ttl): fences, for no owner, every free block of every pool and the tail of
+//   every orphaned checkpoint (its blocks from the one its last token is in: a writer of the
+//   ended request may be writing past the checkpoint there): a start on memory whose writers are
+//   unknown (a crashed kvd's slabs, a failed handoff's, a predecessor that predates fences).
+//   `ttl` is the lease its old workers were promised. Returns the blocks.
+// - LiftFences(attachment, pid): hands on the blocks fenced for that attachment of that process
+//   (it re-attached having quiesced); another attachment of the same process lifts nothing.
+//   LiftFencesOfGone(pid): those of every attachment of `pid` (the process is gone). Both return
+//   the blocks. ExpireFences(): lifts those past their time; returns the blocks still fenced.
+//   FencedPids(): the pids blocks are fenced for (never 0).
 #pragma once
 
 #include <cstdint>
@@ -76,11 +87,13 @@ struct CacheSnapshot {
     absl::Time expires_at;
   };
   // Blocks a request live at the handoff owned: its writer may still write them.
+  // A block may be in several fences (each holds it until lifted).
   struct Fence {
     uint32_t pid = 0;                // the writer's process (kernel's word); 0: unknown
+    WorkerId attachment;             // the writer's attachment; empty: unknown
     PoolId pool = 0;
     std::vector<BlockIndex> blocks;  // each also in a checkpoint's own blocks, or else free
-    absl::Time until;                // handed on by then at the latest
+    absl::Duration remaining;        // handed on this long after the import at the latest
   };
   std::vector<Namespace> namespaces;
   std::vector<Block> blocks;  // every parent before its children
@@ -90,6 +103,8 @@ struct CacheSnapshot {
   // False from a predecessor that predates fences: its live requests' blocks are unknown, so the
   // successor fences every free block for a lease TTL instead.
   bool fences_known = false;
+  // The lease TTL the predecessor's workers were promised; zero when it did not say.
+  absl::Duration lease_ttl;
 };
 
 }  // namespace kvd

@@ -181,10 +181,12 @@ class KvCache final : public TierPort {
   absl::StatusOr<int64_t> ImportSnapshot(const CacheSnapshot& snapshot) ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- fences (kv_cache_fences.cc; the contracts are in cache_snapshot.h) ---
-  int64_t EndAllFenced(absl::Time until, const absl::flat_hash_map<WorkerId, uint32_t>& pids)
+  int64_t EndAllFenced(absl::Duration ttl, const absl::flat_hash_map<WorkerId, uint32_t>& pids)
       ABSL_LOCKS_EXCLUDED(mu_);
-  int64_t FenceFreeBlocks(absl::Time until) ABSL_LOCKS_EXCLUDED(mu_);
-  int64_t LiftFences(uint32_t pid) ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t FenceWorker(const WorkerId& worker, uint32_t pid, absl::Duration ttl) ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t FenceFreeBlocks(absl::Duration ttl) ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t LiftFences(const WorkerId& attachment, uint32_t pid) ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t LiftFencesOfGone(uint32_t pid) ABSL_LOCKS_EXCLUDED(mu_);
   int64_t ExpireFences() ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<uint32_t> FencedPids() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -291,10 +293,18 @@ class KvCache final : public TierPort {
   void SetProtectionLocked(PoolId pool, CachedBlock* node, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t NextTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // kv_cache_fences.cc. Fences `blocks` of `pool` for `pid` (cached ones skipped: published
-  // bytes are never rewritten).
-  void AddFenceLocked(uint32_t pid, PoolId pool, absl::Span<const BlockIndex> blocks, absl::Time until)
+  // kv_cache_fences.cc. Fences `blocks` of `pool` for the attachment `owner` (cached ones
+  // skipped: published bytes are never rewritten) until `until` on clock_.
+  void AddFenceLocked(const cache_state::FenceOwner& owner, PoolId pool, absl::Span<const BlockIndex> blocks,
+                      absl::Time until) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends `req` as interrupted and fences the blocks it owned for `owner`. The caller erases it.
+  void EndFencedLocked(Request& req, const cache_state::FenceOwner& owner, absl::Time until)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops `worker`'s credit and fences it for `owner`.
+  void FenceCreditLocked(const WorkerId& worker, const cache_state::FenceOwner& owner, absl::Time until)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Lifts every fence `match` selects; returns the blocks.
+  int64_t LiftMatchingLocked(const std::function<bool(const FenceRecord&)>& match) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void LiftFenceLocked(FenceMap::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool FencedLocked(PoolId pool, BlockIndex index) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

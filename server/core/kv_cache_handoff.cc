@@ -60,8 +60,11 @@ CacheSnapshot KvCache::ExportSnapshot() const {
     }
   }
   out.fences_known = true;
+  // What is left of each: the successor's clock is another process's monotonic clock.
   for (const auto& [key, f] : fences_) {
-    out.fences.push_back(CacheSnapshot::Fence{.pid = f.pid, .pool = f.pool, .blocks = f.blocks, .until = f.until});
+    if (f.until <= now) continue;
+    out.fences.push_back(CacheSnapshot::Fence{
+        .pid = f.pid, .attachment = f.attachment, .pool = f.pool, .blocks = f.blocks, .remaining = f.until - now});
   }
   for (const auto& [id, session] : sessions_) {
     if (session.expires_at <= now) continue;
@@ -146,16 +149,18 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
     }
   }
 
-  // Fences: blocks in range, each in one fence at most.
-  std::vector<absl::flat_hash_set<BlockIndex>> fenced(pool_geometries_.size());
+  // Fences: blocks in range. A block may be in several fences (a checkpoint's block fenced at one
+  // handoff, then again with the request that resumed it at the next): each holds it.
   for (size_t i = 0; i < snap.fences.size(); ++i) {
     const CacheSnapshot::Fence& f = snap.fences[i];
     if (f.pool >= pool_geometries_.size()) {
       return absl::InvalidArgumentError(absl::StrCat("snapshot fence ", i, ": pool ", f.pool, " is not configured"));
     }
+    absl::flat_hash_set<BlockIndex> seen;
     for (BlockIndex b : f.blocks) {
-      if (b >= static_cast<uint64_t>(pool_geometries_[f.pool].capacity_blocks) || !fenced[f.pool].insert(b).second) {
-        return absl::InvalidArgumentError(absl::StrCat("snapshot fence ", i, ": block ", b, " is past the pool or fenced twice"));
+      if (b >= static_cast<uint64_t>(pool_geometries_[f.pool].capacity_blocks) || !seen.insert(b).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("snapshot fence ", i, ": block ", b, " is past the pool or named twice"));
       }
     }
   }
@@ -254,7 +259,9 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
     for (int64_t i = n - 1; i >= 0; --i) UnrefLocked(snap.blocks[i].pool, snap.blocks[i].index, /*touch=*/false);
     // What live requests owned stays out of every new owner's hands (kv_cache_fences.cc).
     for (const CacheSnapshot::Fence& f : snap.fences) {
-      if (f.until > clock_->Now()) AddFenceLocked(f.pid, f.pool, f.blocks, f.until);
+      if (f.remaining > absl::ZeroDuration()) {
+        AddFenceLocked(cache_state::FenceOwner{f.attachment, f.pid}, f.pool, f.blocks, clock_->Now() + f.remaining);
+      }
     }
     for (const CacheSnapshot::Session& in : snap.sessions) {
       if (in.expires_at <= clock_->Now()) continue;

@@ -90,14 +90,23 @@ struct CheckpointRecord {
   bool durable = false;         // a tier said G3 holds this version (TierPort::SetCheckpointDurable)
 };
 // Blocks a writer kvd can no longer reach may still write (a request live at a restart or
-// handoff; every free block after a restart that kept memory but not who wrote it). The fence
-// holds one reference on each, so none is handed to a new owner until it is lifted: its process
-// re-attached quiesced or is gone (pid), or `until` passed (docs/security.md).
+// handoff, or held by an attachment whose stream broke; every free block after a restart that
+// kept memory but not who wrote it). The fence holds one reference on each, so none is handed to
+// a new owner until it is lifted: the attachment that held them is named by a re-attach of the
+// same process that says it quiesced, or that process is gone (pid), or `until` passed on the
+// engine's clock (docs/security.md).
 // The key of a block in KvCache::fenced_ (how many fences hold it).
 inline uint64_t FencedBlockKey(PoolId pool, BlockIndex index) { return (static_cast<uint64_t>(pool) << 40) | index; }
+// Who may still write a fenced block: one attachment (its worker id, unique across kvd
+// processes) of one process. An empty attachment and pid 0: unknown, lifted only by time.
+struct FenceOwner {
+  WorkerId attachment;
+  uint32_t pid = 0;  // the kernel's word; 0: unknown
+};
 struct FenceRecord {
   uint64_t serial = 0;  // owner serial of blocks held by the fence alone
-  uint32_t pid = 0;     // 0: lifted only by time
+  WorkerId attachment;  // FenceOwner
+  uint32_t pid = 0;
   PoolId pool = 0;
   std::vector<BlockIndex> blocks;
   int64_t charged_blocks = 0;  // charged to the ledger (the blocks it claimed from free)

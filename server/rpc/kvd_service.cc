@@ -100,9 +100,9 @@ absl::Status KvdService::StopDraining() {
   return absl::OkStatus();
 }
 
-void KvdService::LiftFences(uint32_t pid) {
-  if (const int64_t n = cache_->LiftFences(pid); n > 0) {
-    spdlog::info("pid {} re-attached quiesced: {} fenced block(s) handed on", pid, n);
+void KvdService::LiftFences(const WorkerId& attachment, uint32_t pid) {
+  if (const int64_t n = cache_->LiftFences(attachment, pid); n > 0) {
+    spdlog::info("worker {} (pid {}) re-attached quiesced: {} fenced block(s) handed on", attachment.value(), pid, n);
     admission_->Poke();
   }
 }
@@ -121,6 +121,19 @@ void KvdService::WorkerGone(const WorkerId& worker, absl::string_view why) {
   admission_->Poke();
   spdlog::info("worker {} gone ({}): released {} requests as interrupted", worker.value(), std::string(why),
                released);
+}
+
+void KvdService::WorkerLost(const WorkerId& worker, uint32_t pid) {
+  if (handing_off_) {
+    WorkerGone(worker, "attach stream broke");
+    return;
+  }
+  if (!workers_->Remove(worker)) return;  // its lease lapsed first: released then
+  ForgetSteps(worker);
+  if (tiers_ != nullptr) tiers_->ReleasePrefetchesOf(worker);
+  const int64_t ended = cache_->FenceWorker(worker, pid, lease_ttl_);
+  spdlog::info("worker {} lost its attach stream: {} request(s) ended; what it held is fenced for it for up to {}",
+               worker.value(), ended, absl::FormatDuration(lease_ttl_));
 }
 
 grpc::ServerUnaryReactor* KvdService::ListPools(grpc::CallbackServerContext* ctx,

@@ -68,11 +68,16 @@ class KvdService final : public v1::Kvd::CallbackService {
   absl::Status Authorize(const grpc::CallbackServerContext* ctx, absl::string_view method) const;
   bool draining() const { return draining_.load(); }
   // A worker's attachment ended (stream closed or lease lapsed): release what it held.
-  // Hands on what a restart fenced for `pid` (it re-attached quiesced) and wakes admission.
-  void LiftFences(uint32_t pid);
+  // Hands on what kvd fenced for `attachment` of process `pid` (that process re-attached saying
+  // the attachment quiesced) and wakes admission.
+  void LiftFences(const WorkerId& attachment, uint32_t pid);
   // Wakes admission waiters (blocks came free outside a request: a fence lifted).
   void PokeAdmission();
   void WorkerGone(const WorkerId& worker, absl::string_view why);
+  // A worker's attach stream broke while its lease was held: its requests end as interrupted and
+  // what it held (their blocks, its credit) stays fenced for the attachment until it re-attaches
+  // quiesced, process `pid` is gone, or a lease TTL has passed (KvCache::FenceWorker).
+  void WorkerLost(const WorkerId& worker, uint32_t pid);
   // A handoff is under way: attach streams the server's shutdown cancels release nothing (their
   // requests and credit are ended fenced, keyed by each worker's pid: KvCache::EndAllFenced), and
   // the workers stay registered so that their pids are known.

@@ -21,8 +21,9 @@ namespace {
 
 class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1::AttachResponse> {
  public:
-  AttachReactor(KvdService* service, KvdService::Caller caller)
-      : service_(service), caller_(std::move(caller)) {
+  // `ctx` is gRPC's and outlives the reactor's OnDone.
+  AttachReactor(KvdService* service, KvdService::Caller caller, grpc::CallbackServerContext* ctx)
+      : service_(service), caller_(std::move(caller)), ctx_(ctx) {
     StartRead(&request_);
   }
 
@@ -67,6 +68,7 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
       auto attached = service_->workers()->Register(hello.worker_name(), pid, caller_.key,
                                                     hello.cuda_event_handle());
       worker_ = attached.id;
+      pid_ = pid > 0 ? static_cast<uint32_t>(pid) : 0;
       v1::Attached* a = response_.mutable_attached();
       a->set_worker_id(attached.id.value());
       a->set_side_socket(service_->side_socket());
@@ -75,9 +77,11 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
       a->set_backend(service_->arena()->backend());
       spdlog::info("worker {} attached (name '{}', pid {})", worker_.value(), LogSafe(hello.worker_name()),
                    pid);
-      // A process that says it writes nothing from before gets back what a restart fenced for it,
-      // on the kernel's word for its pid only (docs/security.md, "Leases and fencing").
-      if (hello.quiesced() && caller_.creds.has_value() && pid > 0) service_->LiftFences(pid);
+      // An attachment its own process says writes nothing more gets back what kvd fenced for it,
+      // on the kernel's word for the pid only (docs/security.md, "Leases and fencing").
+      if (hello.quiesced() && !hello.previous_worker_id().empty() && caller_.creds.has_value() && pid > 0) {
+        service_->LiftFences(WorkerId(hello.previous_worker_id()), static_cast<uint32_t>(pid));
+      }
       writing_ = true;
       StartWrite(&response_);
     } else if (absl::Status renewed = service_->workers()->Renew(worker_); !renewed.ok()) {
@@ -101,7 +105,16 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
   }
 
   void OnDone() override {
-    if (!worker_.empty()) service_->WorkerGone(worker_, "attach stream ended");
+    // A worker that ended its stream (half-close) is done with its blocks. A stream that broke
+    // (the connection dropped, or the client cancelled it when acks were late) may leave writes in
+    // flight: the worker quiesces only once it notices, so what it held stays fenced.
+    if (!worker_.empty()) {
+      if (ctx_->IsCancelled()) {
+        service_->WorkerLost(worker_, pid_);
+      } else {
+        service_->WorkerGone(worker_, "attach stream ended");
+      }
+    }
     delete this;
   }
 
@@ -165,7 +178,9 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
   const KvdService::Caller caller_;
   v1::AttachRequest request_;
   v1::AttachResponse response_;
-  WorkerId worker_;  // set once, on hello
+  grpc::CallbackServerContext* const ctx_;
+  WorkerId worker_;   // set once, on hello
+  uint32_t pid_ = 0;  // the worker's, set with worker_ (the kernel's word when kvd has it)
   absl::Mutex mu_;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
@@ -341,7 +356,7 @@ grpc::ServerBidiReactor<v1::AttachRequest, v1::AttachResponse>* KvdService::Atta
   if (!caller.ok()) {
     return new Refused<grpc::ServerBidiReactor<v1::AttachRequest, v1::AttachResponse>>(caller.status());
   }
-  return new AttachReactor(this, *std::move(caller));
+  return new AttachReactor(this, *std::move(caller), ctx);
 }
 
 grpc::ServerWriteReactor<v1::EventBatch>* KvdService::WatchEvents(
