@@ -403,6 +403,7 @@ void ToProto(PoolId id, const PoolGeometry& g, v1::PoolInfo* p) {
   p->set_kv_heads(g.kv.kv_heads);
   p->set_head_dim(g.kv.head_dim);
   p->set_kv_arrangement(g.kv.arrangement);
+  p->set_model_fingerprint(g.model_fingerprint);
 }
 
 PoolGeometry GeometryFromProto(const v1::PoolInfo& p) {
@@ -419,6 +420,7 @@ PoolGeometry GeometryFromProto(const v1::PoolInfo& p) {
   g.kv.kv_heads = p.kv_heads();
   g.kv.head_dim = p.head_dim();
   g.kv.arrangement = p.kv_arrangement();
+  g.model_fingerprint = p.model_fingerprint();
   return g;
 }
 

@@ -196,7 +196,7 @@ int Pools(Kvd::Stub& stub, bool json) {
   }
   std::vector<std::vector<std::string>> rows = {
       {"POOL", "BLOCK", "LAYERS", "BLOCK BYTES", "LAYOUT", "FORMAT", "SHARDS", "CAPACITY", "FREE", "OWNED", "CACHED",
-       "EVICTABLE"}};
+       "EVICTABLE", "MODEL"}};
   for (int i = 0; i < pools.pools_size(); ++i) {
     const auto& p = pools.pools(i);
     const auto& s = r.pools(i);
@@ -209,7 +209,8 @@ int Pools(Kvd::Stub& stub, bool json) {
                         : absl::StrCat(p.dtype(), " ", p.kv_heads(), "x", p.head_dim(), " ", p.kv_arrangement()),
                     absl::StrCat(p.slabs_size()), absl::StrCat(p.capacity_blocks()),
                     absl::StrCat(s.free_blocks()), absl::StrCat(s.owned_blocks()),
-                    absl::StrCat(s.cached_blocks()), absl::StrCat(s.evictable_blocks())});
+                    absl::StrCat(s.cached_blocks()), absl::StrCat(s.evictable_blocks()),
+                    p.model_fingerprint().empty() ? "-" : p.model_fingerprint()});
   }
   Table(rows);
   return 0;

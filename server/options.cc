@@ -73,7 +73,7 @@ absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeom
   KVD_RETURN_IF_ERROR(CheckKeys(node, where,
                                 {"name", "block_tokens", "num_layers", "bytes_per_token_per_layer",
                                  "capacity_blocks", "max_model_len", "shards", "devices", "layout", "dtype",
-                                 "kv_heads", "head_dim", "kv_arrangement", "allocator"}));
+                                 "kv_heads", "head_dim", "kv_arrangement", "allocator", "model_fingerprint"}));
   *g = DefaultPool();
   g->name.clear();
   KVD_RETURN_IF_ERROR(Read(node, "name", &g->name, where));
@@ -89,6 +89,10 @@ absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeom
   KVD_RETURN_IF_ERROR(Read(node, "kv_heads", &g->kv.kv_heads, where));
   KVD_RETURN_IF_ERROR(Read(node, "head_dim", &g->kv.head_dim, where));
   KVD_RETURN_IF_ERROR(Read(node, "kv_arrangement", &g->kv.arrangement, where));
+  KVD_RETURN_IF_ERROR(Read(node, "model_fingerprint", &g->model_fingerprint, where));
+  if (absl::Status s = CheckModelFingerprint(g->model_fingerprint); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, " (pool '", g->name, "'): ", s.message()));
+  }
   std::string allocator = PoolAllocatorName(g->allocator);
   KVD_RETURN_IF_ERROR(Read(node, "allocator", &allocator, where));
   if (allocator == "ipc" || allocator == "vmm") {
@@ -533,6 +537,9 @@ std::string FormatConfig(const Options& o) {
     if (g.kv.kv_heads != 0) out << YAML::Key << "kv_heads" << YAML::Value << g.kv.kv_heads;
     if (g.kv.head_dim != 0) out << YAML::Key << "head_dim" << YAML::Value << g.kv.head_dim;
     if (!g.kv.arrangement.empty()) out << YAML::Key << "kv_arrangement" << YAML::Value << g.kv.arrangement;
+    if (!g.model_fingerprint.empty()) {
+      out << YAML::Key << "model_fingerprint" << YAML::Value << YAML::DoubleQuoted << g.model_fingerprint;
+    }
     out << YAML::EndMap;
   }
   out << YAML::EndSeq;

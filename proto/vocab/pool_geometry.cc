@@ -35,6 +35,24 @@ absl::Status PoolGeometry::Validate() const {
     if (d < 0) return bad("device ordinals must be >= 0");
   }
   if (absl::Status s = kv.Validate(bytes_per_token_per_layer); !s.ok()) return bad(s.message());
+  if (absl::Status s = CheckModelFingerprint(model_fingerprint); !s.ok()) return bad(s.message());
+  return absl::OkStatus();
+}
+
+absl::Status CheckModelFingerprint(const std::string& fingerprint) {
+  if (fingerprint.size() > kMaxModelFingerprintBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("model_fingerprint is ", fingerprint.size(), " bytes; at most ",
+                                                   kMaxModelFingerprintBytes, " are allowed"));
+  }
+  // It travels in Redis keys' neighbours, log lines, status messages and peer offers: printable
+  // ASCII without spaces, so that what an operator reads is what is compared.
+  for (size_t i = 0; i < fingerprint.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(fingerprint[i]);
+    if (c <= ' ' || c > '~') {
+      return absl::InvalidArgumentError(absl::StrCat("model_fingerprint has byte 0x", absl::Hex(c, absl::kZeroPad2),
+                                                     " at offset ", i, "; only printable ASCII without spaces is allowed"));
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -7,6 +7,7 @@
 // each device, at the same block index. The core never touches these bytes; it only counts them.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28,6 +29,8 @@ enum class PoolLayout {
 // can outlive kvd's process and cross a hot handoff.
 enum class PoolAllocator { kIpc, kVmm };
 
+inline constexpr size_t kMaxModelFingerprintBytes = 256;
+
 struct PoolGeometry {
   std::string name;                    // pool (model) name, unique per daemon; required
   int32_t block_tokens = 16;           // tokens per block; (0, 4096]
@@ -41,6 +44,14 @@ struct PoolGeometry {
   PoolLayout layout = PoolLayout::kLayerMajor;
   KvFormat kv;  // what the bytes mean (dtype, heads, arrangement); optional, see kv_format.h
   PoolAllocator allocator = PoolAllocator::kIpc;
+  // Which model (weights and whatever else decides the KV's values) the pool's bytes belong to, as
+  // the operator names it: say "llama-3.1-8b-instruct@5206a32". Part of everything that identifies
+  // a block outside this process (tier records and Redis keys, router event hashes, peer offers)
+  // and of a worker's expectation, so that KV of other weights is never served. Empty (default):
+  // the pool is identified by name and shape alone, as before fingerprints, and shares KV with any
+  // pool of the same name and shape. At most kMaxModelFingerprintBytes of printable ASCII, no
+  // spaces.
+  std::string model_fingerprint;
 
   // Bytes of one block on one shard (one device).
   int64_t block_bytes() const { return int64_t{block_tokens} * num_layers * bytes_per_token_per_layer; }
@@ -54,6 +65,10 @@ struct PoolGeometry {
   // INVALID_ARGUMENT naming the first field out of range.
   absl::Status Validate() const;
 };
+
+// OK for an empty or well-formed model fingerprint; INVALID_ARGUMENT saying what is wrong (not
+// naming a pool: callers add where it came from).
+absl::Status CheckModelFingerprint(const std::string& fingerprint);
 
 std::string PoolLayoutName(PoolLayout layout);
 // "ipc" or "vmm".

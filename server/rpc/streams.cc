@@ -165,6 +165,7 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
         return absl::FailedPreconditionError(absl::StrCat("pool '", g->name, "' holds block_tokens ",
                                                           g->block_tokens, ", the worker expects ", e.block_tokens()));
       }
+      KVD_RETURN_IF_ERROR(CheckExpectedModel(*g, e.model_fingerprint()));
       if (!e.layout().empty() && e.layout() != PoolLayoutName(g->layout)) {
         return absl::FailedPreconditionError(absl::StrCat("pool '", g->name, "' has layout ",
                                                           PoolLayoutName(g->layout), ", the worker expects ",
@@ -172,6 +173,19 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
       }
     }
     return absl::OkStatus();
+  }
+
+  // A worker that names the model it computes with is attached only to a pool holding that model's
+  // KV. A pool without a fingerprint cannot say whose KV it holds, so it meets no such expectation.
+  static absl::Status CheckExpectedModel(const PoolGeometry& g, const std::string& expected) {
+    if (expected.empty() || expected == g.model_fingerprint) return absl::OkStatus();
+    if (absl::Status s = CheckModelFingerprint(expected); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("expect_pools[] for pool '", g.name, "': ", s.message()));
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "pool '", g.name, "' holds KV of model_fingerprint ",
+        g.model_fingerprint.empty() ? "(none declared)" : absl::StrCat("'", g.model_fingerprint, "'"),
+        ", the worker expects '", expected, "'"));
   }
 
   KvdService* const service_;

@@ -362,6 +362,41 @@ TEST_CASE("Readers receive the interprocess event handles of the blocks' publish
   REQUIRE(bad->Finish().error_code() == grpc::StatusCode::INVALID_ARGUMENT);
 }
 
+TEST_CASE("A worker expecting another model fingerprint is refused at Attach, naming both", "[integration]") {
+  DaemonProcess d(SmallPoolConfig(64, "    model_fingerprint: llama-3.1-8b@v2\n"));
+  auto stub = v1::Kvd::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  const auto attach = [&](const std::string& expected) {
+    grpc::ClientContext ctx;
+    auto stream = stub->Attach(&ctx);
+    v1::AttachRequest hello;
+    hello.mutable_hello()->set_pid(getpid());
+    v1::PoolExpectation* e = hello.mutable_hello()->add_expect_pools();
+    e->set_pool("default");
+    e->set_model_fingerprint(expected);
+    stream->Write(hello);
+    v1::AttachResponse resp;
+    if (stream->Read(&resp) && resp.has_attached()) {
+      ctx.TryCancel();
+      return grpc::Status::OK;
+    }
+    return stream->Finish();
+  };
+  REQUIRE(attach("llama-3.1-8b@v2").ok());
+  REQUIRE(attach("").ok());  // a worker that names no model is not asked for one
+  const grpc::Status refused = attach("llama-3.1-8b@v1");
+  REQUIRE(refused.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  REQUIRE(refused.error_message() ==
+          "pool 'default' holds KV of model_fingerprint 'llama-3.1-8b@v2', the worker expects 'llama-3.1-8b@v1'");
+  REQUIRE(attach("bad fingerprint").error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+
+  // A pool that declares none cannot promise a worker its model.
+  DaemonProcess plain(SmallPoolConfig());
+  stub = v1::Kvd::NewStub(grpc::CreateChannel(plain.target(), grpc::InsecureChannelCredentials()));
+  const grpc::Status undeclared = attach("llama-3.1-8b@v1");
+  REQUIRE(undeclared.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  REQUIRE(undeclared.error_message().find("(none declared)") != std::string::npos);
+}
+
 TEST_CASE("A worker whose lease lapses is treated as dead", "[integration]") {
   DaemonProcess d(SmallPoolConfig(), {"--lease-ttl=1"});
   auto observer = ConnectTo(d, false);  // only reads: needs no live lease

@@ -175,6 +175,13 @@ TEST_CASE("Every configuration error exits non-zero naming the field", "[integra
       {"listen: kvd.sock\n", "listen: 'kvd.sock' is neither"},
       {"pools:\n  - name: llama@8b\n", "pool 'llama@8b': the name may hold printable ASCII except spaces and '@'"},
       {"pools:\n  - name: \"llama 8b\"\n", "pool 'llama 8b': the name may hold"},
+      // A model fingerprint: a misspelt key, a space, a control byte, a novel are each named.
+      {"pools:\n  - name: p\n    model_fingerprnt: llama@v1\n", "pools[0]: unknown key 'model_fingerprnt'"},
+      {"pools:\n  - name: p\n    model_fingerprint: \"llama v1\"\n",
+       "pools[0] (pool 'p'): model_fingerprint has byte 0x20 at offset 5; only printable ASCII without spaces"},
+      {"pools:\n  - name: p\n    model_fingerprint: \"llama\\tv1\"\n", "model_fingerprint has byte 0x09 at offset 5"},
+      {"pools:\n  - name: p\n    model_fingerprint: " + std::string(300, 'x') + "\n",
+       "(pool 'p'): model_fingerprint is 300 bytes; at most 256 are allowed"},
       // Larger than any machine: named with its size before anything is allocated.
       {"pools:\n  - name: huge\n    capacity_blocks: 2000000000\n", "pool 'huge' needs"},
       {"max_message_bytes: 3000000000\n", "max_message_bytes must be between 4096 and 2147483647"},

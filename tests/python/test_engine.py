@@ -218,6 +218,8 @@ def prove_format(kvd, tmp):
                  ({"kv_arrangement": "kv_token_head_dim"}, grpc.StatusCode.FAILED_PRECONDITION, "kv_arrangement"),
                  ({"block_tokens": 16}, grpc.StatusCode.FAILED_PRECONDITION, "block_tokens"),
                  ({"layout": "block_major"}, grpc.StatusCode.FAILED_PRECONDITION, "layout"),
+                 # The pool declares no model: it cannot promise a worker the weights it computes with.
+                 ({"model_fingerprint": "tiny@v2"}, grpc.StatusCode.FAILED_PRECONDITION, "model_fingerprint"),
                  ({"pool": "llama-70b"}, grpc.StatusCode.NOT_FOUND, "llama-70b"),
                  ({"pool": ""}, grpc.StatusCode.INVALID_ARGUMENT, "pool")]
         for change, code, word in wrong:

@@ -41,6 +41,26 @@ TEST_CASE("a pool's Validate names the pool when its format is wrong", "[kv_form
   CHECK(s.message().find("pool 'llama'") != std::string::npos);
 }
 
+TEST_CASE("a model fingerprint is bounded printable ASCII, and a pool's Validate names the pool", "[kv_format]") {
+  CHECK(CheckModelFingerprint("").ok());
+  CHECK(CheckModelFingerprint("meta-llama/Llama-3.1-8B-Instruct@0e9e39f2,fp8").ok());
+  CHECK(CheckModelFingerprint(std::string(kMaxModelFingerprintBytes, 'x')).ok());
+  const absl::Status long_one = CheckModelFingerprint(std::string(kMaxModelFingerprintBytes + 1, 'x'));
+  CHECK(absl::IsInvalidArgument(long_one));
+  CHECK(long_one.message() == "model_fingerprint is 257 bytes; at most 256 are allowed");
+  CHECK(CheckModelFingerprint("llama v1").message() ==
+        "model_fingerprint has byte 0x20 at offset 5; only printable ASCII without spaces is allowed");
+  CHECK(!CheckModelFingerprint("llama\nv1").ok());
+  CHECK(!CheckModelFingerprint("llama\x7f").ok());
+  CHECK(!CheckModelFingerprint("llam\xc3\xa4").ok());
+  PoolGeometry g;
+  g.name = "llama";
+  g.model_fingerprint = "v1\x01";
+  const absl::Status s = g.Validate();
+  CHECK(absl::IsInvalidArgument(s));
+  CHECK(s.message().find("pool 'llama': model_fingerprint has byte 0x01") != std::string::npos);
+}
+
 TEST_CASE("expectations: every declared field must match", "[kv_format]") {
   const KvFormat pool{"bfloat16", 8, 128, "token_kv_head_dim"};
   CHECK(CheckKvFormat("p", pool, {}).ok());
