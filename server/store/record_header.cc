@@ -125,7 +125,27 @@ uint64_t LayoutTag(const PoolGeometry& g) {
   Put<int64_t>(&buf, g.num_layers);
   Put<int64_t>(&buf, g.bytes_per_token_per_layer);
   Put<int64_t>(&buf, g.num_shards);
+  // Appended only when declared, so that records written before fingerprints (and by pools
+  // without one) keep their tag and are still served.
+  if (!g.model_fingerprint.empty()) {
+    buf.append("model:");
+    PutString(&buf, g.model_fingerprint);
+  }
   return XXH3_64bits(buf.data(), buf.size());
+}
+
+std::string DescribeTagMismatch(const PoolGeometry& g, uint64_t record_tag) {
+  PoolGeometry shape = g;
+  shape.model_fingerprint.clear();
+  if (g.model_fingerprint.empty()) {
+    return "its pool's layout changed, or it was written under a model fingerprint this pool does not declare";
+  }
+  if (record_tag == LayoutTag(shape)) {
+    return absl::StrCat("it was written without a model fingerprint, and pool '", g.name, "' declares '",
+                        g.model_fingerprint, "'");
+  }
+  return absl::StrCat("it was written under another layout or model fingerprint than pool '", g.name,
+                      "' has now (model_fingerprint '", g.model_fingerprint, "')");
 }
 
 BlockKey ObjectKey(const Namespace& ns, absl::string_view object_key) {

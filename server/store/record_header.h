@@ -38,8 +38,9 @@ struct RecordHeader {
   int64_t stored_length = 0;   // bytes as stored
   uint64_t checksum = 0;       // Checksum() of the stored bytes
   uint64_t offset = 0;         // of the stored bytes in the segment file
-  // kBlock: LayoutTag() of the pool geometry that wrote it; a block is served only to a pool
-  // with the same tag (a pool redefined under the same name never gets old bytes).
+  // kBlock, kCheckpoint: LayoutTag() of the pool geometry that wrote it; a record is served only
+  // to a pool with the same tag (a pool redefined under the same name, or declaring another
+  // model fingerprint, never gets old bytes).
   uint64_t layout_tag = 0;
 };
 
@@ -55,8 +56,13 @@ absl::StatusOr<RecordHeader> DecodeRecordHeader(absl::string_view* in);
 // The key of a checkpoint record: by request id alone (a resume names only the id).
 BlockKey CheckpointKey(absl::string_view request_id);
 
-// A fingerprint of everything that fixes a block's byte layout.
+// A fingerprint of everything that fixes a block's bytes: the layout and, when the pool declares
+// one, its model fingerprint (pool_geometry.h). Pools without a fingerprint get the tag they had
+// before fingerprints existed.
 uint64_t LayoutTag(const PoolGeometry& g);
+// Why a record tagged `record_tag` is not served to pool `g` (whose tag differs), as precisely as
+// the tag allows: records keep only a hash of the fingerprint they were written under.
+std::string DescribeTagMismatch(const PoolGeometry& g, uint64_t record_tag);
 
 // The key of an object: XXH3-128 over the namespace root key and the content key, so objects of
 // different namespaces never meet.

@@ -205,10 +205,14 @@ std::string RemoteTier::ValueDigest(const BlockKey& root_key, const BlockKey& ke
   return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(mac), len));
 }
 
-std::string RemoteTier::KeyName(const Namespace& ns, const BlockKey& key) const {
+std::string RemoteTier::KeyName(const Namespace& ns, absl::string_view model_fingerprint, const BlockKey& key) const {
   const std::string salt =
       ns.cache_salt.empty() ? "-" : absl::StrFormat("%016x", XXH3_64bits(ns.cache_salt.data(), ns.cache_salt.size()));
-  return absl::StrCat(options_.key_prefix, ":", ns.pool, ":", salt, ":", key.ToHex());
+  const std::string model =
+      model_fingerprint.empty()
+          ? ""
+          : absl::StrFormat("@%016x", XXH3_64bits(model_fingerprint.data(), model_fingerprint.size()));
+  return absl::StrCat(options_.key_prefix, ":", ns.pool, model, ":", salt, ":", key.ToHex());
 }
 
 bool RemoteTier::available() const { return absl::ToUnixNanos(options_.clock->Now()) >= down_until_ns_.load(std::memory_order_relaxed); }

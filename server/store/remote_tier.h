@@ -67,7 +67,11 @@ class RemoteTier {
   static absl::StatusOr<std::unique_ptr<RemoteTier>> Open(RemoteTierOptions options);
   ~RemoteTier();
 
-  std::string KeyName(const Namespace& ns, const BlockKey& key) const;
+  // The Redis key of a block: "{prefix}:{pool}:{salt}:{key}", salt "-" or 16 hex digits of the
+  // cache salt's hash. A pool with a model fingerprint has "{pool}@{16 hex digits of its hash}"
+  // (pool names hold no '@'), so that nodes serving other weights never meet on a key, not even to
+  // renew each other's TTLs.
+  std::string KeyName(const Namespace& ns, absl::string_view model_fingerprint, const BlockKey& key) const;
   // What a value carries instead of the namespace and tokens in clear: 64 hex digits of
   // HMAC-SHA256(secret, root key | key | parent key or 16 zero bytes | tokens, little-endian u32).
   std::string ValueDigest(const BlockKey& root_key, const BlockKey& key, const BlockKey* parent,

@@ -209,6 +209,7 @@ absl::Status TierStore::Load(bool restore_checkpoints) {
     manifest_.generation = manifest.generation;
     manifest_.deleted = std::move(tombstones);
     entries_.reserve(entries_.size() + total);
+    absl::flat_hash_map<std::string, int64_t> not_served;  // records refused, by why
     for (Loaded& l : loaded) {
       const uint64_t num = l.what.num;
       absl::StatusOr<std::vector<RecordHeader>>& headers = l.headers;
@@ -232,7 +233,10 @@ absl::Status TierStore::Load(bool restore_checkpoints) {
         if (dead.contains({h.key.hi ^ num, h.key.lo}) || entries_.contains(h.key)) continue;
         if (l.what.blocks_only && h.kind != RecordKind::kBlock) continue;
         if (absl::Status bad = CheckLoadedLocked(h); !bad.ok()) {
-          spdlog::warn("tiers: {} record {} not served: {}", SegmentName(num), h.key.ToHex(), std::string(bad.message()));
+          // One line per reason: after a model upgrade every record of a pool is refused alike.
+          if (++not_served[std::string(bad.message())] == 1) {
+            spdlog::warn("tiers: {} record {} not served: {}", SegmentName(num), h.key.ToHex(), std::string(bad.message()));
+          }
           ++stats_.incompatible;
           continue;
         }
@@ -262,6 +266,9 @@ absl::Status TierStore::Load(bool restore_checkpoints) {
       }
     }
     stats_.reloaded_records = reloaded;
+    for (const auto& [why, count] : not_served) {
+      if (count > 1) spdlog::warn("tiers: {} records in all not served: {}", count, why);
+    }
     std::vector<uint64_t> evicted = EvictSegmentsLocked(0);
     if (!evicted.empty()) rewrite = true;
   }
@@ -296,7 +303,10 @@ absl::Status TierStore::CheckLoadedLocked(const RecordHeader& h) const {
     case RecordKind::kBlock: {
       absl::StatusOr<PoolId> pool = PoolOf(h.ns.pool);
       if (!pool.ok()) return absl::FailedPreconditionError(absl::StrCat("no pool '", h.ns.pool, "'"));
-      if (h.layout_tag != layout_tags_[*pool] || h.raw_length != pools_[*pool].block_bytes_all_shards()) {
+      if (h.layout_tag != layout_tags_[*pool]) {
+        return absl::FailedPreconditionError(DescribeTagMismatch(pools_[*pool], h.layout_tag));
+      }
+      if (h.raw_length != pools_[*pool].block_bytes_all_shards()) {
         return absl::FailedPreconditionError("its pool's layout changed");
       }
       return absl::OkStatus();
@@ -420,7 +430,7 @@ void TierStore::RestoreCheckpoints() {
     absl::Status s = [&]() -> absl::Status {
       KVD_ASSIGN_OR_RETURN(PoolId pool, PoolOf(src.header.ns.pool));
       if (src.header.layout_tag != layout_tags_[pool]) {
-        return absl::FailedPreconditionError("its pool's layout changed");
+        return absl::FailedPreconditionError(DescribeTagMismatch(pools_[pool], src.header.layout_tag));
       }
       std::string raw(static_cast<size_t>(src.header.raw_length), '\0');
       KVD_RETURN_IF_ERROR(ReadRaw(src, reinterpret_cast<uint8_t*>(raw.data())));

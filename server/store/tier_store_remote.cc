@@ -30,7 +30,7 @@ void TierStore::QueueUpload(const CacheEvent& e) {
   ns.media_keys = e.media_keys;
   ns.method = e.method;
   ns.cache_salt = e.cache_salt;
-  Upload upload{CachedBlockRef{*pool, e.block, e.key}, remote_->KeyName(ns, e.key)};
+  Upload upload{CachedBlockRef{*pool, e.block, e.key}, remote_->KeyName(ns, pools_[*pool].model_fingerprint, e.key)};
   {
     absl::MutexLock lock(&upload_mu_);
     if (static_cast<int64_t>(upload_queue_.size()) >= options_.remote.max_pending_uploads) {
@@ -121,7 +121,7 @@ int64_t TierStore::FetchRemote(PoolId pool, const Namespace& ns, absl::Span<cons
   const int32_t bt = pools_[pool].block_tokens;
   const int64_t raw_length = pools_[pool].block_bytes_all_shards();
   std::vector<std::string> names;
-  for (size_t i = 0; i < targets.size(); ++i) names.push_back(remote_->KeyName(ns, keys[from + i]));
+  for (size_t i = 0; i < targets.size(); ++i) names.push_back(remote_->KeyName(ns, pools_[pool].model_fingerprint, keys[from + i]));
   absl::StatusOr<int64_t> run = remote_->RunLength(names);
   if (!run.ok() || *run == 0) return 0;
   const BlockKey root_key = NamespaceRootKey(ns);

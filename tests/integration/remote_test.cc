@@ -77,6 +77,37 @@ TEST_CASE("Two daemons share a prefix through Redis; a node with an empty disk s
   REQUIRE(salted_key);  // the tenant's blocks live under its own salt tag
 }
 
+TEST_CASE("Daemons whose pools declare other model fingerprints share nothing through Redis", "[integration][remote]") {
+  RedisServer redis;
+  TempDir disks;
+  // One pool name and shape on every node; the weights differ.
+  const auto config = [&](const std::string& disk, const std::string& fingerprint) {
+    const std::string pool = fingerprint.empty() ? "" : "    model_fingerprint: " + fingerprint + "\n";
+    return absl::StrCat(SmallPoolConfig(64, pool), "tiers:\n  disk_dir: ", disks.path(), "/", disk,
+                        "\n  codec: lz4\n  redis_url: ", redis.url(), "\n  redis_retry_after_s: 0.2\n");
+  };
+  DaemonProcess a(config("a", "llama-3.1-8b@v1"));
+  DaemonProcess b(config("b", "llama-3.1-8b@v2"));
+
+  REQUIRE(JsonInt(Work(a, "a1", 300, 65).out, "cached_tokens") == 0);
+  WaitForMetric(a, kUploaded, 16);
+  REQUIRE(redis.Keys().size() == 16);
+  for (const std::string& k : redis.Keys()) REQUIRE(absl::StartsWith(k, "kvd:default@"));
+
+  // B finds none of A's blocks, and stores its own beside them instead of renewing A's.
+  REQUIRE(JsonInt(Work(b, "b1", 300, 65).out, "cached_tokens") == 0);
+  REQUIRE(Metric(b, "kvd_promotions_total{from=\"remote\"}") == 0);
+  WaitForMetric(b, kUploaded, 16);
+  REQUIRE(Metric(b, "kvd_remote_blocks_total{direction=\"refreshed\"}") == 0);
+  REQUIRE(redis.Keys().size() == 32);
+
+  // A node of A's weights shares A's blocks; a node that declares no fingerprint shares neither's.
+  DaemonProcess c(config("c", "llama-3.1-8b@v1"));
+  REQUIRE(JsonInt(Work(c, "c1", 300, 65).out, "cached_tokens") == 64);
+  DaemonProcess d(config("d", ""));
+  REQUIRE(JsonInt(Work(d, "d1", 300, 65).out, "cached_tokens") == 0);
+}
+
 TEST_CASE("Corrupt Redis values are never served", "[integration][remote]") {
   RedisServer redis;
   TempDir disks;

@@ -123,6 +123,41 @@ TEST_CASE("A restarted daemon serves every flushed prefix at once, byte for byte
   REQUIRE(metrics->find("kvd_last_flush_durable 1") != std::string::npos);
 }
 
+TEST_CASE("A daemon restarted on a disk written under another model fingerprint serves none of it, and says why",
+          "[integration][tiers]") {
+  TempDir disk;
+  // The same pool name and shape every time; only the weights it declares change.
+  const auto config = [&](const std::string& fingerprint) {
+    std::string c = TierConfig(disk.path());
+    const std::string at = "    max_model_len: 2048\n";
+    return c.replace(c.find(at), at.size(), at + "    model_fingerprint: " + fingerprint + "\n");
+  };
+  {
+    DaemonProcess d(config("llama-3.1-8b@v1"));
+    REQUIRE(Work(d, "a", 0, 41) == 0);
+    REQUIRE(Flush(*Stub(d)).durable());
+  }
+  {
+    DaemonProcess d(config("llama-3.1-8b@v2"));
+    REQUIRE(Saved(*Stub(d)).empty());
+    REQUIRE(Work(d, "b", 0, 41) == 0);
+    const std::string log = d.Log();
+    INFO(log);
+    REQUIRE(log.find("not served: it was written under another layout or model fingerprint than pool 'default' has "
+                     "now (model_fingerprint 'llama-3.1-8b@v2')") != std::string::npos);
+    REQUIRE(log.find("10 records in all not served") != std::string::npos);
+    // ListPools shows what the pool declares.
+    grpc::ClientContext ctx;
+    v1::ListPoolsResponse pools;
+    REQUIRE(Stub(d)->ListPools(&ctx, v1::ListPoolsRequest(), &pools).ok());
+    REQUIRE(pools.pools(0).model_fingerprint() == "llama-3.1-8b@v2");
+  }
+  // The weights that wrote them get them back (B flushed nothing over them).
+  DaemonProcess d(config("llama-3.1-8b@v1"));
+  REQUIRE(Saved(*Stub(d)).size() == 1);
+  REQUIRE(Work(d, "c", 0, 41) == 40);
+}
+
 TEST_CASE("The data mover keeps a reserve free and every demoted prefix still hits, byte for byte",
           "[integration][tiers][mover]") {
   TempDir disk;

@@ -64,13 +64,28 @@ TEST_CASE("RemoteTier keys name the pool and a tag of the salt, never the salt",
   Namespace ns;
   ns.pool = "llama";
   BlockKey key{0x0123456789abcdefULL, 0xfedcba9876543210ULL};
-  REQUIRE(t->KeyName(ns, key) == "kvd:llama:-:0123456789abcdeffedcba9876543210");
+  REQUIRE(t->KeyName(ns, "", key) == "kvd:llama:-:0123456789abcdeffedcba9876543210");
   ns.cache_salt = "tenant-secret";
-  const std::string salted = t->KeyName(ns, key);
+  const std::string salted = t->KeyName(ns, "", key);
   REQUIRE(salted.find("tenant-secret") == std::string::npos);
   REQUIRE(salted.size() == std::string("kvd:llama:").size() + 16 + 1 + 32);
   ns.cache_salt = "other";
-  REQUIRE(t->KeyName(ns, key) != salted);
+  REQUIRE(t->KeyName(ns, "", key) != salted);
+}
+
+TEST_CASE("RemoteTier keys of a pool with a model fingerprint differ per fingerprint", "[store][remote]") {
+  auto t = *OpenUrl("redis://127.0.0.1:6379");
+  Namespace ns;
+  ns.pool = "llama";
+  BlockKey key{0x0123456789abcdefULL, 0xfedcba9876543210ULL};
+  const std::string plain = t->KeyName(ns, "", key);
+  const std::string v1 = t->KeyName(ns, "llama-3.1-8b@v1", key);
+  const std::string v2 = t->KeyName(ns, "llama-3.1-8b@v2", key);
+  REQUIRE(v1 != plain);
+  REQUIRE(v1 != v2);
+  REQUIRE(v1.rfind("kvd:llama@", 0) == 0);
+  REQUIRE(v1.size() == std::string("kvd:llama@").size() + 16 + std::string(":-:").size() + 32);
+  REQUIRE(t->KeyName(ns, "llama-3.1-8b@v1", key) == v1);
 }
 
 TEST_CASE("A refused connection fails fast, then the tier is skipped until retry_after", "[store][remote]") {

@@ -41,8 +41,9 @@ struct Node {
   std::unique_ptr<KvCache> cache;
   std::unique_ptr<TierStore> store;
 
-  explicit Node(TierOptions t, int64_t capacity_blocks = 8, const Clock* clock = SystemClock::Get()) {
-    CacheOptions o = testing::SmallOptions(capacity_blocks);
+  explicit Node(TierOptions t, int64_t capacity_blocks = 8, const Clock* clock = SystemClock::Get())
+      : Node(std::move(t), testing::SmallOptions(capacity_blocks), clock) {}
+  Node(TierOptions t, const CacheOptions& o, const Clock* clock = SystemClock::Get()) {
     arena = *HostArena::Create(o.pools);
     cache = testing::MakeCache(o, clock);
     auto s = TierStore::Open(std::move(t), arena.get(), cache.get());

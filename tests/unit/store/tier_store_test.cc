@@ -158,6 +158,57 @@ TEST_CASE("A pool redefined under the same name never gets old bytes", "[store]"
   REQUIRE(store->SavedPrefixes().empty());
 }
 
+TEST_CASE("A warm restart under another model fingerprint serves none of the old blocks", "[store]") {
+  const ScopedDir dir;
+  const std::vector<Token> prompt = Seq(1, 9);
+  const auto with_model = [](const std::string& fingerprint) {
+    CacheOptions o = testing::SmallOptions(8);
+    o.pools[0].model_fingerprint = fingerprint;
+    return o;
+  };
+  {
+    Node node(Tiers(dir), with_model("m@v1"));
+    node.Publish("a", prompt);
+    REQUIRE(node.store->Flush()->durable);
+  }
+  {
+    Node node(Tiers(dir), with_model("m@v2"));  // same name and shape, other weights
+    REQUIRE(node.store->Stats().reloaded_records == 0);
+    REQUIRE(node.store->Stats().incompatible == 2);
+    REQUIRE(node.store->SavedPrefixes().empty());
+    REQUIRE(node.Serve("b", prompt) == 0);
+  }
+  {
+    Node node(Tiers(dir), with_model(""));  // a pool without a fingerprint cannot vouch for them either
+    REQUIRE(node.store->Stats().incompatible == 2);
+    REQUIRE(node.Serve("c", prompt) == 0);
+  }
+  Node node(Tiers(dir), with_model("m@v1"));  // the weights that wrote them
+  REQUIRE(node.store->Stats().reloaded_records == 2);
+  REQUIRE(node.Serve("d", prompt) == 8);
+}
+
+TEST_CASE("Blocks written without a model fingerprint are served to a pool that declares one only if it still has none",
+          "[store]") {
+  const ScopedDir dir;
+  const std::vector<Token> prompt = Seq(1, 9);
+  {
+    Node node(Tiers(dir));
+    node.Publish("a", prompt);
+    REQUIRE(node.store->Flush()->durable);
+  }
+  CacheOptions o = testing::SmallOptions(8);
+  o.pools[0].model_fingerprint = "m@v1";
+  {
+    Node node(Tiers(dir), o);
+    REQUIRE(node.store->Stats().incompatible == 2);
+    REQUIRE(node.Serve("b", prompt) == 0);
+  }
+  Node node(Tiers(dir));  // pools without a fingerprint work as before
+  REQUIRE(node.store->Stats().reloaded_records == 2);
+  REQUIRE(node.Serve("c", prompt) == 8);
+}
+
 TEST_CASE("Objects: put, get, delete, across tiers and a restart", "[store]") {
   const ScopedDir dir;
   Namespace ns;
