@@ -212,7 +212,8 @@ std::string DescribePools(const std::vector<PoolGeometry>& pools) {
   for (const PoolGeometry& g : pools) {
     lines.push_back(absl::StrCat(g.name, ": ", g.block_tokens, "-token blocks, ", g.num_layers, " layers, ",
                                  g.bytes_per_token_per_layer, " B/token/layer, ", g.capacity_blocks, " blocks, ",
-                                 g.num_shards, " shard(s), ", PoolLayoutName(g.layout)));
+                                 g.num_shards, " shard(s), ", PoolLayoutName(g.layout),
+                                 g.model_fingerprint.empty() ? "" : absl::StrCat(", model_fingerprint '", g.model_fingerprint, "'")));
   }
   return absl::StrJoin(lines, "; ");
 }

@@ -24,6 +24,9 @@ std::string SlabFdName(const PoolGeometry& g, PoolId pool, uint32_t shard, int64
   mix(absl::StrCat("|", g.block_tokens, "|", g.num_layers, "|", g.bytes_per_token_per_layer, "|",
                    g.capacity_blocks, "|", g.num_shards, "|", static_cast<int>(g.layout), "|", slab_bytes));
   if (g.allocator == PoolAllocator::kVmm) mix("|vmm");  // host names stay as they were
+  // A pool of other weights must not take over memory holding this model's KV (a handoff, or
+  // slabs kept by systemd across a restart).
+  if (!g.model_fingerprint.empty()) mix(absl::StrCat("|model=", g.model_fingerprint));
   return absl::StrFormat("kvdslab-%d-%d-%016x", pool, shard, h);
 }
 

@@ -177,7 +177,10 @@ RouterEventPublisher::~RouterEventPublisher() {
 
 void RouterEventPublisher::Attach(KvCache* cache) {
   cache_ = cache;
-  for (const PoolGeometry& g : cache->pools()) pools_.push_back(g.name);
+  for (const PoolGeometry& g : cache->pools()) {
+    pools_.push_back(g.name);
+    model_fingerprints_[g.name] = g.model_fingerprint;
+  }
   listener_ = cache->AddEventListener([this](const CacheEvent& e) { Enqueue(e); });
 }
 
@@ -286,8 +289,10 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
           depth = it->second.depth + 1;
         }
         const int64_t start_pos = depth * e.block_tokens;
-        const std::vector<RouterExtraKey> extra = RouterExtraKeys(e.adapter, e.media_keys, e.cache_salt, e.method,
-                                                                  start_pos, start_pos + e.block_tokens);
+        const auto fingerprint = model_fingerprints_.find(e.pool);
+        const std::vector<RouterExtraKey> extra =
+            RouterExtraKeys(e.adapter, e.media_keys, e.cache_salt, e.method, start_pos, start_pos + e.block_tokens,
+                            fingerprint != model_fingerprints_.end() ? fingerprint->second : std::string());
         const RouterHash h = hasher_.BlockHash(parent, e.tokens, extra);
         const uint64_t parent_id = parent != nullptr ? RouterHasher::EventId(*parent) : 0;
         Known& k = known_[e.key];

@@ -152,6 +152,9 @@ class RouterEventPublisher {
   KvCache* cache_ = nullptr;
   int listener_ = 0;
   std::vector<std::string> pools_;  // topics an "all cleared" goes to
+  // Each pool's model fingerprint (empty when it declares none), hashed into its blocks' ids.
+  // Set by Attach, before the listener that feeds the publisher thread.
+  absl::flat_hash_map<std::string, std::string> model_fingerprints_;
   void* ctx_ = nullptr;     // zmq context
   void* pub_ = nullptr;     // PUB socket (publisher thread after Start)
   void* replay_ = nullptr;  // ROUTER socket, or nullptr

@@ -56,7 +56,8 @@ uint64_t RouterHasher::EventId(const RouterHash& h) {
 
 std::vector<RouterExtraKey> RouterExtraKeys(const std::string& adapter, const std::vector<std::string>& media_keys,
                                             const std::string& cache_salt, const std::string& method,
-                                            int64_t block_start, int64_t block_end) {
+                                            int64_t block_start, int64_t block_end,
+                                            const std::string& model_fingerprint) {
   std::vector<RouterExtraKey> keys;
   if (!adapter.empty()) keys.push_back({adapter});
   for (const std::string& m : media_keys) {
@@ -67,6 +68,7 @@ std::vector<RouterExtraKey> RouterExtraKeys(const std::string& adapter, const st
     }
   }
   if (block_start == 0 && !cache_salt.empty()) keys.push_back({cache_salt});
+  if (block_start == 0 && !model_fingerprint.empty()) keys.push_back({model_fingerprint});
   if (!method.empty()) keys.push_back({method});
   return keys;
 }

@@ -56,10 +56,12 @@ class RouterHasher {
 // adapter name; for each positioned media item the block overlaps (media_span.h), the pair
 // (identifier, item offset - block_start); the cache salt on the first block only. Media keys
 // without positions are added to every block (routers match those prompts only if they do the
-// same). kvd's `method` (no vLLM equivalent) comes last, so that namespaces a router cannot tell
-// apart still get distinct identifiers.
+// same). Then kvd's own, with no vLLM equivalent, so that namespaces a router cannot tell apart
+// still get distinct identifiers: the pool's model fingerprint on the first block only (the chain
+// carries it to every later block; a pool without one adds nothing), and `method` last.
 std::vector<RouterExtraKey> RouterExtraKeys(const std::string& adapter, const std::vector<std::string>& media_keys,
                                             const std::string& cache_salt, const std::string& method,
-                                            int64_t block_start, int64_t block_end);
+                                            int64_t block_start, int64_t block_end,
+                                            const std::string& model_fingerprint = "");
 
 }  // namespace kvd

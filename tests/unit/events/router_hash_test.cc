@@ -95,6 +95,22 @@ TEST_CASE("Router extra keys follow vLLM's order; the salt only on the first blo
   REQUIRE(RouterExtraKeys("", {}, "", "fp8", 16, 32) == K{{"fp8"}});
 }
 
+TEST_CASE("A pool's model fingerprint keys its first block, after the salt and before the method", "[events]") {
+  using K = std::vector<RouterExtraKey>;
+  REQUIRE(RouterExtraKeys("lora", {}, "salt", "fp8", 0, 16, "llama@v2") == K{{"lora"}, {"salt"}, {"llama@v2"}, {"fp8"}});
+  REQUIRE(RouterExtraKeys("", {}, "", "", 16, 32, "llama@v2").empty());  // the chain carries it on
+  // Two pools of one name whose weights differ announce different ids for the same tokens.
+  const RouterHasher hasher("0");
+  const std::vector<Token> tokens = {1, 2, 3, 4};
+  const RouterHash v1 = hasher.BlockHash(nullptr, tokens, RouterExtraKeys("", {}, "", "", 0, 4, "llama@v1"));
+  const RouterHash v2 = hasher.BlockHash(nullptr, tokens, RouterExtraKeys("", {}, "", "", 0, 4, "llama@v2"));
+  const RouterHash none = hasher.BlockHash(nullptr, tokens, RouterExtraKeys("", {}, "", "", 0, 4));
+  REQUIRE(RouterHasher::EventId(v1) != RouterHasher::EventId(v2));
+  REQUIRE(RouterHasher::EventId(v1) != RouterHasher::EventId(none));
+  const std::vector<Token> next = {5, 6, 7, 8};
+  REQUIRE(RouterHasher::EventId(hasher.BlockHash(&v1, next, {})) != RouterHasher::EventId(hasher.BlockHash(&v2, next, {})));
+}
+
 TEST_CASE("A positioned media item keys only the blocks it overlaps, with its offset in each", "[events]") {
   // An image on positions [5, 11) with 4-token blocks: blocks 1 ([4, 8)) and 2 ([8, 12)).
   const std::vector<std::string> media = {PositionedMediaKey({"img", 5, 6})};

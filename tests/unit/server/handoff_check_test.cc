@@ -79,5 +79,19 @@ TEST_CASE("A VMM pool's slab names differ from an ipc pool's; host names are unc
   REQUIRE(SlabFdName(ipc, 0, 0, bytes) == "kvdslab-0-0-2e2695f869239a62");
 }
 
+TEST_CASE("A successor whose pool declares another model fingerprint is refused, naming it", "[handoff]") {
+  PoolGeometry v1 = Pool("a"), v2 = Pool("a");
+  v1.model_fingerprint = "m@v1";
+  v2.model_fingerprint = "m@v2";
+  const int64_t bytes = SlabLayout(v1).slab_bytes();
+  REQUIRE(SlabFdName(v1, 0, 0, bytes) != SlabFdName(v2, 0, 0, bytes));
+  REQUIRE(SlabFdName(v1, 0, 0, bytes) != SlabFdName(Pool("a"), 0, 0, bytes));
+  REQUIRE(Check({v1}, "host", {v1}, "host").ok());
+  const absl::Status s = Check({v1}, "host", {v2}, "host");
+  REQUIRE(absl::IsFailedPrecondition(s));
+  REQUIRE(s.message().find("model_fingerprint 'm@v2'") != absl::string_view::npos);
+  REQUIRE(!Check({Pool("a")}, "host", {v1}, "host").ok());
+}
+
 }  // namespace
 }  // namespace kvd

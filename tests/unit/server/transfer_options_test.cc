@@ -79,5 +79,28 @@ TEST_CASE("An offered geometry must equal the pool's, field by field", "[config]
   CHECK(CheckOfferedGeometry(g, d).message() == "the peer's pool differs in layout: block_major there, layer_major here");
 }
 
+TEST_CASE("An offer from a pool of another model fingerprint is refused, naming both", "[config][transfer]") {
+  PoolGeometry g;
+  g.name = "llama";
+  g.model_fingerprint = "llama-3.1-8b@v2";
+  peer::v1::Geometry o;
+  o.set_block_tokens(g.block_tokens);
+  o.set_num_layers(g.num_layers);
+  o.set_bytes_per_token_per_layer(g.bytes_per_token_per_layer);
+  o.set_capacity_blocks(g.capacity_blocks);
+  o.set_num_shards(g.num_shards);
+  o.set_layout(PoolLayoutName(g.layout));
+  o.set_model_fingerprint("llama-3.1-8b@v2");
+  CHECK(CheckOfferedGeometry(g, o).ok());
+  o.set_model_fingerprint("llama-3.1-8b@v1");  // same name and shape, other weights
+  CHECK(absl::IsFailedPrecondition(CheckOfferedGeometry(g, o)));
+  CHECK(CheckOfferedGeometry(g, o).message() ==
+        "the peer's pool differs in model_fingerprint: 'llama-3.1-8b@v1' there, 'llama-3.1-8b@v2' here");
+  o.set_model_fingerprint("");  // a peer that declares none cannot vouch for its weights
+  CHECK(!CheckOfferedGeometry(g, o).ok());
+  g.model_fingerprint.clear();  // neither declares one: shape alone, as before
+  CHECK(CheckOfferedGeometry(g, o).ok());
+}
+
 }  // namespace
 }  // namespace kvd
