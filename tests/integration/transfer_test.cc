@@ -272,6 +272,35 @@ TEST_CASE("A kvd pulls a peer's cached prefix over mutual TLS, verified, and ser
   CHECK(back_exact);
 }
 
+TEST_CASE("Nodes whose pools share a name and shape but not their weights pull nothing from each other, and say why",
+          "[integration][transfer]") {
+  Certs certs;
+  if (!certs.ok) {
+    WARN("skipped: openssl could not generate test certificates");
+    return;
+  }
+  const auto with_model = [](std::string yaml, const std::string& fingerprint) {
+    const std::string at = "    max_model_len: 20000\n";
+    return yaml.replace(yaml.find(at), at.size(), at + "    model_fingerprint: " + fingerprint + "\n");
+  };
+  DaemonProcess a(with_model(NodeConfig(certs, "node-a", {}, "node-b"), "llama-3.1-8b@v1"));
+  DaemonProcess b(with_model(NodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}}), "llama-3.1-8b@v2"));
+  auto wa = Connect(a, "prefill");
+  auto wb = Connect(b, "decode");
+  Prefill(*wa, "p1", 1, 8);
+  auto [cached, exact] = PullStart(*wb, "d1", 1, 8, "node-a");
+  CHECK(cached == 0);  // computed, as after a miss
+  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"geometry\"}") == 1);
+  CHECK(Metric(b, "kvd_peer_pulled_blocks_total") == 0);
+  CHECK(Cached(*wb, 1, 8) == 0);
+  for (int i = 0; i < 100 && Metric(a, "kvd_peer_leases") != 0; ++i) absl::SleepFor(absl::Milliseconds(20));
+  CHECK(Metric(a, "kvd_peer_leases") == 0);  // the offer was given back
+  const std::string log = b.Log();
+  INFO(log);
+  CHECK(log.find("failed (geometry): FAILED_PRECONDITION: the peer\\'s pool differs in model_fingerprint: "
+                 "\\'llama-3.1-8b@v1\\' there, \\'llama-3.1-8b@v2\\' here") != std::string::npos);  // quotes escaped in logs
+}
+
 TEST_CASE("Eight pulls at once, each exact", "[integration][transfer]") {
   Certs certs;
   if (!certs.ok) return;
