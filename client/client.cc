@@ -41,6 +41,10 @@ namespace kvd::client {
 
 
 void Client::Impl::Supervise() {
+  struct Done {
+    absl::Notification* n;
+    ~Done() { n->Notify(); }
+  } done{&supervisor_done};
   for (;;) {
     // Only this thread replaces the stream (Reattach), so reading it outside the lock is safe;
     // a read may run beside the heartbeat's writes.
@@ -61,8 +65,11 @@ void Client::Impl::Supervise() {
       detached_reason = "kvd went away or the lease could not be renewed; reconnecting";
     }
     // Nothing from this attachment is written once kvd may hand its blocks on: quiesce before
-    // re-attaching, which tells kvd so (Hello.quiesced).
+    // re-attaching. The hello names the lost attachment, and says `quiesced` only when the engine
+    // vouched for its own writes: kvd then hands on at once what it fenced for that attachment.
     Quiesce();
+    hello.mutable_hello()->set_previous_worker_id(Worker().value());
+    hello.mutable_hello()->set_quiesced(Vouches());
     absl::Duration backoff = absl::Milliseconds(50);
     for (;;) {
       absl::Status s = Reattach();
@@ -120,7 +127,8 @@ absl::Status Client::Impl::Reattach() {
   ++epoch;
   attached = true;
   detached_reason.clear();
-  // The new attachment's lease, renewed no earlier than the hello's sending.
+  // The new attachment's lease, renewed no earlier than the hello's sending, for its epoch only.
+  write_epoch.store(epoch, std::memory_order_release);
   may_write_until_ns.store(hello_sent_ns + absl::ToInt64Nanoseconds(lease_ttl / 2), std::memory_order_release);
   attached_cv.SignalAll();
   return absl::OkStatus();
@@ -133,8 +141,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   KVD_RETURN_IF_ERROR(impl->Dial(options.connect_timeout));
   impl->hello.mutable_hello()->set_worker_name(options.worker_name);
   impl->hello.mutable_hello()->set_pid(getpid());
-  // A new client has written nothing; a re-attaching one quiesces first (Supervise).
-  impl->hello.mutable_hello()->set_quiesced(true);
+  // A first attach lifts nothing: fences are the attachments' that held the blocks (Supervise).
+  impl->hello.mutable_hello()->set_quiesced(false);
   if (options.ipc_event_device >= 0) {
 #if KVD_HAVE_CUDA
     KVD_ASSIGN_OR_RETURN(InterprocessEvent event, InterprocessEvent::Create(options.ipc_event_device));
@@ -187,8 +195,14 @@ Client::~Client() {
     // and a re-attach under way.
     absl::MutexLock lock(&impl_->stream_mu);
     (void)impl_->attach->WritesDone();
-    impl_->attach_ctx->TryCancel();
     if (impl_->opening_ctx != nullptr) impl_->opening_ctx->TryCancel();
+  }
+  // A half-close is an ending kvd can tell from a broken stream (which it fences): give kvd a
+  // moment to close the stream itself before cancelling it.
+  (void)impl_->supervisor_done.WaitForNotificationWithTimeout(absl::Seconds(2));
+  {
+    absl::MutexLock lock(&impl_->stream_mu);
+    impl_->attach_ctx->TryCancel();
   }
   if (impl_->supervisor.joinable()) impl_->supervisor.join();
   if (impl_->heartbeat.joinable()) impl_->heartbeat.join();
@@ -228,6 +242,8 @@ absl::Status Client::WaitAttached(absl::Duration timeout) {
 int64_t Client::epoch() const { return impl_->Epoch(); }
 
 bool Client::MayWrite() const { return impl_->MayWrite(); }
+
+bool Client::MayWrite(int64_t epoch) const { return impl_->MayWriteFor(epoch); }
 
 absl::Status Client::LostIfRestarted(const absl::Status& status, int64_t epoch, const RequestId& id) {
   if (status.ok()) return status;
@@ -280,12 +296,21 @@ absl::Status CopyLayerBytes(int device, void* dst, const void* src, int64_t n) {
 }  // namespace
 
 // The copy runs under the mapping's lock: a remap (Reattach) cannot unmap the slab beneath it.
+// Quiesce takes the lock exclusively after clearing the lease: a write that passed the check has
+// finished before the client re-attaches.
 absl::Status Client::WriteLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset,
                                 const void* src, int64_t n, uint32_t shard) const {
-  if (!impl_->MayWrite()) {
-    return absl::AbortedError("this worker's kvd lease is not held (lost, or being renewed): no write");
-  }
+  return WriteLayerIn(0, pool, block, layer, offset, src, n, shard);
+}
+
+absl::Status Client::WriteLayerIn(int64_t epoch, PoolId pool, BlockIndex block, int32_t layer, int64_t offset,
+                                  const void* src, int64_t n, uint32_t shard) const {
   absl::ReaderMutexLock lock(&impl_->mu);
+  if (!(epoch == 0 ? impl_->MayWrite() : impl_->MayWriteFor(epoch))) {
+    return absl::AbortedError(epoch != 0 && impl_->epoch != epoch
+                                  ? "the request belongs to an earlier kvd attachment: its blocks are never written again"
+                                  : "this worker's kvd lease is not held (lost, or being renewed): no write");
+  }
   KVD_ASSIGN_OR_RETURN(uint8_t* base, impl_->LayerAddress(pool, block, layer, shard, offset, n));
   return CopyLayerBytes(impl_->ShardDevice(pool, shard), base, src, n);
 }
@@ -621,7 +646,17 @@ KvRequest::~KvRequest() {
   if (!released_ && client_->epoch() == epoch_) (void)client_->Release(id_, /*completed=*/false);
 }
 
-bool KvRequest::MayWrite() const { return client_->epoch() == epoch_ && client_->MayWrite(); }
+bool KvRequest::MayWrite() const { return client_->MayWrite(epoch_); }
+
+absl::Status KvRequest::WriteLayer(size_t position, int32_t layer, int64_t offset, const void* src, int64_t n,
+                                   uint32_t shard) const {
+  if (released_) return absl::FailedPreconditionError(absl::StrCat("request '", id_.value(), "' was released"));
+  if (position >= state_.blocks.size()) {
+    return absl::OutOfRangeError(absl::StrCat("block ", position, " of request '", id_.value(), "' (it has ",
+                                              state_.blocks.size(), ")"));
+  }
+  return client_->WriteLayerIn(epoch_, state_.pool, state_.blocks[position], layer, offset, src, n, shard);
+}
 
 absl::Status KvRequest::Check() const {
   if (released_) return absl::FailedPreconditionError(absl::StrCat("request '", id_.value(), "' was released"));

@@ -78,9 +78,14 @@ struct ClientOptions {
   // AddWriteFence, when it can no longer prove its lease (the attach stream ended, or no heartbeat
   // was acknowledged for half a lease) and before it re-attaches: kvd hands this process's blocks
   // to others once it has re-attached or a lease has passed. From that moment MayWrite() is false
-  // and WriteLayer refuses. Called on a client thread; may be empty when the engine checks
-  // MayWrite() before each write and has nothing in flight beyond what AddWriteFence covers.
+  // and WriteLayer refuses. Called on a client thread.
   std::function<void()> on_lease_lost;
+  // The engine's word that it never writes kvd's memory asynchronously: every write is a
+  // WriteLayer call (which the client waits for when it quiesces) or is complete before
+  // the call that follows it returns. With neither this nor on_lease_lost, the client cannot
+  // vouch that nothing of a lost attachment is still being written, so kvd keeps that
+  // attachment's blocks fenced for a lease TTL after it re-attaches instead of handing them on.
+  bool no_async_writes = false;
 };
 
 // A pool as this worker sees it: geometry, layout and the base address of each shard's slab in
@@ -94,6 +99,27 @@ struct PoolView {
   std::vector<int64_t> slab_bytes;
   std::vector<int32_t> shard_device;  // CUDA ordinal per shard; -1 on the host backend
 };
+
+// One KV group of a hybrid pool (geometry.groups) in this process's mapping of one shard. Tables
+// carry pool-wide indices; group g's tensors are indexed by the group-local index
+// local = index - first_block. Layer j (the j-th of `layers`) of unit `local` is at
+//   base + (j * capacity + local) * layer_unit_bytes
+// i.e. each layer is the paged tensor [capacity][layer_unit_bytes] (gpu/slab_layout.h).
+struct GroupKvView {
+  uint8_t* base = nullptr;  // the group's region; a device pointer on the CUDA backend
+  int64_t first_block = 0;
+  int64_t capacity = 0;          // blocks, or slots for a state group
+  int64_t layer_unit_bytes = 0;  // block_tokens * bytes_per_token, or bytes_per_state
+  std::vector<int32_t> layers;   // model layers, in memory order
+  // The group-local index of pool-wide `index`, or -1 when the index is not the group's.
+  int64_t Local(int64_t index) const {
+    return index >= first_block && index < first_block + capacity ? index - first_block : -1;
+  }
+  uint8_t* Unit(int32_t j, int64_t local) const { return base + (j * capacity + local) * layer_unit_bytes; }
+};
+// NOT_FOUND for a group the pool does not have (a pool without groups has none);
+// FAILED_PRECONDITION when `shard` is not mapped in this process.
+absl::StatusOr<GroupKvView> GroupKv(const PoolView& pool, absl::string_view group, uint32_t shard = 0);
 
 class KvRequest;
 class EventWatcher;
@@ -124,6 +150,9 @@ class Client {
   // client has quiesced and re-attached; requests of an earlier attachment never may again
   // (KvRequest::MayWrite). Engines that write through LayerPointer check it before each write.
   bool MayWrite() const;
+  // The same for writes of attachment `epoch` (a request's, a StepRequest's): false, for good,
+  // once the client has re-attached since, even while the new attachment's lease is held.
+  bool MayWrite(int64_t epoch) const;
   int64_t epoch() const;
   const std::string& backend() const;
   const std::vector<PoolView>& pools() const;
@@ -134,7 +163,9 @@ class Client {
 
   // Copies `n` bytes into / out of layer `layer` of `block` at byte `offset` within the layer
   // block: memcpy on the host backend, cudaMemcpy on the CUDA backend. Engines that write with
-  // their own kernels use LayerPointer instead. OUT_OF_RANGE past the layer block.
+  // their own kernels use LayerPointer instead. OUT_OF_RANGE past the layer block. WriteLayer
+  // checks the lease of the current attachment only: writes for a request go through
+  // KvRequest::WriteLayer, which also refuses a request of an earlier attachment.
   absl::Status WriteLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset,
                           const void* src, int64_t n, uint32_t shard = 0) const;
   absl::Status ReadLayer(PoolId pool, BlockIndex block, int32_t layer, int64_t offset, void* dst,
@@ -219,6 +250,9 @@ class Client {
   // `status` of a call made for a request of attachment `epoch`: KvdRestarted when kvd went away
   // since (waiting a moment for the supervisor when the error says kvd may be gone), else as is.
   absl::Status LostIfRestarted(const absl::Status& status, int64_t epoch, const RequestId& id);
+  // WriteLayer for attachment `epoch` (0: the current one).
+  absl::Status WriteLayerIn(int64_t epoch, PoolId pool, BlockIndex block, int32_t layer, int64_t offset,
+                            const void* src, int64_t n, uint32_t shard) const;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -245,6 +279,10 @@ class KvRequest {
   // Whether this request's blocks may be written now: its attachment is the client's current one
   // and the lease is held (Client::MayWrite). A writer thread checks it before each write.
   bool MayWrite() const;
+  // Client::WriteLayer into the request's block at `position` in blocks(), refused (ABORTED)
+  // unless MayWrite(): never for a request of an earlier attachment.
+  absl::Status WriteLayer(size_t position, int32_t layer, int64_t offset, const void* src, int64_t n,
+                          uint32_t shard = 0) const;
   // Adds positions for `n` more tokens; new blocks are appended to blocks().
   absl::Status Extend(int64_t n);
   // Publishes every full block covered by `tokens` (the request's tokens from position 0).

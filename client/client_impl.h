@@ -57,7 +57,7 @@ struct Client::Impl {
     stub_ = v1::Kvd::NewStub(channel);
     return absl::OkStatus();
   }
-  v1::AttachRequest hello;  // sent again at every re-attach
+  v1::AttachRequest hello;  // sent again at every re-attach (previous_worker_id, quiesced updated)
   int64_t hello_sent_ns = 0;  // of the attachment last opened (supervisor or Connect only)
   std::string backend;
 
@@ -148,6 +148,7 @@ struct Client::Impl {
   std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>> attach
       ABSL_GUARDED_BY(stream_mu);
   absl::Notification stop;
+  absl::Notification supervisor_done;  // the supervisor returned (~Client waits for a clean close)
   std::thread heartbeat;
   std::thread supervisor;
   // A stream being opened by a re-attach, cancelled by ~Client (a kvd that never answers must
@@ -159,7 +160,10 @@ struct Client::Impl {
   // heartbeat kvd acknowledged (or of the hello it answered). kvd renewed the lease no earlier
   // than that sending, so this process stops writing at least half a lease before kvd may hand
   // its blocks to anyone else. 0: the lease is lost (until quiesced and re-attached).
+  // write_epoch is the attachment that lease is for: stored before may_write_until_ns at each
+  // attach, and read after it, so a request of an earlier attachment never sees the new lease.
   std::atomic<int64_t> may_write_until_ns{0};
+  std::atomic<int64_t> write_epoch{1};
   absl::Duration lease_ttl = absl::Seconds(10);  // as kvd said at Attach
   absl::Mutex beats_mu;
   uint64_t next_seq ABSL_GUARDED_BY(beats_mu) = 1;
@@ -173,6 +177,7 @@ struct Client::Impl {
     const int64_t until = may_write_until_ns.load(std::memory_order_acquire);
     return until != 0 && SteadyNs() < until;
   }
+  bool MayWriteFor(int64_t epoch) const { return MayWrite() && write_epoch.load(std::memory_order_acquire) == epoch; }
   // Kvd renewed the lease no earlier than `sent_ns`: writes may go on until half a lease later.
   void LeaseProvenAt(int64_t sent_ns) {
     const int64_t until = sent_ns + absl::ToInt64Nanoseconds(lease_ttl / 2);
@@ -191,10 +196,13 @@ struct Client::Impl {
     }
     LeaseProvenAt(sent);
   }
-  // Stops every write into kvd's memory and waits for those in flight: the engine's fences, then
-  // its on_lease_lost hook. After it, this process writes nothing from the lost attachment.
+  // Stops every write into kvd's memory and waits for those in flight: WriteLayer calls (they
+  // check the lease under mu), the engine's fences, then its on_lease_lost hook. After it, this
+  // process writes nothing from the lost attachment if the engine has a hook or declared
+  // no_async_writes; only then does the next hello say `quiesced` (Vouches).
   void Quiesce() {
     may_write_until_ns.store(0, std::memory_order_release);
+    { absl::MutexLock wait_for_writes(&mu); }
     (void)AwaitWrites();
     // Fences another thread took (a publish waiting on them) are waited for too.
     {
@@ -204,6 +212,7 @@ struct Client::Impl {
     }
     if (options.on_lease_lost) options.on_lease_lost();
   }
+  bool Vouches() const { return options.on_lease_lost != nullptr || options.no_async_writes; }
 
   template <typename Resp, typename Fn>
   absl::StatusOr<Resp> Call(Fn&& fn, absl::Duration timeout = absl::Seconds(30)) {

@@ -106,6 +106,7 @@ struct Options {
   int64_t gen = 0;
   int64_t checkpoint_every = 0;
   int64_t async_writer_us = 0;
+  bool careless_writer = false;
   bool hang_after_checkpoint = false;
 };
 
@@ -122,7 +123,30 @@ absl::StatusOr<std::string> RunRequest(kvd::client::Client& client, const kvd::R
   // Reused KV must be exactly what the writer of these tokens wrote.
   KVD_RETURN_IF_ERROR(TouchKv(client, r, tokens, 0, r.cached_tokens(), /*verify=*/true, &stats));
   std::jthread writer;  // the asynchronous "stream" of --async-writer-us; joined by its fence
-  if (o.async_writer_us > 0) {
+  if (o.async_writer_us > 0 && o.careless_writer) {
+    // An engine that gates its writer on the client's lease alone, waits while it is not held,
+    // registers no quiesce hook and syncs with its writer itself before publishing.
+    writer = std::jthread([&] {
+      const kvd::client::PoolView& pool = client.pools()[r.pool()];
+      const kvd::PoolGeometry& g = pool.geometry;
+      for (int64_t pos = r.cached_tokens(); pos < r.num_tokens(); ++pos) {
+        std::this_thread::sleep_for(std::chrono::microseconds(o.async_writer_us));
+        for (int i = 0; i < 30000 && !client.MayWrite(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        const kvd::BlockIndex block = r.blocks()[pos / g.block_tokens];
+        const int64_t slot = (pos % g.block_tokens) * g.bytes_per_token_per_layer;
+        for (int32_t layer = 0; layer < g.num_layers; ++layer) {
+          std::vector<uint8_t> want(g.bytes_per_token_per_layer);
+          for (int64_t j = 0; j < g.bytes_per_token_per_layer; ++j) want[j] = kvd::example::KvByte(tokens[pos], pos, layer, j);
+          if (client.WriteLayer(r.pool(), block, layer, slot, want.data(), want.size()).ok()) {
+            stats.written_bytes += g.bytes_per_token_per_layer;
+          }
+        }
+      }
+    });
+    std::printf("WRITING\n");
+    std::fflush(stdout);
+    writer.join();
+  } else if (o.async_writer_us > 0) {
     auto done = std::make_shared<std::promise<absl::Status>>();
     std::shared_future<absl::Status> finished = done->get_future().share();
     writer = std::jthread([&, done] {
@@ -270,6 +294,9 @@ int main(int argc, char** argv) {
   app.add_option("--async-writer-us", o.async_writer_us,
                  "write the prompt's KV on a second thread (as a GPU stream would), this many "
                  "microseconds per token, and publish at once: the client's write fence orders it");
+  app.add_flag("--careless-writer", o.careless_writer,
+               "with --async-writer-us: gate the writer on Client::MayWrite() alone (waiting while it is "
+               "false), with no write fence and no quiesce hook, as a careless engine would");
   app.add_flag("--hang-after-checkpoint", o.hang_after_checkpoint,
                "after the first checkpoint, print CHECKPOINTED and wait to be killed");
   app.add_option("--requests", requests,
@@ -288,8 +315,12 @@ int main(int argc, char** argv) {
   spec.resume_from = kvd::RequestId(resume_from);
   if (requests > 0) return RunLoop(target, id, spec, requests, pause_ms, o, shard);
 
-  auto client = kvd::client::Client::Connect(
-      {.target = target, .worker_name = "example-" + id, .shard = shard});
+  // Its writers check KvRequest::MayWrite before each write, and a quiesce waits for the one in
+  // flight through the write fence: it vouches for its writes, unless told to be careless.
+  auto client = kvd::client::Client::Connect({.target = target,
+                                              .worker_name = "example-" + id,
+                                              .shard = shard,
+                                              .no_async_writes = !o.careless_writer});
   if (!client.ok()) return Fail(client.status());
   Stats stats;
   absl::StatusOr<std::string> line = RunRequest(**client, spec, o, stats);

@@ -60,7 +60,8 @@ absl::Status TouchKv(kvd::client::Client& client, const Generation& g, int64_t f
         for (size_t j = 0; j < got.size(); ++j) stats->mismatches += got[j] != want[j];
         stats->verified_bytes += geo.bytes_per_token_per_layer;
       } else {
-        if (!client.MayWrite()) return absl::AbortedError("the lease is lost: writing stopped");
+        // A request of an earlier attachment is never written again, even once the new lease holds.
+        if (!client.MayWrite(g.req.epoch)) return absl::AbortedError("the lease is lost: writing stopped");
         KVD_RETURN_IF_ERROR(client.WriteLayer(g.req.pool, block, layer, slot, want.data(), want.size()));
         stats->written_bytes += geo.bytes_per_token_per_layer;
       }
@@ -94,8 +95,9 @@ int main(int argc, char** argv) {
                  "at this decode step preempt the first request (checkpoint + release) and resume it");
   CLI11_PARSE(app, argc, argv);
 
+  // Every write is a WriteLayer call on this thread: nothing of a lost attachment is in flight.
   auto connected = kvd::client::Client::Connect(
-      {.target = target, .worker_name = "step-worker", .step_credit_blocks = credit});
+      {.target = target, .worker_name = "step-worker", .step_credit_blocks = credit, .no_async_writes = true});
   if (!connected.ok()) return Fail(connected.status());
   kvd::client::Client& client = **connected;
   std::vector<Generation> gens(batch);

@@ -6,12 +6,19 @@
 // allocator hands out the lowest free indices first) and the reader saw the writer's bytes.
 #include <signal.h>
 
+#include <algorithm>
+#include <set>
+
 #include <catch2/catch.hpp>
+
+#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kvd/v1/kvd.grpc.pb.h"
 #include "tests/integration/fence_fixture.h"
 #include "tests/integration/harness.h"
+#include "tests/integration/raw_attachment.h"
 
 namespace kvd {
 namespace {
@@ -32,6 +39,84 @@ TEST_CASE("An asynchronous writer across --takeover: nothing it may still write 
   absl::SleepFor(absl::Milliseconds(300));
   REQUIRE(d.TakeOver());
   AnotherTenantReadsBackExactly(d.target());
+}
+
+// The careless engine of kvd-hardening-4: its writer thread waits while Client::MayWrite() is
+// false and writes on once it is true again, it registers no quiesce hook and no write fence.
+// Before: its client re-attached saying `quiesced` anyway, kvd lifted the pid's fences and the
+// other tenant's blocks were overwritten (every byte). Now the client cannot vouch for it, so kvd
+// keeps the attachment's blocks fenced for the lease TTL.
+TEST_CASE("A writer gated on the client's lease alone, with no quiesce hook, across --takeover: its blocks stay fenced",
+          "[integration][fences][handoff]") {
+  DaemonProcess d(SmallPoolConfig(64));
+  std::vector<std::string> args = SlowWriter(d.target());
+  args.push_back("--careless-writer");
+  WorkerProcess a(args);
+  REQUIRE(a.WaitForLine("WRITING", absl::Seconds(20)).ok());
+  absl::SleepFor(absl::Milliseconds(300));
+  REQUIRE(d.TakeOver());
+  AnotherTenantReadsBackExactly(d.target());
+}
+
+v1::StartRequest StartOf(const std::string& worker, const std::string& id, int blocks, Token first) {
+  v1::StartRequest req;
+  v1::AdmitRequest* a = req.mutable_admit();
+  a->set_worker_id(worker);
+  a->set_request_id(id);
+  a->mutable_namespace_()->set_pool("default");
+  for (int t = 0; t < blocks * 4; ++t) a->add_prompt(first + t);
+  req.set_max_wait_ms(5000);
+  return req;
+}
+
+std::set<uint32_t> StartBlocks(v1::Kvd::Stub& stub, const v1::StartRequest& req) {
+  grpc::ClientContext ctx;
+  v1::StartResponse resp;
+  const grpc::Status s = stub.Start(&ctx, req, &resp);
+  INFO(s.error_message());
+  REQUIRE(s.ok());
+  return {resp.acquired().blocks().begin(), resp.acquired().blocks().end()};
+}
+
+// The C++ client cancels its stream when kvd's acks are late, and a TCP connection can break,
+// while the worker's writes are in flight (it quiesces only after it notices). Before: kvd
+// released the worker's requests at once and the next start was given their blocks.
+TEST_CASE("An attach stream that breaks keeps its worker's blocks fenced until it re-attaches quiesced",
+          "[integration][fences]") {
+  DaemonProcess d(SmallPoolConfig(16));
+  auto stub = v1::Kvd::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  auto lost = AttachByHand(*stub);
+  const std::string lost_id = lost->attached.worker_id();
+  const std::set<uint32_t> held = StartBlocks(*stub, StartOf(lost_id, "held", 8, 1));
+  lost->Break();
+  absl::SleepFor(absl::Milliseconds(500));
+
+  auto other = AttachByHand(*stub);
+  const std::set<uint32_t> got = StartBlocks(*stub, StartOf(other->attached.worker_id(), "other", 8, 1000));
+  REQUIRE(std::none_of(got.begin(), got.end(), [&held](uint32_t b) { return held.contains(b); }));
+  {
+    grpc::ClientContext ctx;
+    v1::ReleaseRequest rel;
+    rel.set_worker_id(other->attached.worker_id());
+    rel.set_request_id("other");
+    rel.set_completed(true);
+    v1::ReleaseResponse ignored;
+    REQUIRE(stub->Release(&ctx, rel, &ignored).ok());
+  }
+  // Another attachment of the same process vouches for nothing of the lost one.
+  auto fresh = AttachByHand(*stub, "", getpid(), "", /*quiesced=*/true);
+  v1::StartRequest whole = StartOf(fresh->attached.worker_id(), "whole", 16, 2000);
+  whole.set_max_wait_ms(300);
+  {
+    grpc::ClientContext ctx;
+    v1::StartResponse resp;
+    REQUIRE_FALSE(stub->Start(&ctx, whole, &resp).ok());
+  }
+  // The lost attachment's re-attach, quiesced, hands its blocks on at once.
+  auto back = AttachByHand(*stub, "", getpid(), lost_id, /*quiesced=*/true);
+  whole.mutable_admit()->set_worker_id(back->attached.worker_id());
+  whole.set_max_wait_ms(5000);
+  REQUIRE(StartBlocks(*stub, whole).size() == 16);
 }
 
 TEST_CASE("An asynchronous writer across a failed takeover: the resumed kvd fences what it cannot vouch for",

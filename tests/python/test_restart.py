@@ -93,6 +93,8 @@ def lease(kvd, tmp):
         c.add_write_fence(lambda: seen.append("fence"))
         try:
             check(c.may_write(), "lease: may write once attached")
+            r = c.request("lease-r", pool="default", prompt=list(range(9)), wait_s=5)
+            check(r.may_write() and c.may_write(1), "lease: a request of the attachment may write")
             time.sleep(1.6)  # past half a lease (1 s): only acknowledged heartbeats keep it
             check(c.may_write(), "lease: kvd's acks keep the lease provable past half a lease")
             d.proc.send_signal(signal.SIGKILL)
@@ -107,6 +109,15 @@ def lease(kvd, tmp):
             d = Daemon(kvd, tmp, SMALL_POOL, name="lease", extra=["--lease-ttl=2"])
             c.wait_attached(10)
             check(c.epoch == 2 and c.may_write(), "lease: re-attached (quiesced), it may write again")
+            # The write gate is per attachment: never again for a request from before the re-attach.
+            check(not r.may_write() and not c.may_write(1) and c.may_write(2),
+                  "lease: a request of the lost attachment never may write again")
+            check(c._hello.hello.quiesced and c._hello.hello.previous_worker_id != "",
+                  "lease: the re-attach names the lost attachment and, with a hook, says quiesced")
+            quiet = Client(d.target, worker_name="py-no-hook")
+            check(not quiet._vouches and not quiet._hello.hello.quiesced,
+                  "lease: a client with no hook and no no_async_writes vouches for nothing")
+            quiet.close()
         finally:
             c.close()
     finally:

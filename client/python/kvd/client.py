@@ -141,6 +141,11 @@ class Request:
         self._released = False
         self._epoch = client.epoch
 
+    def may_write(self):
+        """Whether this request's blocks may be written now: its attachment is the client's current
+        one and the lease is held. Never True again once the client re-attached since it started."""
+        return self._client.may_write(self._epoch)
+
     def _call(self, method, req):
         """One RPC for this request; KvdRestarted once kvd has restarted since it started."""
         if self._client.epoch != self._epoch:
@@ -203,7 +208,8 @@ class Client:
     """Attaches to kvd (with a background heartbeat), lists pools and maps host slabs once."""
 
     def __init__(self, target=None, worker_name="python", map_slabs=True, heartbeat_s=1.0, cuda_runtime=None,
-                 expect=(), on_remap=None, connect_timeout_s=5.0, step_credit_blocks=128, on_lease_lost=None):
+                 expect=(), on_remap=None, connect_timeout_s=5.0, step_credit_blocks=128, on_lease_lost=None,
+                 no_async_writes=False):
         """`target`: kvd's address; None means default_target() ($KVD_TARGET, else kvd's default
         socket for this user).
 
@@ -227,19 +233,25 @@ class Client:
         past the sending of the last acknowledged heartbeat. An engine checks it before writing
         into kvd's memory. When the attach stream ends, the client quiesces before it re-attaches:
         may_write() turns False, the write fences run (add_write_fence) and then `on_lease_lost()`,
-        the engine's hook that stops its writes and waits for those in flight; the hello then says
-        `quiesced`, and kvd hands on at once what it fenced for this process."""
+        the engine's hook that stops its writes and waits for those in flight. The re-attach names
+        the lost attachment and says `quiesced` only when the engine vouched for its writes: it
+        passed `on_lease_lost`, or `no_async_writes=True` (it never writes kvd's memory from
+        another thread or stream). kvd then hands on at once what it fenced for that attachment;
+        otherwise it keeps it fenced for a lease TTL. `may_write(epoch)` (and Request.may_write())
+        is never True again for a request of an earlier attachment."""
         self.target = target = target or default_target()
         self.rpc_seconds = 0.0  # wall time spent in unary RPCs, for the engine benchmark
         self.rpc_calls = 0
-        # A fresh process never wrote into kvd's memory: quiesced from the start.
+        # A first attach lifts nothing: fences belong to the attachment that held the blocks.
         self._hello = kvd_pb2.AttachRequest(hello=kvd_pb2.Hello(
-            worker_name=worker_name, pid=os.getpid(), quiesced=True,
+            worker_name=worker_name, pid=os.getpid(), quiesced=False,
             expect_pools=[kvd_pb2.PoolExpectation(**e) for e in expect]))
         self._on_lease_lost = on_lease_lost
+        self._vouches = on_lease_lost is not None or no_async_writes
         self._lease_lock = threading.Lock()
         self._lease_ttl_s = 10.0
         self._may_write_until = 0.0   # time.monotonic(); 0: the lease is lost
+        self._write_epoch = 1         # the attachment that lease is for (set with it, under the lock)
         self._beats = {}              # heartbeat seq -> monotonic time sent
         self._next_seq = 1
         self._map = map_slabs
@@ -291,10 +303,13 @@ class Client:
         self.attached.set()
         return heartbeat_s
 
-    def may_write(self):
+    def may_write(self, epoch=None):
         """Whether this process may write into kvd's memory now: it holds a lease kvd acknowledged
-        less than half a lease ago."""
+        less than half a lease ago. With `epoch` (a request's attachment), only for writes of that
+        attachment: False for good once the client has re-attached since."""
         with self._lease_lock:
+            if epoch is not None and epoch != self._write_epoch:
+                return False
             return self._may_write_until != 0.0 and time.monotonic() < self._may_write_until
 
     def _lease_proven_at(self, sent):
@@ -324,8 +339,9 @@ class Client:
         if self._on_lease_lost is not None:
             self._on_lease_lost()
 
-    def _open_stream(self):
-        """A new attach stream on the current channel; the Attached reply (KvdError if refused)."""
+    def _open_stream(self, epoch=1):
+        """A new attach stream on the current channel; the Attached reply (KvdError if refused).
+        Its lease is for attachment `epoch`: writes of earlier ones stay refused."""
         self._outbox = queue.Queue()
         self._outbox.put(self._hello)
         sent = time.monotonic()
@@ -335,6 +351,7 @@ class Client:
             if attached.lease_ttl_ms > 0:
                 self._lease_ttl_s = attached.lease_ttl_ms / 1000.0
             with self._lease_lock:  # kvd renewed the lease no earlier than the hello's sending
+                self._write_epoch = epoch
                 self._may_write_until = sent + self._lease_ttl_s / 2
             return attached
         except (grpc.RpcError, StopIteration) as e:
@@ -354,6 +371,9 @@ class Client:
                 return
             self.attached.clear()
             self._quiesce()
+            # The re-attach names the lost attachment; `quiesced` only when the engine vouched.
+            self._hello.hello.previous_worker_id = self.worker_id
+            self._hello.hello.quiesced = self._vouches
             self.detached_reason = "kvd went away; reconnecting"
             backoff = 0.05
             while not self._closed.is_set():
@@ -379,10 +399,12 @@ class Client:
         old_channel = self._channel
         self._channel, self._stub = channel, kvd_pb2_grpc.KvdStub(channel)
         old_channel.close()
-        attached = self._open_stream()
+        attached = self._open_stream(self.epoch + 1)
         pools = [Pool(p) for p in self._rpc("ListPools", kvd_pb2.ListPoolsRequest()).pools]
         if attached.backend != self.backend or [p.geometry_key() for p in pools] != [p.geometry_key() for p in self.pools]:
             self._outbox.put(None)
+            with self._lease_lock:
+                self._may_write_until = 0.0
             raise KvdError(grpc.StatusCode.FAILED_PRECONDITION,
                            "kvd came back with different pools or backend; connect anew")
         moved = False
@@ -735,6 +757,10 @@ class Client:
         if not self._closed.is_set():
             self._closed.set()
             self._outbox.put(None)
+            # A half-close, which kvd tells from a broken stream (that one it fences): let kvd end
+            # the stream before the channel goes.
+            if threading.current_thread() is not self._supervisor:
+                self._supervisor.join(timeout=2)
             for p in self.pools:
                 for m in p.maps:
                     if m is not None:

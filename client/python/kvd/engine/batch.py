@@ -40,10 +40,12 @@ def _kv_byte(token, pos, layer, j):
 
 class KvIo:
     """A request's KV slots in the pool's memory (shard 0, host backend): position p, layer l is
-    slot p % block_tokens of block table[p // block_tokens]."""
+    slot p % block_tokens of block table[p // block_tokens]. Writes are for attachment `epoch`
+    (the one the request started in): refused once the client has re-attached since."""
 
-    def __init__(self, client, pool, table):
+    def __init__(self, client, pool, table, epoch=None):
         self.client = client
+        self.epoch = epoch
         self.pool = client.pool(pool)
         self.mem = memoryview(self.pool.maps[0])
         self.table = table
@@ -53,7 +55,7 @@ class KvIo:
         return self.pool.offset(self.table[pos // bt], layer) + (pos % bt) * self.pool.bytes_per_token_per_layer
 
     def write(self, pos, layer, data):
-        if not self.client.may_write():  # the lease is lost: kvd may hand this block on
+        if not self.client.may_write(self.epoch):  # lost, or a request of an earlier attachment
             raise RuntimeError("the lease is lost: writing stopped")
         at = self._at(pos, layer)
         self.mem[at:at + len(data)] = data
@@ -225,7 +227,7 @@ class BatchEngine:
         req = g.req
         if g.cached_tokens is None:
             g.cached_tokens = req.cached_tokens
-        g.kv = KvIo(self.client, self.pool, req.blocks)
+        g.kv = KvIo(self.client, self.pool, req.blocks, req.epoch)
         g.computed = req.cached_tokens
         if req.resumed:
             # Positions with KV, then the token sampled next (engine_state).
