@@ -68,7 +68,9 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
       auto attached = service_->workers()->Register(hello.worker_name(), pid, caller_.key,
                                                     hello.cuda_event_handle());
       worker_ = attached.id;
-      pid_ = pid > 0 ? static_cast<uint32_t>(pid) : 0;
+      // Fences are lifted by a pid's re-attach or death only on the kernel's word: a pid a worker
+      // over TCP names may be anyone's here (its fences go by time).
+      pid_ = caller_.creds.has_value() && pid > 0 ? static_cast<uint32_t>(pid) : 0;
       v1::Attached* a = response_.mutable_attached();
       a->set_worker_id(attached.id.value());
       a->set_side_socket(service_->side_socket());
@@ -194,7 +196,7 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
   v1::AttachResponse response_;
   grpc::CallbackServerContext* const ctx_;
   WorkerId worker_;   // set once, on hello
-  uint32_t pid_ = 0;  // the worker's, set with worker_ (the kernel's word when kvd has it)
+  uint32_t pid_ = 0;  // the worker's, set with worker_: the kernel's word, 0 when kvd has none
   absl::Mutex mu_;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
