@@ -3,6 +3,9 @@
 #include <xxhash.h>
 
 #include <chrono>
+#include <deque>
+#include <functional>
+#include <memory>
 
 #include <grpcpp/grpcpp.h>
 
@@ -30,6 +33,99 @@ absl::Status Same(const char* field, const T& local, const T& offered) {
   if (local == offered) return absl::OkStatus();
   return absl::FailedPreconditionError(
       absl::StrCat("the peer's pool differs in ", field, ": ", offered, " there, ", local, " here"));
+}
+
+// Reads blocks [0, n) of `lease` from the peer, up to kReadsInFlight Reads of `per_read` blocks
+// in flight, and hands each answer to `take` on this thread, in order, while later ones are on the
+// wire. An answer shorter than asked is followed by a Read of the rest before anything later is
+// taken. On any error (a Read's, or take's) the Reads still in flight are cancelled and waited
+// for: when this returns, no callback refers to anything of the caller's.
+constexpr int kReadsInFlight = 4;
+
+absl::Status ReadLease(peer::v1::Peer::Stub* stub, uint64_t lease, int64_t n, int64_t per_read,
+                       std::chrono::steady_clock::time_point deadline,
+                       const std::function<absl::Status(const peer::v1::ReadResponse&)>& take, std::string* cause,
+                       int64_t* reads) {
+  struct Read {
+    int64_t first = 0;
+    int64_t count = 0;
+    grpc::ClientContext ctx;
+    peer::v1::ReadRequest req;
+    peer::v1::ReadResponse resp;
+    grpc::Status status;
+    bool done = false;
+  };
+  // Shared with the callbacks, which may outlive this frame by a moment only as far as mu's own
+  // unlock: the state is freed by whichever of them lets go of it last.
+  struct State {
+    absl::Mutex mu;
+  };
+  auto state = std::make_shared<State>();
+  std::deque<std::unique_ptr<Read>> flight;
+  auto issue = [&](int64_t first, int64_t count) {
+    auto r = std::make_unique<Read>();
+    r->first = first;
+    r->count = count;
+    r->ctx.set_deadline(GrpcDeadline(deadline));
+    r->req.set_lease(lease);
+    r->req.set_first(first);
+    r->req.set_count(count);
+    Read* raw = r.get();
+    flight.push_back(std::move(r));
+    ++*reads;
+    stub->async()->Read(&raw->ctx, &raw->req, &raw->resp, [state, raw](grpc::Status s) {
+      absl::MutexLock lock(&state->mu);
+      raw->status = std::move(s);
+      raw->done = true;
+    });
+  };
+  auto wait = [&](Read* r) {
+    absl::MutexLock lock(&state->mu);
+    state->mu.Await(absl::Condition(&r->done));
+  };
+  absl::Status result;
+  int64_t next = 0;
+  while (result.ok() && (next < n || !flight.empty())) {
+    while (next < n && static_cast<int>(flight.size()) < kReadsInFlight) {
+      const int64_t count = std::min(per_read, n - next);
+      issue(next, count);
+      next += count;
+    }
+    std::unique_ptr<Read> r = std::move(flight.front());
+    flight.pop_front();
+    wait(r.get());
+    int64_t first = r->first;
+    int64_t left = r->count;
+    while (result.ok() && left > 0) {
+      if (!r->status.ok()) {
+        *cause = r->status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ? "timeout" : "transfer";
+        result = absl::Status(FromGrpcStatus(r->status).code(), absl::StrCat("Read: ", r->status.error_message()));
+        break;
+      }
+      const int64_t got = r->resp.blocks_size();
+      if (got == 0 || got > left) {
+        *cause = "bounds";
+        result = absl::OutOfRangeError(
+            absl::StrCat("the peer answered ", got, " blocks for blocks [", first, ", ", first + left, ")"));
+        break;
+      }
+      result = take(r->resp);
+      first += got;
+      left -= got;
+      if (result.ok() && left > 0) {  // a short answer: the rest of it before anything later
+        r = std::make_unique<Read>();
+        r->ctx.set_deadline(GrpcDeadline(deadline));
+        r->req.set_lease(lease);
+        r->req.set_first(first);
+        r->req.set_count(left);
+        ++*reads;
+        r->status = stub->Read(&r->ctx, r->req, &r->resp);
+      }
+    }
+  }
+  for (auto& r : flight) r->ctx.TryCancel();
+  for (auto& r : flight) wait(r.get());
+  return result;
 }
 
 }  // namespace
@@ -196,44 +292,28 @@ absl::StatusOr<int64_t> PeerPuller::RunPull(peer::v1::Peer::Stub* stub, const Re
   const Clock::time_point offered = Clock::now();
   int64_t done = 0;
   int64_t reads = 0;
-  absl::Status got = [&]() -> absl::Status {
-    while (done < n) {
-      peer::v1::ReadRequest rr;
-      rr.set_lease(offer.lease());
-      rr.set_first(done);
-      rr.set_count(n - done);
-      peer::v1::ReadResponse data;
-      grpc::ClientContext ctx;
-      ctx.set_deadline(GrpcDeadline(deadline));
-      grpc::Status s = stub->Read(&ctx, rr, &data);
-      ++reads;
-      if (!s.ok()) {
-        *cause = s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ? "timeout" : "transfer";
-        return absl::Status(FromGrpcStatus(s).code(), absl::StrCat("Read: ", s.error_message()));
-      }
-      if (data.blocks_size() == 0 || done + data.blocks_size() > n) {
+  // Each block is checked (size, checksum) before a byte of it is written into the request's own
+  // block, so a wrong answer changes nothing here.
+  auto take = [&](const peer::v1::ReadResponse& data) -> absl::Status {
+    for (const std::string& bytes : data.blocks()) {
+      if (static_cast<int64_t>(bytes.size()) != block_bytes) {
         *cause = "bounds";
-        return absl::OutOfRangeError(absl::StrCat("the peer answered ", data.blocks_size(), " blocks for blocks [",
-                                                  done, ", ", n, ")"));
+        return absl::OutOfRangeError(absl::StrCat("the peer answered block ", skip + done, " of the prompt with ",
+                                                  bytes.size(), " bytes, not ", block_bytes));
       }
-      for (const std::string& bytes : data.blocks()) {
-        if (static_cast<int64_t>(bytes.size()) != block_bytes) {
-          *cause = "bounds";
-          return absl::OutOfRangeError(absl::StrCat("the peer answered block ", skip + done, " of the prompt with ",
-                                                    bytes.size(), " bytes, not ", block_bytes));
-        }
-        if (XXH3_64bits(bytes.data(), bytes.size()) != offer.checksums(static_cast<int>(done))) {
-          *cause = "checksum";
-          return absl::DataLossError(absl::StrCat("block ", skip + done, " of the prompt (peer block ",
-                                                  offer.blocks(static_cast<int>(done)), ") fails its checksum"));
-        }
-        *cause = "transfer";
-        KVD_RETURN_IF_ERROR(arena_->WriteBlock(pool, targets[done], reinterpret_cast<const uint8_t*>(bytes.data())));
-        ++done;
+      if (XXH3_64bits(bytes.data(), bytes.size()) != offer.checksums(static_cast<int>(done))) {
+        *cause = "checksum";
+        return absl::DataLossError(absl::StrCat("block ", skip + done, " of the prompt (peer block ",
+                                                offer.blocks(static_cast<int>(done)), ") fails its checksum"));
       }
+      *cause = "transfer";
+      KVD_RETURN_IF_ERROR(arena_->WriteBlock(pool, targets[done], reinterpret_cast<const uint8_t*>(bytes.data())));
+      ++done;
     }
     return absl::OkStatus();
-  }();
+  };
+  const int64_t per_read = std::max<int64_t>(1, PeerService::kMaxReadBytes / block_bytes);
+  absl::Status got = ReadLease(stub, offer.lease(), n, per_read, deadline, take, cause, &reads);
   const Clock::time_point read = Clock::now();
   if (got.ok()) {
     *cause = "request_gone";

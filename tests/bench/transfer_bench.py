@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Peer transfer benchmark (docs/performance.md, "Peer transfer"): two kvd nodes in two network
-namespaces joined by a veth pair (tests/transfer/netns.py; root only), UCX over TCP between them.
+namespaces joined by a veth pair (tests/transfer/netns.py; root only); pulls over the peers'
+mutual-TLS channel, beside UCX's own TCP get bandwidth between the same namespaces as a baseline.
 
 1. Throughput: node A holds a 16,384-token prefix of a Llama-3-8B-shaped pool (1,024 blocks of
    2 MiB, 2 GiB); a worker on node B starts that prompt naming node-a, and kvd B pulls it. Each
@@ -114,7 +115,8 @@ def main():
 
 def throughput(args):
     from kvd.client import Client
-    with netns.Pair(args.kvd, pools=LLAMA) as pair:
+    # 2 GiB pulls: a deadline well past what they take, so that a slow machine measures, not fails.
+    with netns.Pair(args.kvd, pools=LLAMA, extra="  pull_timeout_s: 120\n") as pair:
         a = Client(pair.a.target, worker_name="prefill")
         b = Client(pair.b.target, worker_name="decode")
         llama_prompt = [(i * 7) % 50000 for i in range(TOKENS + 1)]
@@ -129,7 +131,7 @@ def throughput(args):
             t0 = time.perf_counter()
             with b.request(f"pull{rep}", "llama", llama_prompt, max_new_tokens=1, peer="node-a", wait_s=60) as req:
                 elapsed = time.perf_counter() - t0
-                assert req.cached_tokens == TOKENS, req.cached_tokens
+                assert req.cached_tokens == TOKENS, f"pulled {req.cached_tokens} tokens; node B's log:\n{pair.b.log()[-3000:]}"
                 req.release()
             pulls.append(elapsed)
             gets.append(perftest(pair, 2 << 20, 500, outstanding=16))
