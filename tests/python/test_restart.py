@@ -125,10 +125,58 @@ def lease(kvd, tmp):
             d.stop()
 
 
+def careless_engine(kvd, worker, tmp):
+    """kvd-hardening-4's reproduction: an engine whose writer thread is gated by the client's
+    may_write() alone (it waits while False and writes on once True), with no on_lease_lost hook,
+    across `kvd --takeover`. Before, the client re-attached saying `quiesced`, kvd lifted the fences
+    of the process and another tenant's prompt was overwritten (every byte). Now the client cannot
+    vouch for the writer, so kvd keeps its blocks fenced; the request's own gate says no."""
+    d = Daemon(kvd, tmp, SMALL_POOL, name="careless")
+    c = Client(d.target, worker_name="py-careless")
+    try:
+        r = c.request("careless", pool="default", prompt=list(range(64)), wait_s=5)
+        pool = c.pool(r.pool)
+        n = pool.bytes_per_token_per_layer
+
+        def write():
+            for pos in range(r.num_tokens):
+                time.sleep(0.04)
+                deadline = time.monotonic() + 30
+                while not c.may_write() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                for layer in range(pool.num_layers):
+                    view = c.layer_view(r.pool, r.blocks[pos // pool.block_tokens], layer)
+                    slot = pos % pool.block_tokens
+                    view[slot * n:(slot + 1) * n] = slot_bytes(pos, pos, layer, n)
+
+        t = threading.Thread(target=write)
+        t.start()
+        time.sleep(0.3)
+        os.remove(os.path.join(tmp, "careless.ready"))
+        successor = Daemon(kvd, tmp, SMALL_POOL, name="careless", extra=["--takeover"])
+        check(successor.started, "careless: the takeover serves")
+        c.wait_attached(10)
+        check(c.epoch == 2 and not r.may_write(), "careless: the request of the lost attachment may not write")
+        code, b = run_worker(worker, successor.target, "b", "5000:64")
+        check(code == 0, f"careless: another tenant computes its prompt ({b})")
+        t.join(timeout=30)
+        time.sleep(0.5)
+        code, reader = run_worker(worker, successor.target, "reader", "5000:64")
+        check(code == 0 and reader.get("cached_tokens") == 60 and reader.get("mismatches") == 0,
+              f"careless: its bytes are all there after the careless writer finished ({reader})")
+    finally:
+        c.close()
+        for p in ("successor", "d"):
+            daemon = locals().get(p)
+            if daemon is not None and daemon.proc.poll() is None:
+                daemon.stop()
+
+
 def main():
     kvd, worker = sys.argv[1], sys.argv[2]
     tmp = tempfile.mkdtemp(prefix="kvd-pyrestart-")
     lease(kvd, tmp)
+    careless_engine(kvd, worker, tmp)
     daemon = Daemon(kvd, tmp, SMALL_POOL)
     remaps = []
     try:
