@@ -92,7 +92,7 @@ struct Client::Impl {
       return absl::FailedPreconditionError(absl::StrCat("shard ", shard, " of pool ", pool, " is not mapped"));
     }
     KVD_ASSIGN_OR_RETURN(int64_t at, p.layout.Offset(block, layer));
-    if (offset < 0 || n < 0 || offset > p.layout.layer_block_bytes() - n) {
+    if (offset < 0 || n < 0 || offset > p.layout.LayerUnitBytes(block) - n) {
       return absl::OutOfRangeError("access past the layer block");
     }
     return p.shard_base[shard] + at + offset;

@@ -29,6 +29,21 @@ std::string CudaIdentity(const v1::SlabInfo& s) {
 
 }  // namespace
 
+absl::StatusOr<GroupKvView> GroupKv(const PoolView& pool, absl::string_view group, uint32_t shard) {
+  const PoolGeometry& g = pool.geometry;
+  for (size_t j = 0; j < g.groups.size(); ++j) {
+    if (g.groups[j].name != group) continue;
+    if (shard >= pool.shard_base.size() || pool.shard_base[shard] == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("shard ", shard, " of pool '", g.name, "' is not mapped in this process"));
+    }
+    const GroupRegion& r = pool.layout.groups()[j];
+    return GroupKvView{.base = pool.shard_base[shard] + r.offset, .first_block = r.first_block,
+                       .capacity = r.capacity, .layer_unit_bytes = r.layer_unit_bytes, .layers = r.layers};
+  }
+  return absl::NotFoundError(absl::StrCat("pool '", g.name, "' has no KV group '", group, "'"));
+}
+
 absl::StatusOr<std::unique_ptr<SlabMaps>> SlabMaps::Open(const v1::ListPoolsResponse& listed,
                                                           const v1::Attached* attached,
                                                           int32_t shard) {

@@ -404,6 +404,42 @@ void ToProto(PoolId id, const PoolGeometry& g, v1::PoolInfo* p) {
   p->set_head_dim(g.kv.head_dim);
   p->set_kv_arrangement(g.kv.arrangement);
   p->set_model_fingerprint(g.model_fingerprint);
+  for (size_t j = 0; j < g.groups.size(); ++j) ToProto(g, static_cast<int>(j), p->add_groups());
+  if (g.hybrid()) p->set_step_tokens(g.step_tokens_or_default());
+}
+
+void ToProto(const PoolGeometry& g, int group, v1::GroupInfo* p) {
+  const KvGroup& k = g.groups[group];
+  p->set_name(k.name);
+  p->set_kind(KvGroupKindName(k.kind));
+  for (int32_t l : k.layers) p->add_layers(l);
+  p->set_window(k.window);
+  p->set_chunk(k.chunk);
+  p->set_checkpoint_every_blocks(k.checkpoint_every_blocks);
+  p->set_bytes_per_token(k.bytes_per_token);
+  p->set_bytes_per_state(k.bytes_per_state);
+  p->set_capacity(k.capacity);
+  p->set_first_block(k.first_block);
+  p->set_region_offset_bytes(k.region_offset_bytes);
+  p->set_layer_unit_bytes(g.GroupLayerUnitBytes(group));
+  p->set_checkpoint_at_end(!k.attention() && k.checkpoint_at_end);
+}
+
+KvGroup GroupFromProto(const v1::GroupInfo& p) {
+  KvGroup k;
+  k.name = p.name().substr(0, 64);
+  if (!ParseKvGroupKind(p.kind(), &k.kind)) k.kind = KvGroupKind::kFull;
+  k.layers.assign(p.layers().begin(), p.layers().end());
+  k.window = p.window();
+  k.chunk = p.chunk();
+  k.checkpoint_every_blocks = p.checkpoint_every_blocks();
+  k.bytes_per_token = p.bytes_per_token();
+  k.bytes_per_state = p.bytes_per_state();
+  k.capacity = p.capacity();
+  k.first_block = p.first_block();
+  k.region_offset_bytes = p.region_offset_bytes();
+  k.checkpoint_at_end = p.checkpoint_at_end();
+  return k;
 }
 
 PoolGeometry GeometryFromProto(const v1::PoolInfo& p) {
@@ -421,6 +457,8 @@ PoolGeometry GeometryFromProto(const v1::PoolInfo& p) {
   g.kv.head_dim = p.head_dim();
   g.kv.arrangement = p.kv_arrangement();
   g.model_fingerprint = p.model_fingerprint();
+  for (const v1::GroupInfo& k : p.groups()) g.groups.push_back(GroupFromProto(k));
+  g.step_tokens = p.step_tokens();
   return g;
 }
 

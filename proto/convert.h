@@ -50,6 +50,11 @@ CacheEvent FromProto(const v1::CacheEvent& p);
 
 // Geometry of a pool as carried in ListPools (slabs are filled by the caller).
 void ToProto(PoolId id, const PoolGeometry& g, v1::PoolInfo* p);
+// One group of a hybrid pool, as ListPools lists it (GroupInfo).
+void ToProto(const PoolGeometry& g, int group, v1::GroupInfo* p);
+// A group as a worker declares or kvd lists it; an unknown kind reads as full, which then differs
+// from the pool's by name or kind (the attach check compares both).
+KvGroup GroupFromProto(const v1::GroupInfo& p);
 PoolGeometry GeometryFromProto(const v1::PoolInfo& p);
 
 std::vector<Token> TokensFromProto(const google::protobuf::RepeatedField<uint32_t>& p);

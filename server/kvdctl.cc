@@ -33,6 +33,7 @@
 #include "server/config_values.h"
 #include "server/kvdctl_json.h"
 #include "proto/vocab/default_paths.h"
+#include "proto/vocab/pool_geometry.h"
 
 namespace {
 
@@ -213,6 +214,28 @@ int Pools(Kvd::Stub& stub, bool json) {
                     p.model_fingerprint().empty() ? "-" : p.model_fingerprint()});
   }
   Table(rows);
+  // Hybrid pools' KV groups (docs/hybrid.md): a second table, absent when no pool has groups.
+  std::vector<std::vector<std::string>> groups = {
+      {"POOL", "GROUP", "KIND", "LAYERS", "UNIT BYTES", "CAPACITY", "FIRST BLOCK", "REGION OFFSET", "PARAMETERS"}};
+  for (const auto& p : pools.pools()) {
+    for (const auto& g : p.groups()) {
+      std::string params = "-";
+      if (g.kind() == "sliding_window") params = absl::StrCat("window ", g.window());
+      if (g.kind() == "chunked_local") params = absl::StrCat("chunk ", g.chunk());
+      if (g.kind() == "state") {
+        params = absl::StrCat("k ", g.checkpoint_every_blocks(), g.checkpoint_at_end() ? ", tail" : "");
+      }
+      groups.push_back({p.name(), g.name(), g.kind(),
+                        absl::StrJoin(kvd::FormatLayers(std::vector<int32_t>(g.layers().begin(), g.layers().end())), ","),
+                        Bytes(g.layer_unit_bytes() * g.layers_size()),
+                        absl::StrCat(g.capacity(), g.kind() == "state" ? " slots" : " blocks"),
+                        absl::StrCat(g.first_block()), Bytes(g.region_offset_bytes()), params});
+    }
+  }
+  if (groups.size() > 1) {
+    std::cout << "\n";
+    Table(groups);
+  }
   return 0;
 }
 

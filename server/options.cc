@@ -69,11 +69,61 @@ absl::Status ReadSize(const YAML::Node& node, const char* key, int64_t* out, con
 absl::Status CheckKeys(const YAML::Node& node, const std::string& where,
                        std::initializer_list<const char*> known);
 
+// One entry of a pool's `groups` (docs/hybrid.md §2.1). `where` ends in "groups[j]": errors read
+// "...pools[i].groups[j].<field>: value, what is allowed".
+absl::Status ReadGroup(const YAML::Node& node, const std::string& where, KvGroup* k) {
+  KVD_RETURN_IF_ERROR(CheckKeys(node, where,
+                                {"name", "kind", "layers", "bytes_per_token", "bytes_per_state", "window", "chunk",
+                                 "checkpoint_every_blocks", "checkpoint_at_end", "capacity_blocks", "capacity_slots"}));
+  KVD_RETURN_IF_ERROR(Read(node, "name", &k->name, where));
+  std::string kind;
+  KVD_RETURN_IF_ERROR(Read(node, "kind", &kind, where));
+  if (!ParseKvGroupKind(kind, &k->kind)) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ".kind: '", kind,
+                                                   "' is not allowed; allowed: full, sliding_window, chunked_local, state"));
+  }
+  const YAML::Node layers = node["layers"];
+  if (layers && !layers.IsSequence()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ".layers: expected a list of layer indices, \"a-b\" or \"a-b/s\""));
+  }
+  if (layers) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (!layers[i].IsScalar()) return absl::InvalidArgumentError(absl::StrCat(where, ".layers[", i, "]: expected a single value"));
+      absl::StatusOr<std::vector<int32_t>> parsed = ParseLayerSpec(layers[i].as<std::string>());
+      if (!parsed.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ".layers[", i, "]: ", parsed.status().message()));
+      k->layers.insert(k->layers.end(), parsed->begin(), parsed->end());
+    }
+  }
+  KVD_RETURN_IF_ERROR(ReadSize(node, "bytes_per_token", &k->bytes_per_token, where));
+  KVD_RETURN_IF_ERROR(ReadSize(node, "bytes_per_state", &k->bytes_per_state, where));
+  KVD_RETURN_IF_ERROR(Read(node, "window", &k->window, where));
+  KVD_RETURN_IF_ERROR(Read(node, "chunk", &k->chunk, where));
+  KVD_RETURN_IF_ERROR(Read(node, "checkpoint_every_blocks", &k->checkpoint_every_blocks, where));
+  KVD_RETURN_IF_ERROR(Read(node, "checkpoint_at_end", &k->checkpoint_at_end, where));
+  // Keys of the other kinds that the struct cannot tell from their defaults.
+  const char* capacity = k->attention() ? "capacity_blocks" : "capacity_slots";
+  const char* other = k->attention() ? "capacity_slots" : "capacity_blocks";
+  if (node[other]) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ".", other, ": ", node[other].as<std::string>(),
+                                                   " is not a key of kind ", kind, "; allowed: ", capacity));
+  }
+  if (k->attention() && node["checkpoint_at_end"]) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ".checkpoint_at_end: ", node["checkpoint_at_end"].as<std::string>(),
+                                                   " is not a key of kind ", kind, "; allowed only on state"));
+  }
+  KVD_RETURN_IF_ERROR(Read(node, capacity, &k->capacity, where));
+  if (node[capacity] && k->capacity <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ".", capacity, ": ", k->capacity, " is out of range; allowed: > 0"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeometry* g) {
   KVD_RETURN_IF_ERROR(CheckKeys(node, where,
                                 {"name", "block_tokens", "num_layers", "bytes_per_token_per_layer",
                                  "capacity_blocks", "max_model_len", "shards", "devices", "layout", "dtype",
-                                 "kv_heads", "head_dim", "kv_arrangement", "allocator", "model_fingerprint"}));
+                                 "kv_heads", "head_dim", "kv_arrangement", "allocator", "model_fingerprint",
+                                 "groups", "capacity_bytes", "step_tokens"}));
   *g = DefaultPool();
   g->name.clear();
   KVD_RETURN_IF_ERROR(Read(node, "name", &g->name, where));
@@ -109,6 +159,29 @@ absl::Status ReadPool(const YAML::Node& node, const std::string& where, PoolGeom
   } else {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": layout must be layer_major or block_major, not '", layout, "'"));
+  }
+  KVD_RETURN_IF_ERROR(ReadSize(node, "capacity_bytes", &g->capacity_bytes, where));
+  KVD_RETURN_IF_ERROR(Read(node, "step_tokens", &g->step_tokens, where));
+  // `where` is "config PATH: pools[i]"; group errors continue it as "pools[i].groups[j].field".
+  if (const YAML::Node groups = node["groups"]) {
+    if (!groups.IsSequence() || groups.size() == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ".groups: expected a list of 1 to ", kMaxKvGroups, " groups"));
+    }
+    if (node["capacity_blocks"]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ".capacity_blocks: ", node["capacity_blocks"].as<std::string>(),
+          " is ambiguous in a pool with groups; allowed: the pool's capacity_bytes (split over the groups) or "
+          "groups[j].capacity_blocks / capacity_slots"));
+    }
+    for (size_t j = 0; j < groups.size(); ++j) {
+      KvGroup k;
+      KVD_RETURN_IF_ERROR(ReadGroup(groups[j], absl::StrCat(where, ".groups[", j, "]"), &k));
+      g->groups.push_back(std::move(k));
+    }
+  }
+  if (absl::Status s = g->ResolveGroups(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ".", s.message()));
   }
   return absl::OkStatus();
 }
@@ -298,6 +371,19 @@ absl::Status Options::Validate() const {
         absl::StrCat("log_level must be trace, debug, info, warn or error, not '", server.log_level, "'"));
   }
   for (const PoolGeometry& g : cache.pools) {
+    // Until the later steps of docs/hybrid.md land, these would move or announce a hybrid pool's
+    // blocks as if every block held every layer: refused, naming the section.
+    if (g.hybrid()) {
+      const char* section = tiers.enabled()           ? "tiers"
+                            : transfer.enabled()      ? "transfer (peers)"
+                            : router_events.enabled() ? "router_events"
+                                                      : nullptr;
+      if (section != nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "pool '", g.name, "' has KV groups; ", section, " do not serve pools with groups yet (docs/hybrid.md, "
+            "\"What works today\"): remove the ", section, " section or the pool's groups"));
+      }
+    }
     if (g.allocator == PoolAllocator::kVmm && server.backend == "host") {
       return absl::InvalidArgumentError(absl::StrCat("pool '", g.name, "': allocator vmm is CUDA memory; it needs "
                                                      "backend cuda (or auto on a GPU node), not host"));
@@ -527,8 +613,10 @@ std::string FormatConfig(const Options& o) {
     out << YAML::Key << "block_tokens" << YAML::Value << g.block_tokens;
     out << YAML::Key << "num_layers" << YAML::Value << g.num_layers;
     out << YAML::Key << "bytes_per_token_per_layer" << YAML::Value << g.bytes_per_token_per_layer;
-    out << YAML::Key << "capacity_blocks" << YAML::Value << g.capacity_blocks;
+    if (!g.hybrid()) out << YAML::Key << "capacity_blocks" << YAML::Value << g.capacity_blocks;
+    if (g.capacity_bytes != 0) out << YAML::Key << "capacity_bytes" << YAML::Value << g.capacity_bytes;
     out << YAML::Key << "max_model_len" << YAML::Value << g.max_model_len;
+    if (g.step_tokens != 0 || g.hybrid()) out << YAML::Key << "step_tokens" << YAML::Value << g.step_tokens_or_default();
     out << YAML::Key << "layout" << YAML::Value << PoolLayoutName(g.layout);
     if (g.allocator != PoolAllocator::kIpc) out << YAML::Key << "allocator" << YAML::Value << PoolAllocatorName(g.allocator);
     out << YAML::Key << "shards" << YAML::Value << g.num_shards;
@@ -539,6 +627,27 @@ std::string FormatConfig(const Options& o) {
     if (!g.kv.arrangement.empty()) out << YAML::Key << "kv_arrangement" << YAML::Value << g.kv.arrangement;
     if (!g.model_fingerprint.empty()) {
       out << YAML::Key << "model_fingerprint" << YAML::Value << YAML::DoubleQuoted << g.model_fingerprint;
+    }
+    if (g.hybrid()) {
+      // Every group with its resolved capacity, so that the output reads back to the same split.
+      out << YAML::Key << "groups" << YAML::Value << YAML::BeginSeq;
+      for (const KvGroup& k : g.groups) {
+        out << YAML::Flow << YAML::BeginMap;
+        out << YAML::Key << "name" << YAML::Value << k.name;
+        out << YAML::Key << "kind" << YAML::Value << KvGroupKindName(k.kind);
+        out << YAML::Key << "layers" << YAML::Value << YAML::Flow << FormatLayers(k.layers);
+        if (k.attention()) out << YAML::Key << "bytes_per_token" << YAML::Value << k.bytes_per_token;
+        if (k.kind == KvGroupKind::kSlidingWindow) out << YAML::Key << "window" << YAML::Value << k.window;
+        if (k.kind == KvGroupKind::kChunkedLocal) out << YAML::Key << "chunk" << YAML::Value << k.chunk;
+        if (!k.attention()) {
+          out << YAML::Key << "bytes_per_state" << YAML::Value << k.bytes_per_state;
+          out << YAML::Key << "checkpoint_every_blocks" << YAML::Value << k.checkpoint_every_blocks;
+          out << YAML::Key << "checkpoint_at_end" << YAML::Value << k.checkpoint_at_end;
+        }
+        out << YAML::Key << (k.attention() ? "capacity_blocks" : "capacity_slots") << YAML::Value << k.capacity;
+        out << YAML::EndMap;
+      }
+      out << YAML::EndSeq;
     }
     out << YAML::EndMap;
   }

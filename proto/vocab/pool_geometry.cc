@@ -36,6 +36,20 @@ absl::Status PoolGeometry::Validate() const {
   }
   if (absl::Status s = kv.Validate(bytes_per_token_per_layer); !s.ok()) return bad(s.message());
   if (absl::Status s = CheckModelFingerprint(model_fingerprint); !s.ok()) return bad(s.message());
+  // Groups are checked where they are resolved; a geometry built by hand must have been resolved
+  // (its first_block, offsets and capacity_blocks are what the slab layout and the index space use).
+  PoolGeometry resolved = *this;
+  if (absl::Status s = resolved.ResolveGroups(); !s.ok()) return bad(s.message());
+  if (resolved.capacity_blocks != capacity_blocks) {
+    return bad(absl::StrCat("capacity_blocks ", capacity_blocks, " is not the groups' sum ", resolved.capacity_blocks,
+                            " (call ResolveGroups)"));
+  }
+  for (size_t j = 0; j < groups.size(); ++j) {
+    if (resolved.groups[j].first_block != groups[j].first_block ||
+        resolved.groups[j].region_offset_bytes != groups[j].region_offset_bytes) {
+      return bad(absl::StrCat("groups[", j, "]: first_block / region_offset_bytes are not resolved (call ResolveGroups)"));
+    }
+  }
   return absl::OkStatus();
 }
 

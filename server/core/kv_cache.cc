@@ -192,6 +192,9 @@ absl::StatusOr<PoolId> KvCache::FindPool(absl::string_view name) const {
 }
 
 int64_t KvCache::MaxHitBlocks(const Pool& pool, int64_t prompt_tokens) const {
+  // A pool with KV groups hits nothing until its lookup serves every group (docs/hybrid.md §2.6):
+  // a block chain alone says nothing of the window or the state at its end.
+  if (pool.geometry.hybrid()) return 0;
   // At least one prompt token is left to compute: the engine needs its logits.
   return prompt_tokens <= 0 ? 0 : (prompt_tokens - 1) / pool.geometry.block_tokens;
 }

@@ -168,6 +168,20 @@ class AttachReactor final : public grpc::ServerBidiReactor<v1::AttachRequest, v1
                                                           g->block_tokens, ", the worker expects ", e.block_tokens()));
       }
       KVD_RETURN_IF_ERROR(CheckExpectedModel(*g, e.model_fingerprint()));
+      if (e.groups_size() > kMaxKvGroups) {
+        return absl::InvalidArgumentError(absl::StrCat("expect_pools[] for pool '", g->name, "' declares ",
+                                                       e.groups_size(), " groups; at most ", kMaxKvGroups));
+      }
+      std::vector<KvGroup> groups;
+      for (const v1::GroupInfo& k : e.groups()) {
+        KvGroupKind kind;
+        if (!ParseKvGroupKind(k.kind(), &kind)) {
+          return absl::InvalidArgumentError(absl::StrCat("expect_pools[] for pool '", g->name, "': group kind '",
+                                                         k.kind().substr(0, 64), "' is not full, sliding_window, chunked_local or state"));
+        }
+        groups.push_back(GroupFromProto(k));
+      }
+      KVD_RETURN_IF_ERROR(CheckExpectedGroups(*g, groups));
       if (!e.layout().empty() && e.layout() != PoolLayoutName(g->layout)) {
         return absl::FailedPreconditionError(absl::StrCat("pool '", g->name, "' has layout ",
                                                           PoolLayoutName(g->layout), ", the worker expects ",

@@ -95,6 +95,9 @@ class Pool:
         self.kv_heads = info.kv_heads
         self.head_dim = info.head_dim
         self.kv_arrangement = info.kv_arrangement
+        # KV groups of a hybrid pool (docs/hybrid.md), in order; empty for a pool without groups.
+        # Tables carry pool-wide indices: group g owns [first_block, first_block + capacity).
+        self.groups = list(info.groups)
         self.slab_sizes = [s.size_bytes for s in info.slabs]
         self.slabs = list(info.slabs)
         self.maps = [None] * len(info.slabs)     # host: mmap per shard
@@ -115,10 +118,31 @@ class Pool:
             return (self.kv_heads, self.head_dim)
         return None
 
+    def group(self, name):
+        """The GroupInfo of KV group `name` (KeyError when the pool has none of that name)."""
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"pool {self.name} has no KV group '{name}'")
+
+    def group_index(self, group, index):
+        """The group-local index of pool-wide `index` (what kv_tensor(pool, group=...) is indexed
+        by): index - first_block. IndexError when the index is not the group's."""
+        g = self.group(group)
+        if not g.first_block <= index < g.first_block + g.capacity:
+            raise IndexError(f"index {index} is not in group {group} [{g.first_block}, {g.first_block + g.capacity})")
+        return index - g.first_block
+
     def offset(self, block, layer):
         """Byte offset of `layer` of `block` in a slab (gpu/slab_layout.h)."""
         if not (0 <= block < self.capacity_blocks and 0 <= layer < self.num_layers):
             raise IndexError(f"block {block} / layer {layer} out of range")
+        for g in self.groups:  # a hybrid pool: the block's group's region, layer-major in it
+            if g.first_block <= block < g.first_block + g.capacity:
+                if layer not in g.layers:
+                    raise IndexError(f"layer {layer} is not in group {g.name} of block {block}")
+                j = list(g.layers).index(layer)
+                return g.region_offset_bytes + (j * g.capacity + block - g.first_block) * g.layer_unit_bytes
         if self.layer_major:
             return (layer * self.capacity_blocks + block) * self.layer_block_bytes
         return (block * self.num_layers + layer) * self.layer_block_bytes
@@ -215,7 +239,10 @@ class Client:
 
         `expect`: dicts of kvd_pb2.PoolExpectation fields ({"pool": "llama", "dtype": "bfloat16",
         "kv_heads": 8, ...}); the daemon refuses to attach (FAILED_PRECONDITION, KvdError) when a
-        pool differs, so the worker never reads KV laid out for another model.
+        pool differs, so the worker never reads KV laid out for another model. A hybrid pool's
+        expectation lists its KV groups, in order: "groups": [{"name": "full", "kind": "full"},
+        {"name": "swa", "kind": "sliding_window", "window": 128}, ...] (GroupInfo fields); such a
+        pool refuses a worker declaring none or other groups.
 
         Riding through kvd restarts: when the attach stream ends, a background thread re-attaches
         under the same worker name (back-off 50 ms doubling to 2 s) and compares the slabs kvd
@@ -569,12 +596,15 @@ class Client:
         return self.pools[pool]
 
     def layer_view(self, pool, block, layer, shard=0):
-        """A writable memoryview of `layer` of `block`: block_tokens * bytes_per_token_per_layer bytes."""
+        """A writable memoryview of `layer` of `block`: block_tokens * bytes_per_token_per_layer bytes
+        (in a hybrid pool: the block's group's unit; `block` is pool-wide, `layer` a model layer)."""
         p = self.pool(pool)
         if p.maps[shard] is None:
             raise KvdError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of pool {pool} is not mapped")
         start = p.offset(block, layer)
-        return memoryview(p.maps[shard])[start:start + p.layer_block_bytes]
+        size = next((g.layer_unit_bytes for g in p.groups if g.first_block <= block < g.first_block + g.capacity),
+                    p.layer_block_bytes)
+        return memoryview(p.maps[shard])[start:start + size]
 
     def layer_address(self, pool, block, layer, shard=0):
         """Device address of `layer` of `block` in a mapped CUDA slab."""
@@ -597,16 +627,22 @@ class Client:
             return flat.reshape(p.num_layers, p.capacity_blocks, p.layer_block_bytes)
         return flat.reshape(p.capacity_blocks, p.num_layers, p.layer_block_bytes)
 
-    def kv_tensor(self, pool, dtype=None, inner_shape=None, shard=0):
+    def kv_tensor(self, pool, dtype=None, inner_shape=None, shard=0, group=None):
         """The whole host slab as a torch tensor view [layers][blocks][block_tokens][*inner_shape]
         of `dtype`, whatever the pool's layout (a block-major slab comes back permuted, still a
         view). `inner_shape` is what one token of one layer holds, e.g. (2, kv_heads, head_dim)
         for K and V: its bytes must equal the pool's bytes_per_token_per_layer, else ValueError.
         Both default to the pool's declared format (ValueError when it declares none).
         On the CUDA backend the view is a CUDA tensor over the mapped slab (__cuda_array_interface__).
-        No copy: writes land in kvd's memory. Needs torch."""
+        No copy: writes land in kvd's memory. Needs torch.
+        A hybrid pool needs `group` (a KV group's name): the view is that group's region,
+        [group layers][capacity][block_tokens][*inner_shape] for attention groups and
+        [group layers][slots][*inner_shape] for a state group (inner_shape default: the state's
+        bytes in `dtype`), indexed by the group-local index (Pool.group_index)."""
         import torch
         p = self.pool(pool)
+        if group is not None or p.groups:
+            return self._group_tensor(p, group, dtype, inner_shape, shard)
         if dtype is None:
             if not p.dtype:
                 raise ValueError(f"pool {p.name} declares no dtype: pass one")
@@ -640,6 +676,44 @@ class Client:
         if p.layer_major:
             return flat.view(p.num_layers, p.capacity_blocks, p.block_tokens, *inner_shape)
         return flat.view(p.capacity_blocks, p.num_layers, p.block_tokens, *inner_shape).transpose(0, 1)
+
+    def _group_tensor(self, p, group, dtype, inner_shape, shard):
+        import torch
+        if group is None:
+            raise ValueError(f"pool {p.name} has KV groups ({', '.join(g.name for g in p.groups)}): pass group=")
+        g = p.group(group)
+        state = g.kind == "state"
+        if dtype is None:
+            if not p.dtype and not state:
+                raise ValueError(f"pool {p.name} declares no dtype: pass one")
+            dtype = getattr(torch, p.dtype) if p.dtype and not state else torch.uint8
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        unit = g.bytes_per_state if state else g.bytes_per_token
+        if inner_shape is None:
+            inner_shape = (unit // itemsize,) if state else p.token_shape()
+            if inner_shape is None:
+                raise ValueError(f"pool {p.name} declares no token-major arrangement: pass inner_shape")
+        per = itemsize
+        for d in inner_shape:
+            per *= d
+        if per != unit:
+            what = "bytes per state" if state else "bytes per token and layer"
+            raise ValueError(f"group {group} of pool {p.name} holds {unit} {what}; {tuple(inner_shape)} of {dtype} is {per}")
+        if p.maps[shard] is None and p.devices[shard] is None:
+            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION, f"shard {shard} of pool {p.name} is not mapped")
+        nbytes = len(g.layers) * g.capacity * g.layer_unit_bytes
+        if p.maps[shard] is not None:
+            if numpy is None:
+                raise ValueError("kv_tensor over host slabs needs numpy (it keeps the mapping alive)")
+            held = numpy.frombuffer(p.maps[shard], dtype=numpy.uint8, count=nbytes, offset=g.region_offset_bytes)
+            flat = torch.from_numpy(held).view(dtype)
+        else:
+            raw = torch.as_tensor(_CudaArray(p.devices[shard], g.region_offset_bytes + nbytes),
+                                  device=f"cuda:{p.devices[shard].device}")
+            flat = raw[g.region_offset_bytes:].view(dtype)
+        if state:
+            return flat.view(len(g.layers), g.capacity, *inner_shape)
+        return flat.view(len(g.layers), g.capacity, p.block_tokens, *inner_shape)
 
     def block_array(self, pool, block, shard=0):
         """One block's KV as a numpy array (layers, block_tokens, bytes_per_token_per_layer): a view."""

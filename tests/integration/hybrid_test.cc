@@ -1,0 +1,293 @@
+// Hybrid pools (docs/hybrid.md, build step 1) against the real daemon: configuration errors name
+// pools[i].groups[j].<field>, --print-config round-trips groups, ListPools and kvdctl list them,
+// Attach refuses a worker declaring none or other groups, and each group's layer written through
+// one client's group view at a group-local index reads back through another client's mapping at
+// the slab offset docs/hybrid.md §2.2 gives.
+#include <cstring>
+#include <fstream>
+
+#include <catch2/catch.hpp>
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "kvd/v1/kvd.grpc.pb.h"
+#include "tests/integration/harness.h"
+
+namespace kvd::testing {
+namespace {
+
+// Four layers: full attention in 1 and 3, a 6-token window in 0, recurrent state in 2.
+std::string HybridPool(const std::string& groups_extra = "", const std::string& pool_extra = "") {
+  return absl::StrCat(
+      "pools:\n"
+      "  - name: hy\n"
+      "    block_tokens: 4\n"
+      "    num_layers: 4\n"
+      "    bytes_per_token_per_layer: 16\n"
+      "    max_model_len: 64\n",
+      pool_extra,
+      "    groups:\n"
+      "      - {name: full, kind: full, layers: [\"1-3/2\"], capacity_blocks: 40}\n"
+      "      - {name: swa, kind: sliding_window, layers: [0], window: 6, capacity_blocks: 24}\n"
+      "      - {name: rec, kind: state, layers: [2], bytes_per_state: 100, checkpoint_every_blocks: 2, "
+      "capacity_slots: 6}\n",
+      groups_extra);
+}
+
+ProcessResult PrintConfig(const TempDir& dir, const std::string& yaml, const std::string& name = "c.yaml",
+                          std::vector<std::string> flags = {}) {
+  const std::string path = dir.path() + "/" + name;
+  std::ofstream(path) << yaml;
+  flags.insert(flags.begin(), {"--config=" + path, "--print-config", "--listen=unix://" + dir.path() + "/k.sock"});
+  return RunProcess(KvdBinary(), flags, absl::Seconds(10));
+}
+
+TEST_CASE("Hybrid pool config errors exit 2 naming pools[i].groups[j].<field>", "[integration][hybrid]") {
+  TempDir dir;
+  const auto refused = [&](const std::string& yaml, const std::string& message, std::vector<std::string> flags = {}) {
+    const ProcessResult r = PrintConfig(dir, yaml, "bad.yaml", flags);
+    INFO(yaml << "\n-> " << r.out);
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.find(message) != std::string::npos);
+  };
+  const std::string full = "      - {name: full, kind: full, layers: [\"1-3/2\"], capacity_blocks: 40}\n";
+  const auto with = [&](const std::string& swa, const std::string& rec, const std::string& pool_extra = "") {
+    return absl::StrCat("pools:\n  - name: hy\n    block_tokens: 4\n    num_layers: 4\n"
+                        "    bytes_per_token_per_layer: 16\n    max_model_len: 64\n",
+                        pool_extra, "    groups:\n", full, swa, rec);
+  };
+  const std::string swa = "      - {name: swa, kind: sliding_window, layers: [0], window: 6, capacity_blocks: 24}\n";
+  const std::string rec =
+      "      - {name: rec, kind: state, layers: [2], bytes_per_state: 100, checkpoint_every_blocks: 2, capacity_slots: 6}\n";
+  refused(with("      - {name: swa, kind: sliding_window, layers: [0], window: 0, capacity_blocks: 24}\n", rec),
+          "pools[0].groups[1].window: 0 is out of range; allowed: [1, max_model_len = 64)");
+  refused(with("      - {name: swa, kind: sliding_window, layers: [0], window: 6, chunk: 8, capacity_blocks: 24}\n", rec),
+          "pools[0].groups[1].chunk: 8 is not a key of kind sliding_window; allowed only on chunked_local");
+  refused(with("      - {name: swa, kind: sliding, layers: [0], window: 6}\n", rec),
+          "pools[0].groups[1].kind: 'sliding' is not allowed; allowed: full, sliding_window, chunked_local, state");
+  refused(with(swa, "      - {name: rec, kind: state, layers: [2], bytes_per_state: 100, capacity_slots: 6}\n"),
+          "pools[0].groups[2].checkpoint_every_blocks: (unset) is required on a state group");
+  refused(with(swa, "      - {name: rec, kind: state, layers: [], bytes_per_state: 100, checkpoint_every_blocks: 2, "
+                    "capacity_slots: 6}\n"),
+          "pools[0].groups[2].layers: [] lists no layer");
+  refused(with(swa, "      - {name: rec, kind: state, layers: [\"4-5\"], bytes_per_state: 100, checkpoint_every_blocks: 2, "
+                    "capacity_slots: 6}\n"),
+          "pools[0].groups[2].layers: 4 is not a layer of the pool; allowed: [0, 4)");
+  refused(with(swa, "      - {name: rec, kind: state, layers: [\"2/3\"], bytes_per_state: 100, checkpoint_every_blocks: 2}\n"),
+          "pools[0].groups[2].layers[0]: '2/3' has a stride without a range");
+  refused(with(swa, "      - {name: rec, kind: state, layers: [2], bytes_per_state: 100, checkpoint_every_blocks: 2, "
+                    "capacity_blocks: 6}\n"),
+          "pools[0].groups[2].capacity_blocks: 6 is not a key of kind state; allowed: capacity_slots");
+  refused(with(swa, rec, "    capacity_blocks: 64\n"),
+          "pools[0].capacity_blocks: 64 is ambiguous in a pool with groups; allowed: the pool's capacity_bytes");
+  refused(with(swa, rec, "    layout: block_major\n"), "pools[0].layout: block_major is not allowed with groups");
+  refused(with(swa, rec, "    step_tokens: 2\n"), "pools[0].step_tokens: 2 is out of range");
+  refused(with(swa, ""), "pools[0].groups: layer 2 is in no group");
+  refused(with("      - {name: swa, kind: sliding_window, layers: [0], window: 6, capacity_blocks: 10}\n", rec),
+          "pools[0].groups[1].capacity_blocks: 10 cannot hold one request of max_model_len 64 tokens, which reserves 16");
+  refused(with("      - {name: swa, kind: sliding_window, layers: [0], window: 6}\n", rec),
+          "pools[0].groups[1].capacity_blocks: (unset) and the pool sets no capacity_bytes to split");
+  // What does not serve hybrid pools yet is refused at start, naming the section.
+  refused(HybridPool(), "pool 'hy' has KV groups; tiers do not serve pools with groups yet", {"--host-tier-bytes=1MiB"});
+  refused(HybridPool("transfer:\n  listen: 127.0.0.1:0\n"),
+          "pool 'hy' has KV groups; transfer (peers) do not serve pools with groups yet");
+  refused(HybridPool("router_events:\n  endpoint: tcp://127.0.0.1:5557\n"),
+          "pool 'hy' has KV groups; router_events do not serve pools with groups yet");
+}
+
+TEST_CASE("--print-config round-trips a hybrid pool, with the default split resolved", "[integration][hybrid]") {
+  TempDir dir;
+  const std::string yaml =
+      "pools:\n"
+      "  - name: next\n"
+      "    block_tokens: 16\n"
+      "    num_layers: 8\n"
+      "    bytes_per_token_per_layer: 256\n"
+      "    max_model_len: 4096\n"
+      "    capacity_bytes: 64MiB\n"
+      "    step_tokens: 256\n"
+      "    groups:\n"
+      "      - {name: attn, kind: full, layers: [3, 7]}\n"
+      "      - {name: gdn, kind: state, layers: [\"0-2\", \"4-6\"], bytes_per_state: 100000, checkpoint_every_blocks: 64}\n";
+  const ProcessResult a = PrintConfig(dir, yaml, "first.yaml");
+  INFO(a.out);
+  REQUIRE(a.exit_code == 0);
+  // R = 10 requests of 4096 tokens (tests/unit/core/kv_group_test.cc): 2560 blocks and 70 slots.
+  CHECK(a.out.find("capacity_bytes: 67108864\n") != std::string::npos);
+  CHECK(a.out.find("step_tokens: 256\n") != std::string::npos);
+  CHECK(a.out.find("{name: attn, kind: full, layers: [3, 7], bytes_per_token: 256, capacity_blocks: 2560}") !=
+        std::string::npos);
+  CHECK(a.out.find("{name: gdn, kind: state, layers: [0-2, 4-6], bytes_per_state: 100000, checkpoint_every_blocks: 64, "
+                   "checkpoint_at_end: true, capacity_slots: 70}") != std::string::npos);
+  const ProcessResult b = PrintConfig(dir, a.out, "second.yaml");
+  REQUIRE(b.exit_code == 0);
+  CHECK(b.out == a.out);
+}
+
+std::string AttachWith(v1::Kvd::Stub& stub, const std::vector<v1::GroupInfo>& groups, grpc::StatusCode* code) {
+  grpc::ClientContext ctx;
+  auto stream = stub.Attach(&ctx);
+  v1::AttachRequest hello;
+  hello.mutable_hello()->set_pid(getpid());
+  v1::PoolExpectation* e = hello.mutable_hello()->add_expect_pools();
+  e->set_pool("hy");
+  for (const v1::GroupInfo& g : groups) *e->add_groups() = g;
+  stream->Write(hello);
+  v1::AttachResponse resp;
+  if (stream->Read(&resp) && resp.has_attached()) {
+    ctx.TryCancel();
+    *code = grpc::StatusCode::OK;
+    return "";
+  }
+  const grpc::Status s = stream->Finish();
+  *code = s.error_code();
+  return s.error_message();
+}
+
+v1::GroupInfo Group(const std::string& name, const std::string& kind) {
+  v1::GroupInfo g;
+  g.set_name(name);
+  g.set_kind(kind);
+  return g;
+}
+
+TEST_CASE("Attach: a hybrid pool refuses a worker declaring no groups or other groups", "[integration][hybrid]") {
+  DaemonProcess d(HybridPool());
+  auto stub = v1::Kvd::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  grpc::StatusCode code;
+  std::vector<v1::GroupInfo> groups = {Group("full", "full"), Group("swa", "sliding_window"), Group("rec", "state")};
+  groups[1].set_window(6);
+  groups[0].add_layers(1);
+  groups[0].add_layers(3);
+  groups[2].set_checkpoint_every_blocks(2);
+  groups[2].set_bytes_per_state(100);
+  CHECK(AttachWith(*stub, groups, &code).empty());
+  CHECK(code == grpc::StatusCode::OK);
+
+  CHECK(AttachWith(*stub, {}, &code) ==
+        "pool 'hy' has 3 KV groups; this worker declares none: it would index the slab as one group");
+  CHECK(code == grpc::StatusCode::FAILED_PRECONDITION);
+  std::vector<v1::GroupInfo> window = groups;
+  window[1].set_window(7);
+  CHECK(AttachWith(*stub, window, &code) == "pool 'hy' group 1 (swa) holds window 6, the worker expects 7");
+  CHECK(code == grpc::StatusCode::FAILED_PRECONDITION);
+  std::vector<v1::GroupInfo> layers = groups;
+  layers[0].set_layers(1, 2);
+  CHECK(AttachWith(*stub, layers, &code) == "pool 'hy' group 0 (full) holds layers 1,3, the worker expects 1,2");
+  std::vector<v1::GroupInfo> k = groups;
+  k[2].set_checkpoint_every_blocks(4);
+  CHECK(AttachWith(*stub, k, &code) ==
+        "pool 'hy' group 2 (rec) holds checkpoint_every_blocks 2, the worker expects 4");
+  std::vector<v1::GroupInfo> kind = groups;
+  kind[1].set_kind("sliding");
+  AttachWith(*stub, kind, &code);
+  CHECK(code == grpc::StatusCode::INVALID_ARGUMENT);
+
+  // A pool without groups refuses a worker that declares some, and serves one that declares none.
+  DaemonProcess plain(SmallPoolConfig());
+  auto plain_stub = v1::Kvd::NewStub(grpc::CreateChannel(plain.target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  auto stream = plain_stub->Attach(&ctx);
+  v1::AttachRequest hello;
+  hello.mutable_hello()->set_pid(getpid());
+  v1::PoolExpectation* e = hello.mutable_hello()->add_expect_pools();
+  e->set_pool("default");
+  *e->add_groups() = Group("full", "full");
+  stream->Write(hello);
+  v1::AttachResponse resp;
+  REQUIRE_FALSE(stream->Read(&resp));
+  const grpc::Status s = stream->Finish();
+  CHECK(s.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK(s.error_message() == "pool 'default' has no KV groups (one implicit full group); this worker declares 1");
+}
+
+TEST_CASE("Host backend: each group's layer written through its group view reads back at its slab offset",
+          "[integration][hybrid]") {
+  DaemonProcess d(HybridPool());
+  auto writer = client::Client::Connect({.target = d.target()});
+  REQUIRE(writer.ok());
+  auto reader = client::Client::Connect({.target = d.target()});
+  REQUIRE(reader.ok());
+  auto wp = (*writer)->FindPool("hy");
+  auto rp = (*reader)->FindPool("hy");
+  REQUIRE(wp.ok());
+  REQUIRE(rp.ok());
+  const PoolGeometry& g = (*wp)->geometry;
+  REQUIRE(g.groups.size() == 3);
+  CHECK(g.capacity_blocks == 40 + 24 + 6);
+  CHECK(g.groups[1].first_block == 40);
+  CHECK(g.groups[2].first_block == 64);
+  // Regions on 2 MiB: full is 2 layers x 40 x 64 B, swa 24 x 64 B, rec 6 x 100 B.
+  CHECK(g.groups[1].region_offset_bytes == 2 << 20);
+  CHECK(g.groups[2].region_offset_bytes == 4 << 20);
+  CHECK((*wp)->slab_bytes[0] == 6 << 20);
+
+  struct Case {
+    std::string group;
+    int64_t local;
+    int32_t j;
+  };
+  const std::vector<Case> cases = {{"full", 0, 0}, {"full", 39, 1}, {"swa", 5, 0}, {"swa", 23, 0}, {"rec", 0, 0},
+                                   {"rec", 5, 0}};
+  for (const Case& c : cases) {
+    INFO(c.group << " unit " << c.local << " layer " << c.j);
+    auto view = client::GroupKv(**wp, c.group);
+    REQUIRE(view.ok());
+    const int gi = c.group == "full" ? 0 : c.group == "swa" ? 1 : 2;
+    const int64_t unit = gi == 2 ? 100 : 4 * 16;
+    REQUIRE(view->layer_unit_bytes == unit);
+    std::string pattern(static_cast<size_t>(unit), '\0');
+    for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<char>(1 + gi * 50 + c.local + c.j * 7 + i % 3);
+    std::memcpy(view->Unit(c.j, c.local), pattern.data(), pattern.size());
+
+    // The other process's mapping, at the offset of docs/hybrid.md §2.2 ...
+    const KvGroup& k = (*rp)->geometry.groups[gi];
+    const uint8_t* at = (*rp)->shard_base[0] + k.region_offset_bytes + (c.j * k.capacity + c.local) * unit;
+    CHECK(std::memcmp(at, pattern.data(), pattern.size()) == 0);
+    // ... and by pool-wide index and model layer through the client's LayerPointer.
+    const BlockIndex index = static_cast<BlockIndex>(k.first_block + c.local);
+    CHECK(view->Local(index) == c.local);
+    auto pointer = (*reader)->LayerPointer((*rp)->id, index, k.layers[c.j]);
+    REQUIRE(pointer.ok());
+    CHECK(*pointer == at);
+    std::string back(pattern.size(), '\0');
+    REQUIRE((*reader)->ReadLayer((*rp)->id, index, k.layers[c.j], 0, back.data(), unit).ok());
+    CHECK(back == pattern);
+  }
+  // A layer outside the index's group, and an index past the groups, are refused.
+  CHECK((*reader)->LayerPointer((*rp)->id, 40, 1).status().code() == absl::StatusCode::kOutOfRange);
+  CHECK((*reader)->LayerPointer((*rp)->id, 70, 0).status().code() == absl::StatusCode::kOutOfRange);
+  CHECK(client::GroupKv(**rp, "nope").status().code() == absl::StatusCode::kNotFound);
+
+  // kvdctl pools lists the groups.
+  const ProcessResult ctl = RunProcess(KVDCTL_BINARY, {"--target=" + d.target(), "pools"});
+  INFO(ctl.out);
+  REQUIRE(ctl.exit_code == 0);
+  CHECK(ctl.out.find("GROUP") != std::string::npos);
+  CHECK(ctl.out.find("sliding_window") != std::string::npos);
+  CHECK(ctl.out.find("window 6") != std::string::npos);
+  CHECK(ctl.out.find("k 2, tail") != std::string::npos);
+  CHECK(ctl.out.find("1-3/2") == std::string::npos);  // two layers print as "1,3"
+  CHECK(ctl.out.find("1,3") != std::string::npos);
+}
+
+TEST_CASE("A hybrid pool serves requests with no prefix reuse yet", "[integration][hybrid]") {
+  DaemonProcess d(HybridPool());
+  auto c = client::Client::Connect({.target = d.target()});
+  REQUIRE(c.ok());
+  RequestSpec a = PoolRequest("first", Range(1, 12), 0, "hy");
+  auto ra = (*c)->Start(a);
+  REQUIRE(ra.ok());
+  const std::vector<Token> prompt = Range(1, 12);
+  std::vector<BlockIndex> blocks((*ra)->blocks().begin(), (*ra)->blocks().begin() + 3);
+  REQUIRE((*c)->Publish(a.id, prompt, blocks).ok());
+  REQUIRE((*ra)->Release(true).ok());
+  RequestSpec b = PoolRequest("second", Range(1, 13), 0, "hy");
+  auto rb = (*c)->Start(b);
+  REQUIRE(rb.ok());
+  CHECK((*rb)->cached_tokens() == 0);
+}
+
+}  // namespace
+}  // namespace kvd::testing
