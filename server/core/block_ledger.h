@@ -6,9 +6,13 @@
 // when the owner is gone (its attachment ended, its fence lifted).
 //
 // What it records now: worker credit (grant, adoption by a grow, return by name, the worker
-// going); the kinds request, pin, pull and fence are its vocabulary for the paths routed into it
-// next (kv_cache_fences.cc, server/transfer). KvCache::CheckInvariantsForTesting walks it: every
-// owned block is in the owner's record, no block has two writers, a free block has no owner.
+// going); requests' writable blocks (hand-out by Acquire, a grow or a resume, credit adopted,
+// published, released; KvCache::HandOverWritesLocked hands them to another owner, as a fence
+// will); pulls (TierPort::PinBlocks of a request's blocks until UnpinBlocks). Fences are the kind
+// routed into it next (kv_cache_fences.cc); pin names reads and is never a writer.
+// KvCache::CheckInvariantsForTesting walks it: every owned block is in the owner's record, no
+// block has two writers, every writable block of a live request is that request's or its pull's,
+// a cached or free block has no writer.
 //
 // Plain data: no I/O, no callbacks, no clock. Thread-compatible: KvCache guards it with its mutex
 // (mu_), and every call is O(1) per block except ForEach (O(capacity), for the invariant checker).
@@ -30,7 +34,8 @@ enum class OwnerKind : uint8_t {
   kRequest,  // a live request's writable blocks
   kCredit,   // a worker's block credit: it may place them into its requests without asking
   kPin,      // held for a peer's lease (read by the peer; written by nobody)
-  kPull,     // being written by a pull from a peer, for a request
+  kPull,     // being written by kvd for a request (a tier's promotion, a peer's blocks); its
+             // attachment is the request's worker, which is not the writer meanwhile
   kFence,    // a writer kvd can no longer reach may still write it, until lifted
 };
 std::string OwnerKindName(OwnerKind kind);

@@ -378,7 +378,8 @@ absl::StatusOr<AcquireResult> KvCache::AcquirePrefixLocked(Request& req) {
     if (options_.eviction_policy != EvictionPolicy::kLru) b->reused = true;  // referenced: not queued
     pool.NoteUse(*b, /*reused=*/true);
   }
-  absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, fresh, req.serial);
+  const Owner writer = WriterOf(req);
+  absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, fresh, req.serial, &writer);
   KVD_CHECK(owned.ok());
   AcquireResult out;
   out.pool = req.pool;
@@ -418,12 +419,15 @@ absl::StatusOr<AcquireResult> KvCache::ResumeLocked(Request& req, CheckpointReco
   // checkpoint was taken it is immutable now: give the request a fresh block there and let it
   // recompute the checkpoint's tokens in that block (fewer than block_tokens).
   // Likewise every block from there on that a fence holds: the checkpoint's old writer may still
-  // be writing past the checkpoint into it (kv_cache_fences.cc).
+  // be writing past the checkpoint into it (kv_cache_fences.cc). And any block that has a writer
+  // in the ledger (a pull its request started is still writing it): the request recomputes from
+  // the first of them.
   const int64_t tail_pos = valid / bt;
   std::vector<int64_t> replace;
-  for (int64_t i = tail_pos; i < static_cast<int64_t>(ckpt.blocks.size()); ++i) {
+  for (int64_t i = 0; i < static_cast<int64_t>(ckpt.blocks.size()); ++i) {
     if ((i == tail_pos && pool.blocks[ckpt.blocks[i]].kind != BlockState::Kind::kOwned) ||
-        FencedLocked(req.pool, ckpt.blocks[i])) {
+        (i >= tail_pos && FencedLocked(req.pool, ckpt.blocks[i])) ||
+        owners_.OwnerOf(req.pool, ckpt.blocks[i]) != nullptr) {
       replace.push_back(i);
     }
   }
@@ -445,20 +449,28 @@ absl::StatusOr<AcquireResult> KvCache::ResumeLocked(Request& req, CheckpointReco
   workers_.AddUsage(req.spec.limit_key(), 0, ledger_.BytesOf(req.pool, grow));
   orphan_blocks_bytes_ -= ledger_.BytesOf(ckpt.pool, ckpt.charged_blocks);
 
-  // The checkpoint's references pass to the request's table; its owned blocks to the request.
+  // The checkpoint's references pass to the request's table; its owned blocks to the request,
+  // which writes them from now on (nobody did while it was orphaned), except those replaced below.
   req.table = ckpt.blocks;
-  for (BlockIndex b : req.table) {
-    BlockState& s = pool.blocks[b];
-    if (s.kind == BlockState::Kind::kOwned) s.owner = req.serial;
+  const Owner writer = WriterOf(req);
+  for (size_t i = 0, next = 0; i < req.table.size(); ++i) {
+    if (next < replace.size() && replace[next] == static_cast<int64_t>(i)) {
+      ++next;
+      continue;
+    }
+    BlockState& s = pool.blocks[req.table[i]];
+    if (s.kind != BlockState::Kind::kOwned) continue;
+    s.owner = req.serial;
+    KVD_CHECK(owners_.Assign(req.pool, req.table[i], writer).ok());
   }
-  absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, fresh, req.serial);
+  absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, fresh, req.serial, &writer);
   KVD_CHECK(owned.ok());
   auto next_owned = owned->begin();
   req.cached_tokens = valid;
   for (int64_t i : replace) {
     UnrefLocked(req.pool, req.table[i]);
     req.table[i] = *next_owned++;
-    if (i == tail_pos) req.cached_tokens = tail_pos * bt;  // recomputed in the fresh block
+    req.cached_tokens = std::min(req.cached_tokens, i * bt);  // recomputed from the fresh block
   }
   req.table.insert(req.table.end(), next_owned, owned->end());
   req.known_tokens = tokens;
@@ -505,6 +517,7 @@ void KvCache::ReleaseLocked(Request& req, bool completed) {
     own_ckpt = nullptr;
   }
   if (!req.spec.session.empty() && req.acquired) UpdateSessionLocked(req);
+  ReleaseWritesLocked(req);  // a pull writing some of them keeps them until UnpinBlocks
   UnrefTableLocked(req.pool, req.table);
   ledger_.Unreserve(req.pool, req.reserved_blocks);
   workers_.AddUsage(req.spec.limit_key(), -1, -ledger_.BytesOf(req.pool, req.reserved_blocks));

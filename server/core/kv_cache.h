@@ -9,7 +9,10 @@
 //
 // Ownership: a block is free, *owned* (writable by exactly one request, or pinned by that
 // request's orphaned checkpoint), or *cached* (immutable, in the index, shared by reference).
-// Every operation that fails returns a status and changes nothing.
+// Who may write an owned block is the BlockLedger's answer (owners_, block_ledger.h): a request's
+// writable blocks are Owner{kRequest, its worker, its serial} from hand-out (Acquire, a grow, a
+// resume, credit adopted) until they are published, released or handed over (a pull between
+// PinBlocks and UnpinBlocks; a fence). Every operation that fails returns a status and changes nothing.
 //
 // Thread-safe: one mutex (mu_) guards all state. Nothing runs under it but bookkeeping: no block
 // bytes, no I/O, no callbacks. Listeners (events, pressure) run after it is released, in order, on
@@ -23,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -205,6 +209,13 @@ class KvCache final : public TierPort {
   // not record as that worker's credit (kvd took it, or handed it to another owner).
   absl::Status CheckCreditForTesting(const WorkerId& worker, PoolId pool,
                                      absl::Span<const BlockIndex> believed) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The block's writer-owner in the ledger, or nullopt when nobody may write it.
+  std::optional<Owner> WriterForTesting(PoolId pool, BlockIndex block) const ABSL_LOCKS_EXCLUDED(mu_);
+  // What a path around the ledger would do: moves the last writable block of `from`'s table to
+  // the end of `to`'s (same pool; `to` reserved room for it), as BlockState and the tables see
+  // it, and leaves the ledger naming `from`. CheckInvariantsForTesting must then fail.
+  absl::Status HandBlockBypassingLedgerForTesting(const RequestId& from, const RequestId& to)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   using BlockState = cache_state::BlockState;
@@ -215,6 +226,7 @@ class KvCache final : public TierPort {
   using Session = cache_state::Session;
   using Outbox = cache_state::Outbox;
   using FenceRecord = cache_state::FenceRecord;
+  using PullRecord = cache_state::PullRecord;
   using FenceMap = absl::btree_map<std::pair<absl::Time, uint64_t>, FenceRecord>;  // by (until, serial)
   KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes);
   // kv_cache.cc: requests.
@@ -253,15 +265,16 @@ class KvCache final : public TierPort {
   absl::Status CheckWorkerLimitsLocked(const WorkerId& worker, int64_t requests, int64_t bytes) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // kv_cache_publish.cc: publish and checkpoints.
+  // kv_cache_publish.cc: publish and checkpoints. FAILED_PRECONDITION for a block a pull is
+  // writing, unless `by_pull` (AdoptPromoted: the pull publishes what it wrote).
   absl::StatusOr<PublishResult> PlanPublishLocked(const Request& req, absl::Span<const Token> tokens,
-                                                  absl::Span<const BlockIndex> blocks) const
+                                                  absl::Span<const BlockIndex> blocks, bool by_pull) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<PublishResult> EndLocked(const RequestId& id, int64_t publish_blocks,
                                           absl::Span<const Token> more_tokens, bool completed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<PublishResult> PublishLocked(const RequestId& id, absl::Span<const Token> tokens,
-                                              absl::Span<const BlockIndex> blocks)
+                                              absl::Span<const BlockIndex> blocks, bool by_pull = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckKnownTokensLocked(const Request& req, absl::Span<const Token> tokens) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -275,15 +288,30 @@ class KvCache final : public TierPort {
   absl::Status MakeCheckpointStateRoomLocked(const WorkerId& owner, int64_t bytes,
                                              const CheckpointRecord* replacing) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // kv_cache_blocks.cc: writers (the ledger's request and pull owners). A request writes its
+  // blocks as Owner{kRequest, its worker, its serial}.
+  static Owner WriterOf(const Request& req) { return Owner{OwnerKind::kRequest, req.spec.owner, req.serial}; }
+  // Hands every block `req` writes to `to` (a pull, a fence: an owner not yet in the ledger or
+  // already of that pool), one Transfer each; returns them in table order. They stay in the
+  // request's table and BlockState::owner; the request's worker is no longer their writer.
+  std::vector<BlockIndex> HandOverWritesLocked(const Request& req, const Owner& to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Nobody writes the blocks `req` wrote any more (it ends: released, ended, preempted, fenced).
+  void ReleaseWritesLocked(const Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The pull `it` is done: what it still holds goes back to its request, or is let go when the
+  // request has ended. The caller then unpins.
+  void EndPullLocked(absl::flat_hash_map<uint64_t, PullRecord>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // kv_cache_blocks.cc: references, allocation, eviction. Unref: a block left unreferenced is
   // freed (owned) or becomes evictable (cached). `touch`: the reference is a use (recency).
   void RefLocked(PoolId pool, BlockIndex index, bool touch = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnrefLocked(PoolId pool, BlockIndex index, bool touch = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unrefs a block table tail first, so the head of a prefix is the most recently used.
   void UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // `count` owned blocks for `owner`, evicting as needed; RESOURCE_EXHAUSTED (no change) if too few.
-  absl::StatusOr<std::vector<BlockIndex>> AllocateOwnedLocked(PoolId pool, int64_t count,
-                                                              uint64_t owner)
+  // `count` owned blocks for `owner` (BlockState::owner), evicting as needed; RESOURCE_EXHAUSTED
+  // (no change) if too few. `writer` (owner == writer->epoch) is recorded in the ledger as their
+  // writer; null only for blocks nobody writes through the engine (a restored checkpoint's).
+  absl::StatusOr<std::vector<BlockIndex>> AllocateOwnedLocked(PoolId pool, int64_t count, uint64_t owner,
+                                                              const Owner* writer)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `key`, when given, is the block's chained key (computed before the lock).
@@ -350,6 +378,9 @@ class KvCache final : public TierPort {
   absl::flat_hash_map<SessionId, Session> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<WorkerId, cache_state::WorkerCredit> credit_ ABSL_GUARDED_BY(mu_);
   BlockLedger owners_ ABSL_GUARDED_BY(mu_);  // who may write each block (block_ledger.h)
+  // Pulls in progress, by ledger epoch. Few (bounded by the promotion readers and the peer
+  // puller's queue): UnpinBlocks scans them.
+  absl::flat_hash_map<uint64_t, PullRecord> pulls_ ABSL_GUARDED_BY(mu_);
   FenceMap fences_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, int32_t> fenced_ ABSL_GUARDED_BY(mu_);  // fences per block, by cache_state::FencedBlockKey
   absl::btree_map<std::pair<absl::Time, SessionId>, bool> session_expiry_ ABSL_GUARDED_BY(mu_);

@@ -1,6 +1,7 @@
-// KvCache: block references, allocation and eviction.
+// KvCache: block writers (the ledger's request and pull owners), references, allocation and eviction.
 #include <algorithm>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/kv_cache.h"
 #include "proto/vocab/status_macros.h"
@@ -13,6 +14,39 @@ uint64_t KvCache::NextTickLocked() {
   // tail first).
   last_tick_ = std::max(last_tick_ + 1, op_now_ns_);
   return last_tick_;
+}
+
+std::vector<BlockIndex> KvCache::HandOverWritesLocked(const Request& req, const Owner& to) {
+  const Owner from = WriterOf(req);
+  std::vector<BlockIndex> out;
+  for (BlockIndex b : req.table) {
+    const Owner* w = owners_.OwnerOf(req.pool, b);
+    if (w == nullptr || !(*w == from)) continue;  // cached, or written by a pull meanwhile
+    KVD_CHECK(owners_.Transfer(req.pool, b, from, to).ok());
+    out.push_back(b);
+  }
+  return out;
+}
+
+void KvCache::ReleaseWritesLocked(const Request& req) {
+  const Owner me = WriterOf(req);
+  const absl::flat_hash_set<BlockIndex>& mine = owners_.BlocksOf(req.serial);
+  const std::vector<BlockIndex> blocks(mine.begin(), mine.end());
+  for (BlockIndex b : blocks) KVD_CHECK(owners_.Release(req.pool, b, me).ok());
+}
+
+void KvCache::EndPullLocked(absl::flat_hash_map<uint64_t, PullRecord>::iterator it) {
+  const PullRecord& pull = it->second;
+  const Owner from{OwnerKind::kPull, pull.attachment, it->first};
+  const absl::flat_hash_set<BlockIndex>& held = owners_.BlocksOf(it->first);
+  const std::vector<BlockIndex> blocks(held.begin(), held.end());  // what it did not publish
+  auto req = requests_.find(pull.id);
+  const bool live = req != requests_.end() && req->second->serial == pull.request_serial;
+  for (BlockIndex b : blocks) {
+    if (live) KVD_CHECK(owners_.Transfer(pull.pool, b, from, WriterOf(*req->second)).ok());
+    else KVD_CHECK(owners_.Release(pull.pool, b, from).ok());
+  }
+  pulls_.erase(it);
 }
 
 void KvCache::RefLocked(PoolId pool_id, BlockIndex index, bool touch) {
@@ -64,7 +98,8 @@ void KvCache::UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table) 
 }
 
 absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool_id, int64_t count,
-                                                                    uint64_t owner) {
+                                                                    uint64_t owner, const Owner* writer) {
+  KVD_CHECK(writer == nullptr || writer->epoch == owner);
   Pool& pool = *pools_[pool_id];
   if (count > pool.allocator.num_free() + pool.num_cached_unreferenced) {
     return absl::ResourceExhaustedError(
@@ -102,6 +137,10 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool
     s.owner = owner;
     ++s.refs;
     out->push_back(b);
+  }
+  if (writer != nullptr) {
+    // Free or held for a demotion: nobody writes either, so each Assign succeeds.
+    for (BlockIndex b : *out) KVD_CHECK(owners_.Assign(pool_id, b, *writer).ok());
   }
   return out;
 }
@@ -171,6 +210,12 @@ CachedBlock* KvCache::CacheBlockLocked(PoolId pool_id, NamespaceRoot* root, Cach
   bool was_ghost = false;
   CachedBlock* node = index_.Insert(root, parent, tokens, BlockAddress{pool_id, index}, key, &was_ghost);
   if (node == nullptr) return nullptr;
+  // Published bytes are never rewritten: whoever wrote the block (its request, or a pull for
+  // it) is its writer no more.
+  if (const Owner* w = owners_.OwnerOf(pool_id, index); w != nullptr) {
+    const Owner writer = *w;
+    KVD_CHECK(owners_.Release(pool_id, index, writer).ok());
+  }
   s.kind = BlockState::Kind::kCached;
   s.owner = 0;
   s.node = node;

@@ -1,7 +1,9 @@
-// KvCache::CheckInvariantsForTesting: recomputes every derived count from first principles.
+// KvCache::CheckInvariantsForTesting: recomputes every derived count from first principles; and
+// the test hooks that read the ownership ledger or go around it.
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "proto/vocab/status_macros.h"
 #include "server/core/kv_cache.h"
 
 namespace kvd {
@@ -16,8 +18,10 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
   absl::flat_hash_map<uint64_t, PoolId> live_serials;
   std::vector<int64_t> reserved(pools_.size(), 0);
   std::vector<absl::flat_hash_set<BlockIndex>> owned_by_request(pools_.size());
+  absl::flat_hash_map<uint64_t, const Request*> by_serial;
   for (const auto& [id, req] : requests_) {
     live_serials[req->serial] = req->pool;
+    by_serial[req->serial] = req.get();
     reserved[req->pool] += req->reserved_blocks;
     if (static_cast<int64_t>(req->table.size()) > req->reserved_blocks) {
       return fail("request ", id.value(), " holds more blocks than it reserved");
@@ -28,6 +32,17 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
       if (s.kind == BlockState::Kind::kOwned) {
         if (s.owner != req->serial) return fail("block ", b, " in ", id.value(), "'s table is owned by another");
         if (!owned_by_request[req->pool].insert(b).second) return fail("block ", b, " writable twice");
+        // Its writer is the request, or a pull for it (between PinBlocks and UnpinBlocks).
+        const Owner* w = owners_.OwnerOf(req->pool, b);
+        const bool mine = w != nullptr && *w == WriterOf(*req);
+        auto pull = w != nullptr && w->kind == OwnerKind::kPull ? pulls_.find(w->epoch) : pulls_.end();
+        if (!mine && (pull == pulls_.end() || pull->second.request_serial != req->serial)) {
+          return fail("block ", b, " of pool ", req->pool, " is writable by request ", id.value(),
+                      " but the ledger names ",
+                      w == nullptr ? std::string("no writer")
+                                   : absl::StrCat(OwnerKindName(w->kind), " of '", w->attachment.value(),
+                                                  "' (epoch ", w->epoch, ")"));
+        }
       }
     }
   }
@@ -37,11 +52,53 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
     usage[req->spec.limit_key()].reserved_bytes += ledger_.BytesOf(req->pool, req->reserved_blocks);
   }
   // The ownership ledger (block_ledger.h): every owner it records is live and of its kind, every
-  // block it records is owned under that owner's serial, and a credit owner is its worker's.
+  // block it records is owned under that owner's serial (a pull's: its request's), a request owner
+  // writes only blocks of its own table, and a credit owner is its worker's.
   int64_t credit_owners = 0;
   absl::Status ledger_ok;
   owners_.ForEachOwner([&](const Owner& o, PoolId p, const absl::flat_hash_set<BlockIndex>& blocks) {
     if (!ledger_ok.ok()) return;
+    uint64_t serial = o.epoch;  // the BlockState::owner of its blocks
+    if (o.kind == OwnerKind::kRequest) {
+      auto r = by_serial.find(o.epoch);
+      if (r == by_serial.end() || r->second->spec.owner != o.attachment || r->second->pool != p) {
+        ledger_ok = fail("the ledger names request epoch ", o.epoch, " of '", o.attachment.value(), "' in pool ", p,
+                         ", which is not a live request of that worker");
+        return;
+      }
+      for (BlockIndex b : blocks) {
+        if (!owned_by_request[p].contains(b)) {
+          ledger_ok = fail("the ledger says request ", r->second->spec.id.value(), " writes block ", b,
+                           " of pool ", p, ", which is not in its table");
+          return;
+        }
+      }
+    } else if (o.kind == OwnerKind::kPull) {
+      auto pull = pulls_.find(o.epoch);
+      if (pull == pulls_.end() || pull->second.attachment != o.attachment || pull->second.pool != p) {
+        ledger_ok = fail("the ledger names pull epoch ", o.epoch, " in pool ", p, ", which is not in progress");
+        return;
+      }
+      serial = pull->second.request_serial;
+      for (BlockIndex b : blocks) {
+        if (!pools_[p]->pins.contains(b)) {
+          ledger_ok = fail("pull epoch ", o.epoch, " writes block ", b, " of pool ", p, ", which it has not pinned");
+          return;
+        }
+      }
+    } else if (o.kind == OwnerKind::kFence) {
+      for (BlockIndex b : blocks) {
+        if (!fenced_.contains(cache_state::FencedBlockKey(p, b))) {
+          ledger_ok = fail("the ledger says a fence of '", o.attachment.value(), "' writes block ", b, " of pool ", p,
+                           ", which no fence holds");
+          return;
+        }
+      }
+      return;  // its BlockState::owner is the fence's or the ended request's
+    } else if (o.kind != OwnerKind::kCredit) {
+      ledger_ok = fail("the ledger names a ", OwnerKindName(o.kind), " as a writer; nobody writes for one");
+      return;
+    }
     if (o.kind == OwnerKind::kCredit) {
       ++credit_owners;
       const cache_state::PoolCredit* pc = FindCreditLocked(o.attachment, p);
@@ -53,7 +110,7 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
     }
     for (BlockIndex b : blocks) {
       const BlockState& s = pools_[p]->blocks[b];
-      if (s.kind != BlockState::Kind::kOwned || s.owner != o.epoch || s.refs == 0) {
+      if (s.kind != BlockState::Kind::kOwned || s.owner != serial || s.refs == 0) {
         ledger_ok = fail("the ledger says ", OwnerKindName(o.kind), " of '", o.attachment.value(),
                          "' writes block ", b, " of pool ", p, ", which it does not own");
         return;
@@ -71,6 +128,9 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
     ++ledger_blocks;
     if (pools_[p]->blocks[b].kind == BlockState::Kind::kFree && ledger_ok.ok()) {
       ledger_ok = fail("block ", b, " of pool ", p, " is on the free list and has an owner");
+    }
+    if (pools_[p]->blocks[b].kind == BlockState::Kind::kCached && ledger_ok.ok()) {
+      ledger_ok = fail("block ", b, " of pool ", p, " is cached and has a writer");
     }
   });
   if (!ledger_ok.ok()) return ledger_ok;
@@ -217,6 +277,31 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
   }
   if (total_cached != index_.num_blocks()) return fail("index size drifted");
   if (ledger_.reserved_bytes() > ledger_.budget_bytes()) return fail("budget exceeded");
+  return absl::OkStatus();
+}
+
+std::optional<Owner> KvCache::WriterForTesting(PoolId pool, BlockIndex block) const {
+  absl::MutexLock lock(&mu_);
+  if (pool >= pools_.size() || block >= pools_[pool]->blocks.size()) return std::nullopt;
+  const Owner* w = owners_.OwnerOf(pool, block);
+  return w == nullptr ? std::nullopt : std::optional<Owner>(*w);
+}
+
+absl::Status KvCache::HandBlockBypassingLedgerForTesting(const RequestId& from, const RequestId& to) {
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(Request * a, FindRequestLocked(from));
+  KVD_ASSIGN_OR_RETURN(Request * b, FindRequestLocked(to));
+  if (a->pool != b->pool || a->table.empty() || static_cast<int64_t>(b->table.size()) >= b->reserved_blocks) {
+    return absl::FailedPreconditionError("no block to move, or no room for it");
+  }
+  const BlockIndex block = a->table.back();
+  BlockState& s = pools_[a->pool]->blocks[block];
+  if (s.kind != BlockState::Kind::kOwned || s.owner != a->serial) {
+    return absl::FailedPreconditionError("the last block is not writable");
+  }
+  a->table.pop_back();
+  b->table.push_back(block);
+  s.owner = b->serial;
   return absl::OkStatus();
 }
 

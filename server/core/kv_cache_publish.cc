@@ -28,7 +28,8 @@ void KvCache::LearnTokensLocked(Request& req, absl::Span<const Token> tokens) {
 
 absl::StatusOr<PublishResult> KvCache::PlanPublishLocked(const Request& req,
                                                          absl::Span<const Token> tokens,
-                                                         absl::Span<const BlockIndex> blocks) const {
+                                                         absl::Span<const BlockIndex> blocks,
+                                                         bool by_pull) const {
   if (!req.acquired) {
     return absl::FailedPreconditionError(
         absl::StrCat("request '", req.spec.id.value(), "' must Acquire before Publish"));
@@ -76,6 +77,15 @@ absl::StatusOr<PublishResult> KvCache::PlanPublishLocked(const Request& req,
       continue;
     }
     KVD_CHECK(s.kind == BlockState::Kind::kOwned && s.owner == req.serial);
+    // Its writer says whether its bytes are final: the request's own, or (for the pull's own
+    // publish) the pull's; never a pull's while the worker publishes.
+    const Owner* w = owners_.OwnerOf(req.pool, blocks[i]);
+    KVD_CHECK(w != nullptr);
+    if (w->kind != OwnerKind::kRequest && !(by_pull && w->kind == OwnerKind::kPull)) {
+      return absl::FailedPreconditionError(absl::StrCat("block ", blocks[i], " at position ", i,
+                                                        " is being written by a ", OwnerKindName(w->kind),
+                                                        "; it is published when that is done"));
+    }
     if (!chain_ok) {
       plan.outcomes.push_back(PublishOutcome::kNoParent);
     } else if (!parent_is_new && root != nullptr &&
@@ -95,7 +105,7 @@ absl::StatusOr<PublishResult> KvCache::Keeps(const RequestId& id, absl::Span<con
                                              absl::Span<const BlockIndex> blocks) const {
   absl::MutexLock lock(&mu_);
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
-  return PlanPublishLocked(*req, tokens, blocks);
+  return PlanPublishLocked(*req, tokens, blocks, /*by_pull=*/false);
 }
 
 absl::StatusOr<PublishResult> KvCache::Publish(const RequestId& id, absl::Span<const Token> tokens,
@@ -150,9 +160,9 @@ absl::StatusOr<PublishResult> KvCache::EndLocked(const RequestId& id, int64_t pu
 
 absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
                                                      absl::Span<const Token> tokens,
-                                                     absl::Span<const BlockIndex> blocks) {
+                                                     absl::Span<const BlockIndex> blocks, bool by_pull) {
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
-  KVD_ASSIGN_OR_RETURN(PublishResult plan, PlanPublishLocked(*req, tokens, blocks));
+  KVD_ASSIGN_OR_RETURN(PublishResult plan, PlanPublishLocked(*req, tokens, blocks, by_pull));
   Pool& pool = *pools_[req->pool];
   const int32_t bt = pool.geometry.block_tokens;
   NamespaceRoot* root = plan.kept > 0 ? index_.GetOrCreateRoot(req->spec.ns, req->pool) : nullptr;

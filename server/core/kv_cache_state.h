@@ -124,6 +124,19 @@ struct WorkerCredit {
   WorkerId principal;  // whose per-worker limits the credit counts against
   absl::flat_hash_map<PoolId, PoolCredit> pools;
 };
+// A pull writing into a request's own blocks between TierPort::PinBlocks and UnpinBlocks (a lower
+// tier's promotion, or a peer's blocks: server/store, server/transfer). Its ledger owner
+// Owner{kPull, the request's worker, epoch} holds the pinned blocks the request wrote, so that
+// meanwhile the request's worker is not their writer; UnpinBlocks naming exactly `blocks` gives
+// them back to the request (BlockState::owner stays the request's serial throughout), or lets
+// them go when the request has ended.
+struct PullRecord {
+  RequestId id;
+  uint64_t request_serial = 0;
+  WorkerId attachment;  // the request's worker
+  PoolId pool = 0;
+  std::vector<BlockIndex> blocks;  // as PinBlocks named them
+};
 struct ProtectedRef { PoolId pool; BlockIndex index; uint64_t node_serial; };
 struct Session {
   // The tenant it belongs to: the cache_salt of the request that made it. A request of another

@@ -183,14 +183,16 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
         "request '", id.value(), "' needs ", extra, " blocks past its reservation; the budget is full"));
   }
   KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(req->spec.limit_key(), 0, ledger_.BytesOf(req->pool, extra + moved)));
-  KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> owned, AllocateOwnedLocked(req->pool, needed - given, req->serial));
+  const Owner writer = WriterOf(*req);
+  KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> owned,
+                       AllocateOwnedLocked(req->pool, needed - given, req->serial, &writer));
   std::vector<BlockIndex> appended(credit.begin(), credit.end());
   if (given > 0) {
     // The worker named them: its credit gives them to its request (one reference, from the credit
-    // to the table). The ledger records requests' blocks once that path is routed into it.
+    // to the table; one writer, the same worker, now under the request's epoch).
     const Owner from{OwnerKind::kCredit, req->spec.owner, pc->serial};
     for (BlockIndex b : credit) {
-      KVD_CHECK(owners_.Release(req->pool, b, from).ok());
+      KVD_CHECK(owners_.Transfer(req->pool, b, from, writer).ok());
       pool.blocks[b].owner = req->serial;
     }
     cache_state::WorkerCredit& wc = credit_[req->spec.owner];
@@ -250,9 +252,8 @@ int64_t KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& princip
       n /= 2;
     }
     if (n > 0) {
-      absl::StatusOr<std::vector<BlockIndex>> got = AllocateOwnedLocked(want.pool, n, pc.serial);
+      absl::StatusOr<std::vector<BlockIndex>> got = AllocateOwnedLocked(want.pool, n, pc.serial, &me);
       KVD_CHECK(got.ok());
-      for (BlockIndex b : *got) KVD_CHECK(owners_.Assign(want.pool, b, me).ok());
       KVD_CHECK(ledger_.Reserve(want.pool, n).ok());
       workers_.AddUsage(wc.principal, 0, ledger_.BytesOf(want.pool, n));
     }

@@ -127,7 +127,8 @@ absl::Status KvCache::AdoptPromoted(const RequestId& id, int64_t new_cached_toke
       const uint64_t published_before = counters_.published_blocks;
       KVD_ASSIGN_OR_RETURN(
           PublishResult r,
-          PublishLocked(id, absl::MakeConstSpan(req->spec.prompt).first(new_cached_tokens), blocks));
+          PublishLocked(id, absl::MakeConstSpan(req->spec.prompt).first(new_cached_tokens), blocks,
+                        /*by_pull=*/true));
       (void)r;  // kDuplicate/kNoParent positions stay private to the request; their bytes are valid
       counters_.published_blocks = published_before;  // promotion is not a new publish
       const int64_t delta = new_cached_tokens - req->cached_tokens;
@@ -182,10 +183,32 @@ absl::Status KvCache::PinBlocks(const RequestId& id, absl::Span<const BlockIndex
           absl::StrCat("block ", b, " is not in request '", id.value(), "''s table"));
     }
   }
+  // The pull becomes the writer of every block the request writes among them, so each must be
+  // the request's to give: not another pull's (nor named twice).
   Pool& pool = *pools_[req->pool];
+  const Owner writer = WriterOf(*req);
+  absl::flat_hash_set<BlockIndex> taken;
+  for (BlockIndex b : blocks) {
+    if (pool.blocks[b].kind != BlockState::Kind::kOwned) continue;  // cached: read, never written
+    const Owner* w = owners_.OwnerOf(req->pool, b);
+    if (w == nullptr || !(*w == writer)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "block ", b, " of request '", id.value(), "' is written by ",
+          w == nullptr ? std::string("nobody") : absl::StrCat(OwnerKindName(w->kind), " (epoch ", w->epoch, ")"),
+          ", not by the request: a pull cannot take it"));
+    }
+    if (!taken.insert(b).second) return absl::InvalidArgumentError(absl::StrCat("block ", b, " is named twice"));
+  }
+  const uint64_t epoch = next_serial_++;
+  const Owner pull{OwnerKind::kPull, req->spec.owner, epoch};
   for (BlockIndex b : blocks) {
     RefLocked(req->pool, b);
     ++pool.pins[b];
+    if (taken.contains(b)) KVD_CHECK(owners_.Transfer(req->pool, b, writer, pull).ok());
+  }
+  if (!taken.empty()) {
+    pulls_.emplace(epoch, PullRecord{id, req->serial, req->spec.owner, req->pool,
+                                     std::vector<BlockIndex>(blocks.begin(), blocks.end())});
   }
   return absl::OkStatus();
 }
@@ -195,6 +218,14 @@ void KvCache::UnpinBlocks(PoolId pool_id, absl::Span<const BlockIndex> blocks) {
     absl::MutexLock lock(&mu_);
     ExpireLocked(nullptr);
     Pool& pool = *pools_[pool_id];
+    // The pull that pinned exactly these blocks, if one did, is done writing them. Other pins of
+    // the same blocks (a checkpoint's flush) name other lists.
+    for (auto it = pulls_.begin(); it != pulls_.end(); ++it) {
+      if (it->second.pool == pool_id && absl::MakeConstSpan(it->second.blocks) == blocks) {
+        EndPullLocked(it);
+        break;
+      }
+    }
     for (BlockIndex b : blocks) {
       auto it = pool.pins.find(b);
       KVD_CHECK(it != pool.pins.end());
@@ -341,7 +372,8 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::RestoreCheckpoint(const Request
       }
       KVD_RETURN_IF_ERROR(ledger_.Reserve(pool_id, n));
       const uint64_t serial = next_serial_++;
-      absl::StatusOr<std::vector<BlockIndex>> blocks = AllocateOwnedLocked(pool_id, n, serial);
+      // Written by the tier's copy before anyone can resume it; no worker writes an orphan's blocks.
+      absl::StatusOr<std::vector<BlockIndex>> blocks = AllocateOwnedLocked(pool_id, n, serial, /*writer=*/nullptr);
       if (!blocks.ok()) {
         ledger_.Unreserve(pool_id, n);
         return blocks.status();

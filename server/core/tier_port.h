@@ -31,8 +31,10 @@ class TierPort {
 
   // Promotion. PinBlocks holds a reference on each of `blocks` of the request's table (owned or
   // cached) so they stay put while a tier writes into them, even if the request is released
-  // meanwhile: NOT_FOUND (request), INVALID_ARGUMENT (a block not in its table); undo with
-  // UnpinBlocks. AdoptPromoted: the tier has written the KV of the request's prompt tokens
+  // meanwhile, and makes the pull the writer of its owned ones (block_ledger.h: the request's
+  // worker is not, and may not publish them) until UnpinBlocks names the same list: NOT_FOUND
+  // (request), INVALID_ARGUMENT (a block not in its table, or an owned one named twice),
+  // FAILED_PRECONDITION (an owned block another pull is writing); changes nothing on error. AdoptPromoted: the tier has written the KV of the request's prompt tokens
   // [cached_tokens, new_cached) into its writable blocks — publish them and count them as hit;
   // NOT_FOUND (request gone), FAILED_PRECONDITION (not acquired, resumed, or new_cached not a
   // block boundary in the prompt).
