@@ -30,6 +30,7 @@ struct ModelRequest {
   std::vector<Token> tokens;  // the request's full token sequence so far
   bool has_checkpoint = false;
   std::vector<Token> checkpoint_tokens;
+  bool pulled = false;  // a pull (PinBlocks) writes its table now: the worker does not touch it
 };
 
 class Harness {
@@ -70,6 +71,7 @@ class Harness {
     else if (op < 94) cache_->Boundary();
     else if (op < 95) Uniform(0, 3) == 0 ? cache_->ClearCache() : 0;
     else if (op < 96) KillWorker();
+    else if (op < 98) Uniform(0, 1) == 0 ? Pull() : Unpin();
     else clock_.Advance(absl::Seconds(Uniform(1, 10)));
     RequireInvariants(*cache_);
     auto r = cache_->Report();
@@ -139,6 +141,8 @@ class Harness {
     ModelRequest& m = live_[waiting[Uniform(0, static_cast<int>(waiting.size()) - 1)]];
     auto r = cache_->Acquire(m.spec.id);
     INFO(r.status().ToString());
+    // Blocks a pull still pins after its request ended are held outside the budget.
+    if (absl::IsResourceExhausted(r.status()) && !pulls_.empty()) return;
     REQUIRE(r.ok());
     m.acquired = true;
     m.table = r->blocks;
@@ -177,7 +181,7 @@ class Harness {
   ModelRequest* PickAcquired() {
     std::vector<ModelRequest*> v;
     for (auto& [id, m] : live_) {
-      if (m.acquired) v.push_back(&m);
+      if (m.acquired && !m.pulled) v.push_back(&m);
     }
     return v.empty() ? nullptr : v[Uniform(0, static_cast<int>(v.size()) - 1)];
   }
@@ -246,6 +250,30 @@ class Harness {
     REQUIRE(cache_->Release(id, true).code() == absl::StatusCode::kNotFound);
   }
 
+  // A pull pins a request's whole table and writes its owned blocks (a tier's promotion, a peer's
+  // blocks); the request may end meanwhile. No other request is handed them until Unpin.
+  void Pull() {
+    ModelRequest* m = PickAcquired();
+    if (m == nullptr) return;
+    REQUIRE(cache_->PinBlocks(m->spec.id, m->table).ok());
+    // Another pull of the same blocks is refused while this one writes them.
+    const absl::Status again = cache_->PinBlocks(m->spec.id, m->table);
+    REQUIRE((again.ok() || absl::IsFailedPrecondition(again)));
+    if (again.ok()) cache_->UnpinBlocks(0, m->table);  // the table had no owned block left
+    m->pulled = true;
+    pulls_.push_back(m->table);
+    pulled_by_.push_back(m->spec.id.value());
+  }
+
+  void Unpin() {
+    if (pulls_.empty()) return;
+    const size_t i = static_cast<size_t>(Uniform(0, static_cast<int>(pulls_.size()) - 1));
+    cache_->UnpinBlocks(0, pulls_[i]);
+    if (auto it = live_.find(pulled_by_[i]); it != live_.end()) it->second.pulled = false;
+    pulls_.erase(pulls_.begin() + static_cast<std::ptrdiff_t>(i));
+    pulled_by_.erase(pulled_by_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+
   void KillWorker() {
     WorkerId w("w" + std::to_string(Uniform(0, 2)));
     int64_t expected = 0;
@@ -269,6 +297,8 @@ class Harness {
   // Interrupted generations that may be resumed: id -> (request, checkpoint tokens). The cache may
   // have dropped some (budget, TTL); then a resume falls back to prefix reuse.
   std::map<std::string, std::pair<ModelRequest, std::vector<Token>>> orphans_;
+  std::vector<std::vector<BlockIndex>> pulls_;  // the tables pulls pinned, and for which request
+  std::vector<std::string> pulled_by_;
   int next_id_ = 0;
 };
 
