@@ -29,6 +29,7 @@
 #include "server/config_values.h"
 #include "server/rpc/access_interceptor.h"
 #include "server/handoff.h"
+#include "server/obs/process_stats.h"
 #include "server/slab_fd_store.h"
 #include "spdlog/spdlog.h"
 
@@ -440,7 +441,7 @@ void Daemon::LiftDueFences() {
   // A fenced writer that is gone writes nothing more.
   int64_t lifted = 0;
   for (uint32_t pid : cache_->FencedPids()) {
-    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) lifted += cache_->LiftFencesOfGone(pid);
+    if (ProcessGone(static_cast<pid_t>(pid))) lifted += cache_->LiftFencesOfGone(pid);
   }
   const int64_t still = cache_->ExpireFences();
   if (restore_checkpoints_pending_ && still == 0 && tiers_ != nullptr) {

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gpu/fd_passing.h"
+#include "server/obs/process_stats.h"
 #include "gpu/slab_layout.h"
 #include "kvd/handoff/v1/handoff.pb.h"
 #include "proto/convert.h"
@@ -186,18 +187,6 @@ absl::StatusOr<CacheSnapshot> ReadSnapshot(int fd, int64_t expected) {
 }
 
 }  // namespace
-
-bool ProcessGone(pid_t pid) {
-  if (pid <= 0) return false;
-  if (::kill(pid, 0) != 0 && errno == ESRCH) return true;
-  std::FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/stat").c_str(), "r");
-  if (f == nullptr) return true;
-  char buf[512] = {};
-  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-  std::fclose(f);
-  const char* paren = std::strrchr(buf, ')');  // the state follows the command name's ')'
-  return n > 0 && paren != nullptr && (paren[2] == 'Z' || paren[2] == 'X');
-}
 
 void HandoffFaultPoint(const char* step) {
   const char* fault = std::getenv("KVD_TEST_HANDOFF_FAULT");

@@ -56,8 +56,6 @@ namespace kvd {
 // Version of the handoff's messages and of CacheSnapshot's meaning; both ends must agree.
 inline constexpr uint32_t kHandoffProtocol = 1;
 
-// Whether process `pid` has ended (no such process, or a zombie).
-bool ProcessGone(pid_t pid);
 // KVD_TEST_HANDOFF_FAULT: SIGKILLs this process when it names `step` (tests only).
 void HandoffFaultPoint(const char* step);
 

@@ -25,7 +25,15 @@ absl::Status CheckId(absl::string_view what, const std::string& id, bool require
 
 int64_t CacheOptions::CapacityBytes() const {
   int64_t bytes = 0;
-  for (const auto& p : pools) bytes += p.capacity_blocks * p.block_bytes_all_shards();
+  for (const auto& p : pools) {
+    if (!p.hybrid()) {
+      bytes += p.capacity_blocks * p.block_bytes_all_shards();
+      continue;
+    }
+    for (size_t g = 0; g < p.groups.size(); ++g) {
+      bytes += p.groups[g].capacity * p.GroupUnitBytes(static_cast<int>(g)) * p.num_shards;
+    }
+  }
   return bytes;
 }
 
@@ -150,7 +158,12 @@ KvCache::KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes)
               [this] {
                 std::vector<BudgetLedger::PoolLimit> limits;
                 for (const auto& p : options_.pools) {
-                  limits.push_back({p.capacity_blocks, p.block_bytes_all_shards()});
+                  BudgetLedger::PoolLimit limit{p.capacity_blocks, p.block_bytes_all_shards(), {}};
+                  // A hybrid pool charges each unit its group's bytes on every shard (§2.5).
+                  for (size_t g = 0; g < p.groups.size(); ++g) {
+                    limit.groups.push_back({p.groups[g].capacity, p.GroupUnitBytes(static_cast<int>(g)) * p.num_shards});
+                  }
+                  limits.push_back(std::move(limit));
                 }
                 return limits;
               }()),
@@ -248,6 +261,10 @@ absl::StatusOr<PoolId> KvCache::ValidateSpecLocked(const RequestSpec& spec) cons
                                               spec.max_new_tokens, ") exceeds max_model_len ",
                                               g.max_model_len, " of pool '", g.name, "'"));
   }
+  if (g.hybrid()) {
+    KVD_RETURN_IF_ERROR(CheckGroupsFitLocked(pool, spec));
+    return pool;
+  }
   const int64_t blocks = g.BlocksFor(prompt_len + spec.max_new_tokens);
   if (blocks > g.capacity_blocks || ledger_.BytesOf(pool, blocks) > ledger_.budget_bytes()) {
     return absl::OutOfRangeError(absl::StrCat("request needs ", blocks, " blocks (",
@@ -267,6 +284,15 @@ absl::StatusOr<AdmitResult> KvCache::DecideLocked(const RequestSpec& spec, PoolI
         "request id '", spec.id.value(), "' names a checkpoint; pass resume_from to resume it"));
   }
   const PoolGeometry& g = pool_geometries_[pool];
+  if (g.hybrid()) {
+    const std::vector<int64_t> units = UnitsFor(g, static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens);
+    KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(spec.limit_key(), 1, ledger_.BytesOfUnits(pool, units)));
+    AdmitResult out;
+    out.projected_bytes = ledger_.BytesOfUnits(pool, units);
+    out.available_bytes = ledger_.budget_bytes() - ledger_.reserved_bytes();
+    out.decision = ledger_.CanReserveUnits(pool, units) ? AdmitDecision::kAdmitted : AdmitDecision::kWait;
+    return out;
+  }
   const int64_t blocks =
       g.BlocksFor(static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens);
   KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(spec.limit_key(), 1, ledger_.BytesOf(pool, blocks)));
@@ -309,8 +335,16 @@ absl::StatusOr<AdmitResult> KvCache::Admit(const RequestSpec& spec) {
       req->reserved_blocks = pool_geometries_[*pool].BlocksFor(
           static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens);
       req->admitted_at = clock_->Now();
-      KVD_CHECK(ledger_.Reserve(*pool, req->reserved_blocks).ok());
-      workers_.AddUsage(spec.limit_key(), 1, ledger_.BytesOf(*pool, req->reserved_blocks));
+      if (geo.hybrid()) {
+        req->reserved_units = UnitsFor(geo, tokens);
+        req->reserved_blocks = 0;
+        for (int64_t u : req->reserved_units) req->reserved_blocks += u;
+        KVD_CHECK(ledger_.ReserveUnits(*pool, req->reserved_units).ok());
+      } else {
+        req->reserved_blocks = geo.BlocksFor(tokens);
+        KVD_CHECK(ledger_.Reserve(*pool, req->reserved_blocks).ok());
+      }
+      workers_.AddUsage(spec.limit_key(), 1, ReservedBytesLocked(*req));
       requests_.emplace(spec.id, std::move(req));
       ++counters_.admitted;
       UpdatePressureLocked();
@@ -344,7 +378,9 @@ absl::StatusOr<AcquireResult> KvCache::Acquire(const RequestId& id) {
         auto it = checkpoints_.find(r.spec.resume_from);
         if (it != checkpoints_.end() && it->second->orphaned) ckpt = it->second.get();
       }
-      result = ckpt != nullptr ? ResumeLocked(r, *ckpt) : AcquirePrefixLocked(r);
+      result = pools_[r.pool]->geometry.hybrid() ? AcquireGroupsLocked(r)
+               : ckpt != nullptr                  ? ResumeLocked(r, *ckpt)
+                                                  : AcquirePrefixLocked(r);
       if (result.ok()) {
         r.acquired = true;
         UpdatePressureLocked();
@@ -421,7 +457,9 @@ absl::StatusOr<AcquireResult> KvCache::ResumeLocked(Request& req, CheckpointReco
   // Likewise every block from there on that a fence holds: the checkpoint's old writer may still
   // be writing past the checkpoint into it (kv_cache_fences.cc). And any block that has a writer
   // in the ledger (a pull its request started is still writing it): the request recomputes from
-  // the first of them.
+  // the first of them. A fence's writer writes only past what it had computed, so past this
+  // checkpoint: a block below the tail that a fence writes, before any block recomputed, is read
+  // where it lies and taken from the fence (kv_cache_fences.cc).
   const int64_t tail_pos = valid / bt;
   std::vector<int64_t> replace;
   for (int64_t i = 0; i < static_cast<int64_t>(ckpt.blocks.size()); ++i) {
@@ -519,11 +557,13 @@ void KvCache::ReleaseLocked(Request& req, bool completed) {
   if (!req.spec.session.empty() && req.acquired) UpdateSessionLocked(req);
   ReleaseWritesLocked(req);  // a pull writing some of them keeps them until UnpinBlocks
   UnrefTableLocked(req.pool, req.table);
-  ledger_.Unreserve(req.pool, req.reserved_blocks);
-  workers_.AddUsage(req.spec.limit_key(), -1, -ledger_.BytesOf(req.pool, req.reserved_blocks));
+  workers_.AddUsage(req.spec.limit_key(), -1, -ReservedBytesLocked(req));
+  if (!req.reserved_units.empty()) ledger_.UnreserveUnits(req.pool, req.reserved_units);
+  else ledger_.Unreserve(req.pool, req.reserved_blocks);
   if (own_ckpt != nullptr) OrphanCheckpointLocked(*own_ckpt);
   UpdatePressureLocked();
 }
+  for (auto g = req.groups.rbegin(); g != req.groups.rend(); ++g) UnrefTableLocked(req.pool, g->blocks);
 
 absl::Status KvCache::Release(const RequestId& id, bool completed) {
   absl::Status status;

@@ -244,9 +244,13 @@ class KvCache final : public TierPort {
   // kv_cache_step.cc: step ops and credit. GrowLocked is Extend's body, taking `credit` first.
   StepOpResult ApplyStepOpLocked(const WorkerId& worker, StepOp& op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<std::vector<BlockIndex>> GrowLocked(const RequestId& id, int64_t additional,
-                                                     absl::Span<const BlockIndex> credit)
+                                                     absl::Span<const BlockIndex> credit,
+                                                     int64_t computed_tokens = 0,
+                                                     std::vector<GroupTable>* groups = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes back `want.returned` (blocks the worker does not hold are skipped), then tops up; returns
+  // On a hybrid pool, `groups` (may be null) gets GrowGroupsLocked's tables and the result is the
+  // spine group's appended blocks.
   // how many blocks above the cap kvd asks back.
   int64_t SetCreditLocked(const WorkerId& worker, const WorkerId& principal, const CreditWant& want)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -311,9 +315,10 @@ class KvCache final : public TierPort {
   // (no change) if too few. `writer` (owner == writer->epoch) is recorded in the ledger as their
   // writer; null only for blocks nobody writes through the engine (a restored checkpoint's).
   absl::StatusOr<std::vector<BlockIndex>> AllocateOwnedLocked(PoolId pool, int64_t count, uint64_t owner,
-                                                              const Owner* writer)
+                                                              const Owner* writer, int group = 0)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `group`: of a hybrid pool's groups, the one to allocate from (0 for a pool without groups).
   // `key`, when given, is the block's chained key (computed before the lock).
   CachedBlock* CacheBlockLocked(PoolId pool, NamespaceRoot* root, CachedBlock* parent,
                                 BlockIndex index, absl::Span<const Token> tokens, const BlockKey* key = nullptr)

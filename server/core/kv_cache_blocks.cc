@@ -19,7 +19,7 @@ uint64_t KvCache::NextTickLocked() {
 std::vector<BlockIndex> KvCache::HandOverWritesLocked(const Request& req, const Owner& to) {
   const Owner from = WriterOf(req);
   std::vector<BlockIndex> out;
-  for (BlockIndex b : req.table) {
+  for (BlockIndex b : AllBlocksOf(req)) {
     const Owner* w = owners_.OwnerOf(req.pool, b);
     if (w == nullptr || !(*w == from)) continue;  // cached, or written by a pull meanwhile
     KVD_CHECK(owners_.Transfer(req.pool, b, from, to).ok());
@@ -53,7 +53,14 @@ void KvCache::RefLocked(PoolId pool_id, BlockIndex index, bool touch) {
   Pool& pool = *pools_[pool_id];
   BlockState& s = pool.blocks[index];
   KVD_CHECK(s.kind != BlockState::Kind::kFree);
-  if (s.kind == BlockState::Kind::kCached) {
+  if (s.kind == BlockState::Kind::kCached && s.node == nullptr) {  // a hybrid pool's side block
+    if (s.refs == 0) {
+      cache_state::Pool::SideGroup& sg = pool.side[pool.allocator.GroupOf(index)];
+      sg.evictable.erase(sg.where[index]);
+      sg.where.erase(index);
+      --pool.num_cached_unreferenced;
+    }
+  } else if (s.kind == BlockState::Kind::kCached) {
     if (s.refs == 0) {
       pool.queue.Remove(s.node);
       --pool.num_cached_unreferenced;
@@ -76,6 +83,11 @@ void KvCache::UnrefLocked(PoolId pool_id, BlockIndex index, bool touch) {
     return;
   }
   ++pool.num_cached_unreferenced;
+  if (s.node == nullptr) {  // a hybrid pool's side block: evictable by its group, oldest first
+    cache_state::Pool::SideGroup& sg = pool.side[pool.allocator.GroupOf(index)];
+    sg.where[index] = sg.evictable.insert(sg.evictable.end(), index);
+    return;
+  }
   if (touch) pool.StampUse(*s.node, NextTickLocked());
   if (s.node->num_children == 0) pool.queue.Push(s.node);
 }
@@ -98,19 +110,44 @@ void KvCache::UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table) 
 }
 
 absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool_id, int64_t count,
-                                                                    uint64_t owner, const Owner* writer) {
+                                                                    uint64_t owner, const Owner* writer, int group) {
   KVD_CHECK(writer == nullptr || writer->epoch == owner);
   Pool& pool = *pools_[pool_id];
-  if (count > pool.allocator.num_free() + pool.num_cached_unreferenced) {
+  // A hybrid pool allocates from one group's range; a spine group evicts index nodes as a pool
+  // without groups does, any other attention group its own side blocks, a state group nothing.
+  if (pool.geometry.hybrid() && group != pool.spine_group) {
+    const int64_t reclaimable = pool.allocator.num_free(group) + pool.EvictableIn(group);
+    if (count > reclaimable) {
+      return absl::ResourceExhaustedError(absl::StrCat("group '", pool.geometry.groups[group].name, "' of pool '",
+                                                       pool.geometry.name, "' has ", reclaimable,
+                                                       " free or reclaimable units, need ", count));
+    }
+    while (pool.allocator.num_free(group) < count) EvictSideLocked(pool, group);
+    absl::StatusOr<std::vector<BlockIndex>> out = pool.allocator.Allocate(count, group);
+    KVD_CHECK(out.ok());
+    for (BlockIndex b : *out) {
+      BlockState& s = pool.blocks[b];
+      s.kind = BlockState::Kind::kOwned;
+      s.refs = 1;
+      s.owner = owner;
+    }
+    pool.num_owned += count;
+    if (writer != nullptr) {
+      for (BlockIndex b : *out) KVD_CHECK(owners_.Assign(pool_id, b, *writer).ok());
+    }
+    return out;
+  }
+  if (pool.geometry.hybrid()) group = pool.spine_group;
+  if (count > pool.allocator.num_free(group) + pool.EvictableIn(group)) {
     return absl::ResourceExhaustedError(
         absl::StrCat("pool '", pool.geometry.name, "' has ",
-                     pool.allocator.num_free() + pool.num_cached_unreferenced,
+                     pool.allocator.num_free(group) + pool.EvictableIn(group),
                      " free or reclaimable blocks, need ", count));
   }
   // Victims the sink copies stay held (owned by nobody, pinned) until their copy is done: this
   // request takes them as they are, so they leave no free block another thread could take.
   std::vector<BlockIndex> held;
-  while (pool.allocator.num_free() + static_cast<int64_t>(held.size()) < count) {
+  while (pool.allocator.num_free(group) + static_cast<int64_t>(held.size()) < count) {
     // Every unreferenced cached block has only unreferenced descendants (a reader of a block
     // holds its whole prefix), so some unreferenced leaf is always queued here.
     CachedBlock* victim = pool.queue.Peek();
@@ -120,7 +157,7 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool
     if (pool.blocks[index].kind == BlockState::Kind::kOwned) held.push_back(index);
   }
   absl::StatusOr<std::vector<BlockIndex>> out =
-      pool.allocator.Allocate(count - static_cast<int64_t>(held.size()));
+      pool.allocator.Allocate(count - static_cast<int64_t>(held.size()), group);
   KVD_CHECK(out.ok());
   for (BlockIndex b : *out) {
     BlockState& s = pool.blocks[b];

@@ -271,7 +271,7 @@ HandleInfo KvCache::HandleOfLocked(const Request& req) const {
   h.acquired = req.acquired;
   h.num_tokens = req.num_tokens;
   h.cached_tokens = req.cached_tokens;
-  h.reserved_bytes = ledger_.BytesOf(req.pool, req.reserved_blocks);
+  h.reserved_bytes = ReservedBytesLocked(req);
   h.blocks = req.table;
   auto it = checkpoints_.find(req.spec.id);
   h.has_checkpoint = it != checkpoints_.end() && it->second->serial == req.serial;
@@ -320,6 +320,19 @@ CacheReport KvCache::Report() const {
     p.evictable_blocks = pool.num_cached_unreferenced;
     p.protected_blocks = pool.queue.num_protected();
     p.reserved_blocks = ledger_.reserved_blocks(i);
+    for (size_t g = 0; g < pool.geometry.groups.size(); ++g) {
+      const int gi = static_cast<int>(g);
+      PoolReport::Group rg;
+      rg.name = pool.geometry.groups[g].name;
+      rg.capacity = pool.allocator.group_capacity(gi);
+      rg.unit_bytes = pool.geometry.GroupUnitBytes(gi) * pool.geometry.num_shards;
+      rg.free = pool.allocator.num_free(gi);
+      rg.cached = pool.CachedIn(gi);
+      rg.owned = rg.capacity - rg.free - rg.cached;  // the invariant checker counts it from the blocks
+      rg.evictable = pool.EvictableIn(gi);
+      rg.reserved = ledger_.reserved_units(i, gi);
+      p.groups.push_back(std::move(rg));
+    }
     r.pools.push_back(std::move(p));
   }
   r.budget_bytes = ledger_.budget_bytes();

@@ -197,6 +197,7 @@ absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
   }
   counters_.published_blocks += plan.kept;
   LearnTokensLocked(*req, tokens);
+  if (pool.geometry.hybrid()) PublishSideLocked(*req, plan);
   return plan;
 }
 
@@ -213,6 +214,11 @@ absl::Status KvCache::CheckpointLocked(const RequestId& id, absl::Span<const Tok
   if (!req->acquired) {
     return absl::FailedPreconditionError(
         absl::StrCat("request '", id.value(), "' must Acquire before Checkpoint"));
+  }
+  if (pools_[req->pool]->geometry.hybrid()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "pool '", pools_[req->pool]->geometry.name,
+        "' has KV groups: generation checkpoints are not supported on hybrid pools yet"));
   }
   if (tokens.empty()) return absl::InvalidArgumentError("checkpoint tokens are empty");
   if (static_cast<int64_t>(tokens.size()) > req->num_tokens) {

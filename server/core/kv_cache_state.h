@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <list>
 #include <optional>
 #include <string>
 #include <utility>
@@ -42,8 +43,55 @@ struct Pool {
   int64_t reserve_blocks = 0;  // free blocks the data mover keeps (CacheOptions::demote_reserve)
   absl::flat_hash_map<BlockIndex, int32_t> pins;  // PinBlocks references, by block
   std::unique_ptr<PolicyDuel> duel;                // horizon policy only
+  // Hybrid pools (docs/hybrid.md §2.2, §2.4). The spine group's blocks are the prefix index's
+  // nodes, as every block of a pool without groups is: the first full group (-1 without one).
+  // Published blocks of every other group (a window's blocks, a second full group's) are cached
+  // with no index node (BlockState::node null) until the spine carries them as components: they
+  // are counted in num_cached (and, unreferenced, num_cached_unreferenced) and per group in
+  // `side`, whose `evictable` list is what that group's allocation evicts, oldest first. Nothing
+  // references one again once its request let it go (hits are 0 on hybrid pools for now).
+  struct SideGroup {
+    int64_t cached = 0;
+    std::list<BlockIndex> evictable;
+    absl::flat_hash_map<BlockIndex, std::list<BlockIndex>::iterator> where;
+  };
+  int spine_group = 0;
+  std::vector<SideGroup> side;  // one per group of a hybrid pool; empty otherwise
+  static std::vector<int64_t> GroupCapacities(const PoolGeometry& g) {
+    if (!g.hybrid()) return {g.capacity_blocks};
+    std::vector<int64_t> caps;
+    for (const KvGroup& k : g.groups) caps.push_back(k.capacity);
+    return caps;
+  }
   explicit Pool(PoolGeometry g)
-      : geometry(std::move(g)), allocator(geometry.capacity_blocks), blocks(geometry.capacity_blocks) {}
+      : geometry(std::move(g)), allocator(GroupCapacities(geometry)), blocks(geometry.capacity_blocks) {
+    if (geometry.hybrid()) {
+      side.resize(geometry.groups.size());
+      spine_group = -1;
+      for (size_t i = 0; i < geometry.groups.size() && spine_group < 0; ++i) {
+        if (geometry.groups[i].kind == KvGroupKind::kFull) spine_group = static_cast<int>(i);
+      }
+    }
+  }
+  // Cached, unreferenced blocks of group g that an allocation there may evict.
+  int64_t EvictableIn(int g) const {
+    if (side.empty()) return num_cached_unreferenced;
+    if (g == spine_group) {
+      int64_t others = 0;
+      for (const SideGroup& sg : side) others += static_cast<int64_t>(sg.evictable.size());
+      return num_cached_unreferenced - others;
+    }
+    return static_cast<int64_t>(side[g].evictable.size());
+  }
+  int64_t CachedIn(int g) const {
+    if (side.empty()) return num_cached;
+    if (g == spine_group) {
+      int64_t others = 0;
+      for (const SideGroup& sg : side) others += sg.cached;
+      return num_cached - others;
+    }
+    return side[g].cached;
+  }
   // A use of a cached block: its recency tick and the pool's store clock (EvictionQueue).
   void StampUse(CachedBlock& node, uint64_t tick) const {
     node.last_use = tick;
@@ -69,6 +117,18 @@ struct Request {
   std::vector<Token> known_tokens;  // prompt, then generated tokens learned from publish/checkpoint
   std::vector<BlockKey> keys;       // chained keys of the prompt's full blocks, computed before the lock
   absl::Time admitted_at;
+  // Hybrid pools (docs/hybrid.md §2.4, §2.5). `table` is the spine group's table (positions
+  // [0, n)); groups[g] holds every other group's units: blocks from block position `first` on
+  // (window groups release those below as computed_tokens advances), or the state group's running
+  // and spare slots. reserved_units[g] is what admission reserved in group g (reserved_blocks is
+  // their sum); computed_tokens the engine's last report.
+  struct Group {
+    int64_t first = 0;
+    std::vector<BlockIndex> blocks;
+  };
+  std::vector<Group> groups;
+  std::vector<int64_t> reserved_units;
+  int64_t computed_tokens = 0;
 };
 struct CheckpointRecord {
   uint64_t serial = 0;  // owner serial of its owned blocks

@@ -98,7 +98,8 @@ StepOpResult KvCache::ApplyStepOpLocked(const WorkerId& worker, StepOp& op) {
   }
   switch (op.kind) {
     case StepOpKind::kGrow: {
-      absl::StatusOr<std::vector<BlockIndex>> grown = GrowLocked(op.id, op.tokens, op.credit_blocks);
+      absl::StatusOr<std::vector<BlockIndex>> grown =
+          GrowLocked(op.id, op.tokens, op.credit_blocks, op.computed_tokens, &r.group_tables);
       if (grown.ok()) r.blocks = *std::move(grown);
       else r.status = grown.status();
       break;
@@ -125,6 +126,12 @@ StepOpResult KvCache::ApplyStepOpLocked(const WorkerId& worker, StepOp& op) {
       break;
     }
     case StepOpKind::kPreempt:
+      if (pools_[req.pool]->geometry.hybrid()) {
+        r.status = absl::FailedPreconditionError(absl::StrCat(
+            "pool '", pools_[req.pool]->geometry.name,
+            "' has KV groups: preempt is not supported on hybrid pools yet; end the request instead"));
+        break;
+      }
       // The checkpoint first: when it fails, the request is still live and unchanged.
       if (!op.token_ids.empty()) r.status = CheckpointLocked(op.id, op.token_ids, std::move(op.engine_state));
       if (r.status.ok()) {
@@ -137,7 +144,8 @@ StepOpResult KvCache::ApplyStepOpLocked(const WorkerId& worker, StepOp& op) {
 }
 
 absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id, int64_t additional_tokens,
-                                                           absl::Span<const BlockIndex> credit) {
+                                                           absl::Span<const BlockIndex> credit,
+                                                           int64_t computed_tokens, std::vector<GroupTable>* groups) {
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
   if (additional_tokens < 0) return absl::InvalidArgumentError("additional_tokens must be >= 0");
   if (!req->acquired) {
@@ -150,6 +158,14 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
     return absl::OutOfRangeError(absl::StrCat("request has ", req->num_tokens, " tokens; ",
                                               additional_tokens, " more would pass max_model_len ",
                                               pool.geometry.max_model_len));
+  }
+  if (pool.geometry.hybrid()) {
+    KVD_ASSIGN_OR_RETURN(std::vector<GroupTable> tables,
+                         GrowGroupsLocked(*req, additional_tokens, computed_tokens, !credit.empty()));
+    std::vector<BlockIndex> spine;
+    if (pool.spine_group >= 0) spine = tables[pool.spine_group].blocks;
+    if (groups != nullptr) *groups = std::move(tables);
+    return spine;
   }
   const int64_t new_tokens = req->num_tokens + additional_tokens;
   const int64_t have = static_cast<int64_t>(req->table.size());
@@ -214,6 +230,8 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
 int64_t KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& principal, const CreditWant& want) {
   if (want.pool >= pools_.size()) return 0;
   Pool& pool = *pools_[want.pool];
+  // Credit is not per KV group yet: a hybrid pool grants none (a grow naming some is refused).
+  if (pool.geometry.hybrid()) return 0;
   // A worker's credit never takes more than an eighth of a pool: it is budget no request holds.
   int64_t target = std::clamp<int64_t>(want.blocks, 0, std::min(options_.step_credit_blocks,
                                                                   pool.geometry.capacity_blocks / 8));

@@ -1,13 +1,19 @@
 #include "server/obs/process_stats.h"
 
 #include <dirent.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <sstream>
 #include <string>
+
+#include "absl/strings/str_cat.h"
 
 namespace kvd {
 namespace {
@@ -65,6 +71,18 @@ ProcessStats ReadProcessStats() {
   }
   if (rlimit r{}; getrlimit(RLIMIT_NOFILE, &r) == 0) s.max_fds = static_cast<int64_t>(r.rlim_cur);
   return s;
+}
+
+bool ProcessGone(pid_t pid) {
+  if (pid <= 0) return false;
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return true;
+  std::FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/stat").c_str(), "r");
+  if (f == nullptr) return true;
+  char buf[512] = {};
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  const char* paren = std::strrchr(buf, ')');  // the state follows the command name's ')'
+  return n > 0 && paren != nullptr && (paren[2] == 'Z' || paren[2] == 'X');
 }
 
 }  // namespace kvd

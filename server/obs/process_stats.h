@@ -2,6 +2,8 @@
 // Prometheus process_* metrics, so that memory kvd holds outside the KV budget is visible.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstdint>
 
 namespace kvd {
@@ -17,5 +19,9 @@ struct ProcessStats {
 
 // Fields that cannot be read stay 0.
 ProcessStats ReadProcessStats();
+
+// Whether process `pid` has ended (no such process, or a zombie): it can write nothing more.
+// Reads /proc: never under a lock that guards anything else.
+bool ProcessGone(pid_t pid);
 
 }  // namespace kvd

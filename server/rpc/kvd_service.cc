@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/convert.h"
+#include "server/obs/process_stats.h"
 #include "proto/grpc_status.h"
 #include "proto/vocab/status_macros.h"
 #include "server/obs/log_safe.h"
@@ -126,6 +127,13 @@ void KvdService::WorkerGone(const WorkerId& worker, absl::string_view why) {
 void KvdService::WorkerLost(const WorkerId& worker, uint32_t pid) {
   if (handing_off_) {
     WorkerGone(worker, "attach stream broke");
+    return;
+  }
+  // A process that has ended writes nothing more: what it held is released as after a clean
+  // detach. Only a pid the kernel vouched for (a Unix socket's peer) is looked at; a zombie
+  // counts as gone, a pid reused since counts as alive (fenced: the safe side).
+  if (pid != 0 && ProcessGone(static_cast<pid_t>(pid))) {
+    WorkerGone(worker, "attach stream broke; its process has ended");
     return;
   }
   if (!workers_->Remove(worker)) return;  // its lease lapsed first: released then
