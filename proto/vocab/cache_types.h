@@ -37,6 +37,17 @@ struct AdmitResult {
 };
 
 // What Acquire hands the caller: the request's block table and how much of it holds valid KV.
+// A hybrid request's units of one KV group (docs/hybrid.md §2.4), as pool-wide indices from the
+// group's range. Full: blocks for positions [0, n); sliding_window and chunked_local: blocks from
+// block position first_block_position on (those below were released as the request advanced);
+// state: the running slot, then the spare.
+struct GroupTable {
+  int group = 0;
+  std::string name;
+  int64_t first_block_position = 0;
+  std::vector<BlockIndex> blocks;
+};
+
 struct AcquireResult {
   PoolId pool = 0;
   std::vector<BlockIndex> blocks;  // block table: blocks[i] holds tokens [i*bt, (i+1)*bt)
@@ -53,6 +64,9 @@ struct AcquireResult {
   // When resumed: the request's tokens, the checkpoint's or the prompt when that is longer.
   std::vector<Token> resumed_tokens;
   std::string engine_state;           // when resumed: the checkpoint's opaque engine bytes
+  // Hybrid pools: one table per KV group, in the pool's group order; `blocks` is then the first
+  // full group's table (empty without one). Empty for pools without groups.
+  std::vector<GroupTable> group_tables;
 };
 
 enum class PublishOutcome {
@@ -123,6 +137,18 @@ struct PoolReport {
   int64_t evictable_blocks = 0;    // cached and unreferenced (reclaimable)
   int64_t protected_blocks = 0;    // evictable but softly protected by a session
   int64_t reserved_blocks = 0;     // charged to the budget
+  // Hybrid pools: the counts per KV group (free + owned + cached = capacity); empty otherwise.
+  struct Group {
+    std::string name;
+    int64_t capacity = 0;
+    int64_t unit_bytes = 0;  // all shards
+    int64_t free = 0;
+    int64_t owned = 0;
+    int64_t cached = 0;
+    int64_t evictable = 0;
+    int64_t reserved = 0;
+  };
+  std::vector<Group> groups;
 };
 
 struct CacheReport {

@@ -34,6 +34,9 @@ struct StepOp {
   RequestId id;
   int64_t tokens = 0;
   std::vector<BlockIndex> credit_blocks;
+  // kGrow on a hybrid pool: the engine's computed tokens after the step that just ran (0: no
+  // change). Window groups release the blocks wholly below it minus W - 1 (docs/hybrid.md §2.4).
+  int64_t computed_tokens = 0;
   int64_t num_blocks = 0;
   std::vector<Token> token_ids;
   std::string engine_state;
@@ -44,6 +47,9 @@ struct StepOpResult {
   absl::Status status;             // this op's alone; on error nothing of it was applied
   std::vector<BlockIndex> blocks;  // kGrow: the blocks appended (credit blocks first, then fresh)
   PublishResult publish;           // kPublish, kEnd
+  // kGrow on a hybrid pool: per KV group, the blocks appended and the group's first block position
+  // after the grow (blocks below it were released); `blocks` is the first full group's.
+  std::vector<GroupTable> group_tables;
 };
 
 // A worker's credit in one pool: what it asks to hold after the step and the blocks it gives

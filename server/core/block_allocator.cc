@@ -7,20 +7,40 @@
 
 namespace kvd {
 
-BlockAllocator::BlockAllocator(int64_t capacity_blocks) : capacity_(capacity_blocks) {
-  free_.reserve(capacity_blocks);
-  // Lowest index on top of the stack, so a fresh pool hands out 0, 1, 2, ...
-  for (int64_t i = capacity_blocks - 1; i >= 0; --i) free_.push_back(static_cast<BlockIndex>(i));
+BlockAllocator::BlockAllocator(int64_t capacity_blocks)
+    : BlockAllocator(std::vector<int64_t>{capacity_blocks}) {}
+
+BlockAllocator::BlockAllocator(const std::vector<int64_t>& group_capacities) {
+  for (int64_t cap : group_capacities) {
+    first_.push_back(capacity_);
+    capacity_of_.push_back(cap);
+    std::vector<BlockIndex>& stack = free_.emplace_back();
+    stack.reserve(cap);
+    // Lowest index on top of the stack, so a fresh group hands out first, first + 1, ...
+    for (int64_t i = capacity_ + cap - 1; i >= capacity_; --i) stack.push_back(static_cast<BlockIndex>(i));
+    capacity_ += cap;
+  }
+  num_free_ = capacity_;
 }
 
-absl::StatusOr<std::vector<BlockIndex>> BlockAllocator::Allocate(int64_t count) {
+int BlockAllocator::GroupOf(BlockIndex index) const {
+  int g = 0;
+  while (g + 1 < num_groups() && static_cast<int64_t>(index) >= first_[g + 1]) ++g;
+  return g;
+}
+
+absl::StatusOr<std::vector<BlockIndex>> BlockAllocator::Allocate(int64_t count, int group) {
   if (count < 0) return absl::InvalidArgumentError("block count must be >= 0");
-  if (count > num_free()) {
+  if (group < 0 || group >= num_groups()) return absl::InvalidArgumentError(absl::StrCat("no group ", group));
+  std::vector<BlockIndex>& stack = free_[group];
+  if (count > static_cast<int64_t>(stack.size())) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("need ", count, " free blocks, have ", num_free()));
+        num_groups() == 1 ? absl::StrCat("need ", count, " free blocks, have ", stack.size())
+                          : absl::StrCat("need ", count, " free blocks of group ", group, ", have ", stack.size()));
   }
-  std::vector<BlockIndex> out(free_.end() - count, free_.end());
-  free_.resize(free_.size() - count);
+  std::vector<BlockIndex> out(stack.end() - count, stack.end());
+  stack.resize(stack.size() - count);
+  num_free_ -= count;
   // Hand out in ascending order of the stack top, so a request's blocks tend to be ascending.
   std::reverse(out.begin(), out.end());
   return out;
@@ -28,15 +48,18 @@ absl::StatusOr<std::vector<BlockIndex>> BlockAllocator::Allocate(int64_t count) 
 
 absl::Status BlockAllocator::Claim(absl::Span<const BlockIndex> indices) {
   std::vector<bool> is_free(capacity_, false);
-  for (BlockIndex i : free_) is_free[i] = true;
+  for (const auto& stack : free_) {
+    for (BlockIndex i : stack) is_free[i] = true;
+  }
   for (BlockIndex i : indices) {
     if (static_cast<int64_t>(i) >= capacity_ || !is_free[i]) {
       return absl::InvalidArgumentError(absl::StrCat("block ", i, " is out of range, repeated or not free"));
     }
     is_free[i] = false;
   }
-  // Keep the stack's order for what stays free.
-  std::erase_if(free_, [&is_free](BlockIndex i) { return !is_free[i]; });
+  // Keep the stacks' order for what stays free.
+  for (auto& stack : free_) std::erase_if(stack, [&is_free](BlockIndex i) { return !is_free[i]; });
+  num_free_ -= static_cast<int64_t>(indices.size());
   return absl::OkStatus();
 }
 
@@ -46,8 +69,10 @@ void BlockAllocator::Free(absl::Span<const BlockIndex> indices) {
 
 void BlockAllocator::Free(BlockIndex index) {
   KVD_CHECK(static_cast<int64_t>(index) < capacity_);
-  KVD_CHECK(num_free() < capacity_);
-  free_.push_back(index);
+  const int g = GroupOf(index);
+  KVD_CHECK(num_free(g) < capacity_of_[g]);
+  free_[g].push_back(index);
+  ++num_free_;
 }
 
 }  // namespace kvd

@@ -332,8 +332,8 @@ absl::StatusOr<AdmitResult> KvCache::Admit(const RequestSpec& spec) {
       }
       req->serial = next_serial_++;
       req->pool = *pool;
-      req->reserved_blocks = pool_geometries_[*pool].BlocksFor(
-          static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens);
+      const PoolGeometry& geo = pool_geometries_[*pool];
+      const int64_t tokens = static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens;
       req->admitted_at = clock_->Now();
       if (geo.hybrid()) {
         req->reserved_units = UnitsFor(geo, tokens);
@@ -556,6 +556,7 @@ void KvCache::ReleaseLocked(Request& req, bool completed) {
   }
   if (!req.spec.session.empty() && req.acquired) UpdateSessionLocked(req);
   ReleaseWritesLocked(req);  // a pull writing some of them keeps them until UnpinBlocks
+  for (auto g = req.groups.rbegin(); g != req.groups.rend(); ++g) UnrefTableLocked(req.pool, g->blocks);
   UnrefTableLocked(req.pool, req.table);
   workers_.AddUsage(req.spec.limit_key(), -1, -ReservedBytesLocked(req));
   if (!req.reserved_units.empty()) ledger_.UnreserveUnits(req.pool, req.reserved_units);
@@ -563,7 +564,6 @@ void KvCache::ReleaseLocked(Request& req, bool completed) {
   if (own_ckpt != nullptr) OrphanCheckpointLocked(*own_ckpt);
   UpdatePressureLocked();
 }
-  for (auto g = req.groups.rbegin(); g != req.groups.rend(); ++g) UnrefTableLocked(req.pool, g->blocks);
 
 absl::Status KvCache::Release(const RequestId& id, bool completed) {
   absl::Status status;

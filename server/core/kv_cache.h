@@ -243,14 +243,14 @@ class KvCache final : public TierPort {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // kv_cache_step.cc: step ops and credit. GrowLocked is Extend's body, taking `credit` first.
   StepOpResult ApplyStepOpLocked(const WorkerId& worker, StepOp& op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // On a hybrid pool, `groups` (may be null) gets GrowGroupsLocked's tables and the result is the
+  // spine group's appended blocks.
   absl::StatusOr<std::vector<BlockIndex>> GrowLocked(const RequestId& id, int64_t additional,
                                                      absl::Span<const BlockIndex> credit,
                                                      int64_t computed_tokens = 0,
                                                      std::vector<GroupTable>* groups = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes back `want.returned` (blocks the worker does not hold are skipped), then tops up; returns
-  // On a hybrid pool, `groups` (may be null) gets GrowGroupsLocked's tables and the result is the
-  // spine group's appended blocks.
   // how many blocks above the cap kvd asks back.
   int64_t SetCreditLocked(const WorkerId& worker, const WorkerId& principal, const CreditWant& want)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -314,17 +314,49 @@ class KvCache final : public TierPort {
   // `count` owned blocks for `owner` (BlockState::owner), evicting as needed; RESOURCE_EXHAUSTED
   // (no change) if too few. `writer` (owner == writer->epoch) is recorded in the ledger as their
   // writer; null only for blocks nobody writes through the engine (a restored checkpoint's).
+  // `group`: of a hybrid pool's groups, the one to allocate from (0 for a pool without groups).
   absl::StatusOr<std::vector<BlockIndex>> AllocateOwnedLocked(PoolId pool, int64_t count, uint64_t owner,
                                                               const Owner* writer, int group = 0)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // `group`: of a hybrid pool's groups, the one to allocate from (0 for a pool without groups).
   // `key`, when given, is the block's chained key (computed before the lock).
   CachedBlock* CacheBlockLocked(PoolId pool, NamespaceRoot* root, CachedBlock* parent,
                                 BlockIndex index, absl::Span<const Token> tokens, const BlockKey* key = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SetProtectionLocked(PoolId pool, CachedBlock* node, int delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t NextTickLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // kv_cache_groups.cc: hybrid pools' per-group admission and tables (docs/hybrid.md §2.4, §2.5).
+  // §2.5's units per group for a request of `tokens` tokens.
+  static std::vector<int64_t> UnitsFor(const PoolGeometry& geo, int64_t tokens);
+  // OUT_OF_RANGE naming the group a request can never fit (or the budget); FAILED_PRECONDITION
+  // for what hybrid pools do not support yet (resume).
+  absl::Status CheckGroupsFitLocked(PoolId pool, const RequestSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The bytes `req`'s reservation charges (its units', or its blocks' on a pool without groups).
+  int64_t ReservedBytesLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every block `req` references: its table, then each group's.
+  static std::vector<BlockIndex> AllBlocksOf(const Request& req);
+  std::vector<GroupTable> GroupTablesLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<AcquireResult> AcquireGroupsLocked(Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // GrowLocked on a hybrid pool: `additional_tokens` more positions and the engine's
+  // `computed_tokens` (0: unchanged); releases window blocks that fell out (published: cached;
+  // else freed) and appends what each group needs. All or nothing. Returns per group the blocks
+  // appended and the first block position after.
+  absl::StatusOr<std::vector<GroupTable>> GrowGroupsLocked(Request& req, int64_t additional_tokens,
+                                                           int64_t computed_tokens, bool credit_named)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After a publish on a hybrid pool: the request's blocks of other attention groups at positions
+  // whose spine block is now cached for its chain become cached too (no writer; evictable once
+  // the request lets them go).
+  void PublishSideLocked(Request& req, const PublishResult& published) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts the oldest evictable cached block of non-spine group g. REQUIRES: one exists.
+  void EvictSideLocked(Pool& pool, int g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // CheckInvariantsForTesting's per-group part (docs/hybrid.md §2.8, U6): per group of every
+  // hybrid pool, free + owned + cached = capacity counted from the blocks and equal to the
+  // allocator's and side lists' counts; every block of a request's group table lies in that
+  // group's range, at most its reserved units; per-group reservations sum to the ledger's; the
+  // budget's charge is the sum of the groups'.
+  absl::Status CheckGroupsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // kv_cache_fences.cc. Fences `blocks` of `pool` for the attachment `owner` (cached ones
   // skipped: published bytes are never rewritten) until `until` on clock_.

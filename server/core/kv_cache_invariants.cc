@@ -245,6 +245,11 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
         }
         case BlockState::Kind::kCached: {
           ++cached;
+          if (s.node == nullptr && pool.geometry.hybrid()) {  // a side block: CheckGroupsLocked
+            ++side_cached;
+            if (s.refs == 0) ++unreferenced;
+            break;
+          }
           const CachedBlock* n = s.node;
           if (n == nullptr || n->address.pool != p || n->address.index != b) {
             return fail("cached block ", b, " has a wrong node");
@@ -277,7 +282,7 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
   }
   if (total_cached != index_.num_blocks()) return fail("index size drifted");
   if (ledger_.reserved_bytes() > ledger_.budget_bytes()) return fail("budget exceeded");
-  return absl::OkStatus();
+  return CheckGroupsLocked();
 }
 
 std::optional<Owner> KvCache::WriterForTesting(PoolId pool, BlockIndex block) const {
@@ -300,14 +305,9 @@ absl::Status KvCache::HandBlockBypassingLedgerForTesting(const RequestId& from, 
     return absl::FailedPreconditionError("the last block is not writable");
   }
   a->table.pop_back();
-          if (s.node == nullptr && pool.geometry.hybrid()) {  // a side block: CheckGroupsLocked
-            ++side_cached;
-            if (s.refs == 0) ++unreferenced;
-            break;
-          }
   b->table.push_back(block);
   s.owner = b->serial;
-  return CheckGroupsLocked();
+  return absl::OkStatus();
 }
 
 }  // namespace kvd

@@ -1,0 +1,367 @@
+// KvCache: hybrid pools' per-group admission, tables and window release (docs/hybrid.md §2.4,
+// §2.5). A pool without KV groups never reaches this file.
+//
+// What a request holds in each group, given its n tokens, its engine's last report of c computed
+// tokens, S = the pool's step_tokens and bt = block_tokens (block positions, half open):
+//   full            [0, ceil(n / bt))
+//   sliding_window  [floor(max(0, c - (W - 1)) / bt), ceil(min(n, c + S) / bt))
+//   chunked_local   [floor(c / C) * C / bt,            ceil(min(n, c + S) / bt))
+//   state           2 slots (running, spare), from Acquire to the end
+// so a window group never holds more than §2.5's reservation, ceil((W - 1 + S) / bt) + 1 blocks
+// (chunked: ceil((C - 1 + S) / bt)), and only the full groups grow with n. The window of the
+// positions up to c + S is what the engine may compute before its next report: positions past it
+// get their window blocks from the grow that reports c.
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "proto/vocab/status_macros.h"
+#include "server/core/kv_cache.h"
+
+namespace kvd {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The block positions [lo, hi) group g holds at n tokens and c computed.
+std::pair<int64_t, int64_t> HeldRange(const PoolGeometry& geo, int g, int64_t n, int64_t c) {
+  const KvGroup& k = geo.groups[g];
+  const int64_t bt = geo.block_tokens;
+  const int64_t horizon = CeilDiv(std::min(n, c + geo.step_tokens_or_default()), bt);
+  switch (k.kind) {
+    case KvGroupKind::kFull: return {0, CeilDiv(n, bt)};
+    case KvGroupKind::kSlidingWindow: {
+      const int64_t lo = std::max<int64_t>(0, c - (k.window - 1)) / bt;
+      return {std::min(lo, horizon), horizon};
+    }
+    case KvGroupKind::kChunkedLocal: {
+      const int64_t lo = (c / k.chunk) * k.chunk / bt;
+      return {std::min(lo, horizon), horizon};
+    }
+    case KvGroupKind::kState: return {0, 2};
+  }
+  return {0, 0};
+}
+
+}  // namespace
+
+std::vector<int64_t> KvCache::UnitsFor(const PoolGeometry& geo, int64_t tokens) {
+  std::vector<int64_t> units;
+  for (size_t g = 0; g < geo.groups.size(); ++g) units.push_back(geo.GroupUnitsFor(static_cast<int>(g), tokens));
+  return units;
+}
+
+absl::Status KvCache::CheckGroupsFitLocked(PoolId pool, const RequestSpec& spec) const {
+  const PoolGeometry& geo = pool_geometries_[pool];
+  if (!spec.resume_from.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "pool '", geo.name, "' has KV groups: generation checkpoints and resume are not supported on hybrid "
+        "pools yet (docs/hybrid.md, \"What works today\")"));
+  }
+  const std::vector<int64_t> units = UnitsFor(geo, static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens);
+  for (size_t g = 0; g < units.size(); ++g) {
+    if (units[g] > geo.groups[g].capacity) {
+      return absl::OutOfRangeError(absl::StrCat("request needs ", units[g], " ",
+                                                geo.groups[g].attention() ? "blocks" : "slots", " of group '",
+                                                geo.groups[g].name, "' of pool '", geo.name, "', which holds ",
+                                                geo.groups[g].capacity));
+    }
+  }
+  if (ledger_.BytesOfUnits(pool, units) > ledger_.budget_bytes()) {
+    return absl::OutOfRangeError(absl::StrCat("request needs ", ledger_.BytesOfUnits(pool, units),
+                                              " bytes: larger than the whole budget"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t KvCache::ReservedBytesLocked(const Request& req) const {
+  return req.reserved_units.empty() ? ledger_.BytesOf(req.pool, req.reserved_blocks)
+                                    : ledger_.BytesOfUnits(req.pool, req.reserved_units);
+}
+
+std::vector<BlockIndex> KvCache::AllBlocksOf(const Request& req) {
+  std::vector<BlockIndex> out = req.table;
+  for (const Request::Group& g : req.groups) out.insert(out.end(), g.blocks.begin(), g.blocks.end());
+  return out;
+}
+
+std::vector<GroupTable> KvCache::GroupTablesLocked(const Request& req) const {
+  const Pool& pool = *pools_[req.pool];
+  std::vector<GroupTable> out;
+  for (size_t g = 0; g < req.groups.size(); ++g) {
+    GroupTable t;
+    t.group = static_cast<int>(g);
+    t.name = pool.geometry.groups[g].name;
+    t.first_block_position = req.groups[g].first;
+    t.blocks = static_cast<int>(g) == pool.spine_group ? req.table : req.groups[g].blocks;
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+absl::StatusOr<AcquireResult> KvCache::AcquireGroupsLocked(Request& req) {
+  Pool& pool = *pools_[req.pool];
+  const PoolGeometry& geo = pool.geometry;
+  const int64_t n = static_cast<int64_t>(req.spec.prompt.size());
+  const int num_groups = static_cast<int>(geo.groups.size());
+  // No prefix is served on a hybrid pool yet (MaxHitBlocks): everything is fresh, c = 0.
+  std::vector<int64_t> need(num_groups);
+  for (int g = 0; g < num_groups; ++g) {
+    const auto [lo, hi] = HeldRange(geo, g, n, 0);
+    need[g] = hi - lo;
+    if (need[g] > pool.allocator.num_free(g) + pool.EvictableIn(g)) {
+      return absl::ResourceExhaustedError(absl::StrCat("group '", geo.groups[g].name, "' of pool '", geo.name,
+                                                       "' has ", pool.allocator.num_free(g) + pool.EvictableIn(g),
+                                                       " reclaimable units, need ", need[g]));
+    }
+  }
+  const Owner writer = WriterOf(req);
+  req.groups.assign(num_groups, Request::Group{});
+  for (int g = 0; g < num_groups; ++g) {
+    absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, need[g], req.serial, &writer, g);
+    KVD_CHECK(owned.ok());
+    if (g == pool.spine_group) req.table = *std::move(owned);
+    else req.groups[g].blocks = *std::move(owned);
+  }
+  req.num_tokens = n;
+  req.cached_tokens = 0;
+  req.computed_tokens = 0;
+  counters_.lookups++;
+  counters_.miss_tokens += n;
+  AcquireResult out;
+  out.pool = req.pool;
+  out.blocks = req.table;
+  out.num_tokens = n;
+  out.cached_tokens = 0;
+  out.group_tables = GroupTablesLocked(req);
+  return out;
+}
+
+absl::StatusOr<std::vector<GroupTable>> KvCache::GrowGroupsLocked(Request& req, int64_t additional_tokens,
+                                                                  int64_t computed_tokens,
+                                                                  bool credit_named) {
+  Pool& pool = *pools_[req.pool];
+  const PoolGeometry& geo = pool.geometry;
+  if (credit_named) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "pool '", geo.name, "' has KV groups: block credit is not per group yet; grow without credit_blocks"));
+  }
+  const int64_t n = req.num_tokens + additional_tokens;
+  const int64_t c = computed_tokens == 0 ? req.computed_tokens : computed_tokens;
+  if (c < req.computed_tokens || c > n) {
+    return absl::InvalidArgumentError(absl::StrCat("computed_tokens ", computed_tokens, " of request '",
+                                                   req.spec.id.value(), "' must be between its last report (",
+                                                   req.computed_tokens, ") and its tokens (", n, ")"));
+  }
+  const int num_groups = static_cast<int>(geo.groups.size());
+  struct Plan {
+    int64_t lo = 0, hi = 0;        // the new held range
+    int64_t drop = 0;              // leading blocks released
+    int64_t add = 0;               // blocks appended
+    int64_t freed = 0;             // released blocks that go back to the free list
+    int64_t cached = 0;            // released blocks that stay cached (published)
+  };
+  std::vector<Plan> plan(num_groups);
+  std::vector<int64_t> grow(num_groups, 0);
+  bool grows = false;
+  for (int g = 0; g < num_groups; ++g) {
+    Plan& p = plan[g];
+    const std::vector<BlockIndex>& held = g == pool.spine_group ? req.table : req.groups[g].blocks;
+    const int64_t first = req.groups[g].first;
+    const int64_t end = first + static_cast<int64_t>(held.size());
+    std::tie(p.lo, p.hi) = HeldRange(geo, g, n, c);
+    if (geo.groups[g].kind == KvGroupKind::kState) p.lo = first, p.hi = end;
+    p.lo = std::max(p.lo, first);  // never moves back
+    p.drop = std::min(p.lo, end) - first;
+    p.add = std::max<int64_t>(0, p.hi - std::max(end, p.lo));
+    for (int64_t i = 0; i < p.drop; ++i) {
+      const BlockState& s = pool.blocks[held[i]];
+      if (s.refs != 1) continue;  // someone else holds it too
+      ++(s.kind == BlockState::Kind::kCached ? p.cached : p.freed);
+    }
+    const int64_t after = static_cast<int64_t>(held.size()) - p.drop + p.add;
+    grow[g] = std::max<int64_t>(0, after - req.reserved_units[g]);
+    grows |= grow[g] > 0;
+    // What this grow releases to the free list, or leaves evictable, may serve what it appends.
+    if (p.add > pool.allocator.num_free(g) + pool.EvictableIn(g) + p.freed + p.cached) {
+      return absl::ResourceExhaustedError(absl::StrCat("group '", geo.groups[g].name, "' of pool '", geo.name,
+                                                       "' has too few reclaimable units for ", p.add, " more"));
+    }
+  }
+  if (grows) {
+    if (!ledger_.CanReserveUnits(req.pool, grow)) {
+      return absl::ResourceExhaustedError(absl::StrCat("request '", req.spec.id.value(),
+                                                       "' grows past its reservation; the budget or a group is full"));
+    }
+    KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(req.spec.limit_key(), 0, ledger_.BytesOfUnits(req.pool, grow)));
+  }
+  // Nothing fails from here on.
+  const Owner writer = WriterOf(req);
+  std::vector<GroupTable> out(num_groups);
+  for (int g = 0; g < num_groups; ++g) {
+    const Plan& p = plan[g];
+    std::vector<BlockIndex>& held = g == pool.spine_group ? req.table : req.groups[g].blocks;
+    for (int64_t i = 0; i < p.drop; ++i) {
+      if (const Owner* w = owners_.OwnerOf(req.pool, held[i]); w != nullptr && *w == writer) {
+        KVD_CHECK(owners_.Release(req.pool, held[i], writer).ok());
+      }
+      UnrefLocked(req.pool, held[i]);  // unpublished: freed; published: cached, evictable
+    }
+    held.erase(held.begin(), held.begin() + p.drop);
+    req.groups[g].first = p.lo;
+    absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, p.add, req.serial, &writer, g);
+    KVD_CHECK(owned.ok());
+    held.insert(held.end(), owned->begin(), owned->end());
+    out[g].group = g;
+    out[g].name = geo.groups[g].name;
+    out[g].first_block_position = p.lo;
+    out[g].blocks = *std::move(owned);
+  }
+  if (grows) {
+    KVD_CHECK(ledger_.ReserveUnits(req.pool, grow).ok());
+    workers_.AddUsage(req.spec.limit_key(), 0, ledger_.BytesOfUnits(req.pool, grow));
+    for (int g = 0; g < num_groups; ++g) req.reserved_units[g] += grow[g];
+    for (int64_t u : grow) req.reserved_blocks += u;
+  }
+  req.num_tokens = n;
+  req.computed_tokens = c;
+  UpdatePressureLocked();
+  return out;
+}
+
+void KvCache::PublishSideLocked(Request& req, const PublishResult& published) {
+  Pool& pool = *pools_[req.pool];
+  const Owner writer = WriterOf(req);
+  for (size_t g = 0; g < req.groups.size(); ++g) {
+    if (static_cast<int>(g) == pool.spine_group || !pool.geometry.groups[g].attention()) continue;
+    Request::Group& rg = req.groups[g];
+    for (size_t i = 0; i < rg.blocks.size(); ++i) {
+      const int64_t pos = rg.first + static_cast<int64_t>(i);
+      if (pos >= static_cast<int64_t>(published.outcomes.size())) break;
+      const PublishOutcome o = published.outcomes[pos];
+      if (o != PublishOutcome::kKept && o != PublishOutcome::kAlreadyCached) continue;
+      const BlockIndex b = rg.blocks[i];
+      BlockState& s = pool.blocks[b];
+      if (s.kind != BlockState::Kind::kOwned || s.owner != req.serial) continue;
+      // Published bytes are never rewritten: the request writes it no more.
+      if (const Owner* w = owners_.OwnerOf(req.pool, b); w != nullptr && *w == writer) {
+        KVD_CHECK(owners_.Release(req.pool, b, writer).ok());
+      }
+      s.kind = BlockState::Kind::kCached;
+      s.owner = 0;
+      s.node = nullptr;
+      --pool.num_owned;
+      ++pool.num_cached;
+      ++pool.side[g].cached;
+    }
+  }
+}
+
+void KvCache::EvictSideLocked(Pool& pool, int g) {
+  cache_state::Pool::SideGroup& sg = pool.side[g];
+  KVD_CHECK(!sg.evictable.empty());
+  const BlockIndex b = sg.evictable.front();
+  sg.evictable.pop_front();
+  sg.where.erase(b);
+  BlockState& s = pool.blocks[b];
+  KVD_CHECK(s.kind == BlockState::Kind::kCached && s.node == nullptr && s.refs == 0);
+  s.kind = BlockState::Kind::kFree;
+  --sg.cached;
+  --pool.num_cached;
+  --pool.num_cached_unreferenced;
+  pool.allocator.Free(b);
+  ++counters_.evictions[static_cast<int>(EvictReason::kCapacity)];
+}
+
+absl::Status KvCache::CheckGroupsLocked() const {
+  auto fail = [](auto&&... parts) { return absl::InternalError(absl::StrCat(parts...)); };
+  // Reserved bytes recomputed: requests (units or blocks), credit, orphaned checkpoints, fences.
+  int64_t charged = orphan_blocks_bytes_;
+  for (const auto& [key, f] : fences_) charged += ledger_.BytesOf(f.pool, f.charged_blocks);
+  for (const auto& [w, credit] : credit_) {
+    for (const auto& [p, pc] : credit.pools) {
+      charged += ledger_.BytesOf(p, static_cast<int64_t>(owners_.BlocksOf(pc.serial).size()));
+    }
+  }
+  std::vector<std::vector<int64_t>> reserved(pools_.size());
+  for (PoolId p = 0; p < pools_.size(); ++p) reserved[p].assign(pools_[p]->geometry.groups.size(), 0);
+  for (const auto& [id, req] : requests_) {
+    charged += ReservedBytesLocked(*req);
+    const Pool& pool = *pools_[req->pool];
+    if (!pool.geometry.hybrid()) continue;
+    const size_t n = pool.geometry.groups.size();
+    if (req->reserved_units.size() != n || (req->acquired && req->groups.size() != n)) {
+      return fail("request ", id.value(), " of hybrid pool ", pool.geometry.name, " has no per-group state");
+    }
+    int64_t sum = 0;
+    for (size_t g = 0; g < n; ++g) {
+      reserved[req->pool][g] += req->reserved_units[g];
+      sum += req->reserved_units[g];
+      if (g >= req->groups.size()) continue;
+      const std::vector<BlockIndex>& held = static_cast<int>(g) == pool.spine_group ? req->table : req->groups[g].blocks;
+      if (static_cast<int64_t>(held.size()) > req->reserved_units[g]) {
+        return fail("request ", id.value(), " holds ", held.size(), " units of group ", pool.geometry.groups[g].name,
+                    ", reserved ", req->reserved_units[g]);
+      }
+      for (BlockIndex b : held) {
+        if (pool.allocator.GroupOf(b) != static_cast<int>(g)) {
+          return fail("block ", b, " in request ", id.value(), "'s table of group ", pool.geometry.groups[g].name,
+                      " lies outside the group's range [", pool.allocator.first_block(static_cast<int>(g)), ", ",
+                      pool.allocator.first_block(static_cast<int>(g)) + pool.allocator.group_capacity(static_cast<int>(g)), ")");
+        }
+      }
+    }
+    if (!req->groups.empty() && pool.spine_group < 0 && !req->table.empty()) {
+      return fail("request ", id.value(), " holds a flat table in a pool without a full group");
+    }
+    if (sum != req->reserved_blocks) return fail("request ", id.value(), "'s reserved units do not sum to its blocks");
+  }
+  if (charged != ledger_.reserved_bytes()) {
+    return fail("the budget charges ", ledger_.reserved_bytes(), " bytes; the sum of the groups' is ", charged);
+  }
+  for (PoolId p = 0; p < pools_.size(); ++p) {
+    const Pool& pool = *pools_[p];
+    if (!pool.geometry.hybrid()) continue;
+    const int n = static_cast<int>(pool.geometry.groups.size());
+    std::vector<int64_t> free(n, 0), owned(n, 0), cached(n, 0), evictable(n, 0);
+    for (BlockIndex b = 0; b < pool.blocks.size(); ++b) {
+      const BlockState& s = pool.blocks[b];
+      const int g = pool.allocator.GroupOf(b);
+      switch (s.kind) {
+        case BlockState::Kind::kFree: ++free[g]; break;
+        case BlockState::Kind::kOwned: ++owned[g]; break;
+        case BlockState::Kind::kCached:
+          ++cached[g];
+          if (s.refs == 0) ++evictable[g];
+          if ((s.node == nullptr) != (g != pool.spine_group)) {
+            return fail("cached block ", b, " of group ", pool.geometry.groups[g].name,
+                        g == pool.spine_group ? " has no index node" : " has an index node outside the spine group");
+          }
+          if (s.node == nullptr && pool.side[g].where.contains(b) != (s.refs == 0)) {
+            return fail("side block ", b, " of group ", pool.geometry.groups[g].name, ": evictable list membership wrong");
+          }
+          break;
+      }
+    }
+    for (int g = 0; g < n; ++g) {
+      const std::string& name = pool.geometry.groups[g].name;
+      if (free[g] + owned[g] + cached[g] != pool.allocator.group_capacity(g) ||
+          pool.allocator.group_capacity(g) != pool.geometry.groups[g].capacity) {
+        return fail("group ", name, " of pool ", pool.geometry.name, ": free ", free[g], " + owned ", owned[g],
+                    " + cached ", cached[g], " != capacity ", pool.geometry.groups[g].capacity);
+      }
+      if (free[g] != pool.allocator.num_free(g)) return fail("group ", name, " free count drifted");
+      if (cached[g] != pool.CachedIn(g)) return fail("group ", name, " cached count drifted");
+      if (evictable[g] != pool.EvictableIn(g)) return fail("group ", name, " evictable count drifted");
+      if (g != pool.spine_group && static_cast<int64_t>(pool.side[g].where.size()) != evictable[g]) {
+        return fail("group ", name, " evictable list drifted");
+      }
+      if (reserved[p][g] != ledger_.reserved_units(p, g)) {
+        return fail("group ", name, " reservation ", ledger_.reserved_units(p, g), ", expected ", reserved[p][g]);
+      }
+      if (reserved[p][g] > pool.geometry.groups[g].capacity) return fail("group ", name, " over-reserved");
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvd
