@@ -135,6 +135,22 @@ void ToProto(const AcquireResult& r, v1::AcquireResponse* p) {
   CopyTokens(r.resumed_tokens, p->mutable_resumed_tokens());
   p->set_engine_state(r.engine_state);
   for (const std::string& e : r.publisher_events) p->add_publisher_events(e);
+  for (const GroupTable& t : r.group_tables) ToProto(t, p->add_group_tables());
+}
+
+void ToProto(const GroupTable& t, v1::GroupTable* p) {
+  p->set_group(t.name);
+  p->set_first_block_position(t.first_block_position);
+  p->mutable_blocks()->Add(t.blocks.begin(), t.blocks.end());
+}
+
+GroupTable FromProto(const v1::GroupTable& p, int group) {
+  GroupTable t;
+  t.group = group;
+  t.name = p.group();
+  t.first_block_position = p.first_block_position();
+  t.blocks.assign(p.blocks().begin(), p.blocks().end());
+  return t;
 }
 
 AcquireResult FromProto(const v1::AcquireResponse& p) {
@@ -147,6 +163,7 @@ AcquireResult FromProto(const v1::AcquireResponse& p) {
   r.resumed_tokens = TokensFromProto(p.resumed_tokens());
   r.engine_state = p.engine_state();
   r.publisher_events.assign(p.publisher_events().begin(), p.publisher_events().end());
+  for (int g = 0; g < p.group_tables_size(); ++g) r.group_tables.push_back(FromProto(p.group_tables(g), g));
   return r;
 }
 

@@ -29,6 +29,9 @@ AdmitResult FromProto(const v1::AdmitResponse& p);
 
 void ToProto(const AcquireResult& r, v1::AcquireResponse* p);
 AcquireResult FromProto(const v1::AcquireResponse& p);
+// A hybrid pool's per-group table; `group` is its index in the pool's groups (the wire names it).
+void ToProto(const GroupTable& t, v1::GroupTable* p);
+GroupTable FromProto(const v1::GroupTable& p, int group);
 
 void ToProto(const PublishResult& r, v1::PublishResponse* p);
 PublishResult FromProto(const v1::PublishResponse& p);

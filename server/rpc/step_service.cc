@@ -75,6 +75,7 @@ StepOp OpFromProto(const v1::StepItem& item) {
       op.kind = StepOpKind::kGrow;
       op.tokens = item.grow().tokens();
       op.credit_blocks.assign(item.grow().credit_blocks().begin(), item.grow().credit_blocks().end());
+      op.computed_tokens = item.grow().computed_tokens();
       break;
     case v1::StepItem::kPublish:
       op.kind = StepOpKind::kPublish;
@@ -106,6 +107,7 @@ StepOp OpFromProto(const v1::StepItem& item) {
 void ResultToProto(const StepOpResult& r, v1::StepResult* p) {
   SetStatus(r.status, p);
   p->mutable_blocks()->Add(r.blocks.begin(), r.blocks.end());
+  for (const GroupTable& t : r.group_tables) ToProto(t, p->add_group_tables());
   for (PublishOutcome o : r.publish.outcomes) {
     switch (o) {
       case PublishOutcome::kKept: p->set_kept(p->kept() + 1); break;
