@@ -7,12 +7,15 @@
 //
 // What it records now: worker credit (grant, adoption by a grow, return by name, the worker
 // going); requests' writable blocks (hand-out by Acquire, a grow or a resume, credit adopted,
-// published, released; KvCache::HandOverWritesLocked hands them to another owner, as a fence
-// will); pulls (TierPort::PinBlocks of a request's blocks until UnpinBlocks). Fences are the kind
-// routed into it next (kv_cache_fences.cc); pin names reads and is never a writer.
+// published, released; KvCache::HandOverWritesLocked hands them to another owner, a fence);
+// pulls (TierPort::PinBlocks of a request's blocks until UnpinBlocks); fences (a fenced request's
+// blocks handed over, credit transferred, a block nobody writes assigned; a lift gives back what
+// the fence writes, to another fence that still holds the block: kv_cache_fences.cc states the
+// rules). Pin names reads and is never a writer.
 // KvCache::CheckInvariantsForTesting walks it: every owned block is in the owner's record, no
 // block has two writers, every writable block of a live request is that request's or its pull's,
-// a cached or free block has no writer.
+// a cached or free block has no writer, a fence owner is a live fence writing only blocks it
+// holds, and a fenced block is written by such a fence or by the request that resumed it.
 //
 // Plain data: no I/O, no callbacks, no clock. Thread-compatible: KvCache guards it with its mutex
 // (mu_), and every call is O(1) per block except ForEach (O(capacity), for the invariant checker).

@@ -463,9 +463,10 @@ absl::StatusOr<AcquireResult> KvCache::ResumeLocked(Request& req, CheckpointReco
   const int64_t tail_pos = valid / bt;
   std::vector<int64_t> replace;
   for (int64_t i = 0; i < static_cast<int64_t>(ckpt.blocks.size()); ++i) {
+    const Owner* w = owners_.OwnerOf(req.pool, ckpt.blocks[i]);
+    const bool fenced_head = w != nullptr && w->kind == OwnerKind::kFence && i < tail_pos && replace.empty();
     if ((i == tail_pos && pool.blocks[ckpt.blocks[i]].kind != BlockState::Kind::kOwned) ||
-        (i >= tail_pos && FencedLocked(req.pool, ckpt.blocks[i])) ||
-        owners_.OwnerOf(req.pool, ckpt.blocks[i]) != nullptr) {
+        (i >= tail_pos && FencedLocked(req.pool, ckpt.blocks[i])) || (w != nullptr && !fenced_head)) {
       replace.push_back(i);
     }
   }
@@ -499,7 +500,12 @@ absl::StatusOr<AcquireResult> KvCache::ResumeLocked(Request& req, CheckpointReco
     BlockState& s = pool.blocks[req.table[i]];
     if (s.kind != BlockState::Kind::kOwned) continue;
     s.owner = req.serial;
-    KVD_CHECK(owners_.Assign(req.pool, req.table[i], writer).ok());
+    if (const Owner* w = owners_.OwnerOf(req.pool, req.table[i]); w != nullptr) {
+      const Owner fence = *w;  // below the tail, as checked above
+      KVD_CHECK(owners_.Transfer(req.pool, req.table[i], fence, writer).ok());
+    } else {
+      KVD_CHECK(owners_.Assign(req.pool, req.table[i], writer).ok());
+    }
   }
   absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, fresh, req.serial, &writer);
   KVD_CHECK(owned.ok());

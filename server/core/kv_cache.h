@@ -216,6 +216,10 @@ class KvCache final : public TierPort {
   // it, and leaves the ledger naming `from`. CheckInvariantsForTesting must then fail.
   absl::Status HandBlockBypassingLedgerForTesting(const RequestId& from, const RequestId& to)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // What a path that ignores a fence would do: appends a block a fence writes to the end of
+  // `to`'s table (`to` reserved room for it) as its writable block, through the ledger (a Transfer
+  // from the fence to the request). CheckInvariantsForTesting must then fail.
+  absl::Status HandFencedBlockForTesting(const RequestId& to) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   using BlockState = cache_state::BlockState;
@@ -358,14 +362,28 @@ class KvCache final : public TierPort {
   // budget's charge is the sum of the groups'.
   absl::Status CheckGroupsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // kv_cache_fences.cc. Fences `blocks` of `pool` for the attachment `owner` (cached ones
-  // skipped: published bytes are never rewritten) until `until` on clock_.
+  // kv_cache_fences.cc. A fence writes as Owner{kFence, its attachment, its serial} (FenceWriter).
+  static Owner FenceWriter(const FenceRecord& f) { return Owner{OwnerKind::kFence, f.attachment, f.serial}; }
+  // Fences `blocks` of `pool` for the attachment `owner` (cached ones skipped: published bytes are
+  // never rewritten) until `until` on clock_, as fence `serial` (from next_serial_). It references
+  // each, claims the free ones, and becomes the writer of each that has none; one the caller handed
+  // over to FenceWriter already (HandOverWritesLocked, a credit Transfer) stays its, and one another
+  // fence writes stays that fence's (a block fenced twice has one writer: the first fence). It
+  // charges nothing yet: ChargeFenceLocked, once the blocks' previous holders have let go.
   void AddFenceLocked(const cache_state::FenceOwner& owner, PoolId pool, absl::Span<const BlockIndex> blocks,
-                      absl::Time until) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                      absl::Time until, uint64_t serial) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Charges fence (until, serial), if it exists, with the blocks it alone references (as a
+  // request's would be, so that admission never promises them), when the budget has the room.
+  void ChargeFenceLocked(absl::Time until, uint64_t serial) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `from` no longer writes `block`: it passes to a fence that still holds it (the first by
+  // deadline; not fence `except_serial`), or nobody writes it.
+  void ReturnWriteLocked(PoolId pool, BlockIndex block, const Owner& from, uint64_t except_serial = 0)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends `req` as interrupted and fences the blocks it owned for `owner`. The caller erases it.
   void EndFencedLocked(Request& req, const cache_state::FenceOwner& owner, absl::Time until)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops `worker`'s credit and fences it for `owner`.
+  // Fences `worker`'s credit for `owner` (each block Transferred from the credit to the fence) and
+  // drops the credit entry.
   void FenceCreditLocked(const WorkerId& worker, const cache_state::FenceOwner& owner, absl::Time until)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Lifts every fence `match` selects; returns the blocks.

@@ -32,7 +32,7 @@ void KvCache::ReleaseWritesLocked(const Request& req) {
   const Owner me = WriterOf(req);
   const absl::flat_hash_set<BlockIndex>& mine = owners_.BlocksOf(req.serial);
   const std::vector<BlockIndex> blocks(mine.begin(), mine.end());
-  for (BlockIndex b : blocks) KVD_CHECK(owners_.Release(req.pool, b, me).ok());
+  for (BlockIndex b : blocks) ReturnWriteLocked(req.pool, b, me);  // a resumed block still fenced: to its fence
 }
 
 void KvCache::EndPullLocked(absl::flat_hash_map<uint64_t, PullRecord>::iterator it) {
@@ -44,7 +44,7 @@ void KvCache::EndPullLocked(absl::flat_hash_map<uint64_t, PullRecord>::iterator 
   const bool live = req != requests_.end() && req->second->serial == pull.request_serial;
   for (BlockIndex b : blocks) {
     if (live) KVD_CHECK(owners_.Transfer(pull.pool, b, from, WriterOf(*req->second)).ok());
-    else KVD_CHECK(owners_.Release(pull.pool, b, from).ok());
+    else ReturnWriteLocked(pull.pool, b, from);
   }
   pulls_.erase(it);
 }

@@ -5,6 +5,20 @@
 // the attachment that held them re-attaches having quiesced (or its process is gone), or until a
 // lease TTL has passed on the engine's clock, by which time every worker that could not renew
 // has stopped writing by itself (cache_state::FenceRecord; docs/security.md, "Leases and fencing").
+//
+// In the ownership ledger (block_ledger.h) a fence is Owner{kFence, its attachment, its serial}:
+// the writer of every block it holds that is not cached. Every fence path is a ledger transition:
+// a request's writable blocks are handed over (EndFencedLocked), credit is Transferred
+// (FenceCreditLocked), a block nobody writes (free, an orphaned checkpoint's, one imported across
+// a handoff) is Assigned (AddFenceLocked), and a lift gives back what the fence writes. Two rules:
+// - A block fenced twice has one writer, the first fence; the other holds a reference. When the
+//   writer lifts while another fence still holds the block, the write passes to that fence
+//   (ReturnWriteLocked): the block never becomes writer-free and reusable while any fence holds it.
+// - A fenced writer writes only past what its request had computed, so past any checkpoint taken
+//   of it: a resume takes a checkpoint's blocks below its tail from their fence (kv_cache.cc,
+//   ResumeLocked) and they are the resumed request's, below its cached_tokens; when it lets go of
+//   one still fenced, the write returns to a fence that holds it. The invariant checker allows a
+//   fenced block no other writer.
 #include <algorithm>
 #include <functional>
 
@@ -19,14 +33,15 @@ using cache_state::FenceOwner;
 bool KvCache::FencedLocked(PoolId pool, BlockIndex index) const { return fenced_.contains(FencedBlockKey(pool, index)); }
 
 void KvCache::AddFenceLocked(const FenceOwner& owner, PoolId pool_id, absl::Span<const BlockIndex> blocks,
-                             absl::Time until) {
+                             absl::Time until, uint64_t serial) {
   Pool& pool = *pools_[pool_id];
   FenceRecord f;
-  f.serial = next_serial_++;
+  f.serial = serial;
   f.attachment = owner.attachment;
   f.pid = owner.pid;
   f.pool = pool_id;
   f.until = until;
+  const Owner me = FenceWriter(f);
   std::vector<BlockIndex> claim;
   for (BlockIndex b : blocks) {
     const BlockState& s = pool.blocks[b];
@@ -45,49 +60,103 @@ void KvCache::AddFenceLocked(const FenceOwner& owner, PoolId pool_id, absl::Span
     }
     ++s.refs;
     ++fenced_[FencedBlockKey(pool_id, b)];
-  }
-  // Blocks it took from the free list count against the budget as a request's would, so that
-  // admission never promises blocks a fence holds. A successor configured smaller than its
-  // predecessor's live use may lack the room: the fence holds them uncharged then.
-  const int64_t n = static_cast<int64_t>(claim.size());
-  if (ledger_.CanReserve(pool_id, n)) {
-    KVD_CHECK(ledger_.Reserve(pool_id, n).ok());
-    f.charged_blocks = n;
+    // Its writer from now on: this fence, unless the caller handed it over already or another
+    // fence holds it (that one stays its writer; this one holds a reference until lifted).
+    const Owner* w = owners_.OwnerOf(pool_id, b);
+    if (w == nullptr) {
+      KVD_CHECK(owners_.Assign(pool_id, b, me).ok());
+    } else {
+      KVD_CHECK(*w == me || w->kind == OwnerKind::kFence);
+    }
   }
   fences_.emplace(std::make_pair(until, f.serial), std::move(f));
   UpdatePressureLocked();
 }
 
+void KvCache::ChargeFenceLocked(absl::Time until, uint64_t serial) {
+  auto it = fences_.find(std::make_pair(until, serial));
+  if (it == fences_.end()) return;
+  FenceRecord& f = it->second;
+  // The blocks it alone references count against the budget as a request's would. A successor
+  // configured smaller than its predecessor's live use may lack the room: the fence holds them
+  // uncharged then.
+  const Pool& pool = *pools_[f.pool];
+  int64_t n = 0;
+  for (BlockIndex b : f.blocks) n += pool.blocks[b].kind == BlockState::Kind::kOwned && pool.blocks[b].refs == 1 ? 1 : 0;
+  if (ledger_.CanReserve(f.pool, n)) {
+    KVD_CHECK(ledger_.Reserve(f.pool, n).ok());
+    f.charged_blocks = n;
+  }
+  UpdatePressureLocked();
+}
+
+void KvCache::ReturnWriteLocked(PoolId pool, BlockIndex block, const Owner& from, uint64_t except_serial) {
+  // O(fenced blocks) when the block is fenced: only a block fenced twice, or one a resume took
+  // from a fence, comes here fenced.
+  if (FencedLocked(pool, block)) {
+    for (const auto& [key, f] : fences_) {
+      if (f.serial == except_serial || f.pool != pool) continue;
+      if (std::find(f.blocks.begin(), f.blocks.end(), block) == f.blocks.end()) continue;
+      KVD_CHECK(owners_.Transfer(pool, block, from, FenceWriter(f)).ok());
+      return;
+    }
+  }
+  KVD_CHECK(owners_.Release(pool, block, from).ok());
+}
+
 void KvCache::LiftFenceLocked(FenceMap::iterator it) {
   const FenceRecord& f = it->second;
+  const Owner me = FenceWriter(f);
   for (BlockIndex b : f.blocks) {
     auto count = fenced_.find(FencedBlockKey(f.pool, b));
     if (--count->second == 0) fenced_.erase(count);
-    UnrefLocked(f.pool, b, /*touch=*/false);  // freed when the fence held it alone
   }
+  // What it writes goes to another fence that still holds it (the block stays out of every new
+  // owner's hands until the last fence lifts), else to nobody; then it lets go of its references.
+  // A lifted fence owns nothing.
+  for (BlockIndex b : f.blocks) {
+    const Owner* w = owners_.OwnerOf(f.pool, b);
+    if (w != nullptr && *w == me) ReturnWriteLocked(f.pool, b, me, f.serial);
+  }
+  KVD_CHECK(owners_.Find(f.serial) == nullptr);
+  for (BlockIndex b : f.blocks) UnrefLocked(f.pool, b, /*touch=*/false);  // freed when the fence held it alone
   ledger_.Unreserve(f.pool, f.charged_blocks);
   fences_.erase(it);
   UpdatePressureLocked();
 }
 
 void KvCache::EndFencedLocked(Request& req, const FenceOwner& owner, absl::Time until) {
-  const Pool& pool = *pools_[req.pool];
-  std::vector<BlockIndex> own;  // what its writer may still be writing
-  for (BlockIndex b : req.table) {
-    const BlockState& s = pool.blocks[b];
-    if (s.kind == BlockState::Kind::kOwned && s.owner == req.serial) own.push_back(b);
-  }
-  // Released first, as interrupted (its checkpoint kept): the blocks it alone held go back to
-  // the free list, and the fence takes them from there, charged as the request was.
+  // What its writer may still be writing passes to the fence in the ledger (not what a pull
+  // writes for it: the worker does not), the fence references it, and only then the request is
+  // released as interrupted (its checkpoint kept): no block it wrote is free for a moment.
+  const uint64_t serial = next_serial_++;
+  const std::vector<BlockIndex> own = HandOverWritesLocked(req, Owner{OwnerKind::kFence, owner.attachment, serial});
+  AddFenceLocked(owner, req.pool, own, until, serial);
   ReleaseLocked(req, /*completed=*/false);
-  AddFenceLocked(owner, req.pool, own, until);
+  ChargeFenceLocked(until, serial);
 }
 
 void KvCache::FenceCreditLocked(const WorkerId& worker, const FenceOwner& owner, absl::Time until) {
-  // Its worker may be writing a block it placed since its last step.
-  std::vector<CreditHeld> taken;
-  DropCreditLocked(worker, &taken);
-  for (const CreditHeld& c : taken) AddFenceLocked(owner, c.pool, c.blocks, until);
+  // Its worker may be writing a block it placed since its last step: each passes from the credit
+  // to the fence in one Transfer, then the credit's reference and charge go.
+  auto it = credit_.find(worker);
+  if (it == credit_.end()) return;
+  for (const auto& [pool, pc] : it->second.pools) {
+    const Owner from{OwnerKind::kCredit, worker, pc.serial};
+    const uint64_t serial = next_serial_++;
+    const Owner to{OwnerKind::kFence, owner.attachment, serial};
+    const absl::flat_hash_set<BlockIndex>& mine = owners_.BlocksOf(pc.serial);
+    std::vector<BlockIndex> blocks(mine.begin(), mine.end());
+    std::sort(blocks.begin(), blocks.end());
+    for (BlockIndex b : blocks) KVD_CHECK(owners_.Transfer(pool, b, from, to).ok());
+    AddFenceLocked(owner, pool, blocks, until, serial);
+    for (BlockIndex b : blocks) UnrefLocked(pool, b, /*touch=*/false);
+    const int64_t n = static_cast<int64_t>(blocks.size());
+    ledger_.Unreserve(pool, n);
+    workers_.AddUsage(it->second.principal, 0, -ledger_.BytesOf(pool, n));
+    ChargeFenceLocked(until, serial);
+  }
+  credit_.erase(it);
 }
 
 int64_t KvCache::EndAllFenced(absl::Duration ttl, const absl::flat_hash_map<WorkerId, uint32_t>& pids) {
@@ -159,7 +228,9 @@ int64_t KvCache::FenceFreeBlocks(absl::Duration ttl) {
         }
       }
       fenced += static_cast<int64_t>(held.size());
-      AddFenceLocked(FenceOwner{}, p, held, until);
+      const uint64_t serial = next_serial_++;
+      AddFenceLocked(FenceOwner{}, p, held, until, serial);
+      ChargeFenceLocked(until, serial);
     }
   }
   Deliver();

@@ -260,7 +260,12 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
     // What live requests owned stays out of every new owner's hands (kv_cache_fences.cc).
     for (const CacheSnapshot::Fence& f : snap.fences) {
       if (f.remaining > absl::ZeroDuration()) {
-        AddFenceLocked(cache_state::FenceOwner{f.attachment, f.pid}, f.pool, f.blocks, clock_->Now() + f.remaining);
+        // Its ledger owner again (Owner{kFence, its attachment, a new serial}): the writer of each
+        // block no earlier fence of the snapshot writes.
+        const absl::Time until = clock_->Now() + f.remaining;
+        const uint64_t serial = next_serial_++;
+        AddFenceLocked(cache_state::FenceOwner{f.attachment, f.pid}, f.pool, f.blocks, until, serial);
+        ChargeFenceLocked(until, serial);
       }
     }
     for (const CacheSnapshot::Session& in : snap.sessions) {

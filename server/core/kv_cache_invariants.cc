@@ -1,5 +1,8 @@
 // KvCache::CheckInvariantsForTesting: recomputes every derived count from first principles; and
 // the test hooks that read the ownership ledger or go around it.
+#include <algorithm>
+#include <utility>
+
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -54,6 +57,13 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
   // The ownership ledger (block_ledger.h): every owner it records is live and of its kind, every
   // block it records is owned under that owner's serial (a pull's: its request's), a request owner
   // writes only blocks of its own table, and a credit owner is its worker's.
+  // Live fences by serial, with the blocks each holds.
+  absl::flat_hash_map<uint64_t, std::pair<const FenceRecord*, absl::flat_hash_set<BlockIndex>>> fence_blocks;
+  for (const auto& [key, f] : fences_) {
+    auto& entry = fence_blocks[f.serial];
+    entry.first = &f;
+    entry.second.insert(f.blocks.begin(), f.blocks.end());
+  }
   int64_t credit_owners = 0;
   absl::Status ledger_ok;
   owners_.ForEachOwner([&](const Owner& o, PoolId p, const absl::flat_hash_set<BlockIndex>& blocks) {
@@ -87,14 +97,28 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
         }
       }
     } else if (o.kind == OwnerKind::kFence) {
+      // A live fence (a lifted one owns nothing) writing only blocks it holds. Their
+      // BlockState::owner is the fence's (taken free), the ended request's or a checkpoint's.
+      auto f = fence_blocks.find(o.epoch);
+      if (f == fence_blocks.end() || f->second.first->attachment != o.attachment || f->second.first->pool != p) {
+        ledger_ok = fail("the ledger names fence epoch ", o.epoch, " of '", o.attachment.value(), "' in pool ", p,
+                         ", which is not a live fence");
+        return;
+      }
       for (BlockIndex b : blocks) {
-        if (!fenced_.contains(cache_state::FencedBlockKey(p, b))) {
+        const BlockState& s = pools_[p]->blocks[b];
+        if (!f->second.second.contains(b) || s.kind != BlockState::Kind::kOwned || s.refs == 0) {
           ledger_ok = fail("the ledger says a fence of '", o.attachment.value(), "' writes block ", b, " of pool ", p,
-                           ", which no fence holds");
+                           ", which that fence does not hold");
+          return;
+        }
+        const Owner* slot = owners_.OwnerOf(p, b);
+        if (slot == nullptr || !(*slot == o)) {
+          ledger_ok = fail("block ", b, " of pool ", p, " has two owners in the ledger");
           return;
         }
       }
-      return;  // its BlockState::owner is the fence's or the ended request's
+      return;
     } else if (o.kind != OwnerKind::kCredit) {
       ledger_ok = fail("the ledger names a ", OwnerKindName(o.kind), " as a writer; nobody writes for one");
       return;
@@ -135,6 +159,35 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
   });
   if (!ledger_ok.ok()) return ledger_ok;
   if (ledger_blocks != owners_.num_owned()) return fail("the ledger's owned count drifted");
+  // Every fenced block that is not cached has a writer: a fence that holds it (checked above),
+  // or a live request that resumed it from a checkpoint below its tail (kv_cache_fences.cc: it
+  // sits below the request's cached_tokens), or that request's pull. Nobody else, and never none.
+  for (const auto& [key, count] : fenced_) {
+    const PoolId p = static_cast<PoolId>(key >> 40);
+    const BlockIndex b = key & ((uint64_t{1} << 40) - 1);
+    if (p >= pools_.size() || b >= pools_[p]->blocks.size()) return fail("a fenced block is out of range");
+    if (pools_[p]->blocks[b].kind != BlockState::Kind::kOwned) continue;
+    const Owner* w = owners_.OwnerOf(p, b);
+    if (w != nullptr && w->kind == OwnerKind::kFence) continue;
+    const Request* req = nullptr;
+    if (w != nullptr && w->kind == OwnerKind::kRequest) {
+      auto r = by_serial.find(w->epoch);
+      if (r != by_serial.end()) req = r->second;
+    } else if (w != nullptr && w->kind == OwnerKind::kPull) {
+      auto pull = pulls_.find(w->epoch);
+      auto r = pull != pulls_.end() ? by_serial.find(pull->second.request_serial) : by_serial.end();
+      if (r != by_serial.end()) req = r->second;
+    }
+    const int64_t bt = pools_[p]->geometry.block_tokens;
+    auto pos = req != nullptr ? std::find(req->table.begin(), req->table.end(), b) : std::vector<BlockIndex>::const_iterator();
+    if (req == nullptr || pos == req->table.end() || (pos - req->table.begin() + 1) * bt > req->cached_tokens) {
+      return fail("fenced block ", b, " of pool ", p, " is writable by ",
+                  w == nullptr ? std::string("nobody")
+                               : absl::StrCat(OwnerKindName(w->kind), " of '", w->attachment.value(), "' (epoch ",
+                                              w->epoch, ")"),
+                  ", not by a fence that holds it or a request that resumed it below its tail");
+    }
+  }
   int64_t credit_pools = 0;
   for (const auto& [worker, credit] : credit_) credit_pools += static_cast<int64_t>(credit.pools.size());
   if (credit_pools != credit_owners) return fail("credit entries and the ledger's credit owners differ");
@@ -308,6 +361,28 @@ absl::Status KvCache::HandBlockBypassingLedgerForTesting(const RequestId& from, 
   b->table.push_back(block);
   s.owner = b->serial;
   return absl::OkStatus();
+}
+
+absl::Status KvCache::HandFencedBlockForTesting(const RequestId& to) {
+  absl::MutexLock lock(&mu_);
+  KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(to));
+  if (static_cast<int64_t>(req->table.size()) >= req->reserved_blocks) {
+    return absl::FailedPreconditionError("no room for another block");
+  }
+  for (const auto& [key, f] : fences_) {
+    if (f.pool != req->pool) continue;
+    for (BlockIndex b : f.blocks) {
+      const Owner* w = owners_.OwnerOf(f.pool, b);
+      if (w == nullptr || !(*w == FenceWriter(f))) continue;
+      KVD_RETURN_IF_ERROR(owners_.Transfer(f.pool, b, FenceWriter(f), WriterOf(*req)));
+      BlockState& s = pools_[f.pool]->blocks[b];
+      s.owner = req->serial;
+      ++s.refs;
+      req->table.push_back(b);
+      return absl::OkStatus();
+    }
+  }
+  return absl::FailedPreconditionError("no block a fence writes in the request's pool");
 }
 
 }  // namespace kvd
