@@ -6,8 +6,10 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <optional>
 #include <set>
 
+#include "absl/strings/str_cat.h"
 #include "server/core/kv_cache.h"
 #include "tests/unit/core/test_util.h"
 
@@ -258,6 +260,199 @@ TEST_CASE("Memory from a predecessor that predates fences: orphaned checkpoints'
   REQUIRE(r.resumed);
   REQUIRE(r.blocks[1] == acq.blocks[1]);  // lifted by time: its own tail again
   RequireInvariants(*fresh);
+}
+
+// The writer of `b` in pool 0 (block_ledger.h): REQUIREs it is a fence of `attachment`.
+void RequireFenceWrites(const KvCache& cache, BlockIndex b, const WorkerId& attachment) {
+  const std::optional<Owner> w = cache.WriterForTesting(0, b);
+  INFO("block " << b);
+  REQUIRE(w.has_value());
+  REQUIRE(w->kind == OwnerKind::kFence);
+  REQUIRE(w->attachment == attachment);
+}
+
+void RequireNoWriter(const KvCache& cache, BlockIndex b) {
+  INFO("block " << b);
+  REQUIRE_FALSE(cache.WriterForTesting(0, b).has_value());
+}
+
+TEST_CASE("A fence is the ledger writer of a lost worker's requests' blocks and credit until it lifts",
+          "[core][fences][ledger]") {
+  FakeClock clock;
+  CacheOptions o = SmallOptions(16);
+  o.step_credit_blocks = 2;
+  auto cache = MakeCache(o, &clock);
+  const WorkerId w("w-lost");
+  RequestSpec live = Spec("live", Seq(0, 16));
+  live.owner = w;
+  const AcquireResult writing = Start(*cache, live);
+  std::vector<CreditHeld> held;
+  cache->Step(w, w, {}, {CreditWant{0, 2, {}}}, &held);
+  REQUIRE(held.size() == 1);
+  REQUIRE(held[0].blocks.size() == 2);
+  std::set<BlockIndex> fenced = Blocks(writing);
+  fenced.insert(held[0].blocks.begin(), held[0].blocks.end());
+  REQUIRE(fenced.size() == 6);
+
+  REQUIRE(cache->FenceWorker(w, 4242, absl::Seconds(10)) == 1);
+  RequireInvariants(*cache);
+  for (BlockIndex b : fenced) RequireFenceWrites(*cache, b, w);
+  // The other ten blocks go to the next request; nothing the fence writes does.
+  RequestSpec other = Spec("other", Seq(100, 40));
+  other.owner = WorkerId("w-other");
+  const AcquireResult got = Start(*cache, other);
+  REQUIRE(Disjoint(Blocks(got), fenced));
+  REQUIRE_FALSE(cache->Admit(Spec("more", Seq(300, 4))).value().decision == AdmitDecision::kAdmitted);
+  REQUIRE(cache->Release(other.id, true).ok());
+  RequireInvariants(*cache);
+
+  REQUIRE(cache->LiftFences(w, 4242) == 6);
+  RequireInvariants(*cache);
+  for (BlockIndex b : fenced) RequireNoWriter(*cache, b);
+  REQUIRE(Blocks(Start(*cache, Spec("next", Seq(500, 64)))).size() == 16);
+  RequireInvariants(*cache);
+}
+
+TEST_CASE("A block in two fences passes from the fence that lifts to the one that holds it, in either order",
+          "[core][fences][ledger]") {
+  FakeClock clock;
+  // As in the double fence across handoffs: gen's fence (pid 77, imported) and the resumer's
+  // (pid 88) both hold block 0 on `second`.
+  auto first = MakeCache(SmallOptions(16), &clock);
+  RequestSpec gen = Spec("gen", Seq(0, 6), /*max_new=*/10);
+  const AcquireResult acq = Start(*first, gen);
+  REQUIRE(first->Checkpoint(gen.id, Seq(0, 6), "state").ok());
+  REQUIRE(first->EndAllFenced(absl::Seconds(10), {{gen.owner, 77}}) == 1);
+  for (BlockIndex b : acq.blocks) RequireFenceWrites(*first, b, gen.owner);
+  auto second = MakeCache(SmallOptions(16), &clock);
+  REQUIRE(second->ImportSnapshot(first->ExportSnapshot()).ok());
+  RequireInvariants(*second);
+  // The imported fence writes them again on the successor.
+  for (BlockIndex b : acq.blocks) RequireFenceWrites(*second, b, gen.owner);
+  RequestSpec resume = Spec("resume", Seq(0, 6), /*max_new=*/10);
+  resume.resume_from = gen.id;
+  resume.owner = WorkerId("w-resumer");
+  const AcquireResult r = Start(*second, resume);
+  REQUIRE(r.blocks[0] == acq.blocks[0]);
+  // Below the checkpoint's tail: taken from gen's fence; the tail stays that fence's.
+  REQUIRE(second->WriterForTesting(0, acq.blocks[0])->kind == OwnerKind::kRequest);
+  RequireFenceWrites(*second, acq.blocks[1], gen.owner);
+  RequireInvariants(*second);
+  REQUIRE(second->EndAllFenced(absl::Seconds(20), {{resume.owner, 88}}) == 1);
+  RequireInvariants(*second);
+  RequireFenceWrites(*second, acq.blocks[0], resume.owner);
+  // Every block anyone is handed meanwhile, one at a time until none is left, is another.
+  const auto probe_excludes_block0 = [&](const char* name) {
+    std::vector<RequestId> probes;
+    for (int i = 0; i < 16; ++i) {
+      RequestSpec probe = Spec(absl::StrCat(name, "-", i), Seq(1000 + 10 * i, 4));
+      auto admitted = second->Admit(probe);
+      REQUIRE(admitted.ok());
+      if (admitted->decision != AdmitDecision::kAdmitted) break;
+      probes.push_back(probe.id);
+      auto got = second->Acquire(probe.id);
+      if (!got.ok()) break;  // the fences hold the rest
+      REQUIRE(std::find(got->blocks.begin(), got->blocks.end(), acq.blocks[0]) == got->blocks.end());
+    }
+    REQUIRE_FALSE(probes.empty());
+    RequireInvariants(*second);
+    for (const RequestId& id : probes) REQUIRE(second->Release(id, false).ok());
+  };
+
+  SECTION("the writer lifts first: the other fence writes it") {
+    REQUIRE(second->LiftFences(resume.owner, 88) > 0);
+    RequireInvariants(*second);
+    RequireFenceWrites(*second, acq.blocks[0], gen.owner);
+    probe_excludes_block0("probe1");
+    REQUIRE(second->LiftFences(gen.owner, 77) > 0);
+  }
+  SECTION("the other lifts first: the writer keeps it") {
+    REQUIRE(second->LiftFences(gen.owner, 77) > 0);
+    RequireInvariants(*second);
+    RequireFenceWrites(*second, acq.blocks[0], resume.owner);
+    probe_excludes_block0("probe2");
+    REQUIRE(second->LiftFences(resume.owner, 88) > 0);
+  }
+  SECTION("by time: the first to expire passes it on") {
+    clock.Advance(absl::Seconds(10));
+    REQUIRE(second->ExpireFences() > 0);
+    RequireInvariants(*second);
+    RequireFenceWrites(*second, acq.blocks[0], resume.owner);
+    probe_excludes_block0("probe3");
+    clock.Advance(absl::Seconds(10));
+    REQUIRE(second->ExpireFences() == 0);
+  }
+  RequireInvariants(*second);
+  RequireNoWriter(*second, acq.blocks[0]);
+  const AcquireResult all = Start(*second, Spec("all", Seq(900, 64)));
+  REQUIRE(Blocks(all).contains(acq.blocks[0]));
+  RequireInvariants(*second);
+}
+
+TEST_CASE("A resumed request gives a block it took from a fence back to that fence", "[core][fences][ledger]") {
+  FakeClock clock;
+  auto old_cache = MakeCache(SmallOptions(16), &clock);
+  RequestSpec gen = Spec("gen", Seq(0, 10), /*max_new=*/10);  // blocks 0 and 1 complete at the checkpoint
+  const AcquireResult acq = Start(*old_cache, gen);
+  REQUIRE(old_cache->Checkpoint(gen.id, Seq(0, 10), "state").ok());
+  REQUIRE(old_cache->EndAllFenced(absl::Seconds(10), {{gen.owner, 77}}) == 1);
+  auto fresh = MakeCache(SmallOptions(16), &clock);
+  REQUIRE(fresh->ImportSnapshot(old_cache->ExportSnapshot()).ok());
+  RequestSpec resume = Spec("resume", Seq(0, 10), /*max_new=*/10);
+  resume.resume_from = gen.id;
+  resume.owner = WorkerId("w-resumer");
+  const AcquireResult r = Start(*fresh, resume);
+  REQUIRE(r.cached_tokens == 8);
+  REQUIRE(r.blocks[0] == acq.blocks[0]);
+  REQUIRE(r.blocks[1] == acq.blocks[1]);
+  RequireInvariants(*fresh);
+  REQUIRE(fresh->Release(resume.id, false).ok());
+  RequireInvariants(*fresh);
+  // Still fenced: written by the fence again, never by nobody.
+  for (BlockIndex b : acq.blocks) RequireFenceWrites(*fresh, b, gen.owner);
+  REQUIRE(fresh->LiftFences(gen.owner, 77) > 0);
+  RequireInvariants(*fresh);
+  for (BlockIndex b : acq.blocks) RequireNoWriter(*fresh, b);
+}
+
+TEST_CASE("Blocks fenced at a start on kept memory are written by a fence of nobody", "[core][fences][ledger]") {
+  FakeClock clock;
+  auto old_cache = MakeCache(SmallOptions(16), &clock);
+  RequestSpec gen = Spec("gen", Seq(0, 6), /*max_new=*/10);
+  const AcquireResult acq = Start(*old_cache, gen);
+  REQUIRE(old_cache->Checkpoint(gen.id, Seq(0, 6), "state").ok());
+  REQUIRE(old_cache->Release(gen.id, false).ok());
+  CacheSnapshot snap = old_cache->ExportSnapshot();
+  snap.fences_known = false;
+  auto fresh = MakeCache(SmallOptions(16), &clock);
+  REQUIRE(fresh->ImportSnapshot(snap).ok());
+  REQUIRE(fresh->FenceFreeBlocks(absl::Seconds(10)) == 15);
+  RequireInvariants(*fresh);
+  RequireNoWriter(*fresh, acq.blocks[0]);  // the checkpoint's complete block: nobody writes it
+  for (BlockIndex b = 0; b < 16; ++b) {
+    if (b != acq.blocks[0]) RequireFenceWrites(*fresh, b, WorkerId());
+  }
+  clock.Advance(absl::Seconds(10));
+  REQUIRE(fresh->ExpireFences() == 0);
+  RequireInvariants(*fresh);
+  for (BlockIndex b = 0; b < 16; ++b) RequireNoWriter(*fresh, b);
+}
+
+TEST_CASE("The invariant checker sees a fenced block handed to a request", "[core][fences][ledger]") {
+  FakeClock clock;
+  auto cache = MakeCache(SmallOptions(16), &clock);
+  RequestSpec live = Spec("live", Seq(0, 16));
+  live.owner = WorkerId("w-lost");
+  Start(*cache, live);
+  REQUIRE(cache->FenceWorker(live.owner, 4242, absl::Seconds(10)) == 1);
+  RequestSpec next = Spec("next", Seq(100, 4), /*max_new=*/8);  // room for 2 more blocks
+  Start(*cache, next);
+  RequireInvariants(*cache);
+  REQUIRE(cache->HandFencedBlockForTesting(next.id).ok());
+  const absl::Status s = cache->CheckInvariantsForTesting();
+  INFO(s.ToString());
+  REQUIRE(absl::IsInternal(s));
+  REQUIRE(s.message().find("fenced block") != absl::string_view::npos);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 // the cache may never serve wrong KV.
 #include <map>
 #include <random>
+#include <utility>
 
 #include <catch2/catch.hpp>
 
@@ -320,10 +321,11 @@ TEST_CASE("Random operation sequences keep every invariant and never serve wrong
 // Issue 40, items 1 and 5: several workers step with block credit the way the clients do. Each
 // places credit into its requests in its own process and reports it later (placed, unreported);
 // some steps' answers are lost (the client drops its credit and re-syncs); another worker's large
-// requests push pressure to high and critical and back. After every step the ownership ledger
-// must agree with everything, and every block a worker may be writing through its credit (held
-// or placed, unreported) must still be that worker's credit: kvd took none of it and handed none
-// of it to anyone else.
+// requests push pressure to high and critical and back; a worker's stream breaks (its requests and
+// credit fenced for that attachment, lifted when it re-attaches or by time). After every step the
+// ownership ledger must agree with everything, and every block a worker may be writing through its
+// credit (held or placed, unreported) must still be that worker's credit: kvd took none of it and
+// handed none of it to anyone else.
 class StepHarness {
  public:
   explicit StepHarness(uint32_t seed) : rng_(seed) {
@@ -334,11 +336,14 @@ class StepHarness {
   }
   KvCache& cache() { return *cache_; }
   int64_t lost() const { return lost_; }
+  int64_t fences() const { return fences_; }
   int64_t asked() const { return asked_; }
 
   void Step() {
-    const int pick = static_cast<int>(rng_() % 8);
-    if (pick == 0) return Pressure();
+    const int pick = static_cast<int>(rng_() % 16);
+    if (pick == 0 || pick == 1) return Pressure();
+    if (pick == 2) return LoseStream(workers_[rng_() % workers_.size()]);
+    if (pick == 3) return Lift();
     Worker& w = workers_[rng_() % workers_.size()];
     // The engine's decode: covered growth placed at once, without a round trip.
     bool must_send = false;
@@ -457,7 +462,8 @@ class StepHarness {
     w.live = std::move(keep);
     // New requests, when they fit.
     while (w.live.size() < 4) {
-      RequestSpec spec = Spec(absl::StrCat("r", next_++), Seq(static_cast<Token>(100 * next_), 1 + rng_() % 9), 12);
+      const int n = next_++;
+      RequestSpec spec = Spec(absl::StrCat("r", n), Seq(static_cast<Token>(100 * n), 1 + rng_() % 9), 12);
       spec.owner = w.id;
       absl::StatusOr<AdmitResult> a = cache_->Admit(spec);
       if (!a.ok() || a->decision != AdmitDecision::kAdmitted) break;
@@ -472,6 +478,34 @@ class StepHarness {
     }
   }
 
+  // The worker's attach stream breaks: kvd fences its requests and credit (KvCache::FenceWorker)
+  // for its attachment, and it attaches again as a new one with nothing.
+  void LoseStream(Worker& w) {
+    const uint32_t pid = 1000 + static_cast<uint32_t>(fenced_.size());
+    REQUIRE(cache_->FenceWorker(w.id, pid, absl::Seconds(10)) == static_cast<int64_t>(w.live.size()));
+    fenced_.push_back({w.id, pid});
+    ++fences_;
+    w.id = WorkerId(absl::StrCat(w.id.value(), "+"));
+    w.credit.clear();
+    w.wanted = 0;
+    w.live.clear();
+    Check();
+  }
+
+  // A fenced attachment re-attaches quiesced (LiftFences), or time passes (ExpireFences).
+  void Lift() {
+    if (fenced_.empty()) return;
+    if (rng_() % 2 == 0) {
+      const size_t i = rng_() % fenced_.size();
+      cache_->LiftFences(fenced_[i].first, fenced_[i].second);
+      fenced_.erase(fenced_.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      clock_.Advance(absl::Seconds(5));
+      cache_->ExpireFences();
+    }
+    Check();
+  }
+
   // Another worker's large requests come and go: pressure high, critical, then normal again.
   void Pressure() {
     if (!big_.empty()) {
@@ -480,7 +514,8 @@ class StepHarness {
       return;
     }
     for (int i = 0; i < 3; ++i) {
-      RequestSpec spec = Spec(absl::StrCat("big", next_++), Seq(static_cast<Token>(90000 + 1000 * next_), 80), 0);
+      const int n = next_++;
+      RequestSpec spec = Spec(absl::StrCat("big", n), Seq(static_cast<Token>(90000 + 1000 * n), 80), 0);
       spec.owner = WorkerId("hog");
       absl::StatusOr<AdmitResult> a = cache_->Admit(spec);
       if (!a.ok() || a->decision != AdmitDecision::kAdmitted) break;
@@ -494,12 +529,14 @@ class StepHarness {
   std::unique_ptr<KvCache> cache_;
   std::vector<Worker> workers_;
   std::vector<RequestId> big_;
+  std::vector<std::pair<WorkerId, uint32_t>> fenced_;  // attachments whose fences may hold still
   int next_ = 0;
+  int64_t fences_ = 0;
   int64_t lost_ = 0;
   int64_t asked_ = 0;
 };
 
-TEST_CASE("Random steps with credit under pressure and lost answers keep one writer per block",
+TEST_CASE("Random steps with credit under pressure, lost answers and lost streams keep one writer per block",
           "[core][randomized][step]") {
   for (uint32_t seed : {1u, 2u, 3u, 4u}) {
     INFO("seed " << seed);
@@ -507,6 +544,7 @@ TEST_CASE("Random steps with credit under pressure and lost answers keep one wri
     for (int step = 0; step < 1500; ++step) h.Step();
     CHECK(h.lost() > 0);
     CHECK(h.asked() > 0);
+    CHECK(h.fences() > 0);
   }
 }
 
