@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "proto/vocab/status_macros.h"
 
@@ -435,9 +436,8 @@ absl::Status HybridSpine::CheckInvariants(const PrefixIndex& index, const SpineR
     const int g = UnservableBy(*node);
     if (g < 0) continue;
     fail(node, depth[i],
-         absl::StrFormat(groups_[g].kind == KvGroupKind::kState ? "U2: leaf without a checkpoint of group %s"
-                                                                 : "U2: leaf without a block of group %s",
-                         group_name(g)));
+         absl::StrCat("U2: leaf without a ", groups_[g].kind == KvGroupKind::kState ? "checkpoint" : "block",
+                      " of group ", group_name(g)));
   }
   if (!status.ok()) return status;
 

@@ -67,6 +67,7 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
   int64_t credit_owners = 0;
   absl::Status ledger_ok;
   owners_.ForEachOwner([&](const Owner& o, PoolId p, const absl::flat_hash_set<BlockIndex>& blocks) {
+    mu_.AssertHeld();  // called back within this function, under mu_
     if (!ledger_ok.ok()) return;
     uint64_t serial = o.epoch;  // the BlockState::owner of its blocks
     if (o.kind == OwnerKind::kRequest) {
@@ -149,6 +150,7 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
   if (!ledger_ok.ok()) return ledger_ok;
   int64_t ledger_blocks = 0;
   owners_.ForEach([&](PoolId p, BlockIndex b, const Owner&) {
+    mu_.AssertHeld();
     ++ledger_blocks;
     if (pools_[p]->blocks[b].kind == BlockState::Kind::kFree && ledger_ok.ok()) {
       ledger_ok = fail("block ", b, " of pool ", p, " is on the free list and has an owner");
