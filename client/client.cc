@@ -664,8 +664,14 @@ absl::Status KvRequest::Check() const {
   return absl::OkStatus();
 }
 
-absl::Status KvRequest::Extend(int64_t n) {
+const GroupTable* KvRequest::group_table(std::string_view name) const {
+  return FindGroupTable(state_.group_tables, name);
+}
+
+absl::Status KvRequest::Extend(int64_t n, int64_t computed_tokens) {
   KVD_RETURN_IF_ERROR(Check());
+  // The Extend RPC answers the flat table only: a hybrid pool's per-group tables come with a step.
+  if (!state_.group_tables.empty()) return ExtendGroups(n, computed_tokens);
   absl::StatusOr<std::vector<BlockIndex>> added = client_->Extend(id_, n);
   KVD_RETURN_IF_ERROR(client_->LostIfRestarted(added.status(), epoch_, id_));
   state_.blocks.insert(state_.blocks.end(), added->begin(), added->end());

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -268,6 +269,14 @@ class KvRequest {
   const RequestId& id() const { return id_; }
   PoolId pool() const { return state_.pool; }
   const std::vector<BlockIndex>& blocks() const { return state_.blocks; }
+  // Hybrid pools (docs/hybrid.md §2.4): one table per KV group, in the pool's group order, with
+  // pool-wide indices (GroupKvView::Local gives the group's tensor index). Full: blocks[i] holds
+  // positions [i*bt, (i+1)*bt), the same as blocks(); sliding_window / chunked_local: blocks[i]
+  // holds block position first_block_position + i (kvd released those below); state: the
+  // running slot, then the spare. Empty for pools without groups.
+  const std::vector<GroupTable>& group_tables() const { return state_.group_tables; }
+  // The table of group `name`; nullptr when the pool has no such group (or no groups).
+  const GroupTable* group_table(std::string_view name) const;
   int64_t num_tokens() const { return state_.num_tokens; }
   int64_t cached_tokens() const { return state_.cached_tokens; }
   bool resumed() const { return state_.resumed; }
@@ -284,7 +293,13 @@ class KvRequest {
   absl::Status WriteLayer(size_t position, int32_t layer, int64_t offset, const void* src, int64_t n,
                           uint32_t shard = 0) const;
   // Adds positions for `n` more tokens; new blocks are appended to blocks().
-  absl::Status Extend(int64_t n);
+  // Hybrid pools: a grow step (StepBatch::Grow), which also reports `computed_tokens`, the
+  // engine's computed tokens after the step that just ran (0: unchanged). kvd releases each
+  // window group's blocks wholly below computed - (W - 1) and hands out window blocks up to
+  // computed + step_tokens; group_tables() drop the released blocks (first_block_position moves
+  // up) and gain the new ones. INVALID_ARGUMENT, changing nothing, when `computed_tokens` goes
+  // back below the last report or past num_tokens() + n. Ignored on pools without groups.
+  absl::Status Extend(int64_t n, int64_t computed_tokens = 0);
   // Publishes every full block covered by `tokens` (the request's tokens from position 0).
   absl::StatusOr<PublishResult> Publish(absl::Span<const Token> tokens);
   absl::Status Checkpoint(absl::Span<const Token> tokens, const std::string& engine_state);
@@ -300,6 +315,7 @@ class KvRequest {
       : client_(client), id_(std::move(id)), state_(std::move(state)), block_tokens_(block_tokens),
         epoch_(epoch) {}
   absl::Status Check() const;  // released, or lost with a kvd restart
+  absl::Status ExtendGroups(int64_t n, int64_t computed_tokens);  // Extend on a hybrid pool: a step
 
   Client* client_;
   RequestId id_;

@@ -31,9 +31,10 @@ void CopyStatus(const v1::StepResult& r, absl::Status* out) {
 void StepBatch::Start(StepRequest* req, RequestSpec spec, absl::Duration max_wait) {
   items_.push_back(Item{Kind::kStart, req, std::move(spec), max_wait});
 }
-void StepBatch::Grow(StepRequest* req, int64_t tokens) {
+void StepBatch::Grow(StepRequest* req, int64_t tokens, int64_t computed_tokens) {
   Item item{Kind::kGrow, req};
   item.n = tokens;
+  item.computed_tokens = computed_tokens;
   items_.push_back(std::move(item));
 }
 void StepBatch::Publish(StepRequest* req, std::vector<Token> tokens, int64_t num_blocks) {
@@ -60,6 +61,61 @@ void StepBatch::Preempt(StepRequest* req, std::vector<Token> tokens, std::string
   item.tokens = std::move(tokens);
   item.engine_state = std::move(engine_state);
   items_.push_back(std::move(item));
+}
+
+const GroupTable* FindGroupTable(const std::vector<GroupTable>& tables, std::string_view name) {
+  for (const GroupTable& t : tables) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+const GroupTable* StepRequest::group_table(std::string_view name) const { return FindGroupTable(group_tables, name); }
+
+absl::Status ApplyGroupGrow(const v1::StepResult& r, std::vector<GroupTable>* tables) {
+  if (static_cast<size_t>(r.group_tables_size()) != tables->size()) {
+    return absl::InternalError(absl::StrCat("kvd answered a grow with ", r.group_tables_size(),
+                                            " group tables for a request holding ", tables->size()));
+  }
+  for (int g = 0; g < r.group_tables_size(); ++g) {
+    const v1::GroupTable& delta = r.group_tables(g);
+    GroupTable& t = (*tables)[g];
+    if (delta.group() != t.name || delta.first_block_position() < t.first_block_position) {
+      return absl::InternalError(absl::StrCat("kvd answered group '", delta.group(), "' first position ",
+                                              delta.first_block_position(), " for group '", t.name, "' at ",
+                                              t.first_block_position));
+    }
+  }
+  for (int g = 0; g < r.group_tables_size(); ++g) {
+    const v1::GroupTable& delta = r.group_tables(g);
+    GroupTable& t = (*tables)[g];
+    // kvd released the blocks below the new first position (freed, or cached when published).
+    const int64_t drop = std::min<int64_t>(delta.first_block_position() - t.first_block_position,
+                                           static_cast<int64_t>(t.blocks.size()));
+    t.blocks.erase(t.blocks.begin(), t.blocks.begin() + drop);
+    t.first_block_position = delta.first_block_position();
+    t.blocks.insert(t.blocks.end(), delta.blocks().begin(), delta.blocks().end());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvRequest::ExtendGroups(int64_t n, int64_t computed_tokens) {
+  StepRequest r;
+  r.id = id_;
+  r.pool = state_.pool;
+  r.live = true;
+  r.epoch = epoch_;
+  r.num_tokens = state_.num_tokens;
+  r.blocks = std::move(state_.blocks);
+  r.group_tables = std::move(state_.group_tables);
+  StepBatch batch;
+  batch.Grow(&r, n, computed_tokens);
+  absl::StatusOr<StepAnswer> answer = client_->Step(batch);
+  state_.blocks = std::move(r.blocks);
+  state_.group_tables = std::move(r.group_tables);
+  state_.num_tokens = r.num_tokens;
+  KVD_RETURN_IF_ERROR(client_->LostIfRestarted(answer.status(), epoch_, id_));
+  return client_->LostIfRestarted(answer->items[0].status, epoch_, id_);
 }
 
 int64_t Client::StepCredit(PoolId pool) const {
@@ -220,7 +276,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
         answer.items[i].status = pool.status();
         continue;
       }
-      pools_used[(*pool)->id] = true;
+      if (!(*pool)->geometry.hybrid()) pools_used[(*pool)->id] = true;  // no credit on hybrid pools yet
       send[i] = must_send = true;
       continue;
     }
@@ -239,13 +295,13 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
       send[i] = must_send = true;
       continue;
     }
-    pools_used[r->pool] = true;
-    if (item.kind != StepBatch::Kind::kGrow) {
+    const PoolGeometry& g = views[r->pool].geometry;
+    if (!g.hybrid()) pools_used[r->pool] = true;
+    if (item.kind != StepBatch::Kind::kGrow || g.hybrid()) {  // a hybrid pool grants no credit yet
       send[i] = must_send = true;
       publishes |= item.kind != StepBatch::Kind::kEnd || item.n != 0;
       continue;
     }
-    const PoolGeometry& g = views[r->pool].geometry;
     if (item.n < 0 || item.n > g.max_model_len - r->num_tokens) {
       send[i] = must_send = true;  // kvd names what is wrong
       continue;
@@ -340,6 +396,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
       }
       case StepBatch::Kind::kGrow:
         p->mutable_grow()->set_tokens(item.n);
+        p->mutable_grow()->set_computed_tokens(item.computed_tokens);
         break;
       case StepBatch::Kind::kPublish:
         p->mutable_publish()->set_num_blocks(static_cast<int32_t>(std::clamp<int64_t>(item.n, -1, INT32_MAX)));
@@ -400,6 +457,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
           state->acquired = FromProto(r.acquired());
           state->pool = state->acquired.pool;
           state->blocks = state->acquired.blocks;
+          state->group_tables = state->acquired.group_tables;
           state->num_tokens = state->acquired.num_tokens;
           state->live = true;
           state->error = absl::OkStatus();
@@ -407,6 +465,10 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
         break;
       case StepBatch::Kind::kGrow:
         if (out.status.ok()) {
+          if (absl::Status s = ApplyGroupGrow(r, &state->group_tables); !s.ok()) {
+            out.status = state->error = s;  // the tables no longer match kvd's: End it
+            break;
+          }
           state->blocks.insert(state->blocks.end(), r.blocks().begin(), r.blocks().end());
           state->num_tokens += item.n;
         }

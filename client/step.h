@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -29,6 +30,14 @@ struct StepRequest {
   PoolId pool = 0;
   std::vector<BlockIndex> blocks;  // the block table: blocks[i] holds positions [i*bt, (i+1)*bt)
   int64_t num_tokens = 0;          // positions the table covers
+  // Hybrid pools (docs/hybrid.md §2.4): one table per KV group, in the pool's group order, with
+  // pool-wide indices (the group's tensors take index - first_block). A window group's blocks[i]
+  // holds block position first_block_position + i; each grow drops the blocks kvd released below
+  // its new first position and appends what it handed out. `blocks` is the first full group's
+  // table. Empty for pools without groups.
+  std::vector<GroupTable> group_tables;
+  // The table of group `name`, or nullptr when the pool has no such group.
+  const GroupTable* group_table(std::string_view name) const;
   bool waiting = false;            // started, not admitted yet: start it again in a later step
   bool live = false;               // acquired and not ended
   AcquireResult acquired;          // what its start answered (cached_tokens, resumed state, ...)
@@ -57,7 +66,12 @@ class StepBatch {
   void Start(StepRequest* req, RequestSpec spec, absl::Duration max_wait = absl::Seconds(30));
   // `tokens` more positions. Blocks it crosses into come from the worker's credit when it holds
   // them (appended to req->blocks at once), else from kvd in the answer.
-  void Grow(StepRequest* req, int64_t tokens);
+  // Hybrid pools: always a round trip (no credit there yet); `computed_tokens` is the engine's
+  // computed tokens after the step that just ran (0: unchanged since the last report). kvd then
+  // releases each window group's blocks wholly below computed - (W - 1) and the answer drops them
+  // from req->group_tables. INVALID_ARGUMENT, changing nothing, when it goes back below the last
+  // report or past the request's tokens after the grow. Ignored on pools without groups.
+  void Grow(StepRequest* req, int64_t tokens, int64_t computed_tokens = 0);
   // The first `num_blocks` table blocks, filled with KV for `tokens` (from position 0), for reuse.
   void Publish(StepRequest* req, std::vector<Token> tokens, int64_t num_blocks);
   void Checkpoint(StepRequest* req, std::vector<Token> tokens, std::string engine_state);
@@ -78,6 +92,7 @@ class StepBatch {
     RequestSpec spec;           // kStart
     absl::Duration max_wait;    // kStart
     int64_t n = 0;              // kGrow: tokens; kPublish, kEnd: blocks
+    int64_t computed_tokens = 0;  // kGrow
     std::vector<Token> tokens;
     std::string engine_state;
     bool completed = false;

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -20,6 +21,14 @@
 #include "kvd/v1/kvd.pb.h"
 
 namespace kvd::client {
+
+// The table of group `name` in `tables`, or nullptr.
+const GroupTable* FindGroupTable(const std::vector<GroupTable>& tables, std::string_view name);
+// Applies a hybrid pool's grow answer to a request's per-group tables: each group drops its
+// blocks below the answer's first_block_position and appends the answer's blocks. INTERNAL,
+// changing nothing, when the answer does not match the tables (another group count or order, a
+// first position going back).
+absl::Status ApplyGroupGrow(const v1::StepResult& r, std::vector<GroupTable>* tables);
 
 struct StepState {
   struct HeldGrowth {

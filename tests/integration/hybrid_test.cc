@@ -3,7 +3,9 @@
 // Attach refuses a worker declaring none or other groups, and each group's layer written through
 // one client's group view at a group-local index reads back through another client's mapping at
 // the slab offset docs/hybrid.md §2.2 gives.
+#include <algorithm>
 #include <cstring>
+#include <map>
 #include <fstream>
 
 #include <catch2/catch.hpp>
@@ -287,6 +289,212 @@ TEST_CASE("A hybrid pool serves requests with no prefix reuse yet", "[integratio
   auto rb = (*c)->Start(b);
   REQUIRE(rb.ok());
   CHECK((*rb)->cached_tokens() == 0);
+}
+
+// The pool-wide counts Report gives for pool "hy" (per-group counts are not on the wire).
+struct Counts {
+  int64_t free = 0, owned = 0, cached = 0, evictable = 0, reserved = 0;
+  bool operator==(const Counts&) const = default;
+};
+Counts HyCounts(client::Client& c) {
+  absl::StatusOr<CacheReport> r = c.Report();
+  REQUIRE(r.ok());
+  for (const PoolReport& p : r->pools) {
+    if (p.name == "hy") return {p.free_blocks, p.owned_blocks, p.cached_blocks, p.evictable_blocks, p.reserved_blocks};
+  }
+  FAIL("no pool hy in Report");
+  return {};
+}
+
+// The pattern a test writes into group unit `local` (layer j).
+std::string UnitPattern(int64_t bytes, int64_t local, int32_t j, char group) {
+  std::string out(static_cast<size_t>(bytes), '\0');
+  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(group + local * 3 + j * 11 + i % 5);
+  return out;
+}
+
+TEST_CASE("A worker keeps one table per group: grows report computed tokens and drop released window blocks",
+          "[integration][hybrid]") {
+  // step_tokens 8: a window group holds [floor(max(0, c - 5) / 4), ceil(min(n, c + 8) / 4)).
+  DaemonProcess d(HybridPool("", "    step_tokens: 8\n"));
+  auto c = client::Client::Connect({.target = d.target()});
+  REQUIRE(c.ok());
+  auto observer = client::Client::Connect({.target = d.target(), .map_slabs = false});
+  REQUIRE(observer.ok());
+  auto pool = (*c)->FindPool("hy");
+  REQUIRE(pool.ok());
+  const Counts idle = HyCounts(**observer);
+  CHECK(idle.free == 70);
+
+  auto req = (*c)->Start(PoolRequest("hybrid", Range(1, 12), 20, "hy"));
+  REQUIRE(req.ok());
+  client::KvRequest& r = **req;
+  REQUIRE(r.group_tables().size() == 3);
+  const GroupTable* full = r.group_table("full");
+  const GroupTable* swa = r.group_table("swa");
+  const GroupTable* rec = r.group_table("rec");
+  REQUIRE((full != nullptr && swa != nullptr && rec != nullptr));
+  CHECK(r.group_table("nope") == nullptr);
+  CHECK(full->blocks == r.blocks());
+  CHECK(full->blocks.size() == 3);
+  CHECK((swa->first_block_position == 0 && swa->blocks.size() == 2));  // [0, ceil(min(12, 0 + 8) / 4))
+  CHECK(rec->blocks.size() == 2);
+  CHECK(HyCounts(**observer).owned == 3 + 2 + 2);
+
+  // Each group's units written at their group-local index; every table block is the group's own.
+  std::map<BlockIndex, std::string> written;  // pool-wide index -> layer 0's bytes
+  auto write_tables = [&] {
+    for (const GroupTable& t : r.group_tables()) {
+      auto view = client::GroupKv(**pool, t.name);
+      REQUIRE(view.ok());
+      for (BlockIndex b : t.blocks) {
+        const int64_t local = view->Local(b);
+        INFO(t.name << " block " << b);
+        REQUIRE(local >= 0);
+        if (written.contains(b)) continue;
+        for (int32_t j = 0; j < static_cast<int32_t>(view->layers.size()); ++j) {
+          const std::string bytes = UnitPattern(view->layer_unit_bytes, local, j, t.name[0]);
+          std::memcpy(view->Unit(j, local), bytes.data(), bytes.size());
+          if (j == 0) written[b] = bytes;
+        }
+      }
+    }
+  };
+  auto still_there = [&] {
+    for (const GroupTable& t : r.group_tables()) {
+      auto view = client::GroupKv(**pool, t.name);
+      for (BlockIndex b : t.blocks) {
+        INFO(t.name << " block " << b);
+        CHECK(std::memcmp(view->Unit(0, view->Local(b)), written[b].data(), written[b].size()) == 0);
+      }
+    }
+  };
+  write_tables();
+  // The first block published: the full block and the window block at position 0 become cached.
+  REQUIRE(r.Publish(Range(1, 4)).ok());
+  const Counts published = HyCounts(**observer);
+  CHECK(published.owned == 5);
+  CHECK(published.cached == 2);
+  CHECK(published.evictable == 0);
+
+  // Step 1: the prompt is computed (c = 12), 4 tokens more. Window [7/4, ceil(16/4)) = [1, 4): the
+  // published window block 0 goes back cached and evictable; positions 2 and 3 are handed out.
+  const BlockIndex swa0 = swa->blocks[0], swa1 = swa->blocks[1];
+  REQUIRE(r.Extend(4, 12).ok());
+  swa = r.group_table("swa");
+  full = r.group_table("full");
+  CHECK(r.num_tokens() == 16);
+  CHECK(swa->first_block_position == 1);
+  REQUIRE(swa->blocks.size() == 3);
+  CHECK(swa->blocks[0] == swa1);
+  CHECK(std::find(swa->blocks.begin(), swa->blocks.end(), swa0) == swa->blocks.end());
+  CHECK(full->blocks.size() == 4);
+  CHECK(full->blocks == r.blocks());
+  CHECK(r.group_table("rec")->blocks.size() == 2);
+  Counts after = HyCounts(**observer);
+  CHECK(after.owned == published.owned + 3);  // full 3, swa 2 and 3
+  CHECK(after.free == published.free - 3);
+  CHECK(after.cached == published.cached);  // window block 0 is still cached ...
+  CHECK(after.evictable == published.evictable + 1);  // ... and now nobody's
+  still_there();
+  write_tables();
+
+  // Step 2: c = 16, n = 20. Window [11/4, 5) = [2, 5): the unpublished window block 1 is freed
+  // (and may come back at once as position 4's).
+  const std::vector<BlockIndex> window = swa->blocks;
+  REQUIRE(r.Extend(4, 16).ok());
+  swa = r.group_table("swa");
+  CHECK(swa->first_block_position == 2);
+  REQUIRE(swa->blocks.size() == 3);
+  CHECK(swa->blocks[0] == window[1]);
+  CHECK(swa->blocks[1] == window[2]);
+  CHECK(r.group_table("full")->blocks.size() == 5);
+  const Counts step2 = HyCounts(**observer);
+  CHECK(step2.owned == after.owned + 1);  // full 4 and swa 4 in, swa 1 out
+  CHECK(step2.free == after.free - 1);
+  CHECK(step2.cached == after.cached);
+  still_there();
+  write_tables();
+
+  // Careless or hostile reports change nothing: computed tokens going back, or past n.
+  const std::vector<GroupTable> before = r.group_tables();
+  absl::Status back = r.Extend(4, 8);
+  CHECK(back.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(back.message().find("computed_tokens 8") != std::string::npos);
+  CHECK(back.message().find("last report (16)") != std::string::npos);
+  absl::Status past = r.Extend(1, 30);
+  CHECK(past.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(past.message().find("computed_tokens 30") != std::string::npos);
+  CHECK(past.message().find("its tokens (21)") != std::string::npos);
+  CHECK(r.num_tokens() == 20);
+  CHECK(HyCounts(**observer) == step2);
+  REQUIRE(r.group_tables().size() == before.size());
+  for (size_t g = 0; g < before.size(); ++g) {
+    CHECK(r.group_tables()[g].first_block_position == before[g].first_block_position);
+    CHECK(r.group_tables()[g].blocks == before[g].blocks);
+  }
+
+  // Step 3: 0 computed means unchanged (c stays 16), n = 24: the window reaches ceil(24 / 4).
+  REQUIRE(r.Extend(4).ok());
+  CHECK(r.group_table("swa")->first_block_position == 2);
+  CHECK(r.group_table("swa")->blocks.size() == 4);
+  REQUIRE(r.Extend(0, 24).ok());  // c = 24: window [19/4, 6) = [4, 6)
+  CHECK(r.group_table("swa")->first_block_position == 4);
+  CHECK(r.group_table("swa")->blocks.size() == 2);
+  CHECK(r.group_table("full")->blocks.size() == 6);
+  still_there();
+
+  // End publishes the full table and lets everything go: nothing stays owned or reserved.
+  auto end = r.End(6, Range(13, 12), /*completed=*/true);
+  REQUIRE(end.ok());
+  CHECK(end->kept + end->already_cached == 6);
+  const Counts done = HyCounts(**observer);
+  CHECK(done.owned == 0);
+  CHECK(done.reserved == 0);
+  CHECK(done.free + done.cached == 70);
+  CHECK(done.evictable == done.cached);
+  CHECK((*observer)->Report()->live_requests == 0);
+
+  // The same through steps: a StepRequest keeps the tables, a grow reports computed tokens.
+  client::StepRequest s;
+  client::StepBatch batch;
+  batch.Start(&s, PoolRequest("stepped", Range(100, 8), 16, "hy"));
+  auto answer = (*c)->Step(batch);
+  REQUIRE(answer.ok());
+  REQUIRE(answer->items[0].status.ok());
+  REQUIRE(s.group_tables.size() == 3);
+  CHECK(s.group_table("swa")->blocks.size() == 2);  // [0, ceil(min(8, 8) / 4))
+  CHECK(s.group_table("full")->blocks == s.blocks);
+  const BlockIndex first_window = s.group_table("swa")->blocks[0];
+  for (int step = 0; step < 3; ++step) {
+    batch.Clear();
+    batch.Grow(&s, 4, s.num_tokens);
+    answer = (*c)->Step(batch);
+    REQUIRE(answer.ok());
+    REQUIRE(answer->items[0].status.ok());
+    CHECK(answer->sent);  // no credit on a hybrid pool: every grow is a round trip
+  }
+  // c = 16, n = 20: window [11/4, 5) = [2, 5); the full table covers every position.
+  CHECK(s.num_tokens == 20);
+  CHECK(s.group_table("swa")->first_block_position == 2);
+  CHECK(s.group_table("swa")->blocks.size() == 3);
+  CHECK(s.group_table("swa")->blocks[0] != first_window);
+  CHECK(s.group_table("full")->blocks.size() == 5);
+  CHECK(s.group_table("full")->blocks == s.blocks);
+  batch.Clear();
+  batch.Grow(&s, 1, 4);  // back below 16
+  answer = (*c)->Step(batch);
+  REQUIRE(answer.ok());
+  CHECK(answer->items[0].status.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(s.num_tokens == 20);
+  CHECK(s.group_table("swa")->first_block_position == 2);
+  batch.Clear();
+  batch.End(&s, 0, {}, /*completed=*/true);
+  answer = (*c)->Step(batch);
+  REQUIRE(answer.ok());
+  REQUIRE(answer->items[0].status.ok());
+  CHECK(HyCounts(**observer).owned == 0);
+  CHECK(HyCounts(**observer).reserved == 0);
 }
 
 }  // namespace

@@ -2,7 +2,10 @@
 pool's groups as ListPools gives them, the attach expectation with groups (accepted, refused naming
 the field), Pool.group_index, each group's layer written at a group-local index and found at the
 slab offset of docs/hybrid.md §2.2 through a second client's own mapping, and, with torch,
-kv_tensor(pool, group=...) shapes and offsets.
+kv_tensor(pool, group=...) shapes and offsets; a request's per-group tables (Request.group_tables,
+group_table(name)) through grows that report computed_tokens, window blocks below computed - (W - 1)
+dropped from the client's table and freed or left cached as the daemon's Report counts them, bad
+reports refused changing nothing, and the same through StepBatch.
 
 Usage: test_hybrid_pool.py KVD_BINARY
 """
@@ -11,6 +14,7 @@ import tempfile
 
 import grpc
 
+from kvd import StepBatch, StepRequest
 from kvd.client import Client
 from kvd.errors import KvdError
 from kvd_testlib import Daemon, check, finish
@@ -32,7 +36,7 @@ GROUPS = [{"name": "full", "kind": "full", "layers": [1, 3]},
 def main():
     kvd = sys.argv[1]
     with tempfile.TemporaryDirectory() as tmp:
-        d = Daemon(kvd, tmp, HYBRID_POOL)
+        d = Daemon(kvd, tmp, HYBRID_POOL.replace("    groups:\n", "    step_tokens: 8\n    groups:\n"))
         check(d.started, "kvd serves a hybrid pool")
         if not d.started:
             return finish()
@@ -91,6 +95,8 @@ def run(target):
             check(bytes(raw[at:at + len(data)]) == data,
                   f"{name} unit {local} layer {j}: written at pool-wide {index}, read at offset {at}")
 
+        tables(w, r)
+
         try:
             import torch  # noqa: F401
         except ImportError:
@@ -118,6 +124,96 @@ def run(target):
     finally:
         w.close()
         r.close()
+
+
+def counts(c):
+    p = next(p for p in c.report().pools if p.name == "hy")
+    return p.free_blocks, p.owned_blocks, p.cached_blocks, p.evictable_blocks, p.reserved_blocks
+
+
+def tables(w, observer):
+    """step_tokens 8: the window group holds [floor(max(0, c - 5) / 4), ceil(min(n, c + 8) / 4))."""
+    p = w.pool("hy")
+    req = w.request("py-hybrid", pool="hy", prompt=list(range(1, 13)), max_new_tokens=20)
+    full, swa, rec = req.group_table("full"), req.group_table("swa"), req.group_table("rec")
+    check([t.name for t in req.group_tables] == ["full", "swa", "rec"] and req.group_table("nope") is None,
+          "a request on a hybrid pool holds a table per group")
+    check(full.blocks == req.blocks and len(full.blocks) == 3, "the full table is blocks, [0, 3)")
+    check(swa.first_block_position == 0 and len(swa.blocks) == 2 and len(rec.blocks) == 2,
+          f"window [0, 2), 2 state slots ({swa}, {rec})")
+    written = {}
+    for t in req.group_tables:
+        g = p.group(t.name)
+        for b in t.blocks:
+            local = p.group_index(t.name, b)  # raises for another group's index
+            data = bytes((local * 5 + ord(t.name[0]) + i) % 251 for i in range(g.layer_unit_bytes))
+            w.layer_view("hy", b, g.layers[0])[:] = data
+            written[b] = data
+    req.publish(list(range(1, 5)))  # block 0: the full block and the window block at 0 become cached
+    before = counts(observer)
+    swa0, swa1 = swa.blocks
+    req.extend(4, computed_tokens=12)  # window [7/4, 4) = [1, 4)
+    swa = req.group_table("swa")
+    after = counts(observer)
+    check(swa.first_block_position == 1 and swa.blocks[0] == swa1 and swa0 not in swa.blocks and len(swa.blocks) == 3,
+          f"grow with computed 12: window block 0 dropped, 2 and 3 appended ({swa})")
+    check(len(req.group_table("full").blocks) == 4 and req.group_table("full").blocks == req.blocks,
+          "the full table covers every position")
+    check(after[1] == before[1] + 3 and after[0] == before[0] - 3 and after[2] == before[2] and after[3] == before[3] + 1,
+          f"the published window block stays cached and evictable, 3 handed out ({before} -> {after})")
+    window = list(swa.blocks)
+    req.extend(4, computed_tokens=16)  # window [11/4, 5) = [2, 5)
+    swa = req.group_table("swa")
+    step2 = counts(observer)
+    check(swa.first_block_position == 2 and swa.blocks[:2] == window[1:] and len(swa.blocks) == 3,
+          f"grow with computed 16: window block 1 dropped ({swa})")
+    check(step2[1] == after[1] + 1 and step2[0] == after[0] - 1 and step2[2] == after[2],
+          f"the unpublished window block is freed ({after} -> {step2})")
+    for t in req.group_tables:
+        g = p.group(t.name)
+        for b in t.blocks:
+            if b in written:
+                check(bytes(w.layer_view("hy", b, g.layers[0])) == written[b], f"{t.name} block {b} kept its bytes")
+
+    snapshot = [(t.first_block_position, list(t.blocks)) for t in req.group_tables]
+    for n, computed, what in ((4, 8, "last report (16)"), (1, 30, "its tokens (21)")):
+        try:
+            req.extend(n, computed_tokens=computed)
+            check(False, f"computed_tokens {computed} is refused")
+        except KvdError as e:
+            check(e.code == grpc.StatusCode.INVALID_ARGUMENT and f"computed_tokens {computed}" in e.details
+                  and what in e.details, f"computed_tokens {computed} is refused naming it ({e.details})")
+    check(req.num_tokens == 20 and counts(observer) == step2 and
+          [(t.first_block_position, t.blocks) for t in req.group_tables] == snapshot,
+          "a refused report changes nothing")
+
+    req.extend(4)  # computed unchanged (16): the window reaches ceil(24 / 4)
+    req.extend(0, computed_tokens=24)  # window [19/4, 6) = [4, 6)
+    check(req.group_table("swa").first_block_position == 4 and len(req.group_table("swa").blocks) == 2 and
+          len(req.group_table("full").blocks) == 6, f"computed 24: window [4, 6) ({req.group_table('swa')})")
+    end = req.end(publish_blocks=6, more_tokens=list(range(13, 25)))
+    done = counts(observer)
+    check(end.kept + end.already_cached == 6, f"End publishes the full table ({end.kept} kept)")
+    check(done[1] == 0 and done[4] == 0 and done[0] + done[2] == 70 and done[3] == done[2],
+          f"nothing stays owned or reserved after End ({done})")
+
+    s = StepRequest("py-stepped")
+    res = w.step(StepBatch().start(s, pool="hy", prompt=list(range(100, 108)), max_new_tokens=16))
+    check(res[0].ok and len(s.group_tables) == 3 and len(s.group_table("swa").blocks) == 2,
+          f"a StepRequest holds a table per group ({res[0].message})")
+    first = s.group_table("swa").blocks[0]
+    for _ in range(3):
+        res = w.step(StepBatch().grow(s, 4, computed_tokens=s.num_tokens))
+        check(res[0].ok, f"a step grow reports computed tokens ({res[0].message})")
+    swa = s.group_table("swa")
+    check(s.num_tokens == 20 and swa.first_block_position == 2 and len(swa.blocks) == 3 and first not in swa.blocks[:1]
+          and s.group_table("full").blocks == s.blocks and len(s.blocks) == 5,
+          f"after computed 16, n 20: window [2, 5), full [0, 5) ({swa})")
+    res = w.step(StepBatch().grow(s, 1, computed_tokens=4))
+    check(res[0].code == grpc.StatusCode.INVALID_ARGUMENT and s.num_tokens == 20 and
+          s.group_table("swa").first_block_position == 2, f"a step grow going back is refused ({res[0].message})")
+    res = w.step(StepBatch().end(s))
+    check(res[0].ok and counts(observer)[1] == 0 and counts(observer)[4] == 0, "the stepped request ends, nothing owned")
 
 
 if __name__ == "__main__":

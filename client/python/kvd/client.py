@@ -12,7 +12,7 @@ import grpc
 
 from . import cuda
 from .errors import KvdError, KvdRestarted, KvdUnavailable  # noqa: F401 (also kvd.client's)
-from .step import Stepper
+from .step import GroupTable, StepBatch, StepRequest, Stepper
 from .v1 import kvd_pb2, kvd_pb2_grpc
 
 try:  # optional: numpy views of the slabs
@@ -162,8 +162,16 @@ class Request:
         self.resumed = resp.resumed
         self.resumed_tokens = list(resp.resumed_tokens)
         self.engine_state = resp.engine_state
+        # Hybrid pools (docs/hybrid.md §2.4): one GroupTable per KV group, in the pool's group order,
+        # with pool-wide indices (Pool.group_index gives the group's tensor index); a window group's
+        # blocks[i] holds block position first_block_position + i. Empty for pools without groups.
+        self.group_tables = [GroupTable(t.group, t.first_block_position, t.blocks) for t in resp.group_tables]
         self._released = False
         self._epoch = client.epoch
+
+    def group_table(self, name):
+        """The GroupTable of group `name`; None when the pool has no such group."""
+        return next((t for t in self.group_tables if t.name == name), None)
 
     def may_write(self):
         """Whether this request's blocks may be written now: its attachment is the client's current
@@ -181,11 +189,35 @@ class Request:
                 raise KvdRestarted(self.id) from None
             raise
 
-    def extend(self, n):
+    def extend(self, n, computed_tokens=0):
+        """`n` more positions. Hybrid pools: a grow step that also reports `computed_tokens`, the
+        engine's computed tokens after the step that just ran (0: unchanged); kvd releases each
+        window group's blocks wholly below computed - (W - 1), and group_tables drop them and gain
+        the new ones. KvdError INVALID_ARGUMENT, changing nothing, when it goes back below the last
+        report or past num_tokens + n. Ignored on pools without groups."""
+        if self.group_tables:
+            return self._extend_groups(n, computed_tokens)
         resp = self._call("Extend", kvd_pb2.ExtendRequest(
             worker_id=self._client.worker_id, request_id=self.id, additional_tokens=n))
         self.blocks += list(resp.new_blocks)
         self.num_tokens += n
+
+    def _extend_groups(self, n, computed_tokens):
+        # The Extend RPC answers the flat table only: the per-group tables come with a step.
+        if self._client.epoch != self._epoch:
+            raise KvdRestarted(self.id)
+        s = StepRequest(self.id)
+        s.pool_id, s.blocks, s.num_tokens, s.group_tables = self.pool_id, self.blocks, self.num_tokens, self.group_tables
+        s.live, s.epoch = True, self._epoch
+        try:
+            result = self._client.step(StepBatch().grow(s, n, computed_tokens=computed_tokens))[0]
+        except KvdError as e:
+            if self._client._lost(e, self._epoch):
+                raise KvdRestarted(self.id) from None
+            raise
+        if not result.ok:
+            raise KvdError(result.code, result.message)
+        self.blocks, self.num_tokens, self.group_tables = s.blocks, s.num_tokens, s.group_tables
 
     def publish(self, tokens):
         self._client._await_writes()

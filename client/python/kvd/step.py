@@ -24,6 +24,36 @@ from .errors import KvdError, KvdRestarted
 from .v1 import kvd_pb2
 
 
+class GroupTable:
+    """One KV group's blocks of a request on a hybrid pool (docs/hybrid.md §2.4), as pool-wide
+    indices from the group's range. Full: blocks[i] holds positions [i*bt, (i+1)*bt);
+    sliding_window / chunked_local: blocks[i] holds block position first_block_position + i (kvd
+    released those below); state: the running slot, then the spare."""
+
+    def __init__(self, name, first_block_position=0, blocks=()):
+        self.name = name
+        self.first_block_position = first_block_position
+        self.blocks = list(blocks)
+
+    def __repr__(self):
+        return f"GroupTable({self.name!r}, first_block_position={self.first_block_position}, blocks={self.blocks})"
+
+
+def _apply_group_grow(tables, result):
+    """A hybrid pool's grow answer applied to a request's tables: each group drops its blocks below
+    the new first position and appends the blocks handed out. Raises KvdError INTERNAL, changing
+    nothing, when the answer does not match the tables."""
+    if len(result.group_tables) != len(tables) or any(
+            d.group != t.name or d.first_block_position < t.first_block_position
+            for d, t in zip(result.group_tables, tables)):
+        raise KvdError(grpc.StatusCode.INTERNAL,
+                       f"kvd answered a grow with groups {[d.group for d in result.group_tables]} for tables {tables}")
+    for d, t in zip(result.group_tables, tables):
+        drop = min(d.first_block_position - t.first_block_position, len(t.blocks))
+        t.blocks = t.blocks[drop:] + list(d.blocks)
+        t.first_block_position = d.first_block_position
+
+
 class StepRequest:
     """A request driven by steps; the engine keeps it, steps update it."""
 
@@ -31,6 +61,9 @@ class StepRequest:
         self.id = request_id
         self.pool_id = 0
         self.blocks = []
+        # Hybrid pools: a GroupTable per KV group, in the pool's group order (`blocks` is the first
+        # full group's); each grow drops the window blocks kvd released. Empty for pools without groups.
+        self.group_tables = []
         self.num_tokens = 0
         self.cached_tokens = 0
         self.resumed = False
@@ -40,6 +73,10 @@ class StepRequest:
         self.live = False      # acquired and not ended
         self.error = None      # a KvdError kvd answered for growth placed earlier: End or preempt it
         self.epoch = 0
+
+    def group_table(self, name):
+        """The GroupTable of group `name`; None when the pool has no such group."""
+        return next((t for t in self.group_tables if t.name == name), None)
 
 
 class StepResult:
@@ -56,6 +93,7 @@ class StepResult:
 class StepBatch:
     def __init__(self):
         self.items = []
+        self.computed_tokens = {}  # item index -> a grow's computed_tokens (hybrid pools)
 
     def start(self, req, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="", adapter="",
               max_wait_s=30.0, peer=""):
@@ -65,8 +103,14 @@ class StepBatch:
         self.items.append(("start", req, kvd_pb2.StartRequest(admit=admit, max_wait_ms=max(1, int(max_wait_s * 1000)), peer=peer)))
         return self
 
-    def grow(self, req, tokens):
+    def grow(self, req, tokens, computed_tokens=0):
+        """`tokens` more positions. Hybrid pools: always a round trip (no credit there yet), and
+        `computed_tokens` is the engine's computed tokens after the step that just ran (0:
+        unchanged); kvd releases window blocks below computed - (W - 1), dropped from
+        req.group_tables. Ignored on pools without groups."""
         self.items.append(("grow", req, tokens))
+        if computed_tokens:
+            self.computed_tokens[len(self.items) - 1] = computed_tokens
         return self
 
     def publish(self, req, tokens, num_blocks):
@@ -120,7 +164,8 @@ class Stepper:
         for i, (kind, req, arg) in enumerate(batch.items):
             if kind == "start":
                 pool = c.pool(arg.admit.namespace.pool)
-                used.add(pool.id)
+                if not pool.groups:  # no credit on hybrid pools yet
+                    used.add(pool.id)
                 send[i] = must = True
                 continue
             withdraw = req.waiting and kind in ("end", "preempt")
@@ -135,12 +180,13 @@ class Stepper:
             if withdraw:
                 send[i] = must = True
                 continue
-            used.add(req.pool_id)
-            if kind != "grow":
-                send[i] = must = True
-                publishes |= kind != "end" or arg.publish_blocks != 0
-                continue
             pool = c.pool(req.pool_id)
+            if not pool.groups:
+                used.add(req.pool_id)
+            if kind != "grow" or pool.groups:  # a hybrid pool grants no credit yet
+                send[i] = must = True
+                publishes |= kind not in ("end", "grow") or (kind == "end" and arg.publish_blocks != 0)
+                continue
             if arg < 0 or arg > pool.max_model_len - req.num_tokens:
                 send[i] = must = True  # kvd names what is wrong
                 continue
@@ -181,6 +227,7 @@ class Stepper:
                 item.start.admit.request_id = req.id
             elif kind == "grow":
                 item.grow.tokens = arg
+                item.grow.computed_tokens = batch.computed_tokens.get(i, 0)
             else:
                 getattr(item, kind).CopyFrom(arg)
             sent.append(i)
@@ -222,10 +269,17 @@ class Stepper:
                 if out.ok and not r.waiting:
                     a = r.acquired
                     req.pool_id, req.blocks, req.num_tokens = a.pool_id, list(a.blocks), a.num_tokens
+                    req.group_tables = [GroupTable(t.group, t.first_block_position, t.blocks) for t in a.group_tables]
                     req.cached_tokens, req.resumed = a.cached_tokens, a.resumed
                     req.resumed_tokens, req.engine_state = list(a.resumed_tokens), a.engine_state
                     req.live, req.error = True, None
             elif kind == "grow" and out.ok:
+                try:
+                    _apply_group_grow(req.group_tables, r)
+                except KvdError as e:  # the tables no longer match kvd's: End it
+                    req.error = e
+                    results[i] = StepResult(e.code, e.details)
+                    continue
                 req.blocks += list(r.blocks)
                 req.num_tokens += arg
             elif kind in ("end", "preempt") and out.ok:
