@@ -32,6 +32,8 @@ from typing import Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
+from .model import TinyDecoder
+
 FULL, SLIDING_WINDOW, STATE = "full", "sliding_window", "state"
 
 
@@ -239,18 +241,9 @@ class TinyHybrid:
         self.kv_of_head = torch.arange(cfg.heads) // (cfg.heads // cfg.kv_heads)
         self.state_groups = [name for name, kind, _ in cfg.groups if kind == STATE]
 
-    def _rope(self, x, pos):
-        angle = pos * self.inv_freq
-        cos, sin = torch.cos(angle), torch.sin(angle)
-        a, b = x[..., 0::2], x[..., 1::2]
-        out = torch.empty_like(x)
-        out[..., 0::2] = a * cos - b * sin
-        out[..., 1::2] = a * sin + b * cos
-        return out
-
-    @staticmethod
-    def _norm(x):
-        return x * torch.rsqrt((x * x).mean() + 1e-6)
+    # The reference decoder's rotary embedding and RMS norm, the same arithmetic bit for bit.
+    _rope = TinyDecoder._rope
+    _norm = staticmethod(TinyDecoder._norm)
 
     def _attend(self, kv, group, j, p, x, pos, window):
         cfg = self.cfg
