@@ -46,6 +46,11 @@ struct GroupTable {
   std::string name;
   int64_t first_block_position = 0;
   std::vector<BlockIndex> blocks;
+  // A state group's table on a hit (docs/hybrid.md §2.6): the cached checkpoint slot holding the
+  // state at exactly cached_tokens, which the engine copies into its running slot before its
+  // first computed position; read-only, referenced by the request until it ends. -1: none (no
+  // hit, or not a state group).
+  int64_t checkpoint_slot = -1;
 };
 
 struct AcquireResult {
@@ -67,6 +72,27 @@ struct AcquireResult {
   // Hybrid pools: one table per KV group, in the pool's group order; `blocks` is then the first
   // full group's table (empty without one). Empty for pools without groups.
   std::vector<GroupTable> group_tables;
+  // Hybrid pools' diagnostics (§2.6): the spine's match in tokens, and the group that shortened
+  // the hit below it (-1: none did).
+  int64_t full_hit_tokens = 0;
+  int limited_by = -1;
+};
+
+// A state group's checkpoint a publish offers (docs/hybrid.md §2.7): `slot`, one of the request's
+// own slots of state group `group`, holds the state at exactly `position_tokens`.
+struct StateCheckpoint {
+  int group = 0;
+  int64_t position_tokens = 0;
+  BlockIndex slot = 0;
+};
+
+// §2.7's outcomes of one state checkpoint in a publish.
+enum class CheckpointOutcome {
+  kKept,           // the slot is now a cached, immutable checkpoint; the request got a fresh spare
+  kAlreadyCached,  // the node holds one of this group: the slot stays the request's spare
+  kNoChain,        // the spine does not hold nodes [0, d) of the request's chain
+  kNoWindow,       // a window group's blocks [d - need, d) are neither held nor cached
+  kNotAligned,     // d is 0, or neither on the k-grid nor an allowed tail
 };
 
 enum class PublishOutcome {
@@ -80,6 +106,10 @@ std::string PublishOutcomeName(PublishOutcome outcome);
 struct PublishResult {
   std::vector<PublishOutcome> outcomes;  // one per published position
   int64_t kept = 0;
+  // Hybrid pools: one per offered state checkpoint, in order; `fresh_slots[i]` is the spare slot
+  // the request took in place of a kept one (-1 otherwise).
+  std::vector<CheckpointOutcome> checkpoint_outcomes;
+  std::vector<int64_t> fresh_slots;
 };
 
 enum class EvictReason { kCapacity = 0, kBoundary = 1, kGc = 2, kClear = 3 };

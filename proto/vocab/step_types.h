@@ -41,6 +41,8 @@ struct StepOp {
   std::vector<Token> token_ids;
   std::string engine_state;
   bool completed = false;  // kEnd
+  // kPublish, kEnd on a hybrid pool: state checkpoints to publish (docs/hybrid.md §2.7).
+  std::vector<StateCheckpoint> state_checkpoints;
 };
 
 struct StepOpResult {

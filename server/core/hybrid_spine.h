@@ -33,6 +33,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "proto/vocab/cache_types.h"
 #include "proto/vocab/pool_geometry.h"
 #include "proto/vocab/types.h"
 #include "server/core/prefix_index.h"
@@ -56,14 +57,7 @@ class NoSpineRefs final : public SpineRefs {
   bool ComponentReferenced(BlockIndex) const override { return false; }
 };
 
-// §2.7's outcomes of one state checkpoint in a publish.
-enum class CheckpointOutcome {
-  kKept,           // may be attached: the slot becomes a cached checkpoint
-  kAlreadyCached,  // the node holds one of this group: the slot stays the request's spare
-  kNoChain,        // the spine does not hold nodes [0, d) of the request's chain
-  kNoWindow,       // a window group's blocks [d - need, d) are neither held nor cached
-  kNotAligned,     // d is 0, or neither on the k-grid nor an allowed tail
-};
+// §2.7's outcomes: CheckpointOutcome (proto/vocab/cache_types.h).
 absl::string_view CheckpointOutcomeName(CheckpointOutcome outcome);
 
 // The answer of Lookup (§2.6). Reused across calls so its vectors stop allocating.
@@ -182,6 +176,8 @@ class HybridSpine {
   // U4 for a window block a request releases into the cache: false when, in a pool with a state
   // group, no checkpoint reads it (free it instead of attaching/keeping it).
   bool WindowBlockEarnsPlace(const CachedBlock& node, int g) const;
+  // U2 for a leaf that is (or is about to be) unreferenced: true when it may stay (UnservableBy).
+  bool LeafServable(const CachedBlock& leaf) const { return UnservableBy(leaf) < 0; }
 
   // Recomputes U2, U3 and U4 from scratch over this pool's nodes in `index`, plus what the side
   // arrays alone can tell of U1 (no component on a slot without a node; every node holds each

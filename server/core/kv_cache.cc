@@ -187,6 +187,12 @@ KvCache::KvCache(CacheOptions options, const Clock* clock, int64_t budget_bytes)
       pool->queue.set_main_limits(options_.slru_main_fraction, std::numeric_limits<int64_t>::max());
       pool->queue.set_horizons(d.probation_horizon, d.main_horizon);
     }
+    if (pool->spine_group >= 0 && g.hybrid()) {
+      absl::StatusOr<HybridSpine> spine = HybridSpine::Create(g, static_cast<PoolId>(pools_.size()));
+      KVD_CHECK(spine.ok());  // Validate accepted the groups
+      pool->spine = std::make_unique<HybridSpine>(*std::move(spine));
+      pool->component_node.assign(static_cast<size_t>(g.capacity_blocks), nullptr);
+    }
     owners_.AddPool(g.capacity_blocks);
     pools_.push_back(std::move(pool));
   }
@@ -205,9 +211,10 @@ absl::StatusOr<PoolId> KvCache::FindPool(absl::string_view name) const {
 }
 
 int64_t KvCache::MaxHitBlocks(const Pool& pool, int64_t prompt_tokens) const {
-  // A pool with KV groups hits nothing until its lookup serves every group (docs/hybrid.md §2.6):
-  // a block chain alone says nothing of the window or the state at its end.
-  if (pool.geometry.hybrid()) return 0;
+  // A pool with KV groups hits only through its spine's lookup, which serves every group
+  // (docs/hybrid.md §2.6): a block chain alone says nothing of the window or the state at its end.
+  // A hybrid pool without a full group has no spine yet and hits nothing.
+  if (pool.geometry.hybrid() && pool.spine == nullptr) return 0;
   // At least one prompt token is left to compute: the engine needs its logits.
   return prompt_tokens <= 0 ? 0 : (prompt_tokens - 1) / pool.geometry.block_tokens;
 }
@@ -562,7 +569,10 @@ void KvCache::ReleaseLocked(Request& req, bool completed) {
   }
   if (!req.spec.session.empty() && req.acquired) UpdateSessionLocked(req);
   ReleaseWritesLocked(req);  // a pull writing some of them keeps them until UnpinBlocks
-  for (auto g = req.groups.rbegin(); g != req.groups.rend(); ++g) UnrefTableLocked(req.pool, g->blocks);
+  for (auto g = req.groups.rbegin(); g != req.groups.rend(); ++g) {
+    UnrefTableLocked(req.pool, g->blocks);
+    if (g->checkpoint != HybridSpine::kNone) UnrefLocked(req.pool, g->checkpoint);
+  }
   UnrefTableLocked(req.pool, req.table);
   workers_.AddUsage(req.spec.limit_key(), -1, -ReservedBytesLocked(req));
   if (!req.reserved_units.empty()) ledger_.UnreserveUnits(req.pool, req.reserved_units);
@@ -627,6 +637,12 @@ absl::StatusOr<int64_t> KvCache::PeekPrefixLen(const Namespace& ns,
       ChainKeys(ns, tokens, bt, std::min<int64_t>(static_cast<int64_t>(tokens.size()), pool_geometries_[id].max_model_len) / bt);
   absl::MutexLock lock(&mu_);
   const Pool& pool = *pools_[id];
+  if (pool.spine != nullptr) {
+    std::vector<CachedBlock*> chain;
+    HybridHit hit;
+    LookupHybridLocked(pool, ns, tokens, keys, &chain, &hit);
+    return hit.depth * pool.geometry.block_tokens;
+  }
   std::vector<CachedBlock*> hit =
       index_.Match(index_.FindRoot(ns), tokens, pool.geometry.block_tokens,
                    MaxHitBlocks(pool, static_cast<int64_t>(tokens.size())), keys);

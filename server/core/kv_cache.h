@@ -90,8 +90,12 @@ class KvCache final : public TierPort {
   // Offers the request's first blocks.size() blocks for reuse. `blocks` must equal the request's
   // table prefix and `tokens` must cover them fully and agree with the request's known tokens.
   // Kept blocks become cached and immutable; the request keeps reading them.
+  // On a hybrid pool, each group's blocks the request holds at the kept positions attach to the
+  // spine too, and `checkpoints` are accepted or not per docs/hybrid.md §2.7 (outcomes in the
+  // result; INVALID_ARGUMENT, changing nothing, for a slot or group that is not the request's).
   absl::StatusOr<PublishResult> Publish(const RequestId& id, absl::Span<const Token> tokens,
-                                        absl::Span<const BlockIndex> blocks) ABSL_LOCKS_EXCLUDED(mu_);
+                                        absl::Span<const BlockIndex> blocks,
+                                        absl::Span<const StateCheckpoint> checkpoints = {}) ABSL_LOCKS_EXCLUDED(mu_);
   // What Publish would answer for the same arguments; changes nothing.
   absl::StatusOr<PublishResult> Keeps(const RequestId& id, absl::Span<const Token> tokens,
                                       absl::Span<const BlockIndex> blocks) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -103,7 +107,8 @@ class KvCache final : public TierPort {
   // one lock, all or nothing: on error the request is still live and unchanged.
   // INVALID_ARGUMENT (publish_blocks < 0 or past the table, tokens too short) and Publish's.
   absl::StatusOr<PublishResult> End(const RequestId& id, int64_t publish_blocks,
-                                    absl::Span<const Token> more_tokens, bool completed) ABSL_LOCKS_EXCLUDED(mu_);
+                                    absl::Span<const Token> more_tokens, bool completed,
+                                    absl::Span<const StateCheckpoint> checkpoints = {}) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the request. completed: its checkpoint is removed; interrupted: the checkpoint is kept for
   // resume (within the checkpoint budget). NOT_FOUND when the id is not live (e.g. a double release).
   absl::Status Release(const RequestId& id, bool completed) ABSL_LOCKS_EXCLUDED(mu_);
@@ -279,10 +284,14 @@ class KvCache final : public TierPort {
                                                   absl::Span<const BlockIndex> blocks, bool by_pull) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<PublishResult> EndLocked(const RequestId& id, int64_t publish_blocks,
-                                          absl::Span<const Token> more_tokens, bool completed)
+                                          absl::Span<const Token> more_tokens, bool completed,
+                                          absl::Span<const StateCheckpoint> checkpoints = {})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `end`: End's publish (a tail checkpoint at the last published block is allowed).
   absl::StatusOr<PublishResult> PublishLocked(const RequestId& id, absl::Span<const Token> tokens,
-                                              absl::Span<const BlockIndex> blocks, bool by_pull = false)
+                                              absl::Span<const BlockIndex> blocks, bool by_pull = false,
+                                              absl::Span<const StateCheckpoint> checkpoints = {},
+                                              bool end = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckKnownTokensLocked(const Request& req, absl::Span<const Token> tokens) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -322,6 +331,9 @@ class KvCache final : public TierPort {
   absl::StatusOr<std::vector<BlockIndex>> AllocateOwnedLocked(PoolId pool, int64_t count, uint64_t owner,
                                                               const Owner* writer, int group = 0)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `count` blocks off `group`'s free list, owned by `owner` (refs 1). REQUIRES: that many free.
+  std::vector<BlockIndex> TakeFreeLocked(Pool& pool, int64_t count, int group, uint64_t owner)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // `key`, when given, is the block's chained key (computed before the lock).
   CachedBlock* CacheBlockLocked(PoolId pool, NamespaceRoot* root, CachedBlock* parent,
@@ -349,12 +361,35 @@ class KvCache final : public TierPort {
   absl::StatusOr<std::vector<GroupTable>> GrowGroupsLocked(Request& req, int64_t additional_tokens,
                                                            int64_t computed_tokens, bool credit_named)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kv_cache_spine.cc: the spine of a hybrid pool with a full group (docs/hybrid.md §2.6-2.8).
+  // INVALID_ARGUMENT, before anything changes, unless each checkpoint names a state group and one
+  // of the request's own slots of it, at a position >= 0, no slot twice.
+  absl::Status CheckStateCheckpointsLocked(const Request& req, absl::Span<const StateCheckpoint> checkpoints) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a publish on a hybrid pool: the request's blocks of other attention groups at positions
-  // whose spine block is now cached for its chain become cached too (no writer; evictable once
-  // the request lets them go).
-  void PublishSideLocked(Request& req, const PublishResult& published) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Evicts the oldest evictable cached block of non-spine group g. REQUIRES: one exists.
-  void EvictSideLocked(Pool& pool, int g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // whose spine node is its chain's attach to the nodes that have none of that group (cached, no
+  // writer; evictable once the request lets them go; a node that has one leaves the request's
+  // block its own), then the checkpoints are accepted per §2.7 into `published`.
+  void PublishSideLocked(Request& req, absl::Span<const StateCheckpoint> checkpoints, bool end,
+                         PublishResult& published) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts from non-spine group g's oldest evictable components until one unit of g is free
+  // (window blocks a checkpoint reads wait for that checkpoint; a unit at an unreferenced leaf goes
+  // whole). False, when nothing more can go.
+  bool EvictSideLocked(Pool& pool, int g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A cached, unreferenced component leaves its group's evictable list and is freed.
+  void FreeComponentLocked(Pool& pool, BlockIndex index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Erases pool.plan's nodes in order (EvictNodeLocked) and frees its components, then clears it.
+  void CarryOutPlanLocked(Pool& pool, EvictReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A block of a hybrid pool with a spine lost its last reference: an unservable spine leaf goes
+  // (U2), a window block no checkpoint reads is tombstoned and freed (U4).
+  void AfterLastUnrefLocked(Pool& pool, BlockIndex index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Spine Match + §2.6's Lookup for `prompt` (keys of its full blocks): the hit in `hit`, the
+  // chain in `chain`.
+  void LookupHybridLocked(const Pool& pool, const Namespace& ns, absl::Span<const Token> prompt,
+                          absl::Span<const BlockKey> keys, std::vector<CachedBlock*>* chain, HybridHit* hit) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The old single-node eviction: `victim` leaves the index and its block is freed (or held).
+  void EvictNodeLocked(Pool& pool, CachedBlock* victim, EvictReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // CheckInvariantsForTesting's per-group part (docs/hybrid.md §2.8, U6): per group of every
   // hybrid pool, free + owned + cached = capacity counted from the blocks and equal to the
   // allocator's and side lists' counts; every block of a request's group table lies in that

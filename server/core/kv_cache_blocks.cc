@@ -86,10 +86,12 @@ void KvCache::UnrefLocked(PoolId pool_id, BlockIndex index, bool touch) {
   if (s.node == nullptr) {  // a hybrid pool's side block: evictable by its group, oldest first
     cache_state::Pool::SideGroup& sg = pool.side[pool.allocator.GroupOf(index)];
     sg.where[index] = sg.evictable.insert(sg.evictable.end(), index);
+    if (pool.spine != nullptr) AfterLastUnrefLocked(pool, index);
     return;
   }
   if (touch) pool.StampUse(*s.node, NextTickLocked());
   if (s.node->num_children == 0) pool.queue.Push(s.node);
+  if (pool.spine != nullptr) AfterLastUnrefLocked(pool, index);
 }
 
 void KvCache::HoldLocked(PoolId pool_id, BlockIndex index) {
@@ -109,6 +111,19 @@ void KvCache::UnrefTableLocked(PoolId pool, absl::Span<const BlockIndex> table) 
   for (auto it = table.rbegin(); it != table.rend(); ++it) UnrefLocked(pool, *it);
 }
 
+std::vector<BlockIndex> KvCache::TakeFreeLocked(Pool& pool, int64_t count, int group, uint64_t owner) {
+  absl::StatusOr<std::vector<BlockIndex>> out = pool.allocator.Allocate(count, group);
+  KVD_CHECK(out.ok());
+  for (BlockIndex b : *out) {
+    BlockState& s = pool.blocks[b];
+    s.kind = BlockState::Kind::kOwned;
+    s.refs = 1;
+    s.owner = owner;
+  }
+  pool.num_owned += static_cast<int64_t>(out->size());
+  return *std::move(out);
+}
+
 absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool_id, int64_t count,
                                                                     uint64_t owner, const Owner* writer, int group) {
   KVD_CHECK(writer == nullptr || writer->epoch == owner);
@@ -122,18 +137,15 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool
                                                        pool.geometry.name, "' has ", reclaimable,
                                                        " free or reclaimable units, need ", count));
     }
-    while (pool.allocator.num_free(group) < count) EvictSideLocked(pool, group);
-    absl::StatusOr<std::vector<BlockIndex>> out = pool.allocator.Allocate(count, group);
-    KVD_CHECK(out.ok());
-    for (BlockIndex b : *out) {
-      BlockState& s = pool.blocks[b];
-      s.kind = BlockState::Kind::kOwned;
-      s.refs = 1;
-      s.owner = owner;
+    while (pool.allocator.num_free(group) < count) {
+      if (!EvictSideLocked(pool, group)) {
+        return absl::ResourceExhaustedError(absl::StrCat("group '", pool.geometry.groups[group].name, "' of pool '",
+                                                         pool.geometry.name, "' has too few reclaimable units"));
+      }
     }
-    pool.num_owned += count;
+    std::vector<BlockIndex> out = TakeFreeLocked(pool, count, group, owner);
     if (writer != nullptr) {
-      for (BlockIndex b : *out) KVD_CHECK(owners_.Assign(pool_id, b, *writer).ok());
+      for (BlockIndex b : out) KVD_CHECK(owners_.Assign(pool_id, b, *writer).ok());
     }
     return out;
   }
@@ -157,15 +169,7 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool
     if (pool.blocks[index].kind == BlockState::Kind::kOwned) held.push_back(index);
   }
   absl::StatusOr<std::vector<BlockIndex>> out =
-      pool.allocator.Allocate(count - static_cast<int64_t>(held.size()), group);
-  KVD_CHECK(out.ok());
-  for (BlockIndex b : *out) {
-    BlockState& s = pool.blocks[b];
-    s.kind = BlockState::Kind::kOwned;
-    s.refs = 1;
-    s.owner = owner;
-  }
-  pool.num_owned += static_cast<int64_t>(out->size());
+      TakeFreeLocked(pool, count - static_cast<int64_t>(held.size()), group, owner);
   if (sink_ != nullptr && pool.allocator.num_free() < pool.reserve_blocks) {
     demote_wanted_.store(true, std::memory_order_relaxed);  // Deliver wakes the mover
   }
@@ -183,6 +187,16 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool
 }
 
 void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason) {
+  if (pool.spine == nullptr) {
+    EvictNodeLocked(pool, victim, reason);
+    return;
+  }
+  // A spine leaf goes as a unit, with the cascade its going causes (docs/hybrid.md §2.8).
+  pool.spine->EvictLeaf(victim, cache_state::PoolRefs(pool), &pool.plan);
+  CarryOutPlanLocked(pool, reason);
+}
+
+void KvCache::EvictNodeLocked(Pool& pool, CachedBlock* victim, EvictReason reason) {
   KVD_CHECK(victim->num_children == 0);
   const BlockIndex index = victim->address.index;
   BlockState& s = pool.blocks[index];
@@ -209,7 +223,7 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
     e.medium.clear();
     EmitLocked();
   }
-  const bool demote = sink_ != nullptr && reason != EvictReason::kClear;
+  const bool demote = sink_ != nullptr && reason != EvictReason::kClear && !pool.geometry.hybrid();
   if (demote) {
     cache_state::PendingDemotion d{this, HeldBlock(ViewOf(index_, *victim))};
     d.block.reason = reason;

@@ -80,7 +80,10 @@ int64_t KvCache::ReservedBytesLocked(const Request& req) const {
 
 std::vector<BlockIndex> KvCache::AllBlocksOf(const Request& req) {
   std::vector<BlockIndex> out = req.table;
-  for (const Request::Group& g : req.groups) out.insert(out.end(), g.blocks.begin(), g.blocks.end());
+  for (const Request::Group& g : req.groups) {
+    out.insert(out.end(), g.blocks.begin(), g.blocks.end());
+    if (g.checkpoint != HybridSpine::kNone) out.push_back(g.checkpoint);
+  }
   return out;
 }
 
@@ -93,6 +96,7 @@ std::vector<GroupTable> KvCache::GroupTablesLocked(const Request& req) const {
     t.name = pool.geometry.groups[g].name;
     t.first_block_position = req.groups[g].first;
     t.blocks = static_cast<int>(g) == pool.spine_group ? req.table : req.groups[g].blocks;
+    if (req.groups[g].checkpoint != HybridSpine::kNone) t.checkpoint_slot = req.groups[g].checkpoint;
     out.push_back(std::move(t));
   }
   return out;
@@ -101,37 +105,100 @@ std::vector<GroupTable> KvCache::GroupTablesLocked(const Request& req) const {
 absl::StatusOr<AcquireResult> KvCache::AcquireGroupsLocked(Request& req) {
   Pool& pool = *pools_[req.pool];
   const PoolGeometry& geo = pool.geometry;
+  const int32_t bt = geo.block_tokens;
   const int64_t n = static_cast<int64_t>(req.spec.prompt.size());
   const int num_groups = static_cast<int>(geo.groups.size());
-  // No prefix is served on a hybrid pool yet (MaxHitBlocks): everything is fresh, c = 0.
-  std::vector<int64_t> need(num_groups);
-  for (int g = 0; g < num_groups; ++g) {
-    const auto [lo, hi] = HeldRange(geo, g, n, 0);
-    need[g] = hi - lo;
-    if (need[g] > pool.allocator.num_free(g) + pool.EvictableIn(g)) {
+  // The hit every group serves (§2.6): depth d, c = d * bt tokens computed. A pool without a
+  // spine (no full group) serves none.
+  std::vector<CachedBlock*> chain;
+  HybridHit hit;
+  if (pool.spine != nullptr) LookupHybridLocked(pool, req.spec.ns, req.spec.prompt, req.keys, &chain, &hit);
+  int64_t d = hit.depth;
+  int64_t c = d * bt;
+  // Per group: the hit's units (referenced, read-only) and the fresh ones; hit units evictable now
+  // stop being so once referenced, so room for the fresh ones is checked without them first.
+  std::vector<int64_t> need(num_groups), pinning(num_groups, 0), lo(num_groups);
+  auto hit_units = [&](int g) -> std::vector<BlockIndex> {
+    std::vector<BlockIndex> units;
+    if (d == 0) return units;
+    if (g == pool.spine_group) {
+      for (int64_t i = 0; i < d; ++i) units.push_back(chain[i]->address.index);
+    } else if (geo.groups[g].attention()) {
+      units = hit.groups[g].blocks;
+    } else if (hit.groups[g].checkpoint != HybridSpine::kNone) {
+      units.push_back(hit.groups[g].checkpoint);
+    }
+    return units;
+  };
+  // A hit's checkpoint is a state unit beyond the request's 2 reserved slots: where its group has
+  // no room for it, the request starts without the hit rather than not at all.
+  for (bool retry = true; retry;) {
+    retry = false;
+    for (int g = 0; g < num_groups; ++g) {
+      const auto [l, hi] = HeldRange(geo, g, n, c);
+      lo[g] = l;
+      // A state group: the running slot, and the spare, or on a hit the checkpoint in its stead
+      // until the next grow (so a request holds no more than its 2 reserved units).
+      need[g] = geo.groups[g].kind != KvGroupKind::kState ? hi - std::max(l, d) : hi - l - (d > 0 ? 1 : 0);
+      if (geo.groups[g].attention() && g != pool.spine_group) KVD_CHECK(hit.groups[g].first_position == l || d == 0);
+      pinning[g] = 0;
+      for (BlockIndex b : hit_units(g)) pinning[g] += pool.blocks[b].refs == 0 ? 1 : 0;
+      if (need[g] + pinning[g] <= pool.allocator.num_free(g) + pool.EvictableIn(g)) continue;
+      if (d > 0) {
+        hit.limited_by = g;
+        d = 0;
+        c = 0;
+        retry = true;
+        break;
+      }
       return absl::ResourceExhaustedError(absl::StrCat("group '", geo.groups[g].name, "' of pool '", geo.name,
                                                        "' has ", pool.allocator.num_free(g) + pool.EvictableIn(g),
-                                                       " reclaimable units, need ", need[g]));
+                                                       " reclaimable units, need ", need[g] + pinning[g]));
     }
   }
   const Owner writer = WriterOf(req);
   req.groups.assign(num_groups, Request::Group{});
   for (int g = 0; g < num_groups; ++g) {
+    std::vector<BlockIndex> units = hit_units(g);
+    for (BlockIndex b : units) RefLocked(req.pool, b);
+    if (geo.groups[g].kind == KvGroupKind::kState) {
+      if (!units.empty()) req.groups[g].checkpoint = units.front();
+      units.clear();
+    }
+    if (g == pool.spine_group) {
+      for (int64_t i = 0; i < d; ++i) {
+        if (options_.eviction_policy != EvictionPolicy::kLru) chain[i]->reused = true;  // referenced: not queued
+        pool.NoteUse(*chain[i], /*reused=*/true);
+      }
+      req.table = std::move(units);
+    } else {
+      req.groups[g].blocks = std::move(units);
+      req.groups[g].first = geo.groups[g].attention() ? lo[g] : 0;
+    }
+  }
+  for (int g = 0; g < num_groups; ++g) {
     absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, need[g], req.serial, &writer, g);
     KVD_CHECK(owned.ok());
-    if (g == pool.spine_group) req.table = *std::move(owned);
-    else req.groups[g].blocks = *std::move(owned);
+    std::vector<BlockIndex>& held = g == pool.spine_group ? req.table : req.groups[g].blocks;
+    held.insert(held.end(), owned->begin(), owned->end());
   }
   req.num_tokens = n;
-  req.cached_tokens = 0;
-  req.computed_tokens = 0;
+  req.cached_tokens = c;
+  req.computed_tokens = c;
   counters_.lookups++;
-  counters_.miss_tokens += n;
+  counters_.hit_tokens += c;
+  counters_.miss_tokens += n - c;
   AcquireResult out;
   out.pool = req.pool;
   out.blocks = req.table;
   out.num_tokens = n;
-  out.cached_tokens = 0;
+  out.cached_tokens = c;
+  out.full_hit_tokens = hit.full_depth * bt;
+  out.limited_by = hit.limited_by;
+  if (d > 0) {
+    std::vector<CachedBlock*> hit_nodes(chain.begin(), chain.begin() + d);
+    out.publishers = PublishersLocked(hit_nodes);
+  }
   out.group_tables = GroupTablesLocked(req);
   return out;
 }
@@ -169,10 +236,15 @@ absl::StatusOr<std::vector<GroupTable>> KvCache::GrowGroupsLocked(Request& req, 
     const int64_t first = req.groups[g].first;
     const int64_t end = first + static_cast<int64_t>(held.size());
     std::tie(p.lo, p.hi) = HeldRange(geo, g, n, c);
-    if (geo.groups[g].kind == KvGroupKind::kState) p.lo = first, p.hi = end;
+    // A state group keeps its slots; one short of two (a hit's checkpoint stood for the spare, or
+    // a kept checkpoint found no fresh one) gets its spare now and lets the checkpoint go.
+    if (geo.groups[g].kind == KvGroupKind::kState) p.lo = first, p.hi = std::max(end, first + 2);
     p.lo = std::max(p.lo, first);  // never moves back
     p.drop = std::min(p.lo, end) - first;
     p.add = std::max<int64_t>(0, p.hi - std::max(end, p.lo));
+    if (const BlockIndex cp = req.groups[g].checkpoint; cp != HybridSpine::kNone && pool.blocks[cp].refs == 1) {
+      ++p.cached;
+    }
     for (int64_t i = 0; i < p.drop; ++i) {
       const BlockState& s = pool.blocks[held[i]];
       if (s.refs != 1) continue;  // someone else holds it too
@@ -208,6 +280,10 @@ absl::StatusOr<std::vector<GroupTable>> KvCache::GrowGroupsLocked(Request& req, 
     }
     held.erase(held.begin(), held.begin() + p.drop);
     req.groups[g].first = p.lo;
+    if (req.groups[g].checkpoint != HybridSpine::kNone) {  // the engine copied it before this step
+      UnrefLocked(req.pool, req.groups[g].checkpoint);
+      req.groups[g].checkpoint = HybridSpine::kNone;
+    }
     absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, p.add, req.serial, &writer, g);
     KVD_CHECK(owned.ok());
     held.insert(held.end(), owned->begin(), owned->end());
@@ -226,50 +302,6 @@ absl::StatusOr<std::vector<GroupTable>> KvCache::GrowGroupsLocked(Request& req, 
   req.computed_tokens = c;
   UpdatePressureLocked();
   return out;
-}
-
-void KvCache::PublishSideLocked(Request& req, const PublishResult& published) {
-  Pool& pool = *pools_[req.pool];
-  const Owner writer = WriterOf(req);
-  for (size_t g = 0; g < req.groups.size(); ++g) {
-    if (static_cast<int>(g) == pool.spine_group || !pool.geometry.groups[g].attention()) continue;
-    Request::Group& rg = req.groups[g];
-    for (size_t i = 0; i < rg.blocks.size(); ++i) {
-      const int64_t pos = rg.first + static_cast<int64_t>(i);
-      if (pos >= static_cast<int64_t>(published.outcomes.size())) break;
-      const PublishOutcome o = published.outcomes[pos];
-      if (o != PublishOutcome::kKept && o != PublishOutcome::kAlreadyCached) continue;
-      const BlockIndex b = rg.blocks[i];
-      BlockState& s = pool.blocks[b];
-      if (s.kind != BlockState::Kind::kOwned || s.owner != req.serial) continue;
-      // Published bytes are never rewritten: the request writes it no more.
-      if (const Owner* w = owners_.OwnerOf(req.pool, b); w != nullptr && *w == writer) {
-        KVD_CHECK(owners_.Release(req.pool, b, writer).ok());
-      }
-      s.kind = BlockState::Kind::kCached;
-      s.owner = 0;
-      s.node = nullptr;
-      --pool.num_owned;
-      ++pool.num_cached;
-      ++pool.side[g].cached;
-    }
-  }
-}
-
-void KvCache::EvictSideLocked(Pool& pool, int g) {
-  cache_state::Pool::SideGroup& sg = pool.side[g];
-  KVD_CHECK(!sg.evictable.empty());
-  const BlockIndex b = sg.evictable.front();
-  sg.evictable.pop_front();
-  sg.where.erase(b);
-  BlockState& s = pool.blocks[b];
-  KVD_CHECK(s.kind == BlockState::Kind::kCached && s.node == nullptr && s.refs == 0);
-  s.kind = BlockState::Kind::kFree;
-  --sg.cached;
-  --pool.num_cached;
-  --pool.num_cached_unreferenced;
-  pool.allocator.Free(b);
-  ++counters_.evictions[static_cast<int>(EvictReason::kCapacity)];
 }
 
 absl::Status KvCache::CheckGroupsLocked() const {
@@ -339,6 +371,15 @@ absl::Status KvCache::CheckGroupsLocked() const {
           if (s.node == nullptr && pool.side[g].where.contains(b) != (s.refs == 0)) {
             return fail("side block ", b, " of group ", pool.geometry.groups[g].name, ": evictable list membership wrong");
           }
+          if (s.node == nullptr && pool.spine != nullptr) {  // U1: a component of the node that holds it
+            const CachedBlock* node = pool.component_node[b];
+            const bool state = pool.geometry.groups[g].kind == KvGroupKind::kState;
+            if (node == nullptr || pool.blocks[node->address.index].node != node ||
+                (state ? pool.spine->checkpoint(*node, g) : pool.spine->block(*node, g)) != b) {
+              return fail("cached block ", b, " of group ", pool.geometry.groups[g].name,
+                          " is no component of the spine node it names");
+            }
+          }
           break;
       }
     }
@@ -359,6 +400,16 @@ absl::Status KvCache::CheckGroupsLocked() const {
         return fail("group ", name, " reservation ", ledger_.reserved_units(p, g), ", expected ", reserved[p][g]);
       }
       if (reserved[p][g] > pool.geometry.groups[g].capacity) return fail("group ", name, " over-reserved");
+    }
+    if (pool.spine != nullptr) {
+      for (BlockIndex b = 0; b < pool.blocks.size(); ++b) {
+        if (pool.component_node[b] != nullptr && pool.blocks[b].kind != BlockState::Kind::kCached) {
+          return fail("block ", b, " of pool ", pool.geometry.name, " is ", pool.blocks[b].kind == BlockState::Kind::kFree ? "free" : "owned",
+                      " but still names a spine node");
+        }
+      }
+      // U2-U4 and the side arrays' U1/U6 parts, recomputed from the nodes (HybridSpine).
+      KVD_RETURN_IF_ERROR(pool.spine->CheckInvariants(index_, cache_state::PoolRefs(pool)));
     }
   }
   return absl::OkStatus();

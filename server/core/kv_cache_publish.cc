@@ -109,38 +109,41 @@ absl::StatusOr<PublishResult> KvCache::Keeps(const RequestId& id, absl::Span<con
 }
 
 absl::StatusOr<PublishResult> KvCache::Publish(const RequestId& id, absl::Span<const Token> tokens,
-                                               absl::Span<const BlockIndex> blocks) {
+                                               absl::Span<const BlockIndex> blocks,
+                                               absl::Span<const StateCheckpoint> checkpoints) {
   absl::StatusOr<PublishResult> result;
   {
     absl::MutexLock lock(&mu_);
     ExpireLocked(nullptr);
-    result = PublishLocked(id, tokens, blocks);
+    result = PublishLocked(id, tokens, blocks, /*by_pull=*/false, checkpoints);
   }
   Deliver();
   return result;
 }
 
 absl::StatusOr<PublishResult> KvCache::End(const RequestId& id, int64_t publish_blocks,
-                                           absl::Span<const Token> more_tokens, bool completed) {
+                                           absl::Span<const Token> more_tokens, bool completed,
+                                           absl::Span<const StateCheckpoint> checkpoints) {
   absl::StatusOr<PublishResult> result;
   {
     absl::MutexLock lock(&mu_);
     ExpireLocked(nullptr);
-    result = EndLocked(id, publish_blocks, more_tokens, completed);
+    result = EndLocked(id, publish_blocks, more_tokens, completed, checkpoints);
   }
   Deliver();  // also what expiry queued when End failed
   return result;
 }
 
 absl::StatusOr<PublishResult> KvCache::EndLocked(const RequestId& id, int64_t publish_blocks,
-                                                 absl::Span<const Token> more_tokens, bool completed) {
+                                                 absl::Span<const Token> more_tokens, bool completed,
+                                                 absl::Span<const StateCheckpoint> checkpoints) {
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
   if (publish_blocks < 0 || publish_blocks > static_cast<int64_t>(req->table.size())) {
     return absl::InvalidArgumentError(
         absl::StrCat("publish_blocks is ", publish_blocks, "; the request holds ", req->table.size(), " blocks"));
   }
   PublishResult published;
-  if (publish_blocks > 0) {
+  if (publish_blocks > 0 || !checkpoints.empty()) {
     // The request's own tokens; copied only when the caller adds some (decode past the prompt).
     std::vector<Token> joined;
     absl::Span<const Token> tokens = req->known_tokens;
@@ -151,7 +154,7 @@ absl::StatusOr<PublishResult> KvCache::EndLocked(const RequestId& id, int64_t pu
       tokens = joined;
     }
     const std::vector<BlockIndex> blocks(req->table.begin(), req->table.begin() + publish_blocks);
-    KVD_ASSIGN_OR_RETURN(published, PublishLocked(id, tokens, blocks));
+    KVD_ASSIGN_OR_RETURN(published, PublishLocked(id, tokens, blocks, /*by_pull=*/false, checkpoints, /*end=*/true));
   }
   ReleaseLocked(*req, completed);
   requests_.erase(id);
@@ -160,9 +163,11 @@ absl::StatusOr<PublishResult> KvCache::EndLocked(const RequestId& id, int64_t pu
 
 absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
                                                      absl::Span<const Token> tokens,
-                                                     absl::Span<const BlockIndex> blocks, bool by_pull) {
+                                                     absl::Span<const BlockIndex> blocks, bool by_pull,
+                                                     absl::Span<const StateCheckpoint> checkpoints, bool end) {
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
   KVD_ASSIGN_OR_RETURN(PublishResult plan, PlanPublishLocked(*req, tokens, blocks, by_pull));
+  KVD_RETURN_IF_ERROR(CheckStateCheckpointsLocked(*req, checkpoints));
   Pool& pool = *pools_[req->pool];
   const int32_t bt = pool.geometry.block_tokens;
   NamespaceRoot* root = plan.kept > 0 ? index_.GetOrCreateRoot(req->spec.ns, req->pool) : nullptr;
@@ -197,7 +202,7 @@ absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
   }
   counters_.published_blocks += plan.kept;
   LearnTokensLocked(*req, tokens);
-  if (pool.geometry.hybrid()) PublishSideLocked(*req, plan);
+  if (pool.geometry.hybrid()) PublishSideLocked(*req, checkpoints, end, plan);
   return plan;
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <list>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -18,6 +19,7 @@
 #include "server/core/event_log.h"
 #include "server/core/eviction_sink.h"
 #include "server/core/eviction_queue.h"
+#include "server/core/hybrid_spine.h"
 #include "server/core/policy_duel.h"
 #include "proto/vocab/pool_geometry.h"
 #include "server/core/prefix_index.h"
@@ -57,6 +59,13 @@ struct Pool {
   };
   int spine_group = 0;
   std::vector<SideGroup> side;  // one per group of a hybrid pool; empty otherwise
+  // A hybrid pool with a full group: the components of the other groups hanging off each spine
+  // node (docs/hybrid.md §2.6-2.8). Every cached block of another group is one: a window block
+  // or a state checkpoint slot, attached at a publish; `component_node[b]` is its spine node
+  // (BlockState::node stays null for it). Null for other pools.
+  std::unique_ptr<HybridSpine> spine;
+  std::vector<CachedBlock*> component_node;
+  EvictionPlan plan;  // scratch for the spine's evictions (keeps its capacity)
   static std::vector<int64_t> GroupCapacities(const PoolGeometry& g) {
     if (!g.hybrid()) return {g.capacity_blocks};
     std::vector<int64_t> caps;
@@ -105,6 +114,17 @@ struct Pool {
     queue.set_order(duel->preferred());
   }
 };
+// KvCache's references as the spine asks for them: a block (a node's full block, or a component)
+// is referenced while a request table, a pin or a checkpoint counts in its refs.
+class PoolRefs final : public SpineRefs {
+ public:
+  explicit PoolRefs(const Pool& pool) : pool_(pool) {}
+  bool NodeReferenced(const CachedBlock& node) const override { return pool_.blocks[node.address.index].refs > 0; }
+  bool ComponentReferenced(BlockIndex index) const override { return pool_.blocks[index].refs > 0; }
+
+ private:
+  const Pool& pool_;
+};
 struct Request {
   RequestSpec spec;
   uint64_t serial = 0;
@@ -122,9 +142,12 @@ struct Request {
   // (window groups release those below as computed_tokens advances), or the state group's running
   // and spare slots. reserved_units[g] is what admission reserved in group g (reserved_blocks is
   // their sum); computed_tokens the engine's last report.
+  // `checkpoint`: on a hit, a state group's cached checkpoint the request reads (referenced,
+  // read-only, until it ends); kNone otherwise.
   struct Group {
     int64_t first = 0;
     std::vector<BlockIndex> blocks;
+    BlockIndex checkpoint = HybridSpine::kNone;
   };
   std::vector<Group> groups;
   std::vector<int64_t> reserved_units;

@@ -111,7 +111,7 @@ StepOpResult KvCache::ApplyStepOpLocked(const WorkerId& worker, StepOp& op) {
         break;
       }
       const std::vector<BlockIndex> blocks(req.table.begin(), req.table.begin() + op.num_blocks);
-      absl::StatusOr<PublishResult> p = PublishLocked(op.id, op.token_ids, blocks);
+      absl::StatusOr<PublishResult> p = PublishLocked(op.id, op.token_ids, blocks, /*by_pull=*/false, op.state_checkpoints);
       if (p.ok()) r.publish = *std::move(p);
       else r.status = p.status();
       break;
@@ -120,7 +120,7 @@ StepOpResult KvCache::ApplyStepOpLocked(const WorkerId& worker, StepOp& op) {
       r.status = CheckpointLocked(op.id, op.token_ids, std::move(op.engine_state));
       break;
     case StepOpKind::kEnd: {
-      absl::StatusOr<PublishResult> p = EndLocked(op.id, op.num_blocks, op.token_ids, op.completed);
+      absl::StatusOr<PublishResult> p = EndLocked(op.id, op.num_blocks, op.token_ids, op.completed, op.state_checkpoints);
       if (p.ok()) r.publish = *std::move(p);
       else r.status = p.status();
       break;

@@ -201,8 +201,15 @@ TEST_CASE("window release: published blocks stay cached, unpublished ones are fr
   CHECK(swa.first == 0);
   CHECK(swa.blocks.size() == 4);
   RequireInvariants(*cache);
-  // Publish the prompt's 4 blocks: the window blocks at those positions become cached too.
-  REQUIRE(cache->Publish(spec.id, spec.prompt, acq.blocks).ok());
+  // Publish the prompt's 4 blocks with the state at 8 and 16 tokens (k = 2): the window blocks at
+  // those positions become cached too, each read by a checkpoint (U4: in a pool with a state
+  // group only those stay cached once the request lets them go).
+  const std::vector<StateCheckpoint> states = {{2, 8, acq.group_tables[2].blocks[0]},
+                                               {2, 16, acq.group_tables[2].blocks[1]}};
+  const absl::StatusOr<PublishResult> pub = cache->Publish(spec.id, spec.prompt, acq.blocks, states);
+  REQUIRE(pub.ok());
+  CHECK(pub->checkpoint_outcomes ==
+        std::vector<CheckpointOutcome>{CheckpointOutcome::kKept, CheckpointOutcome::kKept});
   CHECK(GroupReport(*cache, "swa").cached == 4);
   CHECK(GroupReport(*cache, "swa").evictable == 0);  // the request still reads them
   RequireInvariants(*cache);
@@ -244,7 +251,8 @@ TEST_CASE("window release: published blocks stay cached, unpublished ones are fr
   CHECK(GroupReport(*cache, "full").owned + GroupReport(*cache, "full").cached >= 7);
   REQUIRE(cache->Release(spec.id, true).ok());
   CHECK(GroupReport(*cache, "swa").owned == 0);
-  CHECK(GroupReport(*cache, "rec").free == 16);
+  CHECK(GroupReport(*cache, "rec").free == 14);  // the two checkpoints stay cached
+  CHECK(GroupReport(*cache, "rec").cached == 2);
   RequireInvariants(*cache);
 }
 
