@@ -426,9 +426,11 @@ v1::PublishRequest MakePublish(const WorkerId& w, const RequestId& id, absl::Spa
 }  // namespace
 
 absl::StatusOr<PublishResult> Client::Publish(const RequestId& id, absl::Span<const Token> tokens,
-                                              absl::Span<const BlockIndex> blocks) {
+                                              absl::Span<const BlockIndex> blocks,
+                                              absl::Span<const StateCheckpoint> checkpoints) {
   KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
   v1::PublishRequest req = MakePublish(impl_->Worker(), id, tokens, blocks);
+  ToProto(checkpoints, req.mutable_state_checkpoints());
   KVD_ASSIGN_OR_RETURN(v1::PublishResponse r, impl_->Call<v1::PublishResponse>([&](auto* ctx, auto* resp) {
     return impl_->stub()->Publish(ctx, req, resp);
   }));
@@ -611,14 +613,16 @@ absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl:
 }
 
 absl::StatusOr<EndResult> Client::End(const RequestId& id, int64_t publish_blocks,
-                                          absl::Span<const Token> more_tokens, bool completed) {
-  if (publish_blocks != 0) KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
+                                          absl::Span<const Token> more_tokens, bool completed,
+                                          absl::Span<const StateCheckpoint> checkpoints) {
+  if (publish_blocks != 0 || !checkpoints.empty()) KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
   v1::EndRequest req;
   req.set_worker_id(impl_->Worker().value());
   req.set_request_id(id.value());
   req.set_publish_blocks(static_cast<int32_t>(std::clamp<int64_t>(publish_blocks, -1, INT32_MAX)));
   req.mutable_more_tokens()->Add(more_tokens.begin(), more_tokens.end());
   req.set_completed(completed);
+  ToProto(checkpoints, req.mutable_state_checkpoints());
   KVD_ASSIGN_OR_RETURN(v1::EndResponse r, impl_->Call<v1::EndResponse>([&](auto* ctx, auto* resp) {
     return impl_->stub()->End(ctx, req, resp);
   }));
@@ -627,6 +631,7 @@ absl::StatusOr<EndResult> Client::End(const RequestId& id, int64_t publish_block
   out.already_cached = r.already_cached();
   out.duplicates = r.duplicates();
   out.no_parent = r.no_parent();
+  for (int o : r.checkpoint_outcomes()) out.checkpoint_outcomes.push_back(static_cast<CheckpointOutcome>(o));
   return out;
 }
 
@@ -679,12 +684,24 @@ absl::Status KvRequest::Extend(int64_t n, int64_t computed_tokens) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<PublishResult> KvRequest::Publish(absl::Span<const Token> tokens) {
+absl::StatusOr<PublishResult> KvRequest::Publish(absl::Span<const Token> tokens,
+                                                 absl::Span<const StateCheckpoint> checkpoints) {
   KVD_RETURN_IF_ERROR(Check());
   const size_t full = std::min(tokens.size() / block_tokens_, state_.blocks.size());
   absl::StatusOr<PublishResult> r =
-      client_->Publish(id_, tokens, absl::MakeConstSpan(state_.blocks).subspan(0, full));
+      client_->Publish(id_, tokens, absl::MakeConstSpan(state_.blocks).subspan(0, full), checkpoints);
   KVD_RETURN_IF_ERROR(client_->LostIfRestarted(r.status(), epoch_, id_));
+  // A kept checkpoint's slot is the pool's now: the fresh spare takes its place in the table.
+  for (size_t i = 0; i < checkpoints.size() && i < r->checkpoint_outcomes.size(); ++i) {
+    if (r->checkpoint_outcomes[i] != CheckpointOutcome::kKept) continue;
+    const StateCheckpoint& c = checkpoints[i];
+    if (c.group < 0 || c.group >= static_cast<int>(state_.group_tables.size())) continue;
+    std::vector<BlockIndex>& slots = state_.group_tables[c.group].blocks;
+    auto at = std::find(slots.begin(), slots.end(), c.slot);
+    if (at == slots.end()) continue;
+    if (i < r->fresh_slots.size() && r->fresh_slots[i] >= 0) *at = static_cast<BlockIndex>(r->fresh_slots[i]);
+    else slots.erase(at);
+  }
   return r;
 }
 
@@ -694,9 +711,9 @@ absl::Status KvRequest::Checkpoint(absl::Span<const Token> tokens, const std::st
 }
 
 absl::StatusOr<EndResult> KvRequest::End(int64_t publish_blocks, absl::Span<const Token> more_tokens,
-                                          bool completed) {
+                                          bool completed, absl::Span<const StateCheckpoint> checkpoints) {
   KVD_RETURN_IF_ERROR(Check());
-  absl::StatusOr<EndResult> r = client_->End(id_, publish_blocks, more_tokens, completed);
+  absl::StatusOr<EndResult> r = client_->End(id_, publish_blocks, more_tokens, completed, checkpoints);
   KVD_RETURN_IF_ERROR(client_->LostIfRestarted(r.status(), epoch_, id_));
   released_ = true;
   return r;

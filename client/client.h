@@ -35,6 +35,7 @@ struct EndResult {
   int64_t already_cached = 0;  // positions cached already (a prefix hit)
   int64_t duplicates = 0;      // identical blocks cached first by someone else
   int64_t no_parent = 0;       // blocks after a position this request did not cache
+  std::vector<CheckpointOutcome> checkpoint_outcomes;  // one per state checkpoint offered
 };
 
 // What Prefetch started: its handle, and how many of the prompt's blocks lower tiers hold.
@@ -193,8 +194,11 @@ class Client {
   absl::StatusOr<AdmitResult> Fits(RequestSpec spec);
   absl::StatusOr<AcquireResult> Acquire(const RequestId& id);
   absl::StatusOr<std::vector<BlockIndex>> Extend(const RequestId& id, int64_t additional_tokens);
+  // `checkpoints`: a hybrid pool's state checkpoints (docs/hybrid.md §2.7); the result has one
+  // outcome and fresh spare slot per entry.
   absl::StatusOr<PublishResult> Publish(const RequestId& id, absl::Span<const Token> tokens,
-                                        absl::Span<const BlockIndex> blocks);
+                                        absl::Span<const BlockIndex> blocks,
+                                        absl::Span<const StateCheckpoint> checkpoints = {});
   absl::StatusOr<PublishResult> Keeps(const RequestId& id, absl::Span<const Token> tokens,
                                       absl::Span<const BlockIndex> blocks);
   absl::Status Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
@@ -203,7 +207,8 @@ class Client {
   // Publish of the request's first `publish_blocks` blocks (over the tokens the daemon knows,
   // then `more_tokens`) and Release, in one round trip (the End RPC).
   absl::StatusOr<EndResult> End(const RequestId& id, int64_t publish_blocks,
-                                absl::Span<const Token> more_tokens, bool completed);
+                                absl::Span<const Token> more_tokens, bool completed,
+                                absl::Span<const StateCheckpoint> checkpoints = {});
   absl::StatusOr<int64_t> PeekPrefixLen(const Namespace& ns, absl::Span<const Token> tokens);
   // The rest of the contract (client_calls.cc). Prefetch: starts reading a prompt's saved blocks
   // up to host memory before it is admitted (tiers); they stay until ReleasePrefetch or the worker
@@ -300,14 +305,18 @@ class KvRequest {
   // up) and gain the new ones. INVALID_ARGUMENT, changing nothing, when `computed_tokens` goes
   // back below the last report or past num_tokens() + n. Ignored on pools without groups.
   absl::Status Extend(int64_t n, int64_t computed_tokens = 0);
-  // Publishes every full block covered by `tokens` (the request's tokens from position 0).
-  absl::StatusOr<PublishResult> Publish(absl::Span<const Token> tokens);
+  // Publishes every full block covered by `tokens` (the request's tokens from position 0), and on a
+  // hybrid pool `checkpoints` (slots of its state group tables, docs/hybrid.md §2.7): a kept one's
+  // slot leaves the request's table for the fresh spare kvd handed out in its place. On a hit,
+  // group_table(state)->checkpoint_slot is the state at cached_tokens to copy from (read-only).
+  absl::StatusOr<PublishResult> Publish(absl::Span<const Token> tokens,
+                                        absl::Span<const StateCheckpoint> checkpoints = {});
   absl::Status Checkpoint(absl::Span<const Token> tokens, const std::string& engine_state);
   absl::Status Release(bool completed);
   // Publishes the first `publish_blocks` blocks and releases, in one round trip: the daemon has
   // the prompt already; `more_tokens` are generated tokens past it that those blocks cover.
   absl::StatusOr<EndResult> End(int64_t publish_blocks, absl::Span<const Token> more_tokens,
-                                bool completed);
+                                bool completed, absl::Span<const StateCheckpoint> checkpoints = {});
 
  private:
   friend class Client;

@@ -136,12 +136,33 @@ void ToProto(const AcquireResult& r, v1::AcquireResponse* p) {
   p->set_engine_state(r.engine_state);
   for (const std::string& e : r.publisher_events) p->add_publisher_events(e);
   for (const GroupTable& t : r.group_tables) ToProto(t, p->add_group_tables());
+  p->set_full_hit_tokens(r.full_hit_tokens);
+  if (r.limited_by >= 0 && r.limited_by < static_cast<int>(r.group_tables.size())) {
+    p->set_limited_by(r.group_tables[r.limited_by].name);
+  }
 }
 
 void ToProto(const GroupTable& t, v1::GroupTable* p) {
   p->set_group(t.name);
   p->set_first_block_position(t.first_block_position);
   p->mutable_blocks()->Add(t.blocks.begin(), t.blocks.end());
+  if (t.checkpoint_slot >= 0) p->set_checkpoint_slot(static_cast<uint32_t>(t.checkpoint_slot));
+}
+
+std::vector<StateCheckpoint> FromProto(const google::protobuf::RepeatedPtrField<v1::StateCheckpoint>& p) {
+  std::vector<StateCheckpoint> out;
+  for (const v1::StateCheckpoint& c : p) out.push_back({c.group(), c.position_tokens(), c.slot()});
+  return out;
+}
+
+void ToProto(absl::Span<const StateCheckpoint> checkpoints,
+             google::protobuf::RepeatedPtrField<v1::StateCheckpoint>* p) {
+  for (const StateCheckpoint& c : checkpoints) {
+    v1::StateCheckpoint* q = p->Add();
+    q->set_group(c.group);
+    q->set_position_tokens(c.position_tokens);
+    q->set_slot(c.slot);
+  }
 }
 
 GroupTable FromProto(const v1::GroupTable& p, int group) {
@@ -150,6 +171,7 @@ GroupTable FromProto(const v1::GroupTable& p, int group) {
   t.name = p.group();
   t.first_block_position = p.first_block_position();
   t.blocks.assign(p.blocks().begin(), p.blocks().end());
+  t.checkpoint_slot = p.has_checkpoint_slot() ? static_cast<int64_t>(p.checkpoint_slot()) : -1;
   return t;
 }
 
@@ -163,19 +185,27 @@ AcquireResult FromProto(const v1::AcquireResponse& p) {
   r.resumed_tokens = TokensFromProto(p.resumed_tokens());
   r.engine_state = p.engine_state();
   r.publisher_events.assign(p.publisher_events().begin(), p.publisher_events().end());
-  for (int g = 0; g < p.group_tables_size(); ++g) r.group_tables.push_back(FromProto(p.group_tables(g), g));
+  for (int g = 0; g < p.group_tables_size(); ++g) {
+    r.group_tables.push_back(FromProto(p.group_tables(g), g));
+    if (!p.limited_by().empty() && p.group_tables(g).group() == p.limited_by()) r.limited_by = g;
+  }
+  r.full_hit_tokens = p.full_hit_tokens();
   return r;
 }
 
 void ToProto(const PublishResult& r, v1::PublishResponse* p) {
   for (PublishOutcome o : r.outcomes) p->add_outcomes(static_cast<v1::PublishOutcome>(o));
   p->set_kept(r.kept);
+  for (CheckpointOutcome o : r.checkpoint_outcomes) p->add_checkpoint_outcomes(static_cast<v1::CheckpointOutcome>(o));
+  p->mutable_fresh_slots()->Add(r.fresh_slots.begin(), r.fresh_slots.end());
 }
 
 PublishResult FromProto(const v1::PublishResponse& p) {
   PublishResult r;
   for (int o : p.outcomes()) r.outcomes.push_back(static_cast<PublishOutcome>(o));
   r.kept = p.kept();
+  for (int o : p.checkpoint_outcomes()) r.checkpoint_outcomes.push_back(static_cast<CheckpointOutcome>(o));
+  r.fresh_slots.assign(p.fresh_slots().begin(), p.fresh_slots().end());
   return r;
 }
 

@@ -32,6 +32,9 @@ AcquireResult FromProto(const v1::AcquireResponse& p);
 // A hybrid pool's per-group table; `group` is its index in the pool's groups (the wire names it).
 void ToProto(const GroupTable& t, v1::GroupTable* p);
 GroupTable FromProto(const v1::GroupTable& p, int group);
+// A publish's state checkpoints (docs/hybrid.md §2.7), both ways.
+std::vector<StateCheckpoint> FromProto(const google::protobuf::RepeatedPtrField<v1::StateCheckpoint>& p);
+void ToProto(absl::Span<const StateCheckpoint> checkpoints, google::protobuf::RepeatedPtrField<v1::StateCheckpoint>* p);
 
 void ToProto(const PublishResult& r, v1::PublishResponse* p);
 PublishResult FromProto(const v1::PublishResponse& p);

@@ -374,7 +374,10 @@ grpc::ServerUnaryReactor* KvdService::End(grpc::CallbackServerContext* ctx, cons
     KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()).status());
     const std::vector<Token> more = TokensFromProto(req->more_tokens());
     KVD_ASSIGN_OR_RETURN(PublishResult r, cache_->End(RequestId(req->request_id()), req->publish_blocks(), more,
-                                                      req->completed()));
+                                                      req->completed(), FromProto(req->state_checkpoints())));
+    for (CheckpointOutcome o : r.checkpoint_outcomes) {
+      resp->add_checkpoint_outcomes(static_cast<v1::CheckpointOutcome>(o));
+    }
     admission_->Poke();
     for (PublishOutcome o : r.outcomes) {
       switch (o) {
@@ -410,7 +413,8 @@ grpc::ServerUnaryReactor* KvdService::PublishOrKeeps(grpc::CallbackServerContext
     const std::vector<Token> tokens = TokensFromProto(req->tokens());
     const std::vector<BlockIndex> blocks(req->blocks().begin(), req->blocks().end());
     KVD_ASSIGN_OR_RETURN(PublishResult r, dry_run ? cache_->Keeps(id, tokens, blocks)
-                                                  : cache_->Publish(id, tokens, blocks));
+                                                  : cache_->Publish(id, tokens, blocks,
+                                                                    FromProto(req->state_checkpoints())));
     ToProto(r, resp);
     return absl::OkStatus();
   });

@@ -81,6 +81,7 @@ StepOp OpFromProto(const v1::StepItem& item) {
       op.kind = StepOpKind::kPublish;
       op.token_ids = TokensFromProto(item.publish().tokens());
       op.num_blocks = item.publish().num_blocks();
+      op.state_checkpoints = FromProto(item.publish().state_checkpoints());
       break;
     case v1::StepItem::kCheckpoint:
       op.kind = StepOpKind::kCheckpoint;
@@ -92,6 +93,7 @@ StepOp OpFromProto(const v1::StepItem& item) {
       op.num_blocks = item.end().publish_blocks();
       op.token_ids = TokensFromProto(item.end().more_tokens());
       op.completed = item.end().completed();
+      op.state_checkpoints = FromProto(item.end().state_checkpoints());
       break;
     case v1::StepItem::kPreempt:
       op.kind = StepOpKind::kPreempt;
@@ -116,6 +118,10 @@ void ResultToProto(const StepOpResult& r, v1::StepResult* p) {
       case PublishOutcome::kNoParent: p->set_no_parent(p->no_parent() + 1); break;
     }
   }
+  for (CheckpointOutcome o : r.publish.checkpoint_outcomes) {
+    p->add_checkpoint_outcomes(static_cast<v1::CheckpointOutcome>(o));
+  }
+  p->mutable_fresh_slots()->Add(r.publish.fresh_slots.begin(), r.publish.fresh_slots.end());
 }
 
 }  // namespace

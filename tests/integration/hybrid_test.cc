@@ -498,5 +498,104 @@ TEST_CASE("A worker keeps one table per group: grows report computed tokens and 
   CHECK(HyCounts(**observer).reserved == 0);
 }
 
+// Prefix reuse on a hybrid pool (docs/hybrid.md §2.6, §2.7): one worker publishes a prompt with
+// the state at a checkpoint; another worker's start hits there and reads, through its own group
+// views, the first worker's full blocks, window blocks and checkpoint slot.
+std::vector<Token> Concat(std::vector<Token> a, const std::vector<Token>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST_CASE("A second worker's start hits at a published checkpoint: window blocks and checkpoint slot",
+          "[integration][hybrid]") {
+  DaemonProcess d(HybridPool("", "    step_tokens: 8\n"));
+  auto a = client::Client::Connect({.target = d.target()});
+  auto b = client::Client::Connect({.target = d.target()});
+  REQUIRE((a.ok() && b.ok()));
+  auto pool_a = (*a)->FindPool("hy");
+  auto pool_b = (*b)->FindPool("hy");
+  REQUIRE((pool_a.ok() && pool_b.ok()));
+  constexpr int kRec = 2;
+
+  auto first = (*a)->Start(PoolRequest("first", Range(1, 17), 0, "hy"));
+  REQUIRE(first.ok());
+  client::KvRequest& r = **first;
+  CHECK(r.cached_tokens() == 0);
+  const GroupTable full_a = *r.group_table("full");
+  const GroupTable swa_a = *r.group_table("swa");
+  REQUIRE(swa_a.first_block_position == 0);
+  REQUIRE(swa_a.blocks.size() == 2);
+  const BlockIndex spare = r.group_table("rec")->blocks[1];
+  // The engine computes positions [0, 8) of every group and the state at 8 into its spare.
+  auto write = [&](const std::string& group, BlockIndex unit) {
+    auto view = client::GroupKv(**pool_a, group);
+    REQUIRE(view.ok());
+    const int64_t local = view->Local(unit);
+    for (int32_t j = 0; j < static_cast<int32_t>(view->layers.size()); ++j) {
+      const std::string bytes = UnitPattern(view->layer_unit_bytes, local, j, group[0]);
+      std::memcpy(view->Unit(j, local), bytes.data(), bytes.size());
+    }
+  };
+  auto reads = [&](const std::string& group, BlockIndex unit) {
+    auto view = client::GroupKv(**pool_b, group);
+    REQUIRE(view.ok());
+    const int64_t local = view->Local(unit);
+    bool same = true;
+    for (int32_t j = 0; j < static_cast<int32_t>(view->layers.size()); ++j) {
+      const std::string bytes = UnitPattern(view->layer_unit_bytes, local, j, group[0]);
+      same = same && std::memcmp(view->Unit(j, local), bytes.data(), bytes.size()) == 0;
+    }
+    return same;
+  };
+  for (int i = 0; i < 2; ++i) {
+    write("full", full_a.blocks[i]);
+    write("swa", swa_a.blocks[i]);
+  }
+  write("rec", spare);
+  const absl::StatusOr<PublishResult> published =
+      r.Publish(Range(1, 8), std::vector<StateCheckpoint>{{kRec, 8, spare}});
+  REQUIRE(published.ok());
+  REQUIRE(published->checkpoint_outcomes == std::vector<CheckpointOutcome>{CheckpointOutcome::kKept});
+  // The kept slot left the first request's table for a fresh spare.
+  const GroupTable* rec_a = r.group_table("rec");
+  CHECK(rec_a->blocks.size() == 2);
+  CHECK(std::find(rec_a->blocks.begin(), rec_a->blocks.end(), spare) == rec_a->blocks.end());
+
+  // Two blocks shared: the hit ends at the checkpoint, with the window before it and the state.
+  auto second = (*b)->Start(PoolRequest("second", Concat(Range(1, 8), Range(500, 9)), 0, "hy"));
+  REQUIRE(second.ok());
+  client::KvRequest& s = **second;
+  CHECK(s.cached_tokens() == 8);
+  const GroupTable* full_b = s.group_table("full");
+  const GroupTable* swa_b = s.group_table("swa");
+  const GroupTable* rec_b = s.group_table("rec");
+  REQUIRE((full_b != nullptr && swa_b != nullptr && rec_b != nullptr));
+  CHECK(std::vector<BlockIndex>(full_b->blocks.begin(), full_b->blocks.begin() + 2) ==
+        std::vector<BlockIndex>(full_a.blocks.begin(), full_a.blocks.begin() + 2));
+  CHECK(swa_b->first_block_position == 0);
+  REQUIRE(swa_b->blocks.size() >= 2);
+  CHECK(swa_b->blocks[0] == swa_a.blocks[0]);
+  CHECK(swa_b->blocks[1] == swa_a.blocks[1]);
+  CHECK(rec_b->checkpoint_slot == spare);
+  CHECK(rec_b->blocks.size() == 1);  // the running slot; the checkpoint stands for the spare
+  CHECK(full_a.checkpoint_slot == -1);
+  // The bytes the first worker wrote, read through the second worker's views.
+  for (int i = 0; i < 2; ++i) {
+    CHECK(reads("full", full_b->blocks[i]));
+    CHECK(reads("swa", swa_b->blocks[i]));
+  }
+  CHECK(reads("rec", static_cast<BlockIndex>(rec_b->checkpoint_slot)));
+  CHECK(*(*b)->PeekPrefixLen(Namespace{.pool = "hy"}, Concat(Range(1, 8), {7})) == 8);
+
+  // One block shared (fewer than k = 2): no checkpoint there, no hit.
+  auto third = (*b)->Start(PoolRequest("third", Concat(Range(1, 4), Range(900, 9)), 0, "hy"));
+  REQUIRE(third.ok());
+  CHECK((*third)->cached_tokens() == 0);
+  CHECK((*third)->group_table("rec")->checkpoint_slot == -1);
+  REQUIRE((*third)->Release(true).ok());
+  REQUIRE(s.Release(true).ok());
+  REQUIRE(r.End(0, {}, true).ok());
+}
+
 }  // namespace
 }  // namespace kvd::testing
