@@ -155,12 +155,14 @@ def tables(w, observer):
     req.extend(4, computed_tokens=12)  # window [7/4, 4) = [1, 4)
     swa = req.group_table("swa")
     after = counts(observer)
-    check(swa.first_block_position == 1 and swa.blocks[0] == swa1 and swa0 not in swa.blocks and len(swa.blocks) == 3,
+    check(swa.first_block_position == 1 and swa.blocks[0] == swa1 and len(swa.blocks) == 3,
           f"grow with computed 12: window block 0 dropped, 2 and 3 appended ({swa})")
     check(len(req.group_table("full").blocks) == 4 and req.group_table("full").blocks == req.blocks,
           "the full table covers every position")
-    check(after[1] == before[1] + 3 and after[0] == before[0] - 3 and after[2] == before[2] and after[3] == before[3] + 1,
-          f"the published window block stays cached and evictable, 3 handed out ({before} -> {after})")
+    # No state checkpoint reads the published window block 0: in a pool with a state group it is
+    # freed when it leaves the table (docs/hybrid.md §2.8, U4).
+    check(after[1] == before[1] + 3 and after[0] == before[0] - 3 + 1 and after[2] == before[2] - 1 and
+          after[3] == before[3], f"the published window block no checkpoint reads is freed, 3 handed out ({before} -> {after})")
     window = list(swa.blocks)
     req.extend(4, computed_tokens=16)  # window [11/4, 5) = [2, 5)
     swa = req.group_table("swa")
@@ -214,6 +216,29 @@ def tables(w, observer):
           s.group_table("swa").first_block_position == 2, f"a step grow going back is refused ({res[0].message})")
     res = w.step(StepBatch().end(s))
     check(res[0].ok and counts(observer)[1] == 0 and counts(observer)[4] == 0, "the stepped request ends, nothing owned")
+
+    # A hit at a state checkpoint (docs/hybrid.md §2.6, §2.7): the state at 8 tokens published
+    # with the blocks; another request sharing 2 blocks starts there and reads the slot's bytes.
+    a = w.request("py-ckpt-a", pool="hy", prompt=list(range(300, 317)))
+    rec = p.group("rec")
+    spare = a.group_table("rec").blocks[1]
+    state = bytes((i * 7 + 3) % 251 for i in range(rec.layer_unit_bytes))
+    w.layer_view("hy", spare, rec.layers[0])[:] = state
+    resp = a.publish(list(range(300, 308)), state_checkpoints=[(2, 8, spare)])
+    import kvd.v1.kvd_pb2 as pb
+    check(list(resp.checkpoint_outcomes) == [pb.CHECKPOINT_KEPT] and spare not in a.group_table("rec").blocks,
+          f"the checkpoint is kept and a fresh spare takes its slot ({resp.checkpoint_outcomes})")
+    b = w.request("py-ckpt-b", pool="hy", prompt=list(range(300, 308)) + list(range(900, 909)))
+    rb = b.group_table("rec")
+    check(b.cached_tokens == 8 and rb.checkpoint_slot == spare and b.full_hit_tokens == 8,
+          f"the hit ends at the checkpoint ({b.cached_tokens}, {rb})")
+    check(bytes(w.layer_view("hy", rb.checkpoint_slot, rec.layers[0])) == state, "the checkpoint slot holds the state")
+    c = w.request("py-ckpt-c", pool="hy", prompt=list(range(300, 304)) + list(range(950, 959)))
+    check(c.cached_tokens == 0 and c.group_table("rec").checkpoint_slot is None,
+          f"one block shared (fewer than k = 2): no hit ({c.cached_tokens})")
+    for x in (c, b):
+        x.release()
+    a.end()
 
 
 if __name__ == "__main__":

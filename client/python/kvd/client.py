@@ -64,6 +64,12 @@ def _recv_frame(sock, max_fds):
     return _recv_exact(sock, length), fds
 
 
+
+def _state_checkpoints(entries):
+    """(group index, position_tokens, slot) tuples as the wire's StateCheckpoint."""
+    return [kvd_pb2.StateCheckpoint(group=g, position_tokens=p, slot=s) for g, p, s in entries]
+
+
 class _CudaArray:
     """The first `nbytes` of a mapped CUDA slab as __cuda_array_interface__ (version 3, bytes), for
     torch.as_tensor. kvd synchronizes nothing here: stream ordering across processes is the
@@ -165,7 +171,11 @@ class Request:
         # Hybrid pools (docs/hybrid.md §2.4): one GroupTable per KV group, in the pool's group order,
         # with pool-wide indices (Pool.group_index gives the group's tensor index); a window group's
         # blocks[i] holds block position first_block_position + i. Empty for pools without groups.
-        self.group_tables = [GroupTable(t.group, t.first_block_position, t.blocks) for t in resp.group_tables]
+        # A hit on a hybrid pool: a state group's table has checkpoint_slot (the state at
+        # cached_tokens); full_hit_tokens and limited_by say what shortened the hit.
+        self.group_tables = [GroupTable.from_proto(t) for t in resp.group_tables]
+        self.full_hit_tokens = resp.full_hit_tokens
+        self.limited_by = resp.limited_by or None
         self._released = False
         self._epoch = client.epoch
 
@@ -219,27 +229,43 @@ class Request:
             raise KvdError(result.code, result.message)
         self.blocks, self.num_tokens, self.group_tables = s.blocks, s.num_tokens, s.group_tables
 
-    def publish(self, tokens):
+    def publish(self, tokens, state_checkpoints=()):
+        """Publishes every full block `tokens` cover. Hybrid pools: `state_checkpoints`, tuples
+        (group index, position_tokens, slot) of this request's state slots (docs/hybrid.md §2.7);
+        the response has one checkpoint_outcomes entry each, and a kept slot is replaced in its
+        table by the fresh spare kvd handed out (fresh_slots)."""
         self._client._await_writes()
         bt = self._client.pool(self.pool_id).block_tokens
         full = min(len(tokens) // bt, len(self.blocks))
-        return self._call("Publish", kvd_pb2.PublishRequest(
-            worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, blocks=self.blocks[:full]))
+        resp = self._call("Publish", kvd_pb2.PublishRequest(
+            worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, blocks=self.blocks[:full],
+            state_checkpoints=_state_checkpoints(state_checkpoints)))
+        for (group, _, slot), outcome, fresh in zip(state_checkpoints, resp.checkpoint_outcomes, resp.fresh_slots):
+            if outcome != kvd_pb2.CHECKPOINT_KEPT or not 0 <= group < len(self.group_tables):
+                continue
+            slots = self.group_tables[group].blocks
+            if slot in slots:
+                if fresh >= 0:
+                    slots[slots.index(slot)] = fresh
+                else:
+                    slots.remove(slot)
+        return resp
 
     def checkpoint(self, tokens, engine_state=b""):
         self._client._await_writes()
         self._call("Checkpoint", kvd_pb2.CheckpointRequest(
             worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, engine_state=engine_state))
 
-    def end(self, publish_blocks=0, more_tokens=(), completed=True):
+    def end(self, publish_blocks=0, more_tokens=(), completed=True, state_checkpoints=()):
         """Publishes the first `publish_blocks` blocks and releases, in one round trip (the daemon
         has the prompt; `more_tokens` are generated tokens past what it knows). Returns the
         EndResponse (kept, already_cached, duplicates, no_parent)."""
-        if publish_blocks:
+        if publish_blocks or state_checkpoints:
             self._client._await_writes()
         resp = self._call("End", kvd_pb2.EndRequest(
             worker_id=self._client.worker_id, request_id=self.id, publish_blocks=publish_blocks,
-            more_tokens=list(more_tokens), completed=completed))
+            more_tokens=list(more_tokens), completed=completed,
+            state_checkpoints=_state_checkpoints(state_checkpoints)))
         self._released = True
         return resp
 

@@ -28,15 +28,25 @@ class GroupTable:
     """One KV group's blocks of a request on a hybrid pool (docs/hybrid.md §2.4), as pool-wide
     indices from the group's range. Full: blocks[i] holds positions [i*bt, (i+1)*bt);
     sliding_window / chunked_local: blocks[i] holds block position first_block_position + i (kvd
-    released those below); state: the running slot, then the spare."""
+    released those below); state: the running slot, then the spare. On a hit, a state group's
+    `checkpoint_slot` is the cached slot holding the state at exactly cached_tokens, to copy into the
+    running slot before computing (read-only; it stands for the spare until the next grow, which
+    hands the spare out); None otherwise."""
 
-    def __init__(self, name, first_block_position=0, blocks=()):
+    def __init__(self, name, first_block_position=0, blocks=(), checkpoint_slot=None):
         self.name = name
         self.first_block_position = first_block_position
         self.blocks = list(blocks)
+        self.checkpoint_slot = checkpoint_slot
+
+    @classmethod
+    def from_proto(cls, t):
+        return cls(t.group, t.first_block_position, t.blocks,
+                   t.checkpoint_slot if t.HasField("checkpoint_slot") else None)
 
     def __repr__(self):
-        return f"GroupTable({self.name!r}, first_block_position={self.first_block_position}, blocks={self.blocks})"
+        return (f"GroupTable({self.name!r}, first_block_position={self.first_block_position}, blocks={self.blocks}, "
+                f"checkpoint_slot={self.checkpoint_slot})")
 
 
 def _apply_group_grow(tables, result):
@@ -269,7 +279,7 @@ class Stepper:
                 if out.ok and not r.waiting:
                     a = r.acquired
                     req.pool_id, req.blocks, req.num_tokens = a.pool_id, list(a.blocks), a.num_tokens
-                    req.group_tables = [GroupTable(t.group, t.first_block_position, t.blocks) for t in a.group_tables]
+                    req.group_tables = [GroupTable.from_proto(t) for t in a.group_tables]
                     req.cached_tokens, req.resumed = a.cached_tokens, a.resumed
                     req.resumed_tokens, req.engine_state = list(a.resumed_tokens), a.engine_state
                     req.live, req.error = True, None
