@@ -37,10 +37,12 @@ void StepBatch::Grow(StepRequest* req, int64_t tokens, int64_t computed_tokens) 
   item.computed_tokens = computed_tokens;
   items_.push_back(std::move(item));
 }
-void StepBatch::Publish(StepRequest* req, std::vector<Token> tokens, int64_t num_blocks) {
+void StepBatch::Publish(StepRequest* req, std::vector<Token> tokens, int64_t num_blocks,
+                        std::vector<StateCheckpoint> checkpoints) {
   Item item{Kind::kPublish, req};
   item.n = num_blocks;
   item.tokens = std::move(tokens);
+  item.checkpoints = std::move(checkpoints);
   items_.push_back(std::move(item));
 }
 void StepBatch::Checkpoint(StepRequest* req, std::vector<Token> tokens, std::string engine_state) {
@@ -49,11 +51,13 @@ void StepBatch::Checkpoint(StepRequest* req, std::vector<Token> tokens, std::str
   item.engine_state = std::move(engine_state);
   items_.push_back(std::move(item));
 }
-void StepBatch::End(StepRequest* req, int64_t publish_blocks, std::vector<Token> more_tokens, bool completed) {
+void StepBatch::End(StepRequest* req, int64_t publish_blocks, std::vector<Token> more_tokens, bool completed,
+                    std::vector<StateCheckpoint> checkpoints) {
   Item item{Kind::kEnd, req};
   item.n = publish_blocks;
   item.tokens = std::move(more_tokens);
   item.completed = completed;
+  item.checkpoints = std::move(checkpoints);
   items_.push_back(std::move(item));
 }
 void StepBatch::Preempt(StepRequest* req, std::vector<Token> tokens, std::string engine_state) {
@@ -401,6 +405,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
       case StepBatch::Kind::kPublish:
         p->mutable_publish()->set_num_blocks(static_cast<int32_t>(std::clamp<int64_t>(item.n, -1, INT32_MAX)));
         p->mutable_publish()->mutable_tokens()->Add(item.tokens.begin(), item.tokens.end());
+        ToProto(item.checkpoints, p->mutable_publish()->mutable_state_checkpoints());
         break;
       case StepBatch::Kind::kCheckpoint:
         p->mutable_checkpoint()->mutable_tokens()->Add(item.tokens.begin(), item.tokens.end());
@@ -410,6 +415,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
         p->mutable_end()->set_publish_blocks(static_cast<int32_t>(std::clamp<int64_t>(item.n, -1, INT32_MAX)));
         p->mutable_end()->mutable_more_tokens()->Add(item.tokens.begin(), item.tokens.end());
         p->mutable_end()->set_completed(item.completed);
+        ToProto(item.checkpoints, p->mutable_end()->mutable_state_checkpoints());
         break;
       case StepBatch::Kind::kPreempt:
         p->mutable_preempt()->mutable_tokens()->Add(item.tokens.begin(), item.tokens.end());
@@ -447,7 +453,22 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
     out.already_cached = r.already_cached();
     out.duplicates = r.duplicates();
     out.no_parent = r.no_parent();
+    for (int o : r.checkpoint_outcomes()) out.checkpoint_outcomes.push_back(static_cast<CheckpointOutcome>(o));
+    out.fresh_slots.assign(r.fresh_slots().begin(), r.fresh_slots().end());
     StepRequest* state = item.req;
+    // A kept checkpoint's slot is the pool's now: the fresh spare takes its place in the table.
+    for (size_t c = 0; c < item.checkpoints.size() && c < out.checkpoint_outcomes.size(); ++c) {
+      const StateCheckpoint& cp = item.checkpoints[c];
+      if (out.checkpoint_outcomes[c] != CheckpointOutcome::kKept || cp.group < 0 ||
+          cp.group >= static_cast<int>(state->group_tables.size())) {
+        continue;
+      }
+      std::vector<BlockIndex>& slots = state->group_tables[cp.group].blocks;
+      auto at = std::find(slots.begin(), slots.end(), cp.slot);
+      if (at == slots.end()) continue;
+      if (c < out.fresh_slots.size() && out.fresh_slots[c] >= 0) *at = static_cast<BlockIndex>(out.fresh_slots[c]);
+      else slots.erase(at);
+    }
     switch (item.kind) {
       case StepBatch::Kind::kStart:
         state->id = item.spec.id;

@@ -51,6 +51,10 @@ struct StepItemResult {
   absl::Status status;   // this item's alone
   bool waiting = false;  // a start not admitted yet (it keeps its place in the queue)
   int64_t kept = 0, already_cached = 0, duplicates = 0, no_parent = 0;  // Publish, End
+  // Publish, End on a hybrid pool: one per state checkpoint offered, in order (a kept one's slot
+  // was replaced in the request's state table by fresh_slots[i], -1 when none was left).
+  std::vector<CheckpointOutcome> checkpoint_outcomes;
+  std::vector<int64_t> fresh_slots;
 };
 
 struct StepAnswer {
@@ -73,11 +77,15 @@ class StepBatch {
   // report or past the request's tokens after the grow. Ignored on pools without groups.
   void Grow(StepRequest* req, int64_t tokens, int64_t computed_tokens = 0);
   // The first `num_blocks` table blocks, filled with KV for `tokens` (from position 0), for reuse.
-  void Publish(StepRequest* req, std::vector<Token> tokens, int64_t num_blocks);
+  // `checkpoints`: a hybrid pool's state checkpoints (docs/hybrid.md §2.7), published after the
+  // blocks; put the item before the grow that releases their window.
+  void Publish(StepRequest* req, std::vector<Token> tokens, int64_t num_blocks,
+               std::vector<StateCheckpoint> checkpoints = {});
   void Checkpoint(StepRequest* req, std::vector<Token> tokens, std::string engine_state);
   // Publishes the first `publish_blocks` blocks over the tokens kvd knows + `more_tokens`, then
   // releases the request.
-  void End(StepRequest* req, int64_t publish_blocks, std::vector<Token> more_tokens, bool completed);
+  void End(StepRequest* req, int64_t publish_blocks, std::vector<Token> more_tokens, bool completed,
+           std::vector<StateCheckpoint> checkpoints = {});
   // Checkpoints `tokens` (none: no checkpoint), then releases the request as interrupted; a later
   // Start with resume_from = its id continues it.
   void Preempt(StepRequest* req, std::vector<Token> tokens, std::string engine_state);
@@ -96,6 +104,7 @@ class StepBatch {
     std::vector<Token> tokens;
     std::string engine_state;
     bool completed = false;
+    std::vector<StateCheckpoint> checkpoints;  // kPublish, kEnd
   };
   const std::vector<Item>& items() const { return items_; }
 

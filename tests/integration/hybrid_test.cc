@@ -587,6 +587,29 @@ TEST_CASE("A second worker's start hits at a published checkpoint: window blocks
   CHECK(reads("rec", static_cast<BlockIndex>(rec_b->checkpoint_slot)));
   CHECK(*(*b)->PeekPrefixLen(Namespace{.pool = "hy"}, Concat(Range(1, 8), {7})) == 8);
 
+  // The same through a step: a publish item with the state at 8 (already cached there: the slot
+  // stays the request's), then an end item.
+  client::StepRequest t;
+  client::StepBatch batch;
+  batch.Start(&t, PoolRequest("stepped", Concat(Range(1, 8), Range(700, 9)), 0, "hy"));
+  auto answer = (*b)->Step(batch);
+  REQUIRE(answer.ok());
+  REQUIRE(answer->items[0].status.ok());
+  CHECK(t.acquired.cached_tokens == 8);
+  CHECK(t.group_table("rec")->checkpoint_slot == spare);
+  batch.Clear();
+  const BlockIndex running = t.group_table("rec")->blocks[0];
+  batch.Publish(&t, Concat(Range(1, 8), Range(700, 8)), 4, {{kRec, 8, running}});
+  answer = (*b)->Step(batch);
+  REQUIRE(answer.ok());
+  REQUIRE(answer->items[0].status.ok());
+  CHECK(answer->items[0].checkpoint_outcomes ==
+        std::vector<CheckpointOutcome>{CheckpointOutcome::kAlreadyCached});
+  CHECK(t.group_table("rec")->blocks == std::vector<BlockIndex>{running});
+  batch.Clear();
+  batch.End(&t, 0, {}, true);
+  REQUIRE((*b)->Step(batch).ok());
+
   // One block shared (fewer than k = 2): no checkpoint there, no hit.
   auto third = (*b)->Start(PoolRequest("third", Concat(Range(1, 4), Range(900, 9)), 0, "hy"));
   REQUIRE(third.ok());
