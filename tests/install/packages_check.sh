@@ -8,6 +8,8 @@
 # installs the packages into a bare Debian 12 root and runs them (as root).
 # Usage: tests/install/packages_check.sh BUILD_DIR
 set -euo pipefail
+# Listings are piped into a grep that reads them whole (>/dev/null, never -q): under pipefail a
+# grep -q that exits at its first match breaks the pipe of a listing still being written.
 build="$(cd "${1:?usage: packages_check.sh BUILD_DIR}" && pwd)"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -27,7 +29,7 @@ wheel=$(ls "$tmp/out/"kvd_client-*.whl 2>/dev/null | head -1)
 
 contents() { dpkg-deb -c "$1" | awk '{print $6}' | sed 's|^\./|/|'; }
 for f in /usr/bin/kvd /usr/bin/kvdctl /usr/bin/kvd_example_worker /lib/systemd/system/kvd.service /etc/kvd/kvd.yaml; do
-  contents "$(deb kvd)" | grep -qx "$f" || fail "the kvd package lacks $f"
+  contents "$(deb kvd)" | grep -x "$f" >/dev/null || fail "the kvd package lacks $f"
 done
 mkdir "$tmp/kvd" "$tmp/kvd-control"
 dpkg-deb -x "$(deb kvd)" "$tmp/kvd"
@@ -36,11 +38,11 @@ grep -q '^ExecStart=/usr/bin/kvd ' "$tmp/kvd/lib/systemd/system/kvd.service" || 
 grep -qx /etc/kvd/kvd.yaml "$tmp/kvd-control/conffiles" || fail "/etc/kvd/kvd.yaml is not a conffile"
 grep -q 'adduser --system --group' "$tmp/kvd-control/postinst" || fail "the postinst does not make the kvd user"
 grep -q 'deb-systemd-helper' "$tmp/kvd-control/postinst" || fail "the postinst does not enable the unit"
-dpkg-deb -f "$(deb kvd)" Depends | grep -q libgrpc++ || fail "kvd's Depends do not name its shared libraries"
-"$tmp/kvd/usr/bin/kvd" --version | grep -q '^kvd ' || fail "the packaged kvd does not run"
+dpkg-deb -f "$(deb kvd)" Depends | grep libgrpc++ >/dev/null || fail "kvd's Depends do not name its shared libraries"
+"$tmp/kvd/usr/bin/kvd" --version | grep '^kvd ' >/dev/null || fail "the packaged kvd does not run"
 
 for f in /usr/include/kvd/client/client.h /usr/lib/libkvd_client.a /usr/lib/cmake/kvd/kvdConfig.cmake /usr/lib/pkgconfig/kvd-client.pc; do
-  contents "$(deb libkvd-dev)" | grep -qx "$f" || fail "the libkvd-dev package lacks $f"
+  contents "$(deb libkvd-dev)" | grep -x "$f" >/dev/null || fail "the libkvd-dev package lacks $f"
 done
 mkdir "$tmp/dev"
 dpkg-deb -x "$(deb libkvd-dev)" "$tmp/dev"
@@ -50,9 +52,9 @@ consumer_cmake "$build" "$tmp/dev/usr" "$tmp/consumer" "$tmp/consumer.log" \
 
 for f in /usr/lib/python3/dist-packages/kvd/client.py /usr/lib/python3/dist-packages/kvd/v1/kvd_pb2.py \
          /usr/lib/python3/dist-packages/kvd/engine/worker.py; do
-  contents "$(deb python3-kvd)" | grep -qx "$f" || fail "the python3-kvd package lacks $f"
+  contents "$(deb python3-kvd)" | grep -x "$f" >/dev/null || fail "the python3-kvd package lacks $f"
 done
-/usr/bin/python3 -m zipfile -l "$wheel" | grep -q 'kvd/v1/kvd_pb2.py' || fail "the wheel lacks the gRPC stubs"
+/usr/bin/python3 -m zipfile -l "$wheel" | grep 'kvd/v1/kvd_pb2.py' >/dev/null || fail "the wheel lacks the gRPC stubs"
 /usr/bin/python3 -m venv --system-site-packages "$tmp/venv"
 "$tmp/venv/bin/pip" install --quiet --no-deps --no-index "$wheel" || fail "the wheel does not install"
 (cd "$tmp" && env -u PYTHONPATH "$tmp/venv/bin/python" -c 'import kvd, kvd.engine.worker; assert kvd.__file__.startswith("'"$tmp"'/venv")') \
