@@ -65,32 +65,8 @@ const PoolReport::Group& GroupReport(const KvCache& cache, const std::string& na
   return r.pools[0].groups[0];
 }
 
-StepOpResult Grow(KvCache& cache, const std::string& id, int64_t tokens, int64_t computed,
-                  std::vector<BlockIndex> credit = {}) {
-  StepOp op;
-  op.kind = StepOpKind::kGrow;
-  op.id = RequestId(id);
-  op.tokens = tokens;
-  op.computed_tokens = computed;
-  op.credit_blocks = std::move(credit);
-  std::vector<StepOp> ops;
-  ops.push_back(std::move(op));
-  return cache.Step(WorkerId("w0"), WorkerId("w0"), std::move(ops), {}, nullptr)[0];
-}
-
-// The engine's view of one group's table: first block position and blocks, kept by the
-// clients' rule (drop below the new first position, append).
-struct View {
-  int64_t first = 0;
-  std::vector<BlockIndex> blocks;
-  void Apply(const GroupTable& t) {
-    const int64_t drop = std::min<int64_t>(std::max<int64_t>(0, t.first_block_position - first),
-                                           static_cast<int64_t>(blocks.size()));
-    blocks.erase(blocks.begin(), blocks.begin() + drop);
-    first = t.first_block_position;
-    blocks.insert(blocks.end(), t.blocks.begin(), t.blocks.end());
-  }
-};
+using testing::Grow;
+using View = testing::GroupView;
 
 TEST_CASE("hybrid admission reserves §2.5's units per group, each at its unit bytes on every shard", "[groups]") {
   struct Row {

@@ -57,29 +57,12 @@ std::unique_ptr<KvCache> Cache(const PoolGeometry& g, FakeClock* clock) {
   return testing::MakeCache(o, clock);
 }
 
+// A grow that only reports the engine's computed tokens.
 StepOpResult Grow(KvCache& cache, const std::string& id, int64_t computed) {
-  StepOp op;
-  op.kind = StepOpKind::kGrow;
-  op.id = RequestId(id);
-  op.computed_tokens = computed;
-  std::vector<StepOp> ops;
-  ops.push_back(std::move(op));
-  return cache.Step(WorkerId("w0"), WorkerId("w0"), std::move(ops), {}, nullptr)[0];
+  return testing::Grow(cache, id, 0, computed);
 }
 
-// A group's table as the engine keeps it (the clients' rule).
-struct View {
-  int64_t first = 0;
-  std::vector<BlockIndex> blocks;
-  void Apply(const GroupTable& t) {
-    const int64_t drop = std::min<int64_t>(std::max<int64_t>(0, t.first_block_position - first),
-                                           static_cast<int64_t>(blocks.size()));
-    blocks.erase(blocks.begin(), blocks.begin() + drop);
-    first = t.first_block_position;
-    blocks.insert(blocks.end(), t.blocks.begin(), t.blocks.end());
-  }
-  BlockIndex at(int64_t pos) const { return blocks.at(static_cast<size_t>(pos - first)); }
-};
+using View = testing::GroupView;
 
 const PoolReport::Group& GroupReport(const KvCache& cache, const std::string& name) {
   static CacheReport r;

@@ -1,6 +1,7 @@
 // Helpers shared by the core unit tests: a small pool, request specs and token sequences.
 #pragma once
 
+#include <algorithm>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -84,5 +85,35 @@ inline void RequireInvariants(const KvCache& cache) {
   INFO(s.ToString());
   REQUIRE(s.ok());
 }
+
+// One grow step of request `id` by worker w0: `tokens` more positions (0: none) and, on a hybrid
+// pool, the engine's computed tokens.
+inline StepOpResult Grow(KvCache& cache, const std::string& id, int64_t tokens, int64_t computed,
+                         std::vector<BlockIndex> credit = {}) {
+  StepOp op;
+  op.kind = StepOpKind::kGrow;
+  op.id = RequestId(id);
+  op.tokens = tokens;
+  op.computed_tokens = computed;
+  op.credit_blocks = std::move(credit);
+  std::vector<StepOp> ops;
+  ops.push_back(std::move(op));
+  return cache.Step(WorkerId("w0"), WorkerId("w0"), std::move(ops), {}, nullptr)[0];
+}
+
+// A group's table as the engine keeps it, by the clients' rule: drop below the new first
+// position, append.
+struct GroupView {
+  int64_t first = 0;
+  std::vector<BlockIndex> blocks;
+  void Apply(const GroupTable& t) {
+    const int64_t drop = std::min<int64_t>(std::max<int64_t>(0, t.first_block_position - first),
+                                           static_cast<int64_t>(blocks.size()));
+    blocks.erase(blocks.begin(), blocks.begin() + drop);
+    first = t.first_block_position;
+    blocks.insert(blocks.end(), t.blocks.begin(), t.blocks.end());
+  }
+  BlockIndex at(int64_t pos) const { return blocks.at(static_cast<size_t>(pos - first)); }
+};
 
 }  // namespace kvd::testing
