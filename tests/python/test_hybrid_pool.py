@@ -239,6 +239,61 @@ def tables(w, observer):
     for x in (c, b):
         x.release()
     a.end()
+    stepped_checkpoints(w, observer)
+
+
+def stepped_checkpoints(w, observer):
+    """StepBatch publish and end items with state checkpoints: a kept slot is swapped for its fresh
+    spare, a slot that is not the request's is refused naming it with the table unchanged, another
+    stepped start hits at the checkpoint, and End's tail checkpoint (3 blocks, off the k = 2 grid)
+    is hit by the next turn."""
+    import kvd.v1.kvd_pb2 as pb
+    p = w.pool("hy")
+    rec = p.group("rec")
+    prompt = list(range(400, 413))
+    s = StepRequest("py-step-ckpt")
+    res = w.step(StepBatch().start(s, pool="hy", prompt=prompt, max_new_tokens=4))
+    check(res[0].ok and s.cached_tokens == 0, f"a stepped start on a hybrid pool ({res[0].message})")
+    running, spare = s.group_table("rec").blocks
+    state8 = bytes((i * 11 + 5) % 251 for i in range(rec.layer_unit_bytes))
+    w.layer_view("hy", spare, rec.layers[0])[:] = state8
+    before = [list(t.blocks) for t in s.group_tables]
+    res = w.step(StepBatch().publish(s, prompt[:8], 2, state_checkpoints=[(2, 8, running + 1000)]))
+    check(res[0].code == grpc.StatusCode.INVALID_ARGUMENT and "slot" in res[0].message and
+          [list(t.blocks) for t in s.group_tables] == before,
+          f"a checkpoint naming a slot the request does not hold is refused, tables unchanged ({res[0].message})")
+    res = w.step(StepBatch().publish(s, prompt[:8], 2, state_checkpoints=[(2, 8, spare)]))
+    rt = s.group_table("rec").blocks
+    check(res[0].ok and res[0].checkpoint_outcomes == [pb.CHECKPOINT_KEPT] and len(res[0].fresh_slots) == 1 and
+          rt == [running, res[0].fresh_slots[0]] and spare not in rt,
+          f"a stepped publish keeps the checkpoint and the fresh spare takes its slot ({res[0].checkpoint_outcomes}, {rt})")
+    res = w.step(StepBatch().publish(s, prompt[:8], 2, state_checkpoints=[(2, 8, rt[1])]))
+    check(res[0].ok and res[0].checkpoint_outcomes == [pb.CHECKPOINT_ALREADY_CACHED] and
+          s.group_table("rec").blocks == rt, f"offered again: already_cached, the slot stays the request's ({res[0].checkpoint_outcomes})")
+    h = StepRequest("py-step-hit")
+    res = w.step(StepBatch().start(h, pool="hy", prompt=prompt[:8] + [1, 2, 3]))
+    check(res[0].ok and h.cached_tokens == 8 and h.group_table("rec").checkpoint_slot == spare and
+          bytes(w.layer_view("hy", spare, rec.layers[0])) == state8,
+          f"a stepped start hits at the stepped checkpoint ({h.cached_tokens}, {h.group_table('rec')})")
+    w.step(StepBatch().end(h))
+
+    # End with the tail: the state at 12 (the last full block of 13 tokens), off the k = 2 grid;
+    # its window, blocks [1, 3), held after a grow reporting 12 computed.
+    res = w.step(StepBatch().grow(s, 0, computed_tokens=12))
+    check(res[0].ok and s.group_table("swa").first_block_position == 1, f"computed 12: window from block 1 ({res[0].message})")
+    tail_slot = s.group_table("rec").blocks[1]
+    state12 = bytes((i * 13 + 1) % 251 for i in range(rec.layer_unit_bytes))
+    w.layer_view("hy", tail_slot, rec.layers[0])[:] = state12
+    res = w.step(StepBatch().end(s, publish_blocks=3, state_checkpoints=[(2, 12, tail_slot)]))
+    check(res[0].ok and res[0].checkpoint_outcomes == [pb.CHECKPOINT_KEPT],
+          f"End keeps the tail checkpoint at 12 ({res[0].message} {res[0].checkpoint_outcomes})")
+    t = StepRequest("py-step-turn")
+    res = w.step(StepBatch().start(t, pool="hy", prompt=prompt + [7, 7, 7]))
+    check(res[0].ok and t.cached_tokens == 12 and t.group_table("rec").checkpoint_slot == tail_slot and
+          bytes(w.layer_view("hy", tail_slot, rec.layers[0])) == state12,
+          f"the next turn hits at the tail checkpoint ({t.cached_tokens}, {t.group_table('rec')})")
+    w.step(StepBatch().end(t))
+    check(counts(observer)[1] == 0 and counts(observer)[4] == 0, "nothing stays owned or reserved")
 
 
 if __name__ == "__main__":

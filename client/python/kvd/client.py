@@ -12,7 +12,7 @@ import grpc
 
 from . import cuda
 from .errors import KvdError, KvdRestarted, KvdUnavailable  # noqa: F401 (also kvd.client's)
-from .step import GroupTable, StepBatch, StepRequest, Stepper
+from .step import GroupTable, StepBatch, StepRequest, Stepper, _state_checkpoints, _swap_kept_slots
 from .v1 import kvd_pb2, kvd_pb2_grpc
 
 try:  # optional: numpy views of the slabs
@@ -62,12 +62,6 @@ def _recv_frame(sock, max_fds):
     head += _recv_exact(sock, 4 - len(head))
     (length,) = struct.unpack("=I", head)
     return _recv_exact(sock, length), fds
-
-
-
-def _state_checkpoints(entries):
-    """(group index, position_tokens, slot) tuples as the wire's StateCheckpoint."""
-    return [kvd_pb2.StateCheckpoint(group=g, position_tokens=p, slot=s) for g, p, s in entries]
 
 
 class _CudaArray:
@@ -240,15 +234,7 @@ class Request:
         resp = self._call("Publish", kvd_pb2.PublishRequest(
             worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, blocks=self.blocks[:full],
             state_checkpoints=_state_checkpoints(state_checkpoints)))
-        for (group, _, slot), outcome, fresh in zip(state_checkpoints, resp.checkpoint_outcomes, resp.fresh_slots):
-            if outcome != kvd_pb2.CHECKPOINT_KEPT or not 0 <= group < len(self.group_tables):
-                continue
-            slots = self.group_tables[group].blocks
-            if slot in slots:
-                if fresh >= 0:
-                    slots[slots.index(slot)] = fresh
-                else:
-                    slots.remove(slot)
+        _swap_kept_slots(self.group_tables, list(state_checkpoints), resp.checkpoint_outcomes, resp.fresh_slots)
         return resp
 
     def checkpoint(self, tokens, engine_state=b""):

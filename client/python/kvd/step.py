@@ -8,6 +8,12 @@ credit covers (kvd learns of it with the next step that goes out).
     batch.end(c, publish_blocks=n, more_tokens=generated)
     results = client.step(batch)          # results[i]: the i-th item's StepResult
 
+On a hybrid pool, publish and end items may carry state checkpoints (docs/hybrid.md §2.7):
+`state_checkpoints=[(group index, position_tokens, slot)]`, slots of the request's own state table
+holding the state at exactly that position; the item's StepResult has one checkpoint_outcomes
+entry each (kvd_pb2.CHECKPOINT_*) and fresh_slots, and a kept slot is swapped for its fresh spare
+in req.group_tables (the kept one is the pool's now: cached and immutable).
+
 Growth covered by credit is placed at once (appended to req.blocks) and held back, one item per
 request; it goes out at the head of the next step that must (any other item, growth credit does not
 cover, or credit below half of what the client asks for). A step that fails as a whole is sent again
@@ -47,6 +53,28 @@ class GroupTable:
     def __repr__(self):
         return (f"GroupTable({self.name!r}, first_block_position={self.first_block_position}, blocks={self.blocks}, "
                 f"checkpoint_slot={self.checkpoint_slot})")
+
+
+def _state_checkpoints(entries):
+    """(group index, position_tokens, slot) tuples as the wire's StateCheckpoint."""
+    return [kvd_pb2.StateCheckpoint(group=g, position_tokens=p, slot=s) for g, p, s in entries]
+
+
+def _swap_kept_slots(tables, entries, outcomes, fresh_slots):
+    """A publish's answer applied to a request's state tables: each kept checkpoint's slot (the
+    pool's now) is replaced by the fresh spare kvd handed out, or dropped when it handed out none;
+    a slot kept in no table, or another outcome, changes nothing."""
+    for c, (group, _, slot) in enumerate(entries):
+        if c >= len(outcomes) or outcomes[c] != kvd_pb2.CHECKPOINT_KEPT or not 0 <= group < len(tables):
+            continue
+        slots = tables[group].blocks
+        if slot not in slots:
+            continue
+        fresh = fresh_slots[c] if c < len(fresh_slots) else -1
+        if fresh >= 0:
+            slots[slots.index(slot)] = fresh
+        else:
+            slots.remove(slot)
 
 
 def _apply_group_grow(tables, result):
@@ -90,10 +118,15 @@ class StepRequest:
 
 
 class StepResult:
+    """One item's outcome. Publish and end items on a hybrid pool: `checkpoint_outcomes`, one
+    kvd_pb2.CHECKPOINT_* per state checkpoint offered, in order, and `fresh_slots` (the spare that
+    replaced a kept slot, -1 otherwise)."""
+
     def __init__(self, code=grpc.StatusCode.OK, message="", waiting=False, kept=0, already_cached=0,
-                 duplicates=0, no_parent=0):
+                 duplicates=0, no_parent=0, checkpoint_outcomes=(), fresh_slots=()):
         self.code, self.message, self.waiting = code, message, waiting
         self.kept, self.already_cached, self.duplicates, self.no_parent = kept, already_cached, duplicates, no_parent
+        self.checkpoint_outcomes, self.fresh_slots = list(checkpoint_outcomes), list(fresh_slots)
 
     @property
     def ok(self):
@@ -123,17 +156,24 @@ class StepBatch:
             self.computed_tokens[len(self.items) - 1] = computed_tokens
         return self
 
-    def publish(self, req, tokens, num_blocks):
-        self.items.append(("publish", req, kvd_pb2.StepPublish(tokens=list(tokens), num_blocks=num_blocks)))
+    def publish(self, req, tokens, num_blocks, state_checkpoints=()):
+        """The request's first `num_blocks` blocks, filled for `tokens`. Hybrid pools:
+        `state_checkpoints`, (group index, position_tokens, slot) of the request's state slots,
+        published after the blocks (before a grow of the same step releases their window)."""
+        self.items.append(("publish", req, kvd_pb2.StepPublish(tokens=list(tokens), num_blocks=num_blocks,
+                                                               state_checkpoints=_state_checkpoints(state_checkpoints))))
         return self
 
     def checkpoint(self, req, tokens, engine_state=b""):
         self.items.append(("checkpoint", req, kvd_pb2.CheckpointRequest(tokens=list(tokens), engine_state=engine_state)))
         return self
 
-    def end(self, req, publish_blocks=0, more_tokens=(), completed=True):
+    def end(self, req, publish_blocks=0, more_tokens=(), completed=True, state_checkpoints=()):
+        """Publishes the first `publish_blocks` blocks and releases. Hybrid pools:
+        `state_checkpoints` as publish's, e.g. the tail (the state at the last full block)."""
         self.items.append(("end", req, kvd_pb2.EndRequest(publish_blocks=publish_blocks, more_tokens=list(more_tokens),
-                                                          completed=completed)))
+                                                          completed=completed,
+                                                          state_checkpoints=_state_checkpoints(state_checkpoints))))
         return self
 
     def preempt(self, req, tokens=(), engine_state=b""):
@@ -195,7 +235,8 @@ class Stepper:
                 used.add(req.pool_id)
             if kind != "grow" or pool.groups:  # a hybrid pool grants no credit yet
                 send[i] = must = True
-                publishes |= kind not in ("end", "grow") or (kind == "end" and arg.publish_blocks != 0)
+                publishes |= kind not in ("end", "grow") or (
+                    kind == "end" and (arg.publish_blocks != 0 or len(arg.state_checkpoints) > 0))
                 continue
             if arg < 0 or arg > pool.max_model_len - req.num_tokens:
                 send[i] = must = True  # kvd names what is wrong
@@ -272,8 +313,12 @@ class Stepper:
         for k, i in enumerate(sent):
             r = resp.results[len(held) + k]
             kind, req, arg = batch.items[i]
-            out = StepResult(_code(r.code), r.message, r.waiting, r.kept, r.already_cached, r.duplicates, r.no_parent)
+            out = StepResult(_code(r.code), r.message, r.waiting, r.kept, r.already_cached, r.duplicates, r.no_parent,
+                             r.checkpoint_outcomes, r.fresh_slots)
             results[i] = out
+            if kind in ("publish", "end") and out.ok and arg.state_checkpoints:
+                _swap_kept_slots(req.group_tables, [(c.group, c.position_tokens, c.slot) for c in arg.state_checkpoints],
+                                 out.checkpoint_outcomes, out.fresh_slots)
             if kind == "start":
                 req.waiting, req.epoch = r.waiting, epoch
                 if out.ok and not r.waiting:
