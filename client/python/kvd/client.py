@@ -98,6 +98,7 @@ class Pool:
         # KV groups of a hybrid pool (docs/hybrid.md), in order; empty for a pool without groups.
         # Tables carry pool-wide indices: group g owns [first_block, first_block + capacity).
         self.groups = list(info.groups)
+        self.step_tokens = info.step_tokens  # hybrid pools: most tokens computed between two reports
         self.slab_sizes = [s.size_bytes for s in info.slabs]
         self.slabs = list(info.slabs)
         self.maps = [None] * len(info.slabs)     # host: mmap per shard

@@ -5,4 +5,6 @@ end-to-end proof that reuse is exact (tests/python/test_engine.py; docs/integrat
 
 hybrid_model.py is the reference hybrid model (full, sliding-window and recurrent layers; KV
 groups behind HybridKv) and hybrid_cache.py an in-process simulator of the hybrid prefix cache
-that proves its reuse exact (tests/python/test_hybrid_model.py; docs/hybrid.md §2.10)."""
+that proves its reuse exact (tests/python/test_hybrid_model.py; docs/hybrid.md §2.10);
+hybrid_batch.py runs it in a continuous batch with every KV group in kvd's memory
+(tests/python/test_hybrid_engine.py)."""

@@ -193,16 +193,18 @@ class PagedHybridKv:
             table[i] = None
 
 
-def local_hybrid_kv(cfg: HybridConfig, block_tokens: int, num_tokens: int, checkpoint=None) -> PagedHybridKv:
+def local_hybrid_kv(cfg: HybridConfig, block_tokens: int, num_tokens: int, checkpoint=None,
+                    device="cpu") -> PagedHybridKv:
     """Fresh zeroed storage for `num_tokens` positions, identity tables, zero states: the cache of
     an engine with no prefix cache (the reference every cached run is compared with)."""
     blocks = -(-num_tokens // block_tokens)
     pages, tables, states = {}, {}, {}
     for name, kind, layers in cfg.groups:
         if kind == STATE:
-            states[name] = torch.zeros(len(layers), cfg.state_numel, dtype=torch.float32)
+            states[name] = torch.zeros(len(layers), cfg.state_numel, dtype=torch.float32, device=device)
         else:
-            pages[name] = torch.zeros(len(layers), blocks, block_tokens, *cfg.kv_inner_shape, dtype=torch.float32)
+            pages[name] = torch.zeros(len(layers), blocks, block_tokens, *cfg.kv_inner_shape, dtype=torch.float32,
+                                      device=device)
             tables[name] = list(range(blocks))
     return PagedHybridKv(block_tokens, pages, tables, states, checkpoint)
 
@@ -213,8 +215,11 @@ def row_digests(logits: torch.Tensor) -> List[str]:
 
 
 class TinyHybrid:
-    def __init__(self, cfg: HybridConfig = HybridConfig()):
+    def __init__(self, cfg: HybridConfig = HybridConfig(), device="cpu"):
+        """Weights drawn on the CPU from the seed (the same on every device), then moved to
+        `device` ("cuda:N" when the pool's slabs are on a GPU)."""
         self.cfg = cfg
+        self.device = device
         g = torch.Generator().manual_seed(cfg.seed)
         d, kvd = cfg.dim, cfg.kv_heads * cfg.head_dim
         rk, rv = cfg.rec_heads * cfg.rec_key_dim, cfg.rec_heads * cfg.rec_value_dim
@@ -240,6 +245,10 @@ class TinyHybrid:
         self.inv_freq = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
         self.kv_of_head = torch.arange(cfg.heads) // (cfg.heads // cfg.kv_heads)
         self.state_groups = [name for name, kind, _ in cfg.groups if kind == STATE]
+        if device != "cpu":
+            self.embed, self.head, self.inv_freq, self.kv_of_head = (
+                t.to(device) for t in (self.embed, self.head, self.inv_freq, self.kv_of_head))
+            self.layers = [{k: v.to(device) for k, v in p.items()} for p in self.layers]
 
     # The reference decoder's rotary embedding and RMS norm, the same arithmetic bit for bit.
     _rope = TinyDecoder._rope
@@ -311,7 +320,7 @@ class TinyHybrid:
                     slot.copy_(states[g])
         for g in self.state_groups:
             kv.state(g).copy_(states[g])
-        return torch.stack(out) if out else torch.empty(0, self.cfg.vocab)
+        return torch.stack(out) if out else torch.empty(0, self.cfg.vocab, device=self.device)
 
     def generate(self, kv: HybridKv, prompt, start: int, max_new: int, chunk: Optional[int] = None, step=None):
         """Greedy decoding: prefill [start, len(prompt)) in chunks that end on multiples of `chunk`

@@ -1,0 +1,151 @@
+"""The reference hybrid model on kvd's memory (docs/hybrid.md §2.10): TinyHybrid in the
+continuous-batching engine (kvd.engine.hybrid_batch) against a real kvd, with its full-attention
+layers in the full group's blocks, its sliding-window layer in the window group's table (only
+the window: a read outside it raises) and its recurrent state in the state group's running slot.
+Several requests sharing prefixes run in one continuous batch; each one's tokens and float32
+logits equal bit for bit (torch.equal) a run of the same prompt on an engine with no cache, at
+every position it computed, and the hits happened where the pool's rules put them (a k-grid
+checkpoint, End's tail; fewer than k shared blocks: none). Negative controls, each on a hit:
+reading one window block too few, one too many, and a stale state (the checkpoint copy skipped)
+each change the logits at the first computed position.
+
+Pool: 4-token blocks, W = 6 (the window straddles a block), checkpoints every k = 2 blocks with
+the tail on, step_tokens 8.
+
+Usage: test_hybrid_engine.py KVD_BINARY     (PYTHONPATH: the build's python/ and tests/python)"""
+import json
+import sys
+import tempfile
+
+import torch
+
+from kvd.client import Client
+from kvd.engine.hybrid_batch import HybridBatchEngine, expectation
+from kvd.engine.hybrid_model import HybridConfig, TinyHybrid, local_hybrid_kv
+from kvd_testlib import Daemon, check, finish
+
+import kvd.v1.kvd_pb2 as pb
+
+BT, K, MAX_NEW = 4, 2, 4
+CFG = HybridConfig()
+MODEL = TinyHybrid(CFG)
+
+
+def pool_yaml(name="hy", extra=""):
+    caps = {"full": ("capacity_blocks", 96), "swa": ("capacity_blocks", 48), "rec": ("capacity_slots", 32)}
+    lines = []
+    for g in expectation(CFG, name, K)["groups"]:  # the pool's format is the groups' (float32, 2 x 8)
+        key, n = caps[g["name"]]
+        lines.append("      - " + json.dumps(dict(g, **{key: n})))
+    return (f"pools:\n  - name: {name}\n    block_tokens: {BT}\n    num_layers: 4\n"
+            f"    bytes_per_token_per_layer: {CFG.bytes_per_token}\n    max_model_len: 64\n    dtype: float32\n"
+            f"    kv_heads: {CFG.kv_heads}\n    head_dim: {CFG.head_dim}\n    kv_arrangement: token_kv_head_dim\n"
+            f"    step_tokens: 8\n{extra}    groups:\n" + "\n".join(lines) + "\n")
+
+
+def base(n, start=1, step=7):
+    return [(start + step * i) % CFG.vocab for i in range(n)]
+
+
+A = base(18)                      # 21 positions computed: checkpoints at 8, 16, End's tail at 20
+E = base(22, 5, 11)               # another chain in the same batch
+B = A[:17] + base(6, 40)          # shares A's 4 blocks: hits the checkpoint at 16
+C = A[:6] + base(9, 60)           # shares 1 block (fewer than k): no hit
+D = A[:8] + base(7, 30)           # shares 2 blocks: hits the checkpoint at 8
+_reference = {}
+
+
+def reference(prompt, model=MODEL, device="cpu"):
+    """(logits of every position, new tokens) on an engine with no cache."""
+    key = (tuple(prompt), device)
+    if key not in _reference:
+        kv = local_hybrid_kv(model.cfg, BT, len(prompt) + MAX_NEW, device=device)
+        _reference[key] = model.generate(kv, prompt, 0, MAX_NEW)
+    return _reference[key]
+
+
+def exact(result, prompt, model=MODEL, device="cpu"):
+    """Tokens and every computed position's logits equal the no-cache run's, bit for bit."""
+    ref_logits, ref_new = reference(prompt, model, device)
+    got = result["logits"]
+    return (result["tokens"] == ref_new and got is not None and
+            torch.equal(got, ref_logits[result["first_computed"]:]))
+
+
+def first_row_differs(result, prompt):
+    ref = reference(prompt)[0][result["first_computed"]]
+    return not torch.equal(result["logits"][0], ref)
+
+
+def counts(client, pool="hy"):
+    p = next(p for p in client.report().pools if p.name == pool)
+    return p.owned_blocks, p.reserved_blocks
+
+
+def main():
+    kvd = sys.argv[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Daemon(kvd, tmp, pool_yaml())
+        check(d.started, "kvd serves the reference model's hybrid pool")
+        if not d.started:
+            return finish()
+        try:
+            with Client(d.target, expect=[expectation(CFG, "hy", K)]) as c:
+                reuse(c)
+                negative_controls(c)
+        finally:
+            d.stop()
+    return finish()
+
+
+def reuse(c):
+    eng = HybridBatchEngine(c, "hy", MODEL, token_budget=12, max_running=4)
+    eng.submit("A", A, MAX_NEW)
+    eng.submit("E", E, MAX_NEW)
+    out = eng.run()
+    for rid, prompt in (("A", A), ("E", E)):
+        check(out[rid]["cached_tokens"] == 0 and exact(out[rid], prompt),
+              f"{rid}: cold, in one batch with another: tokens and logits equal the no-cache run bit for bit")
+    kept = [(n, o) for n, o in out["A"]["checkpoints"] if o == pb.CHECKPOINT_KEPT]
+    check(kept == [(8, 0), (16, 0), (20, 0)], f"A's checkpoints at 8 and 16 (the k-grid) and End's tail at 20 are kept "
+          f"({out['A']['checkpoints']})")
+    check(out["A"]["max_first_window"] >= 3, f"A's grows reported computed tokens: its window table moved on "
+          f"(first block {out['A']['max_first_window']})")
+
+    turn = A + out["A"]["tokens"][:3] + base(5, 70)   # A's next turn: its 21 tokens and more
+    eng = HybridBatchEngine(c, "hy", MODEL, token_budget=12, max_running=4)
+    for rid, prompt in (("B", B), ("C", C), ("D", D), ("T", turn)):
+        eng.submit(rid, prompt, MAX_NEW)
+    out = eng.run()
+    for rid, prompt, hit, why in (("B", B, 16, "A's checkpoint at 16"), ("D", D, 8, "A's checkpoint at 8"),
+                                  ("T", turn, 20, "A's tail at 20"), ("C", C, 0, "nothing: 1 block < k")):
+        r = out[rid]
+        window = max(0, hit // BT - CFG.window_blocks(BT))
+        check(r["cached_tokens"] == hit and r["first_computed"] == hit and r["window_at_start"] == window,
+              f"{rid} hits {why}, its window table from block {window} ({r['cached_tokens']}, {r['window_at_start']})")
+        check(exact(r, prompt), f"{rid}: tokens and the logits of positions {hit}.. equal the no-cache run bit for bit")
+    check(counts(c) == (0, 0), f"nothing stays owned or reserved ({counts(c)})")
+
+
+def negative_controls(c):
+    """Each on a hit at 16 in its own namespace (salt): A computed correctly, then B with a fault."""
+    for i, (name, kwargs) in enumerate((("one window block too few", {"window_fault_blocks": -1}),
+                                        ("one window block too many", {"window_fault_blocks": 1}),
+                                        ("a stale state (the checkpoint copy skipped)", {"skip_checkpoint_copy": True}))):
+        salt = f"control-{i}"
+        eng = HybridBatchEngine(c, "hy", MODEL)
+        eng.submit("A", A, MAX_NEW, salt=salt)
+        eng.run()
+        bad = HybridBatchEngine(c, "hy", MODEL, **kwargs)
+        bad.submit("B", B, MAX_NEW, salt=salt)
+        r = bad.run()["B"]
+        check(r["cached_tokens"] == 16 and first_row_differs(r, B),
+              f"negative control, {name}: the hit's first computed position's logits differ")
+    eng = HybridBatchEngine(c, "hy", MODEL)
+    eng.submit("B", B, MAX_NEW, salt="control-0")
+    r = eng.run()["B"]
+    check(r["cached_tokens"] == 16 and exact(r, B), "the controls' prefix served to a correct engine is exact")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
