@@ -58,6 +58,8 @@ for l in "$out"/lib/*.so*; do patchelf --set-rpath '$ORIGIN' "$l"; done
 # the stub-free check that run.sh uses (PyTorch and the driver's libcuda only).
 cp -r "$KVD_BUILD_DIR/python/kvd" "$out/python/"
 cp "$KVD_ROOT/tests/gpu/torch_slab_check.py" "$KVD_ROOT/tests/python/kvd_testlib.py" "$out/python/"
+# The hybrid_model step: the reference hybrid model's test, run on the CUDA backend.
+cp "$KVD_ROOT/tests/gpu/hybrid_gpu_check.py" "$KVD_ROOT/tests/python/test_hybrid_engine.py" "$out/python/"
 install -m 0755 "$KVD_ROOT/tests/gpu/bundle/run.sh" "$out/run.sh"
 {
   echo "commit: $(git -C "$KVD_ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"

@@ -12,7 +12,10 @@ each change the logits at the first computed position.
 Pool: 4-token blocks, W = 6 (the window straddles a block), checkpoints every k = 2 blocks with
 the tail on, step_tokens 8.
 
-Usage: test_hybrid_engine.py KVD_BINARY     (PYTHONPATH: the build's python/ and tests/python)"""
+Usage: test_hybrid_engine.py KVD_BINARY [--backend=cuda]   (PYTHONPATH: the build's python/ and
+tests/python). With --backend=cuda (the GPU bundle's hybrid_model step, tests/gpu/hybrid_gpu_check.py)
+kvd keeps the pool on the GPU, the engine runs the model on the slab's device through kv_tensor,
+and the reference runs on the same device."""
 import json
 import sys
 import tempfile
@@ -55,18 +58,18 @@ D = A[:8] + base(7, 30)           # shares 2 blocks: hits the checkpoint at 8
 _reference = {}
 
 
-def reference(prompt, model=MODEL, device="cpu"):
-    """(logits of every position, new tokens) on an engine with no cache."""
-    key = (tuple(prompt), device)
+def reference(prompt):
+    """(logits of every position, new tokens) on an engine with no cache, on the same device."""
+    key = tuple(prompt)
     if key not in _reference:
-        kv = local_hybrid_kv(model.cfg, BT, len(prompt) + MAX_NEW, device=device)
-        _reference[key] = model.generate(kv, prompt, 0, MAX_NEW)
+        kv = local_hybrid_kv(MODEL.cfg, BT, len(prompt) + MAX_NEW, device=MODEL.device)
+        _reference[key] = MODEL.generate(kv, prompt, 0, MAX_NEW)
     return _reference[key]
 
 
-def exact(result, prompt, model=MODEL, device="cpu"):
+def exact(result, prompt):
     """Tokens and every computed position's logits equal the no-cache run's, bit for bit."""
-    ref_logits, ref_new = reference(prompt, model, device)
+    ref_logits, ref_new = reference(prompt)
     got = result["logits"]
     return (result["tokens"] == ref_new and got is not None and
             torch.equal(got, ref_logits[result["first_computed"]:]))
@@ -82,15 +85,20 @@ def counts(client, pool="hy"):
     return p.owned_blocks, p.reserved_blocks
 
 
-def main():
-    kvd = sys.argv[1]
+def main(argv):
+    global MODEL
+    kvd, cuda = argv[1], "--backend=cuda" in argv[2:]
     with tempfile.TemporaryDirectory() as tmp:
-        d = Daemon(kvd, tmp, pool_yaml())
-        check(d.started, "kvd serves the reference model's hybrid pool")
+        d = Daemon(kvd, tmp, pool_yaml(), extra=["--backend=cuda"] if cuda else [])
+        check(d.started, f"kvd serves the reference model's hybrid pool ({'cuda' if cuda else 'host'} backend)")
         if not d.started:
             return finish()
         try:
             with Client(d.target, expect=[expectation(CFG, "hy", K)]) as c:
+                device = str(c.kv_tensor("hy", group="full", dtype=torch.float32, inner_shape=CFG.kv_inner_shape).device)
+                check(device.startswith("cuda") == cuda, f"the pool's slab is on {device}")
+                if device != "cpu":
+                    MODEL = TinyHybrid(CFG, device=device)
                 reuse(c)
                 negative_controls(c)
         finally:
@@ -148,4 +156,4 @@ def negative_controls(c):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv))

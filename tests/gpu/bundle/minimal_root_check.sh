@@ -52,5 +52,11 @@ py_rc=$?
 set -e
 echo "$py"
 [ "$py_rc" -eq 4 ] && grep -q "skipped: no PyTorch" <<<"$py" || fail "the Python check exited $py_rc (expected 4, skipped for want of PyTorch)"
-! grep -q "ModuleNotFoundError" <<<"$py$(cat "$root.run.log")" || fail "a Python module is missing"
+set +e
+hy=$(chroot "$root" /usr/bin/python3 /opt/kvd-bundle/python/hybrid_gpu_check.py /opt/kvd-bundle 2>&1)
+hy_rc=$?
+set -e
+echo "$hy"
+[ "$hy_rc" -eq 4 ] && grep -q "skipped: no PyTorch" <<<"$hy" || fail "the hybrid model check exited $hy_rc (expected 4, skipped for want of PyTorch)"
+! grep -q "ModuleNotFoundError" <<<"$py$hy$(cat "$root.run.log")" || fail "a Python module is missing"
 echo "minimal_root_check: ok (bundle $(du -sh "$bundle" | cut -f1), every binary loads in a bare Debian 12 root; no driver reported)"

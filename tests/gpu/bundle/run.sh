@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU proof, from the bundle scripts/gpu-bundle.sh builds: one call on a bare GPU machine (no
 # network, none of kvd's Debian libraries; needs Linux x86-64 with glibc >= 2.36, the NVIDIA driver,
-# and for the Python step a python3 with PyTorch). Finishes in well under 5 minutes.
+# and for the Python steps a python3 with PyTorch; the hybrid_model step also grpcio and protobuf).
+# Finishes in well under 5 minutes.
 #
 # Usage: run.sh OUT_DIR
 # Writes OUT_DIR/results.jsonl (one JSON object per step: step, ok, rc, seconds, detail),
@@ -171,6 +172,21 @@ else
     record python_torch 0 "$secs" "$(tail -1 "$out/python_torch.log")"
   else
     record python_torch "$rc" "$secs" "$(tail -4 "$out/python_torch.log")"
+  fi
+fi
+
+# 7. The reference hybrid model (docs/hybrid.md §2.10) on a CUDA slab: TinyHybrid's full, window
+# and recurrent-state groups in kvd's device memory, reused across a continuous batch, tokens and
+# logits bit-identical to a no-cache run on the same device; the negative controls differ. Needs
+# grpcio and protobuf beside PyTorch (the Python client); skipped, saying so, without them.
+if [ -z "$py" ]; then
+  record hybrid_model 0 0 "skipped: no python3 on this machine"
+else
+  run hybrid_model 120 "$py" "$here/python/hybrid_gpu_check.py" "$here"
+  if [ "$rc" -eq 4 ]; then
+    record hybrid_model 0 "$secs" "$(tail -1 "$out/hybrid_model.log")"
+  else
+    record hybrid_model "$rc" "$secs" "$(grep -E '^FAIL|failed$' "$out/hybrid_model.log" | tail -6)"
   fi
 fi
 
