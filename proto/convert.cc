@@ -221,6 +221,17 @@ void ToProto(const CacheReport& r, v1::ReportResponse* p) {
     q->set_evictable_blocks(pool.evictable_blocks);
     q->set_protected_blocks(pool.protected_blocks);
     q->set_reserved_blocks(pool.reserved_blocks);
+    for (const PoolReport::Group& g : pool.groups) {
+      v1::GroupReport* gr = q->add_groups();
+      gr->set_name(g.name);
+      gr->set_capacity(g.capacity);
+      gr->set_unit_bytes(g.unit_bytes);
+      gr->set_free(g.free);
+      gr->set_owned(g.owned);
+      gr->set_cached(g.cached);
+      gr->set_evictable(g.evictable);
+      gr->set_reserved(g.reserved);
+    }
   }
   p->set_budget_bytes(r.budget_bytes);
   p->set_reserved_bytes(r.reserved_bytes);
@@ -259,6 +270,18 @@ CacheReport FromProto(const v1::ReportResponse& p) {
     pool.evictable_blocks = q.evictable_blocks();
     pool.protected_blocks = q.protected_blocks();
     pool.reserved_blocks = q.reserved_blocks();
+    for (const v1::GroupReport& gr : q.groups()) {
+      PoolReport::Group g;
+      g.name = gr.name();
+      g.capacity = gr.capacity();
+      g.unit_bytes = gr.unit_bytes();
+      g.free = gr.free();
+      g.owned = gr.owned();
+      g.cached = gr.cached();
+      g.evictable = gr.evictable();
+      g.reserved = gr.reserved();
+      pool.groups.push_back(std::move(g));
+    }
     r.pools.push_back(std::move(pool));
   }
   r.budget_bytes = p.budget_bytes();

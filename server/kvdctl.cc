@@ -216,9 +216,18 @@ int Pools(Kvd::Stub& stub, bool json) {
   Table(rows);
   // Hybrid pools' KV groups (docs/hybrid.md): a second table, absent when no pool has groups.
   std::vector<std::vector<std::string>> groups = {
-      {"POOL", "GROUP", "KIND", "LAYERS", "UNIT BYTES", "CAPACITY", "FIRST BLOCK", "REGION OFFSET", "PARAMETERS"}};
-  for (const auto& p : pools.pools()) {
-    for (const auto& g : p.groups()) {
+      {"POOL", "GROUP", "KIND", "LAYERS", "UNIT BYTES", "CAPACITY", "FIRST BLOCK", "REGION OFFSET", "PARAMETERS",
+       "FREE", "OWNED", "CACHED", "EVICTABLE"}};
+  for (int i = 0; i < pools.pools_size(); ++i) {
+    const auto& p = pools.pools(i);
+    for (int j = 0; j < p.groups_size(); ++j) {
+      const auto& g = p.groups(j);
+      // The group's counts now (Report), "-" from a daemon that does not send them.
+      std::vector<std::string> counts(4, "-");
+      if (i < r.pools_size() && j < r.pools(i).groups_size()) {
+        const auto& c = r.pools(i).groups(j);
+        counts = {absl::StrCat(c.free()), absl::StrCat(c.owned()), absl::StrCat(c.cached()), absl::StrCat(c.evictable())};
+      }
       std::string params = "-";
       if (g.kind() == "sliding_window") params = absl::StrCat("window ", g.window());
       if (g.kind() == "chunked_local") params = absl::StrCat("chunk ", g.chunk());
@@ -229,7 +238,8 @@ int Pools(Kvd::Stub& stub, bool json) {
                         absl::StrJoin(kvd::FormatLayers(std::vector<int32_t>(g.layers().begin(), g.layers().end())), ","),
                         Bytes(g.layer_unit_bytes() * g.layers_size()),
                         absl::StrCat(g.capacity(), g.kind() == "state" ? " slots" : " blocks"),
-                        absl::StrCat(g.first_block()), Bytes(g.region_offset_bytes()), params});
+                        absl::StrCat(g.first_block()), Bytes(g.region_offset_bytes()), params, counts[0], counts[1],
+                        counts[2], counts[3]});
     }
   }
   if (groups.size() > 1) {

@@ -6,6 +6,8 @@
 #include <prometheus/metric_family.h>
 #include <prometheus/registry.h>
 
+#include <algorithm>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -75,6 +77,7 @@ class CacheCollector final : public prometheus::Collectable {
     }
     MetricFamily& capacity = family("kvd_pool_capacity_blocks", "Blocks per pool.", MetricType::Gauge);
     for (const PoolReport& p : r.pools) add(capacity, p.capacity_blocks, {{"pool", p.name}});
+    CollectGroups(r, family, add);
     add(family("kvd_hit_tokens_total", "Prompt tokens served from cache.", MetricType::Counter), r.hit_tokens);
     add(family("kvd_miss_tokens_total", "Prompt tokens that had to be computed.", MetricType::Counter), r.miss_tokens);
     add(family("kvd_lookups_total", "Prefix lookups (Acquire without resume).", MetricType::Counter), r.lookups);
@@ -126,6 +129,73 @@ class CacheCollector final : public prometheus::Collectable {
   }
 
  private:
+  // Hybrid pools: the states of kvd_blocks / kvd_bytes per KV group (docs/hybrid.md §2.9), in
+  // families of their own so that sums over the pool-wide ones still count each unit once. Absent
+  // when no pool has groups. The group label is bounded: a pool has at most kMaxKvGroups groups.
+  template <typename Family, typename Add>
+  void CollectGroups(const CacheReport& r, Family& family, Add& add) const {
+    const std::vector<PoolGeometry>& geometries = cache_->pools();
+    const bool any = std::any_of(r.pools.begin(), r.pools.end(), [](const PoolReport& p) { return !p.groups.empty(); });
+    if (!any) return;
+    const auto kind_of = [&](size_t pool, size_t g) {
+      return pool < geometries.size() && g < geometries[pool].groups.size() ? KvGroupKindName(geometries[pool].groups[g].kind)
+                                                                              : std::string();
+    };
+    // `each(f)` calls f(pool report, group report, kind) for every group of every hybrid pool. A
+    // family is filled before the next is made (`family` may move the earlier ones).
+    const auto each = [&](auto&& f) {
+      for (size_t i = 0; i < r.pools.size(); ++i) {
+        for (size_t g = 0; g < r.pools[i].groups.size(); ++g) f(r.pools[i], r.pools[i].groups[g], kind_of(i, g));
+      }
+    };
+    {
+      MetricFamily& units = family("kvd_group_units",
+                                   "Units of a hybrid pool's KV group (blocks; state slots for a state group) by state.",
+                                   MetricType::Gauge);
+      each([&](const PoolReport& p, const PoolReport::Group& g, const std::string& kind) {
+        const auto put = [&](const char* s, int64_t n) {
+          add(units, static_cast<double>(n), {{"pool", p.name}, {"group", g.name}, {"kind", kind}, {"state", s}});
+        };
+        put("free", g.free);
+        put("owned", g.owned);
+        put("cached_referenced", g.cached - g.evictable);
+        put("cached_evictable", g.evictable);
+      });
+    }
+    {
+      MetricFamily& bytes = family("kvd_group_bytes",
+                                   "KV bytes of a hybrid pool's KV group by state (free + owned + cached = total; "
+                                   "reserved: charged to the budget).",
+                                   MetricType::Gauge);
+      each([&](const PoolReport& p, const PoolReport::Group& g, const std::string&) {
+        const auto put = [&](const char* s, int64_t n) {
+          add(bytes, static_cast<double>(n * g.unit_bytes), {{"pool", p.name}, {"group", g.name}, {"state", s}});
+        };
+        put("total", g.capacity);
+        put("free", g.free);
+        put("owned", g.owned);
+        put("cached_referenced", g.cached - g.evictable);
+        put("cached_evictable", g.evictable);
+        put("reserved", g.reserved);
+      });
+    }
+    {
+      MetricFamily& capacity = family("kvd_group_capacity_units", "Units of a hybrid pool's KV group.", MetricType::Gauge);
+      each([&](const PoolReport& p, const PoolReport::Group& g, const std::string& kind) {
+        add(capacity, static_cast<double>(g.capacity), {{"pool", p.name}, {"group", g.name}, {"kind", kind}});
+      });
+    }
+    MetricFamily& checkpoints = family("kvd_state_checkpoints",
+                                       "State checkpoints cached in a hybrid pool's state group, by whether a request "
+                                       "reads one now.",
+                                       MetricType::Gauge);
+    each([&](const PoolReport& p, const PoolReport::Group& g, const std::string& kind) {
+      if (kind != KvGroupKindName(KvGroupKind::kState)) return;
+      add(checkpoints, static_cast<double>(g.cached - g.evictable), {{"pool", p.name}, {"group", g.name}, {"state", "referenced"}});
+      add(checkpoints, static_cast<double>(g.evictable), {{"pool", p.name}, {"group", g.name}, {"state", "evictable"}});
+    });
+  }
+
   // The G2/G3 families, from TierStore::Stats().
   template <typename Family, typename Add>
   void CollectTiers(Family& family, Add& add) const {
