@@ -371,13 +371,13 @@ absl::Status Options::Validate() const {
         absl::StrCat("log_level must be trace, debug, info, warn or error, not '", server.log_level, "'"));
   }
   for (const PoolGeometry& g : cache.pools) {
-    // Until the later steps of docs/hybrid.md land, these would move or announce a hybrid pool's
-    // blocks as if every block held every layer: refused, naming the section.
+    // Until the later steps of docs/hybrid.md land, these would move a hybrid pool's blocks as if
+    // every block held every layer: refused, naming the section. (Router events announce a hybrid
+    // pool's blocks with their group, docs/hybrid.md §2.9.)
     if (g.hybrid()) {
-      const char* section = tiers.enabled()           ? "tiers"
-                            : transfer.enabled()      ? "transfer (peers)"
-                            : router_events.enabled() ? "router_events"
-                                                      : nullptr;
+      const char* section = tiers.enabled()      ? "tiers"
+                            : transfer.enabled() ? "transfer (peers)"
+                                                 : nullptr;
       if (section != nullptr) {
         return absl::InvalidArgumentError(absl::StrCat(
             "pool '", g.name, "' has KV groups; ", section, " do not serve pools with groups yet (docs/hybrid.md, "

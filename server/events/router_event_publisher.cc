@@ -8,8 +8,6 @@
 #include <cerrno>
 #include <cstring>
 
-#include <msgpack.hpp>
-
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -17,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "proto/vocab/status_macros.h"
 #include "server/core/kv_cache.h"
+#include "server/events/router_event_encoding.h"
 #include "spdlog/spdlog.h"
 
 namespace kvd {
@@ -102,19 +101,9 @@ absl::Status CheckRouterEventsOptions(const RouterEventsOptions& o) {
 
 // The router events of one pool, in order, while a batch is being assembled.
 struct RouterEventPublisher::Batch {
-  struct Event {
-    CacheEventKind kind;
-    std::string medium;
-    std::vector<uint64_t> ids;
-    bool has_parent = false;
-    uint64_t parent_id = 0;
-    std::vector<Token> tokens;
-    int32_t block_size = 0;
-    std::string lora_name;  // the adapter; empty for the base model
-    BlockKey last_key;  // of the last block stored, to extend a chain
-  };
   double ts = 0;
-  std::vector<Event> events;
+  std::vector<RouterEvent> events;
+  BlockKey last_key;  // of the last block stored in events.back(), to extend its chain
   int64_t size() const { return static_cast<int64_t>(events.size()); }
 };
 
@@ -180,6 +169,7 @@ void RouterEventPublisher::Attach(KvCache* cache) {
   for (const PoolGeometry& g : cache->pools()) {
     pools_.push_back(g.name);
     model_fingerprints_[g.name] = g.model_fingerprint;
+    if (g.hybrid()) groups_[g.name] = SpineGroupOf(g);
   }
   listener_ = cache->AddEventListener([this](const CacheEvent& e) { Enqueue(e); });
 }
@@ -202,6 +192,31 @@ void RouterEventPublisher::Enqueue(const CacheEvent& event) {
 RouterEventStats RouterEventPublisher::Stats() const {
   absl::MutexLock lock(&stats_mu_);
   return stats_;
+}
+
+RouterEventGroup SpineGroupOf(const PoolGeometry& g) {
+  // The engine's events of a hybrid pool are its spine's: one node per block position, keyed by
+  // the first full group's block (docs/hybrid.md §2.6). A pool without a full group indexes no
+  // prefix and emits none; its first group stands in.
+  size_t spine = 0;
+  for (size_t i = 0; i < g.groups.size(); ++i) {
+    if (g.groups[i].kind == KvGroupKind::kFull) {
+      spine = i;
+      break;
+    }
+  }
+  const KvGroup& k = g.groups[spine];
+  RouterEventGroup out;
+  out.index = static_cast<int32_t>(spine);
+  out.kind = RouterSpecKind(KvGroupKindName(k.kind));
+  out.sliding_window = k.kind == KvGroupKind::kSlidingWindow ? k.window : 0;
+  return out;
+}
+
+std::optional<RouterEventGroup> RouterEventPublisher::GroupOf(const std::string& pool) const {
+  const auto it = groups_.find(pool);
+  if (it == groups_.end()) return std::nullopt;
+  return it->second;
 }
 
 std::string RouterEventPublisher::TopicOf(const std::string& pool) const {
@@ -272,7 +287,7 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
         for (auto& [pool_name, topic] : topics_) topic.live.clear();
         for (const std::string& p : pools_) {
           start(p, e.time);
-          batch.events.push_back(Batch::Event{CacheEventKind::kCleared});
+          batch.events.push_back(RouterEvent{CacheEventKind::kCleared});
         }
         break;
       }
@@ -302,23 +317,23 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
         const std::string& medium = e.medium == "disk" ? kDiskMedium : MediumOf(e.pool);
         if (++topics_[e.pool].live[{RouterHasher::EventId(h), medium}] > 1) break;  // the router has it already
         start(e.pool, e.time);
-        Batch::Event* last = batch.events.empty() ? nullptr : &batch.events.back();
+        RouterEvent* last = batch.events.empty() ? nullptr : &batch.events.back();
         if (last != nullptr && last->kind == CacheEventKind::kStored && e.has_parent &&
-            last->last_key == e.parent_key && last->medium == medium && last->lora_name == e.adapter) {
+            batch.last_key == e.parent_key && last->medium == medium && last->lora_name == e.adapter) {
           last->ids.push_back(RouterHasher::EventId(h));
           last->tokens.insert(last->tokens.end(), e.tokens.begin(), e.tokens.end());
-          last->last_key = e.key;
         } else {
-          Batch::Event out{CacheEventKind::kStored, medium};
+          RouterEvent out{CacheEventKind::kStored, medium};
           out.ids.push_back(RouterHasher::EventId(h));
           out.has_parent = parent != nullptr;
           out.parent_id = parent_id;
           out.tokens = std::move(e.tokens);
           out.block_size = e.block_tokens;
           out.lora_name = e.adapter;
-          out.last_key = e.key;
+          out.group = GroupOf(e.pool);
           batch.events.push_back(std::move(out));
         }
+        batch.last_key = e.key;
         break;
       }
       case CacheEventKind::kRemoved: {
@@ -332,12 +347,13 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
         if (lit != live.end() && --lit->second > 0) break;  // another cached block still has this id
         if (lit != live.end()) live.erase(lit);
         start(e.pool, e.time);
-        Batch::Event* last = batch.events.empty() ? nullptr : &batch.events.back();
+        RouterEvent* last = batch.events.empty() ? nullptr : &batch.events.back();
         if (last != nullptr && last->kind == CacheEventKind::kRemoved && last->medium == medium) {
           last->ids.push_back(id);
         } else {
-          Batch::Event out{CacheEventKind::kRemoved, medium};
+          RouterEvent out{CacheEventKind::kRemoved, medium};
           out.ids.push_back(id);
+          out.group = GroupOf(e.pool);
           batch.events.push_back(std::move(out));
         }
         break;
@@ -352,92 +368,12 @@ void RouterEventPublisher::Publish(std::vector<CacheEvent> events) {
 }
 
 void RouterEventPublisher::Send(const std::string& pool, const Batch& batch) {
-  msgpack::sbuffer buf;
-  msgpack::packer<msgpack::sbuffer> pk(buf);
-  // Field order and names: vLLM's vllm/distributed/kv_events.py (KVEventBatch, BlockStored,
-  // BlockRemoved, AllBlocksCleared; read at commit 0181ea3173e5). In the map form a struct is a
-  // map of its fields with the class name under "type"; fields with defaults are left out.
-  const bool map = options_.format == "vllm-map";
-  const auto key = [&](std::string_view k) {
-    if (map) pk.pack(k);
-  };
-  const auto pack_opt_string = [&](const std::string& s) {
-    if (s.empty()) {
-      pk.pack_nil();
-    } else {
-      pk.pack(s);
-    }
-  };
-  if (map) {
-    pk.pack_map(3);
-  } else {
-    pk.pack_array(3);
-  }
-  key("ts");
-  pk.pack_double(batch.ts);
-  key("events");
-  pk.pack_array(static_cast<uint32_t>(batch.events.size()));
-  for (const Batch::Event& ev : batch.events) {
-    switch (ev.kind) {
-      case CacheEventKind::kStored:
-        if (map) {
-          pk.pack_map(8);
-          pk.pack(std::string_view("type"));
-        } else {
-          pk.pack_array(8);
-        }
-        pk.pack(std::string_view("BlockStored"));
-        key("block_hashes");
-        pk.pack(ev.ids);
-        key("parent_block_hash");
-        if (ev.has_parent) {
-          pk.pack_uint64(ev.parent_id);
-        } else {
-          pk.pack_nil();
-        }
-        key("token_ids");
-        pk.pack(ev.tokens);
-        key("block_size");
-        pk.pack_int32(ev.block_size);
-        key("lora_id");
-        pk.pack_nil();  // kvd names adapters (lora_name); it has no integer ids
-        key("medium");
-        pk.pack(ev.medium);
-        key("lora_name");
-        pack_opt_string(ev.lora_name);
-        break;
-      case CacheEventKind::kRemoved:
-        if (map) {
-          pk.pack_map(3);
-          pk.pack(std::string_view("type"));
-        } else {
-          pk.pack_array(3);
-        }
-        pk.pack(std::string_view("BlockRemoved"));
-        key("block_hashes");
-        pk.pack(ev.ids);
-        key("medium");
-        pk.pack(ev.medium);
-        break;
-      case CacheEventKind::kCleared:
-        if (map) {
-          pk.pack_map(1);
-          pk.pack(std::string_view("type"));
-        } else {
-          pk.pack_array(1);
-        }
-        pk.pack(std::string_view("AllBlocksCleared"));
-        break;
-    }
-  }
-  key("data_parallel_rank");
-  pk.pack_int64(options_.data_parallel_rank);
-
+  std::string payload =
+      EncodeRouterBatch(batch.ts, batch.events, options_.data_parallel_rank, options_.format == "vllm-map");
   Topic& topic = topics_[pool];
   if (topic.name.empty()) topic.name = TopicOf(pool);
   const uint64_t seq = topic.next_sequence++;
   const std::string seq_bytes = BigEndian8(static_cast<int64_t>(seq));
-  std::string payload(buf.data(), buf.size());
   if (!SendFrames(pub_, {topic.name, seq_bytes, payload})) {
     spdlog::warn("router events: send of batch {} of {} failed: {}", seq, topic.name, zmq_strerror(errno));
   }

@@ -10,6 +10,13 @@
 //      lora_name]
 //     ["BlockRemoved", [block ids], medium]
 //     ["AllBlocksCleared"]
+//   and, on a hybrid pool (one with KV groups, docs/hybrid.md §2.9), vLLM's hybrid fields after
+//   those: BlockStored [..., lora_name, extra_keys (nil), group_idx, kv_cache_spec_kind,
+//   kv_cache_spec_sliding_window], BlockRemoved [..., medium, group_idx]
+//   (router_event_encoding.h). A hybrid pool announces its spine: one block per prefix position,
+//   as its first full-attention group with that group's index and block size. A position is
+//   stored when its full block is cached and removed when it leaves the cache (its unit evicted);
+//   a window block tombstoned or a state checkpoint dropped under the node is not announced.
 //   The PUB socket binds or connects by vLLM's rule (mode "auto": bind when the endpoint is a
 //   wildcard, "::", ipc:// or inproc://; connect otherwise), so a central indexer can bind and
 //   every node connect to it.
@@ -32,6 +39,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -42,7 +50,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "proto/vocab/pool_geometry.h"
 #include "server/core/event_log.h"
+#include "server/events/router_event_encoding.h"
 #include "server/events/router_hash.h"
 
 namespace kvd {
@@ -107,6 +117,10 @@ struct RouterEventStats {
   uint64_t last_sequence = 0;      // of the last batch sent, in its topic (valid when batches > 0)
 };
 
+// The group a hybrid pool's router events carry (its first full group; docs/hybrid.md §2.9).
+// REQUIRES: g.hybrid().
+RouterEventGroup SpineGroupOf(const PoolGeometry& g);
+
 // Whether the PUB socket binds `endpoint` under `mode` ("auto", "bind" or "connect").
 bool RouterEndpointBinds(const std::string& endpoint, const std::string& mode);
 // OK when endpoint_mode is auto, bind or connect; no pool's topic is a prefix of another's (a ZMQ
@@ -145,6 +159,7 @@ class RouterEventPublisher {
   void Send(const std::string& pool, const Batch& batch); // publisher thread only
   void ServeReplay();                                     // publisher thread only
   std::string TopicOf(const std::string& pool) const;
+  std::optional<RouterEventGroup> GroupOf(const std::string& pool) const;  // nullopt: no groups
   const std::string& MediumOf(const std::string& pool) const;
 
   const RouterEventsOptions options_;
@@ -155,6 +170,8 @@ class RouterEventPublisher {
   // Each pool's model fingerprint (empty when it declares none), hashed into its blocks' ids.
   // Set by Attach, before the listener that feeds the publisher thread.
   absl::flat_hash_map<std::string, std::string> model_fingerprints_;
+  // Each hybrid pool's group in its events (SpineGroupOf); pools without groups are absent.
+  absl::flat_hash_map<std::string, RouterEventGroup> groups_;
   void* ctx_ = nullptr;     // zmq context
   void* pub_ = nullptr;     // PUB socket (publisher thread after Start)
   void* replay_ = nullptr;  // ROUTER socket, or nullptr

@@ -94,8 +94,6 @@ TEST_CASE("Hybrid pool config errors exit 2 naming pools[i].groups[j].<field>", 
   refused(HybridPool(), "pool 'hy' has KV groups; tiers do not serve pools with groups yet", {"--host-tier-bytes=1MiB"});
   refused(HybridPool("transfer:\n  listen: 127.0.0.1:0\n"),
           "pool 'hy' has KV groups; transfer (peers) do not serve pools with groups yet");
-  refused(HybridPool("router_events:\n  endpoint: tcp://127.0.0.1:5557\n"),
-          "pool 'hy' has KV groups; router_events do not serve pools with groups yet");
 }
 
 TEST_CASE("--print-config round-trips a hybrid pool, with the default split resolved", "[integration][hybrid]") {

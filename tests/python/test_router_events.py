@@ -11,7 +11,9 @@ Topics: one sequence per pool, replay by topic with vLLM >= 0.26's topic frame (
 a medium per pool, topics that would prefix-match refused, and a PUB socket that connects to a
 router that binds (llm-d's central mode); positioned media keyed per overlapped block. The stream
 is also fed to decoders written from llm-d's and Dynamo's sources (LlmdIndexer, DynamoIndexer),
-whose rebuilt indexes must find each prompt's cached blocks under their own key schemes.
+whose rebuilt indexes must find each prompt's cached blocks under their own key schemes. A hybrid
+pool (KV groups) announces its spine as its full group, with vLLM's group fields where llm-d reads
+them by position and under vLLM's names in the map format; an evicted unit is announced removed.
 
 Usage: test_router_events.py KVD_BINARY   (PYTHONPATH=<build>/python)
 """
@@ -392,6 +394,103 @@ def prove_topics(kvd, tmp, ctx):
         sub.close(0)
 
 
+HYBRID_CONFIG = ("pools:\n  - name: hy\n    block_tokens: 4\n    num_layers: 4\n    bytes_per_token_per_layer: 16\n"
+                 "    max_model_len: 64\n    step_tokens: 8\n    groups:\n"
+                 "      - {name: swa, kind: sliding_window, layers: [0], window: 6, capacity_blocks: 24}\n"
+                 "      - {name: full, kind: full, layers: [\"1-3/2\"], capacity_blocks: 40}\n"
+                 "      - {name: rec, kind: state, layers: [2], bytes_per_state: 96, checkpoint_every_blocks: 2, "
+                 "capacity_slots: 6}\n")
+
+
+def llmd_groups(payloads):
+    """llm-d's reading of a hybrid stream (vllm_adapter.go at 7be76e11, by position): BlockStored [9]
+    group_idx, [10] kv_cache_spec_kind, [11] kv_cache_spec_sliding_window; BlockRemoved [3]
+    group_idx. Returns (catalog {group: (kind, block_size, window)}, stored [(ids, group)],
+    removed [(ids, group)])."""
+    catalog, stored, removed = {}, [], []
+    for _, _, _, e in events_of(payloads):
+        if e[0] == "BlockStored":
+            g = e[9] if len(e) > 9 else None
+            if g is not None:
+                catalog[g] = (e[10] if len(e) > 10 else None, e[4], e[11] if len(e) > 11 else None)
+            stored.append((e[1], g))
+        elif e[0] == "BlockRemoved":
+            removed.append((e[1], e[3] if len(e) > 3 else None))
+    return catalog, stored, removed
+
+
+def prove_hybrid(kvd, tmp, ctx):
+    """A hybrid pool (groups swa, full, rec: the full group is index 1) announces its spine as the
+    full group: ids as vLLM hashes the prompt, block_size the pool's block, group_idx 1 and kind
+    full_attention where llm-d reads them (arrays) and under vLLM's names (maps). State pressure
+    evicts the oldest unit (checkpoint, window and full blocks): its blocks are announced removed
+    for group 1, and the router's live set is kvd's cached full blocks. Every chain the router
+    still scores, kvd hits at the same length; the evicted ones neither."""
+    for fmt in ("vllm", "vllm-map"):
+        events = (f"router_events:\n  endpoint: ipc://{tmp}/events-hy\n  replay_endpoint: ipc://{tmp}/replay-hy\n"
+                  f"  node: n1\n  hash_seed: \"{SEED}\"\n  format: {fmt}\n")
+        d = Daemon(kvd, tmp, HYBRID_CONFIG + events, name=f"hybrid-{fmt}")
+        check(d.started, f"{fmt}: kvd serves router events for a hybrid pool (no longer refused)")
+        if not d.started:
+            continue
+        try:
+            prompts = [[1000 * (k + 1) + t for t in range(9)] for k in range(6)]
+            with Client(d.target, worker_name="hy-ev") as c:
+                for k, p in enumerate(prompts):
+                    with c.request(f"h{k}", pool="hy", prompt=p) as r:
+                        spare = r.group_table("rec").blocks[1]
+                        r.publish(p[:8], state_checkpoints=[(2, 8, spare)])
+                served = [c.peek_prefix_len("hy", p[:8] + [7]) for p in prompts]
+                groups = {g.name: g for g in c.report().pools[0].groups}
+                full_cached = groups["full"].cached
+            got = replay_settled(ctx, f"ipc://{tmp}/replay-hy", 0)
+        finally:
+            d.stop()
+        check(served[0] == 0 and served[-1] == 8, f"{fmt}: state pressure evicted the oldest unit; the newest hits 8 ({served})")
+        if fmt == "vllm":
+            catalog, stored, removed = llmd_groups(got)
+            arrays = [e for _, _, _, e in events_of(got) if e[0] in ("BlockStored", "BlockRemoved")]
+            check(all(len(e) == (12 if e[0] == "BlockStored" else 4) for e in arrays),
+                  "vllm: BlockStored has 12 fields (extra_keys nil, group_idx, kind, window), BlockRemoved 4")
+            check(catalog == {1: ("full_attention", BT, None)},
+                  f"llm-d's group catalog: group 1, full_attention, block_size {BT}, no window ({catalog})")
+            ids = [i for i_s, g in stored for i in i_s]
+            check(all(i in ids for p in prompts for i in vllm_ids(p[:8])), "vllm: every spine block's id is vLLM's hash")
+            gone = [i for i_s, g in removed for i in i_s]
+            check(removed and all(g == 1 for _, g in removed) and set(vllm_ids(prompts[0][:8])) <= set(gone),
+                  f"vllm: the evicted unit's blocks are removed for group 1 ({removed})")
+            # llm-d's index: entries per (pod, tier, group); a removal takes only its group's entry.
+            entries = {}
+            for i_s, g in stored:
+                for i in i_s:
+                    entries.setdefault(i, set()).add(("n1", g))
+            for i_s, g in removed:
+                for i in i_s:
+                    entries.get(i, set()).discard(("n1", g))
+            live = {i for i, e in entries.items() if e}
+            for k, p in enumerate(prompts):
+                scored = 0
+                for i in vllm_ids(p[:8]):
+                    if i not in live:
+                        break
+                    scored += 1
+                check(scored * BT == served[k], f"vllm: the router scores prompt {k} at {scored} blocks, kvd serves {served[k]}")
+            check(len(live) == full_cached, f"vllm: the router's live set = kvd's cached full blocks ({len(live)} vs {full_cached})")
+            check(groups["rec"].cached == sum(1 for s in served if s == 8),
+                  f"Report per group: one cached checkpoint per chain kvd hits ({groups['rec'].cached})")
+        else:
+            evs = [e for s in sorted(got) for e in msgpack.unpackb(got[s], raw=False)["events"]]
+            st = [e for e in evs if e["type"] == "BlockStored"]
+            rm = [e for e in evs if e["type"] == "BlockRemoved"]
+            check(st and all(set(e) == {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                                       "medium", "lora_name", "group_idx", "kv_cache_spec_kind"} and
+                             e["group_idx"] == 1 and e["kv_cache_spec_kind"] == "full_attention" and e["block_size"] == BT
+                             for e in st),
+                  "vllm-map: BlockStored by vLLM's names with group_idx 1 and kv_cache_spec_kind (defaults left out)")
+            check(rm and all(set(e) == {"type", "block_hashes", "medium", "group_idx"} and e["group_idx"] == 1 for e in rm),
+                  "vllm-map: BlockRemoved carries group_idx")
+
+
 def main():
     kvd = sys.argv[1]
     tmp = tempfile.mkdtemp(prefix="kvd-ev-")
@@ -571,6 +670,7 @@ def main():
         daemon.stop()
         prove_media(kvd, tmp, ctx)
         prove_topics(kvd, tmp, ctx)
+        prove_hybrid(kvd, tmp, ctx)
     finally:
         daemon.stop()
         ctx.destroy(0)
