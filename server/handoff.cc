@@ -72,6 +72,8 @@ void ToProto(const CacheSnapshot& in, pb::Snapshot* out) {
     p->set_last_use(b.last_use);
     p->set_reused(b.reused);
     p->mutable_tokens()->Add(b.tokens.begin(), b.tokens.end());
+    p->mutable_components()->Add(b.components.begin(), b.components.end());
+    p->set_tail_checkpoints(b.tail_checkpoints);
   }
   for (const CacheSnapshot::Session& s : in.sessions) {
     pb::Session* p = out->add_sessions();
@@ -90,6 +92,13 @@ void ToProto(const CacheSnapshot& in, pb::Snapshot* out) {
     p->mutable_blocks()->Add(c.blocks.begin(), c.blocks.end());
     p->mutable_cached()->Add(c.cached.begin(), c.cached.end());
     p->set_expires_unix_ns(absl::ToUnixNanos(c.expires_at));
+    for (const CacheSnapshot::Checkpoint::Group& g : c.groups) {
+      pb::CheckpointGroup* pg = p->add_groups();
+      pg->set_first_block_position(g.first);
+      pg->mutable_blocks()->Add(g.blocks.begin(), g.blocks.end());
+      for (bool cached : g.cached) pg->add_cached(cached);
+      if (g.slot != CacheSnapshot::kNoComponent) pg->set_slot(g.slot);
+    }
   }
   for (const CacheSnapshot::Fence& f : in.fences) {
     pb::Fence* p = out->add_fences();
@@ -117,6 +126,8 @@ CacheSnapshot FromProto(const pb::Snapshot& in) {
     b.last_use = p.last_use();
     b.reused = p.reused();
     b.tokens.assign(p.tokens().begin(), p.tokens().end());
+    b.components.assign(p.components().begin(), p.components().end());
+    b.tail_checkpoints = p.tail_checkpoints();
   }
   for (const pb::Session& p : in.sessions()) {
     CacheSnapshot::Session& s = out.sessions.emplace_back();
@@ -135,6 +146,13 @@ CacheSnapshot FromProto(const pb::Snapshot& in) {
     c.blocks.assign(p.blocks().begin(), p.blocks().end());
     c.cached.assign(p.cached().begin(), p.cached().end());
     c.expires_at = absl::FromUnixNanos(p.expires_unix_ns());
+    for (const pb::CheckpointGroup& pg : p.groups()) {
+      CacheSnapshot::Checkpoint::Group& g = c.groups.emplace_back();
+      g.first = pg.first_block_position();
+      g.blocks.assign(pg.blocks().begin(), pg.blocks().end());
+      g.cached.assign(pg.cached().begin(), pg.cached().end());
+      if (pg.has_slot()) g.slot = pg.slot();
+    }
   }
   for (const pb::Fence& p : in.fences()) {
     CacheSnapshot::Fence& f = out.fences.emplace_back();

@@ -16,6 +16,12 @@
 // O(cache size) under the engine's mutex: called only once the daemon serves nothing (the handoff
 // has shut its gRPC server down), so no caller waits behind the scan.
 //
+// A hybrid pool's nodes carry their components and its checkpoints their per-group units: the
+// successor serves the same hits (§2.6) and resumes the same generations. On import a component
+// that does not fit its group (range, another use) is refused like a block; a state checkpoint
+// whose window is not all there is dropped, and the units' rules (U2-U4) then drop what no hit can
+// serve, so the successor's checker passes. Fences are charged per group.
+//
 // KvCache::ImportSnapshot: re-creates a snapshot, each block at its index (its bytes are in the
 // adopted slab), recency and SLRU tiers kept, checkpoints resumable as before (within this
 // configuration's checkpoint budgets; one that does not fit is dropped); listeners hear each block
@@ -68,7 +74,14 @@ struct CacheSnapshot {
     uint64_t last_use = 0;    // recency tick (nanoseconds of the engine's clock)
     bool reused = false;      // SLRU: in the main tier
     std::vector<Token> tokens;
+    // Hybrid pools with a full group (docs/hybrid.md §2.9): per KV group of the pool, the node's
+    // component (a window group's block, a state group's checkpoint slot holding the state at
+    // exactly the node's end), kNoComponent for none and for the spine group itself; bit g of
+    // `tail_checkpoints`: state group g's is an End's tail. Empty for other pools.
+    std::vector<BlockIndex> components;
+    uint32_t tail_checkpoints = 0;
   };
+  static constexpr BlockIndex kNoComponent = 0xFFFFFFFFu;
   struct Session {
     SessionId id;
     WorkerId worker;
@@ -85,6 +98,16 @@ struct CacheSnapshot {
     std::vector<int64_t> cached;        // per block: its position in `blocks` when cached, else -1
                                         // (owned by the checkpoint alone)
     absl::Time expires_at;
+    // Hybrid pools: per KV group (the spine group's entry empty: `blocks` is its table), a window
+    // group's blocks from block position `first` on (cached[i]: a node's component in `blocks`,
+    // else the checkpoint's own), or a state group's slot (always its own). Empty otherwise.
+    struct Group {
+      int64_t first = 0;
+      std::vector<BlockIndex> blocks;
+      std::vector<bool> cached;
+      BlockIndex slot = kNoComponent;
+    };
+    std::vector<Group> groups;
   };
   // Blocks a request live at the handoff owned: its writer may still write them.
   // A block may be in several fences (each holds it until lifted).

@@ -385,9 +385,10 @@ absl::StatusOr<AcquireResult> KvCache::Acquire(const RequestId& id) {
         auto it = checkpoints_.find(r.spec.resume_from);
         if (it != checkpoints_.end() && it->second->orphaned) ckpt = it->second.get();
       }
-      result = pools_[r.pool]->geometry.hybrid() ? AcquireGroupsLocked(r)
-               : ckpt != nullptr                  ? ResumeLocked(r, *ckpt)
-                                                  : AcquirePrefixLocked(r);
+      const bool hybrid = pools_[r.pool]->geometry.hybrid();
+      result = ckpt != nullptr ? (hybrid ? ResumeGroupsLocked(r, *ckpt) : ResumeLocked(r, *ckpt))
+               : hybrid        ? AcquireGroupsLocked(r)
+                               : AcquirePrefixLocked(r);
       if (result.ok()) {
         r.acquired = true;
         UpdatePressureLocked();
@@ -441,6 +442,11 @@ absl::StatusOr<AcquireResult> KvCache::AcquirePrefixLocked(Request& req) {
 }
 
 absl::StatusOr<AcquireResult> KvCache::ResumeLocked(Request& req, CheckpointRecord& ckpt) {
+  if (ckpt.pool != req.pool) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint '", ckpt.id.value(), "' was taken on pool '", pools_[ckpt.pool]->geometry.name,
+        "' (another KV grouping than pool '", pools_[req.pool]->geometry.name, "'s): resume it on its own pool"));
+  }
   if (!(ckpt.ns == req.spec.ns)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint '", ckpt.id.value(), "' belongs to another namespace than the request"));

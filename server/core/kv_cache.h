@@ -33,6 +33,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -100,8 +101,14 @@ class KvCache final : public TierPort {
   absl::StatusOr<PublishResult> Keeps(const RequestId& id, absl::Span<const Token> tokens,
                                       absl::Span<const BlockIndex> blocks) const ABSL_LOCKS_EXCLUDED(mu_);
   // A resumable point: the first tokens.size() tokens, their blocks, opaque engine bytes.
-  absl::Status Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
-                          std::string engine_state) ABSL_LOCKS_EXCLUDED(mu_);
+  // On a hybrid pool (docs/hybrid.md §2.9) also the window blocks before the position and, per
+  // state group, the slot `state` names holding the state at exactly tokens.size() (one entry per
+  // state group, required); the request gets a fresh spare in that slot's place, returned in
+  // `fresh_slots` (may be null) per entry. INVALID_ARGUMENT naming state_checkpoints, changing
+  // nothing, for a missing entry, another group or position, a slot not the request's.
+  absl::Status Checkpoint(const RequestId& id, absl::Span<const Token> tokens, std::string engine_state,
+                          absl::Span<const StateCheckpoint> state = {},
+                          std::vector<int64_t>* fresh_slots = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Publish of the request's first `publish_blocks` table blocks over its known tokens (prompt,
   // then tokens learned from Publish/Checkpoint) followed by `more_tokens`, then Release — under
   // one lock, all or nothing: on error the request is still live and unchanged.
@@ -248,7 +255,55 @@ class KvCache final : public TierPort {
   absl::StatusOr<std::vector<BlockIndex>> ExtendLocked(const RequestId& id, int64_t additional)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReleaseLocked(Request& req, bool completed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status CheckpointLocked(const RequestId& id, absl::Span<const Token> tokens, std::string engine_state)
+  // `ending`: a preempt's checkpoint (the request is released next; a hybrid pool's state slot
+  // passes to the record with no fresh spare). `fresh_slots` may be null.
+  absl::Status CheckpointLocked(const RequestId& id, absl::Span<const Token> tokens, std::string engine_state,
+                                absl::Span<const StateCheckpoint> state = {}, bool ending = false,
+                                std::vector<int64_t>* fresh_slots = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kv_cache_group_checkpoints.cc: generation checkpoints on hybrid pools (docs/hybrid.md §2.9).
+  // What a checkpoint of `req` at `tokens` tokens takes of each group; checked before anything
+  // changes (INVALID_ARGUMENT naming state_checkpoints; FAILED_PRECONDITION when a window's blocks
+  // before the position were released; RESOURCE_EXHAUSTED when no fresh spare fits).
+  struct GroupCheckpointPlan {
+    std::vector<cache_state::CheckpointRecord::Group> groups;  // per group, as the record keeps it
+    std::vector<int64_t> grow;  // units the request's reservation grows by (a live one's fresh spare)
+  };
+  absl::StatusOr<GroupCheckpointPlan> PlanGroupCheckpointLocked(const Request& req, int64_t tokens,
+                                                                absl::Span<const StateCheckpoint> state,
+                                                                bool ending) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Carries out `plan` into `rec` (the record references the units; each slot passes from the
+  // request to it, replaced by a fresh spare unless `ending`). Nothing fails.
+  void ApplyGroupCheckpointLocked(Request& req, CheckpointRecord& rec, GroupCheckpointPlan plan, bool ending,
+                                  std::vector<int64_t>* fresh_slots) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Acquire of a request resuming a hybrid pool's checkpoint: the record's units become the
+  // request's (the state slot as its state group's checkpoint_slot, to copy into the running
+  // slot), plus the fresh units of its held ranges. FAILED_PRECONDITION, changing nothing, for a
+  // checkpoint of another pool or namespace, one that does not continue the prompt, or one whose
+  // tail a fence or a pull may still write (or that was published since): it resumes exactly only.
+  absl::StatusOr<AcquireResult> ResumeGroupsLocked(Request& req, CheckpointRecord& ckpt)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kv_cache_handoff.cc: a hybrid pool's spine components across a hot handoff (cache_snapshot.h).
+  void ExportComponentsLocked(const Pool& pool, const CachedBlock& node, CacheSnapshot::Block* e) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // INVALID_ARGUMENT naming the field for components / checkpoint groups that do not fit this
+  // configuration's groups (ranges, counts, a unit used twice). No lock: geometry only.
+  absl::Status CheckSnapshotComponents(const CacheSnapshot::Block& b, int64_t i, absl::flat_hash_set<BlockIndex>& taken,
+                                       absl::flat_hash_set<BlockIndex>& components) const;
+  absl::Status CheckSnapshotCheckpointGroups(const CacheSnapshot::Checkpoint& c, PoolId pool,
+                                             absl::flat_hash_set<BlockIndex>& taken,
+                                             const absl::flat_hash_set<BlockIndex>& components) const;
+  // Attaches the snapshot's components to the imported `nodes` (window blocks, then checkpoints
+  // whose window is all there), each cached and referenced once; frees the rest. Returns the
+  // attached ones in order, for the caller to let go.
+  std::vector<std::pair<PoolId, BlockIndex>> ImportComponentsLocked(const CacheSnapshot& snap,
+                                                                    const std::vector<CachedBlock*>& nodes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every unit a checkpoint references: its table, then each group's blocks and slot.
+  static std::vector<BlockIndex> AllBlocksOf(const CheckpointRecord& ckpt);
+  // What an orphaned checkpoint is charged: its charged units' bytes (or blocks', without groups).
+  int64_t ChargedBytesLocked(const CheckpointRecord& ckpt) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Units per group of `blocks` of a hybrid pool (the fence's charge).
+  std::vector<int64_t> UnitsOfLocked(PoolId pool, absl::Span<const BlockIndex> blocks) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // kv_cache_step.cc: step ops and credit. GrowLocked is Extend's body, taking `credit` first.
   StepOpResult ApplyStepOpLocked(const WorkerId& worker, StepOp& op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -345,8 +400,9 @@ class KvCache final : public TierPort {
   // kv_cache_groups.cc: hybrid pools' per-group admission and tables (docs/hybrid.md §2.4, §2.5).
   // §2.5's units per group for a request of `tokens` tokens.
   static std::vector<int64_t> UnitsFor(const PoolGeometry& geo, int64_t tokens);
-  // OUT_OF_RANGE naming the group a request can never fit (or the budget); FAILED_PRECONDITION
-  // for what hybrid pools do not support yet (resume).
+  // The block positions [lo, hi) group g holds at n tokens and c computed (state: its 2 slots).
+  static std::pair<int64_t, int64_t> HeldRange(const PoolGeometry& geo, int g, int64_t n, int64_t c);
+  // OUT_OF_RANGE naming the group a request can never fit (or the budget).
   absl::Status CheckGroupsFitLocked(PoolId pool, const RequestSpec& spec) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The bytes `req`'s reservation charges (its units', or its blocks' on a pool without groups).
   int64_t ReservedBytesLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -82,8 +82,19 @@ void KvCache::ChargeFenceLocked(absl::Time until, uint64_t serial) {
   // uncharged then.
   const Pool& pool = *pools_[f.pool];
   int64_t n = 0;
-  for (BlockIndex b : f.blocks) n += pool.blocks[b].kind == BlockState::Kind::kOwned && pool.blocks[b].refs == 1 ? 1 : 0;
-  if (ledger_.CanReserve(f.pool, n)) {
+  std::vector<BlockIndex> alone;
+  for (BlockIndex b : f.blocks) {
+    if (pool.blocks[b].kind == BlockState::Kind::kOwned && pool.blocks[b].refs == 1) alone.push_back(b);
+  }
+  n = static_cast<int64_t>(alone.size());
+  if (pool.geometry.hybrid()) {  // each unit its group's bytes (docs/hybrid.md §2.5)
+    std::vector<int64_t> units = UnitsOfLocked(f.pool, alone);
+    if (ledger_.CanReserveUnits(f.pool, units)) {
+      KVD_CHECK(ledger_.ReserveUnits(f.pool, units).ok());
+      f.charged_units = std::move(units);
+      f.charged_blocks = n;
+    }
+  } else if (ledger_.CanReserve(f.pool, n)) {
     KVD_CHECK(ledger_.Reserve(f.pool, n).ok());
     f.charged_blocks = n;
   }
@@ -120,7 +131,8 @@ void KvCache::LiftFenceLocked(FenceMap::iterator it) {
   }
   KVD_CHECK(owners_.Find(f.serial) == nullptr);
   for (BlockIndex b : f.blocks) UnrefLocked(f.pool, b, /*touch=*/false);  // freed when the fence held it alone
-  ledger_.Unreserve(f.pool, f.charged_blocks);
+  if (!f.charged_units.empty()) ledger_.UnreserveUnits(f.pool, f.charged_units);
+  else ledger_.Unreserve(f.pool, f.charged_blocks);
   fences_.erase(it);
   UpdatePressureLocked();
 }
@@ -225,6 +237,16 @@ int64_t KvCache::FenceFreeBlocks(absl::Duration ttl) {
         for (size_t i = ckpt->tokens.size() / bt; i < ckpt->blocks.size(); ++i) {
           const BlockState& s = pools_[p]->blocks[ckpt->blocks[i]];
           if (s.kind == BlockState::Kind::kOwned && s.owner == ckpt->serial) held.push_back(ckpt->blocks[i]);
+        }
+        // A hybrid pool's window blocks likewise (its state slot is never written again).
+        for (const CheckpointRecord::Group& g : ckpt->groups) {
+          for (size_t i = 0; i < g.blocks.size(); ++i) {
+            const BlockState& s = pools_[p]->blocks[g.blocks[i]];
+            if (g.first + static_cast<int64_t>(i) >= static_cast<int64_t>(ckpt->tokens.size()) / bt &&
+                s.kind == BlockState::Kind::kOwned && s.owner == ckpt->serial) {
+              held.push_back(g.blocks[i]);
+            }
+          }
         }
       }
       fenced += static_cast<int64_t>(held.size());

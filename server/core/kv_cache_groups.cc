@@ -22,8 +22,9 @@ namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The block positions [lo, hi) group g holds at n tokens and c computed.
-std::pair<int64_t, int64_t> HeldRange(const PoolGeometry& geo, int g, int64_t n, int64_t c) {
+}  // namespace
+
+std::pair<int64_t, int64_t> KvCache::HeldRange(const PoolGeometry& geo, int g, int64_t n, int64_t c) {
   const KvGroup& k = geo.groups[g];
   const int64_t bt = geo.block_tokens;
   const int64_t horizon = CeilDiv(std::min(n, c + geo.step_tokens_or_default()), bt);
@@ -42,8 +43,6 @@ std::pair<int64_t, int64_t> HeldRange(const PoolGeometry& geo, int g, int64_t n,
   return {0, 0};
 }
 
-}  // namespace
-
 std::vector<int64_t> KvCache::UnitsFor(const PoolGeometry& geo, int64_t tokens) {
   std::vector<int64_t> units;
   for (size_t g = 0; g < geo.groups.size(); ++g) units.push_back(geo.GroupUnitsFor(static_cast<int>(g), tokens));
@@ -52,11 +51,6 @@ std::vector<int64_t> KvCache::UnitsFor(const PoolGeometry& geo, int64_t tokens) 
 
 absl::Status KvCache::CheckGroupsFitLocked(PoolId pool, const RequestSpec& spec) const {
   const PoolGeometry& geo = pool_geometries_[pool];
-  if (!spec.resume_from.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "pool '", geo.name, "' has KV groups: generation checkpoints and resume are not supported on hybrid "
-        "pools yet (docs/hybrid.md, \"What works today\")"));
-  }
   const std::vector<int64_t> units = UnitsFor(geo, static_cast<int64_t>(spec.prompt.size()) + spec.max_new_tokens);
   for (size_t g = 0; g < units.size(); ++g) {
     if (units[g] > geo.groups[g].capacity) {
@@ -281,6 +275,10 @@ absl::StatusOr<std::vector<GroupTable>> KvCache::GrowGroupsLocked(Request& req, 
     held.erase(held.begin(), held.begin() + p.drop);
     req.groups[g].first = p.lo;
     if (req.groups[g].checkpoint != HybridSpine::kNone) {  // the engine copied it before this step
+      // A resumed checkpoint's slot is the request's own (kv_cache_group_checkpoints.cc): freed.
+      if (const Owner* w = owners_.OwnerOf(req.pool, req.groups[g].checkpoint); w != nullptr && *w == writer) {
+        KVD_CHECK(owners_.Release(req.pool, req.groups[g].checkpoint, writer).ok());
+      }
       UnrefLocked(req.pool, req.groups[g].checkpoint);
       req.groups[g].checkpoint = HybridSpine::kNone;
     }
@@ -308,7 +306,10 @@ absl::Status KvCache::CheckGroupsLocked() const {
   auto fail = [](auto&&... parts) { return absl::InternalError(absl::StrCat(parts...)); };
   // Reserved bytes recomputed: requests (units or blocks), credit, orphaned checkpoints, fences.
   int64_t charged = orphan_blocks_bytes_;
-  for (const auto& [key, f] : fences_) charged += ledger_.BytesOf(f.pool, f.charged_blocks);
+  for (const auto& [key, f] : fences_) {
+    charged += f.charged_units.empty() ? ledger_.BytesOf(f.pool, f.charged_blocks)
+                                       : ledger_.BytesOfUnits(f.pool, f.charged_units);
+  }
   for (const auto& [w, credit] : credit_) {
     for (const auto& [p, pc] : credit.pools) {
       charged += ledger_.BytesOf(p, static_cast<int64_t>(owners_.BlocksOf(pc.serial).size()));
@@ -316,6 +317,27 @@ absl::Status KvCache::CheckGroupsLocked() const {
   }
   std::vector<std::vector<int64_t>> reserved(pools_.size());
   for (PoolId p = 0; p < pools_.size(); ++p) reserved[p].assign(pools_[p]->geometry.groups.size(), 0);
+  // Orphaned checkpoints and fences of hybrid pools are charged per group too.
+  auto add_units = [&](PoolId p, const std::vector<int64_t>& units, int64_t sum) -> bool {
+    if (!pools_[p]->geometry.hybrid()) return true;
+    if (units.empty()) return sum == 0;
+    int64_t total = 0;
+    for (size_t g = 0; g < units.size(); ++g) {
+      reserved[p][g] += units[g];
+      total += units[g];
+    }
+    return total == sum;
+  };
+  for (const auto& [id, ckpt] : checkpoints_) {
+    if (ckpt->orphaned && !add_units(ckpt->pool, ckpt->charged_units, ckpt->charged_blocks)) {
+      return fail("orphaned checkpoint ", id.value(), "'s charged units do not sum to its charged blocks");
+    }
+  }
+  for (const auto& [key, f] : fences_) {
+    if (!add_units(f.pool, f.charged_units, f.charged_blocks)) {
+      return fail("a fence of pool ", pools_[f.pool]->geometry.name, " is charged units that do not sum to its blocks");
+    }
+  }
   for (const auto& [id, req] : requests_) {
     charged += ReservedBytesLocked(*req);
     const Pool& pool = *pools_[req->pool];

@@ -38,6 +38,7 @@ CacheSnapshot KvCache::ExportSnapshot() const {
     e.reused = b->reused;
     const absl::Span<const Token> tokens = index_.TokensOf(*b);
     e.tokens.assign(tokens.begin(), tokens.end());
+    ExportComponentsLocked(*pools_[b->address.pool], *b, &e);
     position.emplace(b, static_cast<int64_t>(out.blocks.size()) - 1);
   }
   const absl::Time now = clock_->Now();
@@ -57,6 +58,13 @@ CacheSnapshot KvCache::ExportSnapshot() const {
     for (BlockIndex b : ckpt->blocks) {
       const BlockState& st = pools_[ckpt->pool]->blocks[b];
       c.cached.push_back(st.kind == BlockState::Kind::kCached ? position.at(st.node) : -1);
+    }
+    for (const CheckpointRecord::Group& g : ckpt->groups) {  // a hybrid pool's window blocks and state
+      CacheSnapshot::Checkpoint::Group& e = c.groups.emplace_back();
+      e.first = g.first;
+      e.blocks = g.blocks;
+      for (BlockIndex b : g.blocks) e.cached.push_back(pools_[ckpt->pool]->blocks[b].kind == BlockState::Kind::kCached);
+      e.slot = g.slot;
     }
   }
   out.fences_known = true;
@@ -125,6 +133,12 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
   // Checkpoints: their own blocks must be free of every cached block and of each other.
   std::vector<absl::flat_hash_set<BlockIndex>> taken(pool_geometries_.size());
   for (const CacheSnapshot::Block& b : snap.blocks) taken[b.pool].insert(b.index);
+  // A hybrid pool's components: each in its group's range, used once (docs/hybrid.md §2.9).
+  std::vector<absl::flat_hash_set<BlockIndex>> components(pool_geometries_.size());
+  for (int64_t i = 0; i < n; ++i) {
+    KVD_RETURN_IF_ERROR(CheckSnapshotComponents(snap.blocks[i], i, taken[snap.blocks[i].pool],
+                                                components[snap.blocks[i].pool]));
+  }
   for (const CacheSnapshot::Checkpoint& c : snap.checkpoints) {
     const auto bad = [&c](absl::string_view what) {
       return absl::InvalidArgumentError(absl::StrCat("snapshot checkpoint '", c.id.value(), "': ", what));
@@ -147,6 +161,7 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
         return bad(absl::StrCat("block ", c.blocks[i], " is past the pool or not its own"));
       }
     }
+    KVD_RETURN_IF_ERROR(CheckSnapshotCheckpointGroups(c, *pool, taken[*pool], components[*pool]));
   }
 
   // Fences: blocks in range. A block may be in several fences (a checkpoint's block fenced at one
@@ -174,7 +189,12 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
       return absl::FailedPreconditionError("a snapshot is imported only into a cache that holds nothing yet");
     }
     std::vector<std::vector<BlockIndex>> per_pool(pools_.size());
-    for (const CacheSnapshot::Block& b : snap.blocks) per_pool[b.pool].push_back(b.index);
+    for (const CacheSnapshot::Block& b : snap.blocks) {
+      per_pool[b.pool].push_back(b.index);
+      for (BlockIndex c : b.components) {
+        if (c != CacheSnapshot::kNoComponent) per_pool[b.pool].push_back(c);
+      }
+    }
     for (size_t p = 0; p < pools_.size(); ++p) {
       if (absl::Status s = pools_[p]->allocator.Claim(per_pool[p]); !s.ok()) {
         for (size_t q = 0; q < p; ++q) pools_[q]->allocator.Free(per_pool[q]);
@@ -200,6 +220,9 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
       if (index_.FindChild(*root, parent, b.tokens) != nullptr) continue;
       nodes[i] = CacheBlockLocked(b.pool, root, parent, b.index, b.tokens);
     }
+    // The nodes' components: window blocks first, then the checkpoints that read them; what
+    // cannot be attached goes back to the free list.
+    std::vector<std::pair<PoolId, BlockIndex>> attached = ImportComponentsLocked(snap, nodes);
     for (int64_t i = 0; i < n; ++i) {
       if (nodes[i] == nullptr) continue;
       nodes[i]->last_use = snap.blocks[i].last_use;
@@ -214,10 +237,22 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
       Pool& pool = *pools_[pool_id];
       bool whole = true;
       for (size_t i = 0; i < c.blocks.size(); ++i) whole &= c.cached[i] < 0 || nodes[c.cached[i]] != nullptr;
+      for (const CacheSnapshot::Checkpoint::Group& g : c.groups) {
+        for (size_t i = 0; i < g.blocks.size(); ++i) {
+          whole &= !g.cached[i] || (pool.blocks[g.blocks[i]].kind == BlockState::Kind::kCached &&
+                                    pool.component_node[g.blocks[i]] != nullptr);
+        }
+      }
       if (!whole) continue;  // a block it reads was not indexed
       std::vector<BlockIndex> own;
       for (size_t i = 0; i < c.blocks.size(); ++i) {
         if (c.cached[i] < 0) own.push_back(c.blocks[i]);
+      }
+      for (const CacheSnapshot::Checkpoint::Group& g : c.groups) {
+        for (size_t i = 0; i < g.blocks.size(); ++i) {
+          if (!g.cached[i]) own.push_back(g.blocks[i]);
+        }
+        if (g.slot != CacheSnapshot::kNoComponent) own.push_back(g.slot);
       }
       KVD_CHECK(pool.allocator.Claim(own).ok());  // checked free above
       auto rec = std::make_unique<CheckpointRecord>();
@@ -234,6 +269,26 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
         s.owner = rec->serial;
         ++pool.num_owned;
       }
+      for (const CacheSnapshot::Checkpoint::Group& g : c.groups) {
+        CheckpointRecord::Group& rg = rec->groups.emplace_back();
+        rg.first = g.first;
+        rg.blocks = g.blocks;
+        rg.slot = g.slot;
+        for (size_t i = 0; i <= g.blocks.size(); ++i) {
+          const bool is_slot = i == g.blocks.size();
+          if (is_slot && g.slot == CacheSnapshot::kNoComponent) break;
+          const BlockIndex b = is_slot ? g.slot : g.blocks[i];
+          if (!is_slot && g.cached[i]) {
+            RefLocked(pool_id, b, /*touch=*/false);
+            continue;
+          }
+          BlockState& s = pool.blocks[b];
+          s.kind = BlockState::Kind::kOwned;
+          s.refs = 1;
+          s.owner = rec->serial;
+          ++pool.num_owned;
+        }
+      }
       rec->id = c.id;
       rec->pool = pool_id;
       rec->ns = snap.namespaces[c.ns];
@@ -244,11 +299,22 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
       rec->orphaned = true;
       rec->charged_blocks = static_cast<int64_t>(c.blocks.size());
       rec->expires_at = c.expires_at;
-      const int64_t charge_bytes = ledger_.BytesOf(pool_id, rec->charged_blocks);
+      if (!rec->groups.empty()) {  // a hybrid pool's: charged per group
+        rec->charged_units = UnitsOfLocked(pool_id, AllBlocksOf(*rec));
+        rec->charged_blocks = 0;
+        for (int64_t u : rec->charged_units) rec->charged_blocks += u;
+      }
+      const int64_t charge_bytes = ChargedBytesLocked(*rec);
       if (orphan_blocks_bytes_ + charge_bytes > options_.checkpoint_budget_bytes ||
           checkpoint_state_bytes_ + rec->state_bytes > options_.checkpoint_state_bytes ||
-          !ledger_.Reserve(pool_id, rec->charged_blocks).ok()) {
-        UnrefTableLocked(pool_id, rec->blocks);  // this configuration has no room for it
+          !(rec->groups.empty() ? ledger_.Reserve(pool_id, rec->charged_blocks)
+                                : ledger_.ReserveUnits(pool_id, rec->charged_units)).ok()) {
+        // This configuration has no room for it: components first, as a release does.
+        for (auto g = rec->groups.rbegin(); g != rec->groups.rend(); ++g) {
+          if (g->slot != HybridSpine::kNone) UnrefLocked(pool_id, g->slot);
+          UnrefTableLocked(pool_id, g->blocks);
+        }
+        UnrefTableLocked(pool_id, rec->blocks);
         continue;
       }
       ChargeCheckpointStateLocked(*rec, +1);
@@ -256,6 +322,9 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
       orphan_blocks_bytes_ += charge_bytes;
       checkpoints_.emplace(rec->id, std::move(rec));
     }
+    // Components before their nodes (a leaf left unservable takes its components: none may be
+    // referenced then), each node's children before it.
+    for (auto it = attached.rbegin(); it != attached.rend(); ++it) UnrefLocked(it->first, it->second, /*touch=*/false);
     for (int64_t i = n - 1; i >= 0; --i) UnrefLocked(snap.blocks[i].pool, snap.blocks[i].index, /*touch=*/false);
     // What live requests owned stays out of every new owner's hands (kv_cache_fences.cc).
     for (const CacheSnapshot::Fence& f : snap.fences) {
@@ -287,6 +356,138 @@ absl::StatusOr<int64_t> KvCache::ImportSnapshot(const CacheSnapshot& snap) {
   }
   Deliver();
   return indexed;
+}
+
+}  // namespace kvd
+
+namespace kvd {
+
+void KvCache::ExportComponentsLocked(const Pool& pool, const CachedBlock& node, CacheSnapshot::Block* e) const {
+  if (pool.spine == nullptr) return;
+  const HybridSpine& spine = *pool.spine;
+  e->components.assign(pool.geometry.groups.size(), CacheSnapshot::kNoComponent);
+  for (int g = 0; g < static_cast<int>(pool.geometry.groups.size()); ++g) {
+    if (g == pool.spine_group) continue;
+    if (pool.geometry.groups[g].kind == KvGroupKind::kState) {
+      e->components[g] = spine.checkpoint(node, g);
+      if (e->components[g] != HybridSpine::kNone && spine.checkpoint_is_tail(node, g)) e->tail_checkpoints |= 1u << g;
+    } else {
+      e->components[g] = spine.block(node, g);
+    }
+  }
+}
+
+absl::Status KvCache::CheckSnapshotComponents(const CacheSnapshot::Block& b, int64_t i,
+                                              absl::flat_hash_set<BlockIndex>& taken,
+                                              absl::flat_hash_set<BlockIndex>& components) const {
+  if (b.components.empty()) return absl::OkStatus();
+  const PoolGeometry& geo = pool_geometries_[b.pool];
+  const auto bad = [&](auto&&... what) {
+    return absl::InvalidArgumentError(absl::StrCat("snapshot block ", i, " of pool '", geo.name, "': ", what...));
+  };
+  int spine_group = -1;
+  for (size_t g = 0; g < geo.groups.size() && spine_group < 0; ++g) {
+    if (geo.groups[g].kind == KvGroupKind::kFull) spine_group = static_cast<int>(g);
+  }
+  if (spine_group < 0) return bad("components, but the pool has no full KV group here");
+  if (b.components.size() != geo.groups.size()) {
+    return bad(b.components.size(), " components, but the pool has ", geo.groups.size(),
+               " KV groups here (groups changed across the handoff)");
+  }
+  for (int g = 0; g < static_cast<int>(geo.groups.size()); ++g) {
+    const BlockIndex c = b.components[g];
+    if (c == CacheSnapshot::kNoComponent) continue;
+    const KvGroup& k = geo.groups[g];
+    if (g == spine_group || c < static_cast<uint64_t>(k.first_block) ||
+        c >= static_cast<uint64_t>(k.first_block + k.capacity) || !taken.insert(c).second) {
+      return bad("component ", c, " of group '", k.name, "' is outside the group's range [", k.first_block, ", ",
+                 k.first_block + k.capacity, ") or used twice");
+    }
+    components.insert(c);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status KvCache::CheckSnapshotCheckpointGroups(const CacheSnapshot::Checkpoint& c, PoolId pool,
+                                                    absl::flat_hash_set<BlockIndex>& taken,
+                                                    const absl::flat_hash_set<BlockIndex>& components) const {
+  const PoolGeometry& geo = pool_geometries_[pool];
+  const auto bad = [&](auto&&... what) {
+    return absl::InvalidArgumentError(absl::StrCat("snapshot checkpoint '", c.id.value(), "': ", what...));
+  };
+  if (c.groups.size() != (geo.hybrid() ? geo.groups.size() : 0)) {
+    return bad(c.groups.size(), " KV groups, but pool '", geo.name, "' has ", geo.hybrid() ? geo.groups.size() : 0,
+               " here (groups changed across the handoff)");
+  }
+  for (size_t g = 0; g < c.groups.size(); ++g) {
+    const CacheSnapshot::Checkpoint::Group& e = c.groups[g];
+    const KvGroup& k = geo.groups[g];
+    const auto in_range = [&k](BlockIndex b) {
+      return b >= static_cast<uint64_t>(k.first_block) && b < static_cast<uint64_t>(k.first_block + k.capacity);
+    };
+    if (e.blocks.size() != e.cached.size() || e.first < 0) return bad("group '", k.name, "' is malformed");
+    for (size_t i = 0; i < e.blocks.size(); ++i) {
+      if (!in_range(e.blocks[i]) || (e.cached[i] ? !components.contains(e.blocks[i]) : !taken.insert(e.blocks[i]).second)) {
+        return bad("block ", e.blocks[i], " of group '", k.name, "' is past the group, not its own, or not cached");
+      }
+    }
+    if ((k.kind == KvGroupKind::kState) != (e.slot != CacheSnapshot::kNoComponent) ||
+        (e.slot != CacheSnapshot::kNoComponent && (!in_range(e.slot) || !taken.insert(e.slot).second))) {
+      return bad("state slot ", e.slot, " of group '", k.name, "' is missing, past the group or not its own");
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::pair<PoolId, BlockIndex>> KvCache::ImportComponentsLocked(const CacheSnapshot& snap,
+                                                                          const std::vector<CachedBlock*>& nodes) {
+  std::vector<std::pair<PoolId, BlockIndex>> attached;
+  auto cache = [&](Pool& pool, PoolId p, int g, BlockIndex c, CachedBlock* node) {
+    BlockState& s = pool.blocks[c];
+    s.kind = BlockState::Kind::kCached;
+    s.refs = 1;  // let go after every checkpoint is attached (ImportSnapshot)
+    s.owner = 0;
+    s.node = nullptr;
+    ++pool.num_cached;
+    ++pool.side[g].cached;
+    pool.component_node[c] = node;
+    attached.emplace_back(p, c);
+  };
+  for (int pass = 0; pass < 2; ++pass) {  // window blocks, then the checkpoints that read them
+    for (size_t i = 0; i < snap.blocks.size(); ++i) {
+      const CacheSnapshot::Block& b = snap.blocks[i];
+      Pool& pool = *pools_[b.pool];
+      for (int g = 0; g < static_cast<int>(b.components.size()); ++g) {
+        const BlockIndex c = b.components[g];
+        if (c == CacheSnapshot::kNoComponent) continue;
+        const bool state = pool.geometry.groups[g].kind == KvGroupKind::kState;
+        if (state != (pass == 1)) continue;
+        CachedBlock* node = nodes[i];
+        if (node == nullptr || pool.spine == nullptr) {
+          pool.allocator.Free(c);  // claimed with the blocks; its node was not indexed
+          continue;
+        }
+        HybridSpine& spine = *pool.spine;
+        if (!state) {
+          cache(pool, b.pool, g, c, node);
+          spine.AttachBlock(*node, g, c);
+          continue;
+        }
+        std::vector<const CachedBlock*> chain;
+        for (const CachedBlock* n = node; n != nullptr; n = n->parent) chain.push_back(n);
+        std::reverse(chain.begin(), chain.end());
+        const int64_t depth = static_cast<int64_t>(chain.size());
+        const bool tail = (b.tail_checkpoints >> g) & 1u;
+        if (spine.CanAcceptCheckpoint(g, chain, depth, tail) != CheckpointOutcome::kKept) {
+          pool.allocator.Free(c);  // its window is not all there (U3): not servable
+          continue;
+        }
+        cache(pool, b.pool, g, c, node);
+        spine.AttachCheckpoint(*node, g, c, depth, tail);
+      }
+    }
+  }
+  return attached;
 }
 
 }  // namespace kvd

@@ -224,9 +224,27 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
     if (ckpt->orphaned) {
       live_serials[ckpt->serial] = ckpt->pool;
       reserved[ckpt->pool] += ckpt->charged_blocks;
-      orphan_bytes += ledger_.BytesOf(ckpt->pool, ckpt->charged_blocks);
+      orphan_bytes += ChargedBytesLocked(*ckpt);
     }
-    for (BlockIndex b : ckpt->blocks) ++refs[ckpt->pool][b];
+    if (ckpt->groups.size() != (pools_[ckpt->pool]->geometry.hybrid() ? pools_[ckpt->pool]->geometry.groups.size() : 0)) {
+      return fail("checkpoint ", id.value(), " has no per-group state for its pool");
+    }
+    for (BlockIndex b : AllBlocksOf(*ckpt)) {
+      ++refs[ckpt->pool][b];
+      const BlockState& s = pools_[ckpt->pool]->blocks[b];
+      // A checkpoint's own units are written by nobody (a fence's, or a resumed request's, aside).
+      if (s.kind == BlockState::Kind::kOwned && s.owner == ckpt->serial && ckpt->orphaned &&
+          owners_.OwnerOf(ckpt->pool, b) != nullptr && owners_.OwnerOf(ckpt->pool, b)->kind != OwnerKind::kFence) {
+        return fail("block ", b, " of orphaned checkpoint ", id.value(), " has a writer that is no fence");
+      }
+    }
+    for (size_t g = 0; g < ckpt->groups.size(); ++g) {
+      const BlockIndex slot = ckpt->groups[g].slot;
+      if (slot != HybridSpine::kNone && (pools_[ckpt->pool]->allocator.GroupOf(slot) != static_cast<int>(g) ||
+                                         pools_[ckpt->pool]->blocks[slot].kind != BlockState::Kind::kOwned)) {
+        return fail("checkpoint ", id.value(), "'s state slot ", slot, " is not an owned slot of its group");
+      }
+    }
   }
   if (orphan_bytes != orphan_blocks_bytes_) return fail("orphaned checkpoint bytes drifted");
   absl::flat_hash_map<uint64_t, int32_t> fenced;

@@ -1,5 +1,6 @@
 // KvCache: publish, keeps and checkpoints.
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "server/core/kv_cache.h"
@@ -206,24 +207,30 @@ absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
   return plan;
 }
 
-absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
-                                 std::string engine_state) {
-  absl::MutexLock lock(&mu_);
-  ExpireLocked(nullptr);
-  return CheckpointLocked(id, tokens, std::move(engine_state));
+absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> tokens, std::string engine_state,
+                                 absl::Span<const StateCheckpoint> state, std::vector<int64_t>* fresh_slots) {
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    ExpireLocked(nullptr);
+    status = CheckpointLocked(id, tokens, std::move(engine_state), state, /*ending=*/false, fresh_slots);
+  }
+  Deliver();  // a fresh spare may have evicted
+  return status;
 }
 
 absl::Status KvCache::CheckpointLocked(const RequestId& id, absl::Span<const Token> tokens,
-                                       std::string engine_state) {
+                                       std::string engine_state, absl::Span<const StateCheckpoint> state,
+                                       bool ending, std::vector<int64_t>* fresh_slots) {
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
   if (!req->acquired) {
     return absl::FailedPreconditionError(
         absl::StrCat("request '", id.value(), "' must Acquire before Checkpoint"));
   }
-  if (pools_[req->pool]->geometry.hybrid()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "pool '", pools_[req->pool]->geometry.name,
-        "' has KV groups: generation checkpoints are not supported on hybrid pools yet"));
+  const bool hybrid = pools_[req->pool]->geometry.hybrid();
+  if (!hybrid && !state.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("state_checkpoints: pool '", pools_[req->pool]->geometry.name,
+                                                   "' has no KV groups (no state to checkpoint)"));
   }
   if (tokens.empty()) return absl::InvalidArgumentError("checkpoint tokens are empty");
   if (static_cast<int64_t>(tokens.size()) > req->num_tokens) {
@@ -237,6 +244,10 @@ absl::Status KvCache::CheckpointLocked(const RequestId& id, absl::Span<const Tok
                                                    options_.max_engine_state_bytes));
   }
   KVD_RETURN_IF_ERROR(CheckKnownTokensLocked(*req, tokens));
+  std::optional<GroupCheckpointPlan> groups;
+  if (hybrid) {
+    KVD_ASSIGN_OR_RETURN(groups, PlanGroupCheckpointLocked(*req, static_cast<int64_t>(tokens.size()), state, ending));
+  }
   auto existing = checkpoints_.find(id);
   if (existing != checkpoints_.end() && existing->second->serial != req->serial) {
     return absl::FailedPreconditionError(
@@ -260,6 +271,7 @@ absl::Status KvCache::CheckpointLocked(const RequestId& id, absl::Span<const Tok
   rec->state_bytes = state_bytes;
   rec->owner = req->spec.limit_key();
   for (BlockIndex b : rec->blocks) RefLocked(req->pool, b);
+  if (groups.has_value()) ApplyGroupCheckpointLocked(*req, *rec, *std::move(groups), ending, fresh_slots);
   if (existing != checkpoints_.end()) DropCheckpointLocked(id);
   ChargeCheckpointStateLocked(*rec, +1);
   checkpoints_.emplace(id, std::move(rec));
@@ -322,8 +334,14 @@ absl::Status KvCache::MakeCheckpointStateRoomLocked(const WorkerId& owner, int64
 
 void KvCache::OrphanCheckpointLocked(CheckpointRecord& ckpt) {
   // Its state still counts against its worker (CheckpointRecord::owner).
-  const int64_t charge = static_cast<int64_t>(ckpt.blocks.size());
-  const int64_t charge_bytes = ledger_.BytesOf(ckpt.pool, charge);
+  const bool hybrid = !ckpt.groups.empty();
+  const std::vector<int64_t> units = hybrid ? UnitsOfLocked(ckpt.pool, AllBlocksOf(ckpt)) : std::vector<int64_t>{};
+  int64_t charge = static_cast<int64_t>(ckpt.blocks.size());
+  if (hybrid) {
+    charge = 0;
+    for (int64_t u : units) charge += u;
+  }
+  const int64_t charge_bytes = hybrid ? ledger_.BytesOfUnits(ckpt.pool, units) : ledger_.BytesOf(ckpt.pool, charge);
   if (charge_bytes > options_.checkpoint_budget_bytes) {
     DropCheckpointLocked(ckpt.id);
     return;
@@ -331,8 +349,13 @@ void KvCache::OrphanCheckpointLocked(CheckpointRecord& ckpt) {
   while (orphan_blocks_bytes_ + charge_bytes > options_.checkpoint_budget_bytes && !orphans_.empty()) {
     DropCheckpointLocked(orphans_.begin()->second);  // oldest first
   }
-  // The request's reservation covered these blocks and was just returned, so this always fits.
-  KVD_CHECK(ledger_.Reserve(ckpt.pool, charge).ok());
+  // The request's reservation covered these units and was just returned, so this always fits.
+  if (hybrid) {
+    KVD_CHECK(ledger_.ReserveUnits(ckpt.pool, units).ok());
+    ckpt.charged_units = units;
+  } else {
+    KVD_CHECK(ledger_.Reserve(ckpt.pool, charge).ok());
+  }
   ckpt.orphaned = true;
   ckpt.charged_blocks = charge;
   ckpt.expires_at = clock_->Now() + options_.checkpoint_ttl;
@@ -345,9 +368,14 @@ void KvCache::DropCheckpointLocked(const RequestId& id) {
   KVD_CHECK(it != checkpoints_.end());
   CheckpointRecord& ckpt = *it->second;
   if (ckpt.orphaned) {
-    ledger_.Unreserve(ckpt.pool, ckpt.charged_blocks);
-    orphan_blocks_bytes_ -= ledger_.BytesOf(ckpt.pool, ckpt.charged_blocks);
+    orphan_blocks_bytes_ -= ChargedBytesLocked(ckpt);
+    if (!ckpt.charged_units.empty()) ledger_.UnreserveUnits(ckpt.pool, ckpt.charged_units);
+    else ledger_.Unreserve(ckpt.pool, ckpt.charged_blocks);
     orphans_.erase({ckpt.expires_at, ckpt.serial});
+  }
+  for (auto g = ckpt.groups.rbegin(); g != ckpt.groups.rend(); ++g) {
+    if (g->slot != HybridSpine::kNone) UnrefLocked(ckpt.pool, g->slot);
+    UnrefTableLocked(ckpt.pool, g->blocks);
   }
   UnrefTableLocked(ckpt.pool, ckpt.blocks);
   ChargeCheckpointStateLocked(ckpt, -1);

@@ -171,6 +171,19 @@ struct CheckpointRecord {
   absl::Time expires_at;        // when orphaned
   uint64_t version = 0;         // unique per record: names this content for the tiers
   bool durable = false;         // a tier said G3 holds this version (TierPort::SetCheckpointDurable)
+  // Hybrid pools (docs/hybrid.md §2.9; kv_cache_group_checkpoints.cc): per KV group, what the
+  // record holds besides `blocks` (the spine group's table, whose entry here stays empty): a
+  // window group's blocks from block position `first` on, covering the window before the
+  // checkpoint's position; a state group's `slot` holding the state at exactly that position
+  // (owned by the record alone, never written again). charged_units: when orphaned, the units
+  // charged per group (charged_blocks is their sum). Empty for other pools.
+  struct Group {
+    int64_t first = 0;
+    std::vector<BlockIndex> blocks;
+    BlockIndex slot = HybridSpine::kNone;
+  };
+  std::vector<Group> groups;
+  std::vector<int64_t> charged_units;
 };
 // Blocks a writer kvd can no longer reach may still write (a request live at a restart or
 // handoff, or held by an attachment whose stream broke; every free block after a restart that
@@ -193,6 +206,7 @@ struct FenceRecord {
   PoolId pool = 0;
   std::vector<BlockIndex> blocks;
   int64_t charged_blocks = 0;  // charged to the ledger (the blocks it claimed from free)
+  std::vector<int64_t> charged_units;  // a hybrid pool's: per group (charged_blocks is their sum)
   absl::Time until;
 };
 // A worker's block credit (proto/vocab/step_types.h) in one pool: blocks it may place into its

@@ -117,7 +117,8 @@ StepOpResult KvCache::ApplyStepOpLocked(const WorkerId& worker, StepOp& op) {
       break;
     }
     case StepOpKind::kCheckpoint:
-      r.status = CheckpointLocked(op.id, op.token_ids, std::move(op.engine_state));
+      r.status = CheckpointLocked(op.id, op.token_ids, std::move(op.engine_state), op.state_checkpoints,
+                                  /*ending=*/false, &r.publish.fresh_slots);
       break;
     case StepOpKind::kEnd: {
       absl::StatusOr<PublishResult> p = EndLocked(op.id, op.num_blocks, op.token_ids, op.completed, op.state_checkpoints);
@@ -126,14 +127,15 @@ StepOpResult KvCache::ApplyStepOpLocked(const WorkerId& worker, StepOp& op) {
       break;
     }
     case StepOpKind::kPreempt:
-      if (pools_[req.pool]->geometry.hybrid()) {
-        r.status = absl::FailedPreconditionError(absl::StrCat(
-            "pool '", pools_[req.pool]->geometry.name,
-            "' has KV groups: preempt is not supported on hybrid pools yet; end the request instead"));
-        break;
+      // The checkpoint first: when it fails, the request is still live and unchanged. On a hybrid
+      // pool its state slots pass to the record (no fresh spare: the request ends), and the
+      // release returns every group's reservation before the record is charged its units.
+      if (!op.token_ids.empty()) {
+        r.status = CheckpointLocked(op.id, op.token_ids, std::move(op.engine_state), op.state_checkpoints,
+                                    /*ending=*/true, &r.publish.fresh_slots);
+      } else if (!op.state_checkpoints.empty()) {
+        r.status = absl::InvalidArgumentError("state_checkpoints: a preempt without tokens keeps no checkpoint");
       }
-      // The checkpoint first: when it fails, the request is still live and unchanged.
-      if (!op.token_ids.empty()) r.status = CheckpointLocked(op.id, op.token_ids, std::move(op.engine_state));
       if (r.status.ok()) {
         ReleaseLocked(req, /*completed=*/false);
         requests_.erase(op.id);

@@ -445,11 +445,14 @@ grpc::ServerUnaryReactor* KvdService::Release(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* KvdService::Checkpoint(grpc::CallbackServerContext* ctx,
                                                  const v1::CheckpointRequest* req,
-                                                 v1::CheckpointResponse*) {
+                                                 v1::CheckpointResponse* resp) {
   return Unary(ctx, "Checkpoint", [&]() -> absl::Status {
     KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), req->request_id()).status());
-    return cache_->Checkpoint(RequestId(req->request_id()), TokensFromProto(req->tokens()),
-                              req->engine_state());
+    std::vector<int64_t> fresh;
+    KVD_RETURN_IF_ERROR(cache_->Checkpoint(RequestId(req->request_id()), TokensFromProto(req->tokens()),
+                                           req->engine_state(), FromProto(req->state_checkpoints()), &fresh));
+    resp->mutable_fresh_slots()->Add(fresh.begin(), fresh.end());
+    return absl::OkStatus();
   });
 }
 

@@ -87,6 +87,7 @@ StepOp OpFromProto(const v1::StepItem& item) {
       op.kind = StepOpKind::kCheckpoint;
       op.token_ids = TokensFromProto(item.checkpoint().tokens());
       op.engine_state = item.checkpoint().engine_state();
+      op.state_checkpoints = FromProto(item.checkpoint().state_checkpoints());
       break;
     case v1::StepItem::kEnd:
       op.kind = StepOpKind::kEnd;
@@ -99,6 +100,7 @@ StepOp OpFromProto(const v1::StepItem& item) {
       op.kind = StepOpKind::kPreempt;
       op.token_ids = TokensFromProto(item.preempt().tokens());
       op.engine_state = item.preempt().engine_state();
+      op.state_checkpoints = FromProto(item.preempt().state_checkpoints());
       break;
     default:
       break;
