@@ -231,6 +231,8 @@ void ToProto(const CacheReport& r, v1::ReportResponse* p) {
       gr->set_cached(g.cached);
       gr->set_evictable(g.evictable);
       gr->set_reserved(g.reserved);
+      gr->set_limited_hits(g.limited_hits);
+      gr->set_limited_tokens(g.limited_tokens);
     }
   }
   p->set_budget_bytes(r.budget_bytes);
@@ -280,6 +282,8 @@ CacheReport FromProto(const v1::ReportResponse& p) {
       g.cached = gr.cached();
       g.evictable = gr.evictable();
       g.reserved = gr.reserved();
+      g.limited_hits = gr.limited_hits();
+      g.limited_tokens = gr.limited_tokens();
       pool.groups.push_back(std::move(g));
     }
     r.pools.push_back(std::move(pool));

@@ -331,6 +331,8 @@ CacheReport KvCache::Report() const {
       rg.owned = rg.capacity - rg.free - rg.cached;  // the invariant checker counts it from the blocks
       rg.evictable = pool.EvictableIn(gi);
       rg.reserved = ledger_.reserved_units(i, gi);
+      rg.limited_hits = pool.limits[g].hits;
+      rg.limited_tokens = pool.limits[g].tokens;
       p.groups.push_back(std::move(rg));
     }
     r.pools.push_back(std::move(p));

@@ -185,6 +185,23 @@ class CacheCollector final : public prometheus::Collectable {
         add(capacity, static_cast<double>(g.capacity), {{"pool", p.name}, {"group", g.name}, {"kind", kind}});
       });
     }
+    {
+      MetricFamily& hits = family("kvd_hybrid_limited_hits_total",
+                                  "Lookups on a hybrid pool whose hit this KV group shortened (limited_by).",
+                                  MetricType::Counter);
+      each([&](const PoolReport& p, const PoolReport::Group& g, const std::string&) {
+        add(hits, static_cast<double>(g.limited_hits), {{"pool", p.name}, {"group", g.name}});
+      });
+    }
+    {
+      MetricFamily& tokens = family("kvd_hybrid_limited_tokens_total",
+                                    "Prompt tokens lookups on a hybrid pool lost to this KV group: the full group's hit "
+                                    "minus the hit served.",
+                                    MetricType::Counter);
+      each([&](const PoolReport& p, const PoolReport::Group& g, const std::string&) {
+        add(tokens, static_cast<double>(g.limited_tokens), {{"pool", p.name}, {"group", g.name}});
+      });
+    }
     MetricFamily& checkpoints = family("kvd_state_checkpoints",
                                        "State checkpoints cached in a hybrid pool's state group, by whether a request "
                                        "reads one now.",

@@ -1,7 +1,8 @@
 // Operations on a hybrid pool (docs/hybrid.md §2.9) against the real daemon: /metrics and kvdctl
 // count every KV group's units (free, owned, cached; a state group's cached units are its
-// checkpoints), the groups add up to the pool, a refused publish changes no count, a released
-// request leaves nothing owned, and a pool without groups mints no group series.
+// checkpoints), the groups add up to the pool, a refused publish changes no count, a hit a group
+// shortens is counted against it, a released request leaves nothing owned, and a pool without
+// groups mints no group series.
 #include <string>
 #include <vector>
 
@@ -15,6 +16,11 @@
 
 namespace kvd::testing {
 namespace {
+
+std::vector<Token> Concat(std::vector<Token> a, const std::vector<Token>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
 
 // Groups listed swa, full, rec (the full group is not the first); 4-token blocks.
 const char* kHybridPool =
@@ -90,7 +96,8 @@ TEST_CASE("Metrics and kvdctl count a hybrid pool per KV group", "[integration][
   body = scrape();
   for (const auto& g : groups) CHECK(Scrape(body, g.name, g.kind) == Scrape(before, g.name, g.kind));
 
-  const absl::StatusOr<PublishResult> published = r.Publish(Range(1, 8), std::vector<StateCheckpoint>{{2, 8, spare}});
+  // Four blocks published, the state at 8 only (the window holds blocks 0 and 1 so far).
+  const absl::StatusOr<PublishResult> published = r.Publish(Range(1, 16), std::vector<StateCheckpoint>{{2, 8, spare}});
   REQUIRE(published.ok());
   REQUIRE(published->checkpoint_outcomes == std::vector<CheckpointOutcome>{CheckpointOutcome::kKept});
   body = scrape();
@@ -99,10 +106,27 @@ TEST_CASE("Metrics and kvdctl count a hybrid pool per KV group", "[integration][
   CHECK(MetricValue(body, "kvd_state_checkpoints{pool=\"hy\",group=\"rec\",state=\"evictable\"}") == 1);
   CHECK(MetricValue(body, "kvd_state_checkpoints{pool=\"hy\",group=\"rec\",state=\"referenced\"}") == 0);
 
+  // Another request sharing all 4 blocks: the full group would serve 16 tokens, the window and the
+  // state only 8 — one lookup limited, 8 tokens lost, counted against the group that shortened it.
+  auto second = (*c)->Start(PoolRequest("b", Concat(Range(1, 16), Range(500, 5)), 0, "hy"));
+  REQUIRE(second.ok());
+  CHECK((*second)->cached_tokens() == 8);
+  REQUIRE((*second)->Release(/*completed=*/true).ok());
+  body = scrape();
+  int64_t limited = 0, lost = 0;
+  for (const auto& g : groups) {
+    limited += MetricValue(body, absl::StrCat("kvd_hybrid_limited_hits_total{pool=\"hy\",group=\"", g.name, "\"}"));
+    lost += MetricValue(body, absl::StrCat("kvd_hybrid_limited_tokens_total{pool=\"hy\",group=\"", g.name, "\"}"));
+  }
+  CHECK(limited == 1);
+  CHECK(lost == 8);
+  CHECK(MetricValue(body, "kvd_hybrid_limited_hits_total{pool=\"hy\",group=\"full\"}") == 0);
+
   REQUIRE(r.Release(/*completed=*/true).ok());
   body = scrape();
   // Released: the unit (2 full blocks, the 2 window blocks the checkpoint reads, the checkpoint)
-  // stays cached and evictable; nothing is owned.
+  // stays cached and evictable; blocks 2 and 3, which no checkpoint makes servable, went (U2);
+  // nothing is owned.
   CHECK(Scrape(body, "full", "full") == GroupCounts{38, 0, 0, 2});
   CHECK(Scrape(body, "swa", "sliding_window") == GroupCounts{22, 0, 0, 2});
   CHECK(Scrape(body, "rec", "state") == GroupCounts{5, 0, 0, 1});
@@ -132,6 +156,8 @@ TEST_CASE("Metrics and kvdctl count a hybrid pool per KV group", "[integration][
   CHECK(report.pools(0).groups(1).cached() == 2);
   CHECK(report.pools(0).groups(2).cached() == 1);
   CHECK(report.pools(0).groups(2).free() == 5);
+  CHECK(report.pools(0).groups(0).limited_hits() + report.pools(0).groups(2).limited_hits() == 1);
+  CHECK(report.pools(0).groups(0).limited_tokens() + report.pools(0).groups(2).limited_tokens() == 8);
   const std::string pools = ctl({"pools"});
   CHECK(pools.find("EVICTABLE") != pools.rfind("EVICTABLE"));  // the group table has the counts too
 
