@@ -177,6 +177,10 @@ struct PoolReport {
     int64_t cached = 0;
     int64_t evictable = 0;
     int64_t reserved = 0;
+    // Lookups whose hit this group shortened (AcquireResult::limited_by), and the tokens they
+    // lost to it (full-group hit minus the hit served). Counters since start.
+    uint64_t limited_hits = 0;
+    uint64_t limited_tokens = 0;
   };
   std::vector<Group> groups;
 };

@@ -189,6 +189,11 @@ absl::StatusOr<AcquireResult> KvCache::AcquireGroupsLocked(Request& req) {
   out.cached_tokens = c;
   out.full_hit_tokens = hit.full_depth * bt;
   out.limited_by = hit.limited_by;
+  if (hit.limited_by >= 0) {
+    Pool::Limits& l = pool.limits[hit.limited_by];
+    ++l.hits;
+    l.tokens += static_cast<uint64_t>(std::max<int64_t>(0, out.full_hit_tokens - c));
+  }
   if (d > 0) {
     std::vector<CachedBlock*> hit_nodes(chain.begin(), chain.begin() + d);
     out.publishers = PublishersLocked(hit_nodes);

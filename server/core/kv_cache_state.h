@@ -59,6 +59,13 @@ struct Pool {
   };
   int spine_group = 0;
   std::vector<SideGroup> side;  // one per group of a hybrid pool; empty otherwise
+  // Per group of a hybrid pool: lookups whose hit it shortened and the tokens they lost
+  // (PoolReport::Group::limited_hits / limited_tokens).
+  struct Limits {
+    uint64_t hits = 0;
+    uint64_t tokens = 0;
+  };
+  std::vector<Limits> limits;
   // A hybrid pool with a full group: the components of the other groups hanging off each spine
   // node (docs/hybrid.md §2.6-2.8). Every cached block of another group is one: a window block
   // or a state checkpoint slot, attached at a publish; `component_node[b]` is its spine node
@@ -76,6 +83,7 @@ struct Pool {
       : geometry(std::move(g)), allocator(GroupCapacities(geometry)), blocks(geometry.capacity_blocks) {
     if (geometry.hybrid()) {
       side.resize(geometry.groups.size());
+      limits.resize(geometry.groups.size());
       spine_group = -1;
       for (size_t i = 0; i < geometry.groups.size() && spine_group < 0; ++i) {
         if (geometry.groups[i].kind == KvGroupKind::kFull) spine_group = static_cast<int>(i);
