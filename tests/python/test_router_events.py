@@ -491,6 +491,64 @@ def prove_hybrid(kvd, tmp, ctx):
                   "vllm-map: BlockRemoved carries group_idx")
 
 
+WINDOW_CONFIG = ("pools:\n  - name: hw\n    block_tokens: 4\n    num_layers: 2\n    bytes_per_token_per_layer: 16\n"
+                 "    max_model_len: 64\n    step_tokens: 16\n    groups:\n"
+                 "      - {name: full, kind: full, layers: [0], capacity_blocks: 40}\n"
+                 "      - {name: swa, kind: sliding_window, layers: [1], window: 6, capacity_blocks: 9}\n")
+
+
+def prove_window_tombstone(kvd, tmp, ctx):
+    """Window pressure tombstones the oldest window block, inside a chain (full + sliding window,
+    W = 6: a hit of d blocks needs window blocks [d - 2, d)). kvd still serves the chain at its
+    full length, and the router is told nothing: no BlockRemoved, every id still live. Then more
+    pressure tombstones more of its window and takes its leaf unit, which is announced removed: the
+    router never scores the chain below what kvd serves (it may score it above: the tombstones
+    inside it are not announced, docs/hybrid.md "What works today")."""
+    events = (f"router_events:\n  endpoint: ipc://{tmp}/events-hw\n  replay_endpoint: ipc://{tmp}/replay-hw\n"
+              f"  node: n1\n  hash_seed: \"{SEED}\"\n")
+    d = Daemon(kvd, tmp, WINDOW_CONFIG + events, name="hybrid-window")
+    check(d.started, "a full + sliding_window pool with router events starts")
+    if not d.started:
+        return
+    try:
+        a = list(range(2000, 2017))
+        with Client(d.target, worker_name="hw-ev") as c:
+            for rid, p in (("a", a), ("b", list(range(3000, 3017)))):
+                with c.request(rid, pool="hw", prompt=p) as r:
+                    r.publish(p[:16])  # 4 full blocks and their 4 window blocks
+                    r.extend(0, computed_tokens=16)  # window blocks 0 and 1 leave the table: oldest
+            before = {g.name: g.cached for g in c.report().pools[0].groups}
+            with c.request("c", pool="hw", prompt=list(range(4000, 4005))):
+                pass  # 2 window blocks with 1 free: a's oldest window block is tombstoned
+            after = {g.name: g.cached for g in c.report().pools[0].groups}
+            served = c.peek_prefix_len("hw", a[:16] + [7])
+            got = replay_settled(ctx, f"ipc://{tmp}/replay-hw", 0)
+            with c.request("d", pool="hw", prompt=list(range(5000, 5017))):
+                pass  # 4 window blocks with none free: a's next window blocks go, then its leaf
+            served_after = c.peek_prefix_len("hw", a[:16] + [7])
+            full_after = {g.name: g.cached for g in c.report().pools[0].groups}["full"]
+            got_after = replay_settled(ctx, f"ipc://{tmp}/replay-hw", 0)
+    finally:
+        d.stop()
+    check(before == {"full": 8, "swa": 8} and after == {"full": 8, "swa": 7},
+          f"window pressure tombstoned one window block, no full block ({before} -> {after})")
+    check(served == 16, f"kvd still serves a's 16 tokens (the window before 16 is intact): {served}")
+    _, stored, removed = llmd_groups(got)
+    ids = {i for i_s, _ in stored for i in i_s}
+    check(not removed and set(vllm_ids(a[:16])) <= ids and all(g == 0 for _, g in stored),
+          f"the router is told no removal: a's 4 blocks stay live for group 0 ({removed})")
+    _, stored, removed = llmd_groups(got_after)
+    live = {i for i_s, _ in stored for i in i_s} - {i for i_s, _ in removed for i in i_s}
+    scored = 0
+    for i in vllm_ids(a[:16]):
+        if i not in live:
+            break
+        scored += 1
+    check(served_after < 16 and removed and scored * BT >= served_after and len(live) == full_after,
+          f"more pressure: a's leaf unit went and was announced removed; the router scores a at {scored} blocks, "
+          f"kvd serves {served_after} tokens; live set = cached full blocks ({len(live)} vs {full_after})")
+
+
 def main():
     kvd = sys.argv[1]
     tmp = tempfile.mkdtemp(prefix="kvd-ev-")
@@ -671,6 +729,7 @@ def main():
         prove_media(kvd, tmp, ctx)
         prove_topics(kvd, tmp, ctx)
         prove_hybrid(kvd, tmp, ctx)
+        prove_window_tombstone(kvd, tmp, ctx)
     finally:
         daemon.stop()
         ctx.destroy(0)
