@@ -196,7 +196,8 @@ struct CacheReport {
   uint64_t miss_tokens = 0;
   uint64_t resumed = 0;
   uint64_t published_blocks = 0;
-  uint64_t duplicate_blocks = 0;
+  uint64_t duplicate_blocks = 0;  // positions published identical to a cached block (once each)
+  uint64_t no_parent_blocks = 0;  // positions not cached because their chain broke (once each)
   uint64_t evictions[kNumEvictReasons] = {};
   uint64_t admitted = 0;
   uint64_t waited = 0;

@@ -580,6 +580,7 @@ void KvCache::ReleaseLocked(Request& req, bool completed) {
     if (g->checkpoint != HybridSpine::kNone) UnrefLocked(req.pool, g->checkpoint);
   }
   UnrefTableLocked(req.pool, req.table);
+  for (const Request::OwnCopy& c : req.own_copies) UnrefLocked(req.pool, c.block);  // private: freed
   workers_.AddUsage(req.spec.limit_key(), -1, -ReservedBytesLocked(req));
   if (!req.reserved_units.empty()) ledger_.UnreserveUnits(req.pool, req.reserved_units);
   else ledger_.Unreserve(req.pool, req.reserved_blocks);

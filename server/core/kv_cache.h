@@ -334,9 +334,19 @@ class KvCache final : public TierPort {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // kv_cache_publish.cc: publish and checkpoints. FAILED_PRECONDITION for a block a pull is
-  // writing, unless `by_pull` (AdoptPromoted: the pull publishes what it wrote).
+  // writing, unless `by_pull` (AdoptPromoted: the pull publishes what it wrote). `blocks[i]` may
+  // name the request's own copy where its table holds the cached duplicate. `*continues` (may be
+  // null) says whether the chain continues past the plan's duplicates: not on a hybrid pool, nor
+  // before End when the budget or the worker's limits have no room for the own copies (`end`:
+  // the request is released under the same lock, so they need none).
   absl::StatusOr<PublishResult> PlanPublishLocked(const Request& req, absl::Span<const Token> tokens,
-                                                  absl::Span<const BlockIndex> blocks, bool by_pull) const
+                                                  absl::Span<const BlockIndex> blocks, bool by_pull,
+                                                  bool end = false, bool* continues = nullptr) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The chain continues past the duplicate `node` at `position` of `req`'s table: the table takes
+  // the cached block (and so does the request's own checkpoint, if it holds the copy there), the
+  // request's copy moves to own_copies.
+  void ContinuePastDuplicateLocked(Request& req, int64_t position, CachedBlock* node)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<PublishResult> EndLocked(const RequestId& id, int64_t publish_blocks,
                                           absl::Span<const Token> more_tokens, bool completed,

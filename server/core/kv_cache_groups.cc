@@ -74,6 +74,7 @@ int64_t KvCache::ReservedBytesLocked(const Request& req) const {
 
 std::vector<BlockIndex> KvCache::AllBlocksOf(const Request& req) {
   std::vector<BlockIndex> out = req.table;
+  for (const Request::OwnCopy& c : req.own_copies) out.push_back(c.block);  // kv_cache_publish.cc
   for (const Request::Group& g : req.groups) {
     out.insert(out.end(), g.blocks.begin(), g.blocks.end());
     if (g.checkpoint != HybridSpine::kNone) out.push_back(g.checkpoint);

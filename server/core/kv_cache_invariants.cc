@@ -26,8 +26,26 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
     live_serials[req->serial] = req->pool;
     by_serial[req->serial] = req.get();
     reserved[req->pool] += req->reserved_blocks;
-    if (static_cast<int64_t>(req->table.size()) > req->reserved_blocks) {
+    if (static_cast<int64_t>(req->table.size() + req->own_copies.size()) > req->reserved_blocks) {
       return fail("request ", id.value(), " holds more blocks than it reserved");
+    }
+    // Chains continue past duplicates: at each own copy's position the table holds a cached block
+    // with the copy's tokens; the copy is owned and written by the request (checked below with
+    // its table, AllBlocksOf).
+    for (size_t c = 0; c < req->own_copies.size(); ++c) {
+      const Request::OwnCopy& copy = req->own_copies[c];
+      const Pool& pool = *pools_[req->pool];
+      if (copy.position < 0 || copy.position >= static_cast<int64_t>(req->table.size()) ||
+          (c > 0 && req->own_copies[c - 1].position >= copy.position)) {
+        return fail("request ", id.value(), " has an own copy at a bad position ", copy.position);
+      }
+      const BlockState& at = pool.blocks[req->table[copy.position]];
+      const BlockState& own = pool.blocks[copy.block];
+      if (at.kind != BlockState::Kind::kCached || own.kind != BlockState::Kind::kOwned ||
+          own.owner != req->serial) {
+        return fail("request ", id.value(), "'s own copy ", copy.block, " at position ", copy.position,
+                    " is not a private copy of a cached block in its table");
+      }
     }
     for (BlockIndex b : AllBlocksOf(*req)) {
       ++refs[req->pool][b];
@@ -181,8 +199,15 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
       if (r != by_serial.end()) req = r->second;
     }
     const int64_t bt = pools_[p]->geometry.block_tokens;
-    auto pos = req != nullptr ? std::find(req->table.begin(), req->table.end(), b) : std::vector<BlockIndex>::const_iterator();
-    if (req == nullptr || pos == req->table.end() || (pos - req->table.begin() + 1) * bt > req->cached_tokens) {
+    int64_t pos = -1;  // its position in the request's table, or of the request's own copy
+    if (req != nullptr) {
+      auto it = std::find(req->table.begin(), req->table.end(), b);
+      if (it != req->table.end()) pos = it - req->table.begin();
+      for (const Request::OwnCopy& c : req->own_copies) {
+        if (c.block == b) pos = c.position;
+      }
+    }
+    if (req == nullptr || pos < 0 || (pos + 1) * bt > req->cached_tokens) {
       return fail("fenced block ", b, " of pool ", p, " is writable by ",
                   w == nullptr ? std::string("nobody")
                                : absl::StrCat(OwnerKindName(w->kind), " of '", w->attachment.value(), "' (epoch ",

@@ -30,7 +30,7 @@ void KvCache::LearnTokensLocked(Request& req, absl::Span<const Token> tokens) {
 absl::StatusOr<PublishResult> KvCache::PlanPublishLocked(const Request& req,
                                                          absl::Span<const Token> tokens,
                                                          absl::Span<const BlockIndex> blocks,
-                                                         bool by_pull) const {
+                                                         bool by_pull, bool end, bool* continues) const {
   if (!req.acquired) {
     return absl::FailedPreconditionError(
         absl::StrCat("request '", req.spec.id.value(), "' must Acquire before Publish"));
@@ -41,8 +41,14 @@ absl::StatusOr<PublishResult> KvCache::PlanPublishLocked(const Request& req,
     return absl::InvalidArgumentError(absl::StrCat("publish names ", blocks.size(),
                                                    " blocks; the request holds ", req.table.size()));
   }
+  // Where the table holds a cached duplicate, the request may name its own copy (its engine's
+  // table still does).
+  auto copy = req.own_copies.begin();
   for (size_t i = 0; i < blocks.size(); ++i) {
-    if (blocks[i] != req.table[i]) {
+    while (copy != req.own_copies.end() && copy->position < static_cast<int64_t>(i)) ++copy;
+    const bool own_copy = copy != req.own_copies.end() && copy->position == static_cast<int64_t>(i) &&
+                          copy->block == blocks[i];
+    if (blocks[i] != req.table[i] && !own_copy) {
       return absl::InvalidArgumentError(absl::StrCat("block ", blocks[i], " at position ", i,
                                                      " is not the request's (expected ",
                                                      req.table[i], ")"));
@@ -60,45 +66,77 @@ absl::StatusOr<PublishResult> KvCache::PlanPublishLocked(const Request& req,
   }
   KVD_RETURN_IF_ERROR(CheckKnownTokensLocked(req, tokens));
 
-  PublishResult plan;
   const NamespaceRoot* root = index_.FindRoot(req.spec.ns);
-  const CachedBlock* parent = nullptr;
-  bool chain_ok = true;       // every earlier position is cached and held by this request
-  bool parent_is_new = false;  // the parent is itself about to be kept: no child can exist yet
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    const BlockState& s = pool.blocks[blocks[i]];
-    absl::Span<const Token> block_tokens = tokens.subspan(i * bt, bt);
-    if (s.kind == BlockState::Kind::kCached) {
-      if (!std::ranges::equal(block_tokens, index_.TokensOf(*s.node))) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("tokens of position ", i, " differ from its cached block"));
+  // One pass over the positions. `cont`: a duplicate's cached block becomes the parent of the
+  // positions after it (the request will hold it in its table); else the chain stops there and
+  // the positions after it are no_parent (the old rule, kept for hybrid pools and for a publish
+  // the budget has no room to continue).
+  auto plan_with = [&](bool cont, PublishResult& plan, int64_t& copies) -> absl::Status {
+    mu_.AssertHeld();
+    const CachedBlock* parent = nullptr;
+    bool chain_ok = true;       // every earlier position is cached and held by this request
+    bool parent_is_new = false;  // the parent is itself about to be kept: no child can exist yet
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const BlockIndex b = req.table[i];
+      const BlockState& s = pool.blocks[b];
+      absl::Span<const Token> block_tokens = tokens.subspan(i * bt, bt);
+      if (s.kind == BlockState::Kind::kCached) {
+        if (!std::ranges::equal(block_tokens, index_.TokensOf(*s.node))) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("tokens of position ", i, " differ from its cached block"));
+        }
+        plan.outcomes.push_back(PublishOutcome::kAlreadyCached);
+        parent = s.node;
+        continue;
       }
-      plan.outcomes.push_back(PublishOutcome::kAlreadyCached);
-      parent = s.node;
-      continue;
+      KVD_CHECK(s.kind == BlockState::Kind::kOwned && s.owner == req.serial);
+      // Its writer says whether its bytes are final: the request's own, or (for the pull's own
+      // publish) the pull's; never a pull's while the worker publishes.
+      const Owner* w = owners_.OwnerOf(req.pool, b);
+      KVD_CHECK(w != nullptr);
+      if (w->kind != OwnerKind::kRequest && !(by_pull && w->kind == OwnerKind::kPull)) {
+        return absl::FailedPreconditionError(absl::StrCat("block ", b, " at position ", i,
+                                                          " is being written by a ", OwnerKindName(w->kind),
+                                                          "; it is published when that is done"));
+      }
+      const CachedBlock* dup = chain_ok && !parent_is_new && root != nullptr
+                                   ? index_.FindChild(*root, parent, block_tokens)
+                                   : nullptr;
+      if (!chain_ok) {
+        plan.outcomes.push_back(PublishOutcome::kNoParent);
+      } else if (dup != nullptr) {
+        plan.outcomes.push_back(PublishOutcome::kDuplicate);
+        if (cont) {
+          parent = dup;
+          ++copies;
+        } else {
+          chain_ok = false;
+        }
+      } else {
+        plan.outcomes.push_back(PublishOutcome::kKept);
+        parent_is_new = true;
+        ++plan.kept;
+      }
     }
-    KVD_CHECK(s.kind == BlockState::Kind::kOwned && s.owner == req.serial);
-    // Its writer says whether its bytes are final: the request's own, or (for the pull's own
-    // publish) the pull's; never a pull's while the worker publishes.
-    const Owner* w = owners_.OwnerOf(req.pool, blocks[i]);
-    KVD_CHECK(w != nullptr);
-    if (w->kind != OwnerKind::kRequest && !(by_pull && w->kind == OwnerKind::kPull)) {
-      return absl::FailedPreconditionError(absl::StrCat("block ", blocks[i], " at position ", i,
-                                                        " is being written by a ", OwnerKindName(w->kind),
-                                                        "; it is published when that is done"));
-    }
-    if (!chain_ok) {
-      plan.outcomes.push_back(PublishOutcome::kNoParent);
-    } else if (!parent_is_new && root != nullptr &&
-               index_.FindChild(*root, parent, block_tokens) != nullptr) {
-      plan.outcomes.push_back(PublishOutcome::kDuplicate);
-      chain_ok = false;
-    } else {
-      plan.outcomes.push_back(PublishOutcome::kKept);
-      parent_is_new = true;
-      ++plan.kept;
-    }
+    return absl::OkStatus();
+  };
+  // Hybrid pools keep the old rule: the request's window blocks and checkpoints at a duplicate's
+  // positions would have to attach to the cached node's components, which the spine does not do
+  // yet (docs/hybrid.md).
+  bool cont = !pool.geometry.hybrid();
+  PublishResult plan;
+  int64_t copies = 0;
+  KVD_RETURN_IF_ERROR(plan_with(cont, plan, copies));
+  // Before End, each own copy stays while the request runs: its reservation grows by one block
+  // per copy, when the budget and the worker's limits allow; else the chain stops (End continues it).
+  if (cont && copies > 0 && !end &&
+      (!ledger_.CanReserve(req.pool, copies) ||
+       !CheckWorkerLimitsLocked(req.spec.limit_key(), 0, ledger_.BytesOf(req.pool, copies)).ok())) {
+    cont = false;
+    plan = PublishResult();
+    KVD_RETURN_IF_ERROR(plan_with(cont, plan, copies));
   }
+  if (continues != nullptr) *continues = cont;
   return plan;
 }
 
@@ -167,27 +205,38 @@ absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
                                                      absl::Span<const BlockIndex> blocks, bool by_pull,
                                                      absl::Span<const StateCheckpoint> checkpoints, bool end) {
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
-  KVD_ASSIGN_OR_RETURN(PublishResult plan, PlanPublishLocked(*req, tokens, blocks, by_pull));
+  bool continues = false;
+  KVD_ASSIGN_OR_RETURN(PublishResult plan, PlanPublishLocked(*req, tokens, blocks, by_pull, end, &continues));
   KVD_RETURN_IF_ERROR(CheckStateCheckpointsLocked(*req, checkpoints));
   Pool& pool = *pools_[req->pool];
   const int32_t bt = pool.geometry.block_tokens;
-  NamespaceRoot* root = plan.kept > 0 ? index_.GetOrCreateRoot(req->spec.ns, req->pool) : nullptr;
+  NamespaceRoot* root = plan.kept > 0 ? index_.GetOrCreateRoot(req->spec.ns, req->pool) : index_.FindRoot(req->spec.ns);
   CachedBlock* parent = nullptr;
   bool chain_ok = true;
+  int64_t copies = 0;
   const uint32_t publisher = plan.kept > 0 ? workers_.Index(req->spec.owner) : 0;
   // The table slots, nodes and token slab lines of the blocks to come are loaded ahead, so their
   // misses overlap.
   constexpr size_t kAhead = 8;
   const size_t ahead = std::min(req->keys.size(), plan.outcomes.size());
-  for (size_t i = 0; i < std::min(kAhead, ahead); ++i) index_.Prefetch({req->pool, blocks[i]}, req->keys[i]);
+  for (size_t i = 0; i < std::min(kAhead, ahead); ++i) index_.Prefetch({req->pool, req->table[i]}, req->keys[i]);
   for (size_t i = 0; i < plan.outcomes.size(); ++i) {
-    if (i + kAhead < ahead) index_.Prefetch({req->pool, blocks[i + kAhead]}, req->keys[i + kAhead]);
+    if (i + kAhead < ahead) index_.Prefetch({req->pool, req->table[i + kAhead]}, req->keys[i + kAhead]);
     PublishOutcome& outcome = plan.outcomes[i];
+    absl::Span<const Token> block_tokens = tokens.subspan(i * bt, bt);
     if (outcome == PublishOutcome::kAlreadyCached) {
-      parent = pool.blocks[blocks[i]].node;
+      parent = pool.blocks[req->table[i]].node;
+    } else if (outcome == PublishOutcome::kDuplicate && continues && chain_ok) {
+      CachedBlock* dup = index_.FindChild(*root, parent, block_tokens);
+      KVD_CHECK(dup != nullptr);  // as planned, under the same lock
+      ContinuePastDuplicateLocked(*req, static_cast<int64_t>(i), dup);
+      parent = dup;
+      ++copies;
+    } else if (outcome == PublishOutcome::kDuplicate) {
+      chain_ok = false;
     } else if (outcome == PublishOutcome::kKept && chain_ok) {
       // The prompt's blocks were keyed before the lock (Admit); generated ones are keyed here.
-      parent = CacheBlockLocked(req->pool, root, parent, blocks[i], tokens.subspan(i * bt, bt),
+      parent = CacheBlockLocked(req->pool, root, parent, req->table[i], block_tokens,
                                 i < req->keys.size() ? &req->keys[i] : nullptr);
       if (parent != nullptr) parent->publisher = publisher;
       if (parent == nullptr) {  // a 128-bit key collision with a different block
@@ -199,12 +248,42 @@ absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
       outcome = PublishOutcome::kNoParent;
       --plan.kept;
     }
-    if (outcome == PublishOutcome::kDuplicate) ++counters_.duplicate_blocks;
+    // What happened at a position is counted once: a repeat publish of it counts nothing.
+    if (static_cast<int64_t>(i) >= req->counted) {
+      if (outcome == PublishOutcome::kDuplicate) ++counters_.duplicate_blocks;
+      if (outcome == PublishOutcome::kNoParent) ++counters_.no_parent_blocks;
+    }
+  }
+  req->counted = std::max(req->counted, static_cast<int64_t>(plan.outcomes.size()));
+  if (copies > 0 && !end) {
+    // The own copies stay while the request runs: its reservation covers them (checked by the plan).
+    KVD_CHECK(ledger_.Reserve(req->pool, copies).ok());
+    req->reserved_blocks += copies;
+    workers_.AddUsage(req->spec.limit_key(), 0, ledger_.BytesOf(req->pool, copies));
   }
   counters_.published_blocks += plan.kept;
   LearnTokensLocked(*req, tokens);
   if (pool.geometry.hybrid()) PublishSideLocked(*req, checkpoints, end, plan);
   return plan;
+}
+
+void KvCache::ContinuePastDuplicateLocked(Request& req, int64_t position, CachedBlock* node) {
+  const BlockIndex own = req.table[position];
+  const BlockIndex cached = node->address.index;
+  RefLocked(req.pool, cached);  // a use of the cached block, like a hit
+  req.table[position] = cached;
+  KVD_CHECK(req.own_copies.empty() || req.own_copies.back().position < position);
+  req.own_copies.push_back({position, own});
+  // The request's own checkpoint holding the copy there holds the cached block instead (the same
+  // bytes), so that what it holds after the position keeps a referenced parent once the request
+  // has gone; the copy stays the request's.
+  auto c = checkpoints_.find(req.spec.id);
+  if (c != checkpoints_.end() && c->second->serial == req.serial &&
+      position < static_cast<int64_t>(c->second->blocks.size()) && c->second->blocks[position] == own) {
+    RefLocked(req.pool, cached, /*touch=*/false);
+    c->second->blocks[position] = cached;
+    UnrefLocked(req.pool, own);
+  }
 }
 
 absl::Status KvCache::Checkpoint(const RequestId& id, absl::Span<const Token> tokens, std::string engine_state,

@@ -160,6 +160,19 @@ struct Request {
   std::vector<Group> groups;
   std::vector<int64_t> reserved_units;
   int64_t computed_tokens = 0;
+  // Chains continue past duplicates (kv_cache_publish.cc; docs/architecture.md, "Publish and
+  // duplicates"). When the request published a block identical to a cached one, `table` holds the
+  // cached one at that position (referenced, so its later blocks can be its children) and the
+  // request's own copy stays here: referenced, written by the request in the ledger, private (the
+  // engine may still read it), freed at release. Ordered by position; each one past End's
+  // publish is covered by reserved_blocks (table.size() + own_copies.size() <= reserved_blocks).
+  struct OwnCopy {
+    int64_t position = 0;
+    BlockIndex block = 0;
+  };
+  std::vector<OwnCopy> own_copies;
+  // Positions [0, counted) whose publish outcomes are counted (a repeat publish counts nothing).
+  int64_t counted = 0;
 };
 struct CheckpointRecord {
   uint64_t serial = 0;  // owner serial of its owned blocks

@@ -191,7 +191,9 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
     }
   }
   // The reservation grows by `grow` blocks; each credit block is charged already and pays for one.
-  const int64_t grow = std::max<int64_t>(0, have + needed - req->reserved_blocks);
+  // It covers the request's own copies of duplicates too (kv_cache_publish.cc).
+  const int64_t copies = static_cast<int64_t>(req->own_copies.size());
+  const int64_t grow = std::max<int64_t>(0, have + copies + needed - req->reserved_blocks);
   const int64_t from_credit = std::min(grow, given);
   const int64_t extra = grow - from_credit;
   const WorkerId principal = pc != nullptr ? credit_[req->spec.owner].principal : req->spec.limit_key();

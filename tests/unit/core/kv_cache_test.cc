@@ -333,12 +333,16 @@ TEST_CASE("Duplicate publishes keep the block already cached", "[core][cache]") 
   std::vector<BlockIndex> b_blocks(rb.blocks.begin(), rb.blocks.begin() + 2);
   auto keeps = cache->Keeps(b.id, prompt, b_blocks);
   REQUIRE(keeps.ok());
+  // The chain continues past the first duplicate: the second block is one too (kvd-reuse-2), not
+  // no_parent as before.
   REQUIRE(keeps->outcomes[0] == PublishOutcome::kDuplicate);
-  REQUIRE(keeps->outcomes[1] == PublishOutcome::kNoParent);
+  REQUIRE(keeps->outcomes[1] == PublishOutcome::kDuplicate);
   auto pub = cache->Publish(b.id, prompt, b_blocks);
   REQUIRE(pub->outcomes == keeps->outcomes);
   REQUIRE(pub->kept == 0);
-  REQUIRE(cache->Report().duplicate_blocks == 1);
+  REQUIRE(cache->Report().duplicate_blocks == 2);
+  REQUIRE(cache->Report().no_parent_blocks == 0);
+  RequireInvariants(*cache);
   REQUIRE(cache->Release(b.id, true).ok());  // b's private copies are freed
   REQUIRE(cache->Report().pools[0].owned_blocks == 1);  // only a's partial block
   RequireInvariants(*cache);
