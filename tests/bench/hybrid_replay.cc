@@ -166,6 +166,7 @@ absl::StatusOr<HybridReplayStats> ReplayHybrid(const std::vector<TraceRequest>& 
         published = upto;
         if (!ckpt.empty()) {
           ++stats.checkpoints_offered;
+          ++stats.checkpoint_outcomes[static_cast<int>(p->checkpoint_outcomes[0])];
           if (p->checkpoint_outcomes[0] == CheckpointOutcome::kKept) {
             ++stats.checkpoints_kept;
             if (p->fresh_slots[0] >= 0) state.slots[1] = static_cast<BlockIndex>(p->fresh_slots[0]);

@@ -52,6 +52,7 @@ struct HybridReplayStats {
   int64_t limited = 0;              // hits a group shortened below the spine's match
   int64_t checkpoints_offered = 0;
   int64_t checkpoints_kept = 0;
+  int64_t checkpoint_outcomes[5] = {};  // by CheckpointOutcome: kept, already_cached, no_chain, no_window, not_aligned
   std::vector<int64_t> reserved_bytes;  // per request, what Admit reserved
   double seconds = 0;               // wall time of the replay
   // The pool as resolved: per group name, unit bytes and capacity in units; cached units at the end.

@@ -135,6 +135,7 @@ int main(int argc, char** argv) {
   std::printf("| model | pool | pool GiB | requests | hit rate | vs all-full | spine match | hits limited | checkpoints kept/offered "
               "| median reserved MiB/request | vs all-full | capacity (units) | cached at end (GiB) | skipped | s |\n"
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::vector<std::string> notes;
   for (int64_t budget : budgets) {
     for (const std::string& m : models) {
       HybridReplayOptions o = base;
@@ -162,8 +163,15 @@ int main(int argc, char** argv) {
           return 1;
         }
         PrintRow(m.c_str(), pool, *h, *full);
+        if (h->checkpoints_offered != h->checkpoints_kept) {
+          const int64_t* c = h->checkpoint_outcomes;
+          notes.push_back(absl::StrFormat(
+              "%s %s: checkpoints offered and not kept: already_cached %d, no_chain %d, no_window %d, not_aligned %d",
+              m, pool, c[1], c[2], c[3], c[4]));
+        }
       }
     }
   }
+  for (const std::string& n : notes) std::printf("%s\n", n.c_str());
   return 0;
 }
