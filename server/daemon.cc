@@ -318,7 +318,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
     if (d->options_.cache.demote_reserve > 0) d->mover_ = std::make_unique<DemotionMover>(d->cache_.get());
   }
   if (d->options_.transfer.enabled()) {
-    KVD_ASSIGN_OR_RETURN(d->transfer_, Transfer::Start(d->options_.transfer, d->cache_.get(), d->arena_.get()));
+    KVD_ASSIGN_OR_RETURN(d->transfer_, Transfer::Start(d->options_.transfer, d->cache_.get(), d->cache_.get(), d->arena_.get()));
   }
   d->workers_ = std::make_unique<AttachmentRegistry>(SystemClock::Get(), so.lease_ttl);
   // A successor binds the metrics address only once its predecessor has let it go (Start).

@@ -375,9 +375,8 @@ absl::Status Options::Validate() const {
     // every block held every layer: refused, naming the section. (Router events announce a hybrid
     // pool's blocks with their group, docs/hybrid.md §2.9.)
     if (g.hybrid()) {
-      const char* section = tiers.enabled()      ? "tiers"
-                            : transfer.enabled() ? "transfer (peers)"
-                                                 : nullptr;
+      // (Peers pull a hybrid pool's hits as units, docs/hybrid.md §2.9.)
+      const char* section = tiers.enabled() ? "tiers" : nullptr;
       if (section != nullptr) {
         return absl::InvalidArgumentError(absl::StrCat(
             "pool '", g.name, "' has KV groups; ", section, " do not serve pools with groups yet (docs/hybrid.md, "

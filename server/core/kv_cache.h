@@ -49,6 +49,7 @@
 #include "server/core/eviction_sink.h"
 #include "server/core/eviction_queue.h"
 #include "server/core/kv_cache_state.h"
+#include "server/core/peer_port.h"
 #include "server/core/prefix_index.h"
 #include "proto/vocab/step_types.h"
 #include "server/core/pressure_monitor.h"
@@ -57,7 +58,7 @@
 
 namespace kvd {
 
-class KvCache final : public TierPort {
+class KvCache final : public TierPort, public PeerPort {
  public:
   using EventListener = TierPort::EventListener;
   using PressureListener = std::function<void(PressureLevel, double available_fraction)>;
@@ -178,6 +179,15 @@ class KvCache final : public TierPort {
                                          int64_t max_blocks) override ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status PinBlocks(const RequestId& id, absl::Span<const BlockIndex> blocks) override ABSL_LOCKS_EXCLUDED(mu_);
   void UnpinBlocks(PoolId pool, absl::Span<const BlockIndex> blocks) override ABSL_LOCKS_EXCLUDED(mu_);
+  // PeerPort (peer_port.h states the contracts; kv_cache_peer.cc): hybrid pools' peer pulls.
+  absl::StatusOr<PinnedUnit> PinHybridUnit(const Namespace& ns, absl::Span<const Token> tokens, int64_t skip_blocks,
+                                           int64_t max_blocks) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<int64_t> PullHorizon(const RequestId& id) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<UnitTargets> PinUnitTargets(const RequestId& id, int64_t depth) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status FinishUnitPull(const RequestId& id, PoolId pool, int64_t depth, const UnitTargets& targets,
+                              bool written) override ABSL_LOCKS_EXCLUDED(mu_);
+  // A live request's tables per group, as Acquire answers them (empty for a pool without groups).
+  absl::StatusOr<std::vector<GroupTable>> GroupTablesOf(const RequestId& id) const ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<CachedBlockRef> SnapshotCached() const override ABSL_LOCKS_EXCLUDED(mu_);
   bool WaitForDemotions(absl::Duration timeout) override ABSL_LOCKS_EXCLUDED(mu_);
   int64_t VisitCached(absl::Span<const CachedBlockRef> refs,
@@ -382,6 +392,14 @@ class KvCache final : public TierPort {
   // The pull `it` is done: what it still holds goes back to its request, or is let go when the
   // request has ended. The caller then unpins.
   void EndPullLocked(absl::flat_hash_map<uint64_t, PullRecord>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kv_cache_peer.cc: UnpinBlocks under the lock; the request's units a pull of `req` to `depth`
+  // writes (HybridSpine::kNone where a window group's table does not hold the position); the
+  // hit's move to `depth` once a pull wrote them.
+  void UnpinLocked(PoolId pool, absl::Span<const BlockIndex> blocks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<std::vector<BlockIndex>> UnitTargetsLocked(const Request& req, int64_t depth) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status AdoptUnitLocked(const RequestId& id, PoolId pool, int64_t depth, const UnitTargets& targets)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // kv_cache_blocks.cc: references, allocation, eviction. Unref: a block left unreferenced is
   // freed (owned) or becomes evictable (cached). `touch`: the reference is a use (recency).

@@ -276,7 +276,16 @@ void KvdService::PullThen(const RequestId& id, const std::string& peer, v1::Acqu
   auto finish = std::make_shared<std::function<void(absl::Status)>>(std::move(done));
   // A failed pull leaves the request as the local lookup served it: the answer is that.
   const bool pulling = puller_->Pull(peer, id, *spec, resp->pool_id(), resp->cached_tokens(), std::move(table),
-                                     [resp, finish](absl::StatusOr<int64_t> cached) {
+                                     [this, id, resp, finish](absl::StatusOr<int64_t> cached) {
+                                       if (cached.ok() && *cached > resp->cached_tokens() && resp->group_tables_size() > 0) {
+                                         // A hybrid pool's pulled unit moved every group's table to the new hit.
+                                         absl::StatusOr<std::vector<GroupTable>> tables = cache_->GroupTablesOf(id);
+                                         if (tables.ok()) {
+                                           resp->clear_group_tables();
+                                           for (const GroupTable& t : *tables) ToProto(t, resp->add_group_tables());
+                                           resp->set_full_hit_tokens(std::max(resp->full_hit_tokens(), *cached));
+                                         }
+                                       }
                                        if (cached.ok()) resp->set_cached_tokens(*cached);
                                        (*finish)(absl::OkStatus());
                                      });

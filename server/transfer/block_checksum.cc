@@ -17,7 +17,8 @@ absl::StatusOr<uint64_t> BlockChecksum(const DeviceArena& arena, PoolId pool, Bl
     return absl::OutOfRangeError(absl::StrCat("block ", index, " is past pool '", g.name, "'"));
   }
   if (arena.HostAddress(pool, 0) == nullptr) {
-    scratch->resize(static_cast<size_t>(g.block_bytes_all_shards()));
+    // The block's contiguous form: in a hybrid pool its group's unit, on every shard.
+    scratch->resize(static_cast<size_t>(SlabLayout(g).Block(index).bytes() * g.num_shards));
     if (absl::Status s = arena.ReadBlock(pool, index, scratch->data()); !s.ok()) return s;
     return XXH3_64bits(scratch->data(), scratch->size());
   }

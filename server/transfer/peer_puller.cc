@@ -141,20 +141,51 @@ absl::Status CheckOfferedGeometry(const PoolGeometry& g, const peer::v1::Geometr
   KVD_RETURN_IF_ERROR(Same("kv.dtype", g.kv.dtype, o.kv_dtype()));
   KVD_RETURN_IF_ERROR(Same("kv.kv_heads", int64_t{g.kv.kv_heads}, int64_t{o.kv_heads()}));
   KVD_RETURN_IF_ERROR(Same("kv.head_dim", int64_t{g.kv.head_dim}, int64_t{o.head_dim()}));
-  return Same("kv.arrangement", g.kv.arrangement, o.kv_arrangement());
+  KVD_RETURN_IF_ERROR(Same("kv.arrangement", g.kv.arrangement, o.kv_arrangement()));
+  // A hybrid pool's groups, one by one: what every unit means (docs/hybrid.md §2.9, "peers").
+  if (static_cast<int>(g.groups.size()) != o.groups_size()) {
+    std::vector<std::string> there;
+    for (const peer::v1::GroupGeometry& k : o.groups()) there.push_back(k.name());
+    std::vector<std::string> here;
+    for (const KvGroup& k : g.groups) here.push_back(k.name);
+    return absl::FailedPreconditionError(absl::StrCat("the peer's pool differs in its KV groups: [",
+                                                      absl::StrJoin(there, ", "), "] there, [",
+                                                      absl::StrJoin(here, ", "), "] here"));
+  }
+  for (int i = 0; i < o.groups_size(); ++i) {
+    const KvGroup& k = g.groups[static_cast<size_t>(i)];
+    const peer::v1::GroupGeometry& x = o.groups(i);
+    const auto field = [&](const char* name) { return absl::StrCat("group '", k.name, "' (groups[", i, "]) field ", name); };
+    const auto same = [&](const char* name, const auto& here, const auto& there) {
+      return Same(field(name).c_str(), here, there);
+    };
+    const int64_t bytes_per_token = k.attention() ? (k.bytes_per_token != 0 ? k.bytes_per_token : g.bytes_per_token_per_layer) : 0;
+    KVD_RETURN_IF_ERROR(same("name", absl::StrCat("'", k.name, "'"), absl::StrCat("'", x.name(), "'")));
+    KVD_RETURN_IF_ERROR(same("kind", KvGroupKindName(k.kind), x.kind()));
+    KVD_RETURN_IF_ERROR(same("layers", absl::StrJoin(k.layers, ","), absl::StrJoin(x.layers(), ",")));
+    KVD_RETURN_IF_ERROR(same("bytes_per_token", bytes_per_token, x.bytes_per_token()));
+    KVD_RETURN_IF_ERROR(same("bytes_per_state", k.bytes_per_state, x.bytes_per_state()));
+    KVD_RETURN_IF_ERROR(same("window", int64_t{k.window}, int64_t{x.window()}));
+    KVD_RETURN_IF_ERROR(same("chunk", int64_t{k.chunk}, int64_t{x.chunk()}));
+    KVD_RETURN_IF_ERROR(same("checkpoint_every_blocks", int64_t{k.checkpoint_every_blocks},
+                             int64_t{x.checkpoint_every_blocks()}));
+    KVD_RETURN_IF_ERROR(same("checkpoint_at_end", std::string(!k.attention() && k.checkpoint_at_end ? "true" : "false"),
+                             std::string(x.checkpoint_at_end() ? "true" : "false")));
+  }
+  return absl::OkStatus();
 }
 
-PeerPuller::PeerPuller(const TransferOptions& options, TierPort* cache, const DeviceArena* arena,
+PeerPuller::PeerPuller(const TransferOptions& options, TierPort* cache, PeerPort* units, const DeviceArena* arena,
                        TransferMetrics* metrics)
-    : options_(options), cache_(cache), arena_(arena), metrics_(metrics) {}
+    : options_(options), cache_(cache), units_(units), arena_(arena), metrics_(metrics) {}
 
-std::unique_ptr<PeerPuller> PeerPuller::Create(const TransferOptions& options, TierPort* cache,
+std::unique_ptr<PeerPuller> PeerPuller::Create(const TransferOptions& options, TierPort* cache, PeerPort* units,
                                                const DeviceArena* arena, TransferMetrics* metrics,
                                                const grpc::SslCredentialsOptions& ssl) {
-  std::unique_ptr<PeerPuller> p(new PeerPuller(options, cache, arena, metrics));
-  // A Read answers up to PeerService::kMaxReadBytes, or one block where a block is larger.
+  std::unique_ptr<PeerPuller> p(new PeerPuller(options, cache, units, arena, metrics));
+  // A Read answers up to PeerService::kMaxReadBytes, or one block (component) where it is larger.
   int64_t largest = PeerService::kMaxReadBytes;
-  for (const PoolGeometry& g : arena->geometries()) largest = std::max(largest, g.block_bytes_all_shards());
+  for (const PoolGeometry& g : arena->geometries()) largest = std::max(largest, LargestUnitBytes(g));
   for (const TransferPeer& peer : options.peers) {
     grpc::ChannelArguments args;
     // The peer is who its certificate says: its name, whatever address reaches it.
@@ -242,9 +273,22 @@ absl::StatusOr<int64_t> PeerPuller::RunPull(peer::v1::Peer::Stub* stub, const Re
   const PoolGeometry& g = arena_->geometries()[pool];
   const int32_t bt = g.block_tokens;
   const int64_t skip = cached_tokens / bt;
-  const int64_t want = (static_cast<int64_t>(spec.prompt.size()) - 1) / bt - skip;
+  int64_t want = (static_cast<int64_t>(spec.prompt.size()) - 1) / bt - skip;
   const int64_t block_bytes = g.block_bytes_all_shards();
   *cause = "offer";
+  if (g.hybrid()) {
+    // Only a fresh acquire of a hybrid pool with a full group takes a unit.
+    absl::StatusOr<int64_t> horizon = units_->PullHorizon(id);
+    if (!horizon.ok()) {
+      *cause = "request_gone";
+      return horizon.status();
+    }
+    want = *horizon - skip;
+    if (want <= 0) {
+      *cause = "nothing";
+      return cached_tokens;
+    }
+  }
 
   peer::v1::OfferRequest req;
   ToProto(spec.ns, req.mutable_namespace_());
@@ -273,6 +317,7 @@ absl::StatusOr<int64_t> PeerPuller::RunPull(peer::v1::Peer::Stub* stub, const Re
   // where, it computes from its own geometry and the request's own blocks alone.
   *cause = "geometry";
   KVD_RETURN_IF_ERROR(CheckOfferedGeometry(g, offer.geometry()));
+  if (g.hybrid()) return PullUnit(stub, id, pool, skip, want, offer, deadline, cause);
   *cause = "bounds";
   if (n > want || offer.blocks_size() != n) {
     return absl::OutOfRangeError(absl::StrCat("the peer offered ", offer.blocks_size(), " blocks with ", n,
@@ -329,6 +374,78 @@ absl::StatusOr<int64_t> PeerPuller::RunPull(peer::v1::Peer::Stub* stub, const Re
                 std::chrono::duration_cast<Ms>(read - offered).count(),
                 std::chrono::duration_cast<Ms>(Clock::now() - read).count());
   return (skip + n) * bt;
+}
+
+absl::StatusOr<int64_t> PeerPuller::PullUnit(peer::v1::Peer::Stub* stub, const RequestId& id, PoolId pool,
+                                              int64_t skip, int64_t want, const peer::v1::OfferResponse& offer,
+                                              Clock::time_point deadline, std::string* cause) {
+  const PoolGeometry& g = arena_->geometries()[pool];
+  const int32_t bt = g.block_tokens;
+  // Which components come, and where each goes, follow from this node's geometry and the offered
+  // depth alone (UnitLayout); the peer's answers supply bytes, each checked before it is written.
+  *cause = "bounds";
+  const int64_t d = offer.depth_blocks();
+  if (d <= skip || d > skip + want) {
+    return absl::OutOfRangeError(absl::StrCat("the peer offered a unit of depth ", d, " past block ", skip,
+                                              " for at most ", skip + want));
+  }
+  const std::vector<UnitPart> layout = UnitLayout(g, skip, d);
+  const int64_t n = static_cast<int64_t>(layout.size());
+  if (offer.checksums_size() != n || offer.blocks_size() != n) {
+    return absl::OutOfRangeError(absl::StrCat("the peer offered ", offer.blocks_size(), " components with ",
+                                              offer.checksums_size(), " checksums for a unit of depth ", d,
+                                              " past block ", skip, ", which has ", n));
+  }
+  absl::StatusOr<PeerPort::UnitTargets> targets = units_->PinUnitTargets(id, d);
+  if (!targets.ok()) {
+    *cause = "request_gone";
+    return targets.status();
+  }
+  int64_t done = 0;
+  int64_t reads = 0;
+  auto take = [&](const peer::v1::ReadResponse& data) -> absl::Status {
+    for (const std::string& bytes : data.blocks()) {
+      const UnitPart& part = layout[static_cast<size_t>(done)];
+      const std::string& group = g.groups[static_cast<size_t>(part.group)].name;
+      const int64_t expected = UnitPartBytes(g, part.group);
+      if (static_cast<int64_t>(bytes.size()) != expected) {
+        *cause = "bounds";
+        return absl::OutOfRangeError(absl::StrCat("the peer answered group '", group, "''s component at block ",
+                                                  part.position, " with ", bytes.size(), " bytes, not ", expected));
+      }
+      if (XXH3_64bits(bytes.data(), bytes.size()) != offer.checksums(static_cast<int>(done))) {
+        *cause = "checksum";
+        return absl::DataLossError(absl::StrCat("group '", group, "''s component at block ", part.position,
+                                                " (peer unit ", offer.blocks(static_cast<int>(done)),
+                                                ") fails its checksum"));
+      }
+      *cause = "transfer";
+      KVD_RETURN_IF_ERROR(arena_->WriteBlock(pool, targets->blocks[static_cast<size_t>(done)],
+                                             reinterpret_cast<const uint8_t*>(bytes.data())));
+      ++done;
+    }
+    return absl::OkStatus();
+  };
+  const int64_t per_read = std::max<int64_t>(1, PeerService::kMaxReadBytes / LargestUnitBytes(g));
+  absl::Status got = ReadLease(stub, offer.lease(), n, per_read, deadline, take, cause, &reads);
+  // Published as one unit with its checkpoints, or not at all (the request stays at its hit); the
+  // targets are unpinned either way.
+  absl::Status adopted = units_->FinishUnitPull(id, pool, d, *targets, /*written=*/got.ok());
+  if (!got.ok()) return got;
+  if (!adopted.ok()) {
+    *cause = "request_gone";
+    return adopted;
+  }
+  *cause = "pulled";
+  spdlog::debug("peer transfer: pulled a unit of {} components ({} reads) of request {}: blocks [{}, {})", n, reads,
+                LogSafe(id.value()), skip, d);
+  return d * bt;
+}
+
+int64_t LargestUnitBytes(const PoolGeometry& g) {
+  int64_t largest = g.hybrid() ? 0 : g.block_bytes_all_shards();
+  for (int i = 0; i < static_cast<int>(g.groups.size()); ++i) largest = std::max(largest, UnitPartBytes(g, i));
+  return largest;
 }
 
 }  // namespace kvd

@@ -34,6 +34,7 @@
 #include "gpu/device_arena.h"
 #include "kvd/peer/v1/peer.grpc.pb.h"
 #include "proto/vocab/cache_types.h"
+#include "server/core/peer_port.h"
 #include "server/core/tier_port.h"
 #include "server/store/executor.h"
 #include "server/transfer/transfer_metrics.h"
@@ -45,8 +46,13 @@ class PeerPuller {
  public:
   // Channels to every configured peer, presenting this node's certificate (`ssl`: this node's key
   // and certificate, and the peers' CA). Borrowed: all outlive this.
-  static std::unique_ptr<PeerPuller> Create(const TransferOptions& options, TierPort* cache, const DeviceArena* arena,
-                                            TransferMetrics* metrics, const grpc::SslCredentialsOptions& ssl);
+  // `units` pulls hybrid pools' units (peer_port.h): the offered depth, checked against the
+  // request's tables, says which components come; each is size- and checksum-checked before it is
+  // written into the request's own unit, and the unit is published whole (with its checkpoints)
+  // or not at all.
+  static std::unique_ptr<PeerPuller> Create(const TransferOptions& options, TierPort* cache, PeerPort* units,
+                                            const DeviceArena* arena, TransferMetrics* metrics,
+                                            const grpc::SslCredentialsOptions& ssl);
   // Pulls queued (not running) per peer; past it a pull is shed.
   static constexpr int64_t kQueuedPerPeer = 64;
   ~PeerPuller();  // finishes the pulls running; those queued answer at once, pulling nothing
@@ -69,16 +75,22 @@ class PeerPuller {
     std::unique_ptr<peer::v1::Peer::Stub> stub;
     std::unique_ptr<Executor> pulls;  // this peer's own threads
   };
-  PeerPuller(const TransferOptions& options, TierPort* cache, const DeviceArena* arena, TransferMetrics* metrics);
+  PeerPuller(const TransferOptions& options, TierPort* cache, PeerPort* units, const DeviceArena* arena,
+             TransferMetrics* metrics);
   // The pull itself; `cause` gets the metric's outcome, `lease` the peer's lease to release.
   absl::StatusOr<int64_t> RunPull(peer::v1::Peer::Stub* stub, const RequestId& id, const RequestSpec& spec,
                                   PoolId pool, int64_t cached_tokens, const std::vector<BlockIndex>& table,
                                   Clock::time_point deadline, std::string* cause, uint64_t* lease);
+  // RunPull's rest for a hybrid pool: the offered unit, past the request's hit of `skip` blocks.
+  absl::StatusOr<int64_t> PullUnit(peer::v1::Peer::Stub* stub, const RequestId& id, PoolId pool, int64_t skip,
+                                   int64_t want, const peer::v1::OfferResponse& offer, Clock::time_point deadline,
+                                   std::string* cause);
   // Releases `lease` without waiting for the answer (an unreleased lease expires on the peer).
   static void ReleaseLater(peer::v1::Peer::Stub* stub, uint64_t lease);
 
   const TransferOptions options_;
   TierPort* const cache_;
+  PeerPort* const units_;
   const DeviceArena* const arena_;
   TransferMetrics* const metrics_;
   absl::flat_hash_map<std::string, Channel> peers_;  // fixed after Create
@@ -87,6 +99,10 @@ class PeerPuller {
 
 // OK when the offered geometry and format equal `local`'s; else FAILED_PRECONDITION naming the
 // first field that differs and both values.
+// A hybrid pool's groups too, one by one (naming the group and the field).
 absl::Status CheckOfferedGeometry(const PoolGeometry& local, const peer::v1::Geometry& offered);
+
+// The largest block or unit of any group of `g` across all shards: a Read's answer holds one.
+int64_t LargestUnitBytes(const PoolGeometry& g);
 
 }  // namespace kvd

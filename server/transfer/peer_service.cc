@@ -34,6 +34,18 @@ void ToProto(const PoolGeometry& g, peer::v1::Geometry* out) {
   out->set_head_dim(g.kv.head_dim);
   out->set_kv_arrangement(g.kv.arrangement);
   out->set_model_fingerprint(g.model_fingerprint);
+  for (const KvGroup& k : g.groups) {
+    peer::v1::GroupGeometry* o = out->add_groups();
+    o->set_name(k.name);
+    o->set_kind(KvGroupKindName(k.kind));
+    o->mutable_layers()->Add(k.layers.begin(), k.layers.end());
+    o->set_bytes_per_token(k.attention() ? (k.bytes_per_token != 0 ? k.bytes_per_token : g.bytes_per_token_per_layer) : 0);
+    o->set_bytes_per_state(k.bytes_per_state);
+    o->set_window(k.window);
+    o->set_chunk(k.chunk);
+    o->set_checkpoint_every_blocks(k.checkpoint_every_blocks);
+    o->set_checkpoint_at_end(k.attention() ? false : k.checkpoint_at_end);
+  }
 }
 
 std::string Asn1Text(const ASN1_STRING* s) {
@@ -70,9 +82,10 @@ absl::StatusOr<std::vector<std::string>> PeerNames(const std::string& pem) {
   return dns;
 }
 
-PeerService::PeerService(TierPort* cache, const DeviceArena* arena, const TransferOptions& options,
+PeerService::PeerService(TierPort* cache, PeerPort* units, const DeviceArena* arena, const TransferOptions& options,
                          TransferMetrics* metrics)
     : cache_(cache),
+      units_(units),
       arena_(arena),
       options_(options),
       allowed_([&] {
@@ -157,7 +170,15 @@ absl::Status PeerService::DoOffer(const std::string& peer, const peer::v1::Offer
     ++reserved_;
   }
   const std::vector<Token> tokens = TokensFromProto(req.tokens());
-  absl::StatusOr<TierPort::PinnedPrefix> pinned = cache_->PinPrefix(ns, tokens, req.skip_blocks(), req.max_blocks());
+  // A hybrid pool's hit is a unit of every group's components (peer_port.h); other pools' a run
+  // of blocks. Both are pinned, hashed and leased alike.
+  int64_t depth = 0;
+  absl::StatusOr<TierPort::PinnedPrefix> pinned = [&]() -> absl::StatusOr<TierPort::PinnedPrefix> {
+    if (!it->hybrid()) return cache_->PinPrefix(ns, tokens, req.skip_blocks(), req.max_blocks());
+    KVD_ASSIGN_OR_RETURN(PeerPort::PinnedUnit unit, units_->PinHybridUnit(ns, tokens, req.skip_blocks(), req.max_blocks()));
+    depth = unit.depth;
+    return TierPort::PinnedPrefix{unit.pool, std::move(unit.components), std::move(unit.serials)};
+  }();
   std::vector<uint64_t> sums;
   if (pinned.ok() && !pinned->blocks.empty()) {
     // Kept checksums first; the rest are computed without any lock (the pins keep the bytes
@@ -169,7 +190,8 @@ absl::Status PeerService::DoOffer(const std::string& peer, const peer::v1::Offer
       absl::MutexLock lock(&sums_mu_);
       for (size_t i = 0; i < pinned->blocks.size(); ++i) {
         auto it = sums_.find(key(pinned->blocks[i]));
-        if (it != sums_.end() && it->second.first == pinned->serials[i]) {
+        // A serial 0 (a hybrid unit's window block or checkpoint) is hashed each time.
+        if (it != sums_.end() && pinned->serials[i] != 0 && it->second.first == pinned->serials[i]) {
           sums[i] = it->second.second;
           known[i] = true;
         }
@@ -189,7 +211,7 @@ absl::Status PeerService::DoOffer(const std::string& peer, const peer::v1::Offer
     } else {
       absl::MutexLock lock(&sums_mu_);
       for (size_t i = 0; i < pinned->blocks.size(); ++i) {
-        if (!known[i]) sums_[key(pinned->blocks[i])] = {pinned->serials[i], sums[i]};
+        if (!known[i] && pinned->serials[i] != 0) sums_[key(pinned->blocks[i])] = {pinned->serials[i], sums[i]};
       }
     }
   }
@@ -199,6 +221,7 @@ absl::Status PeerService::DoOffer(const std::string& peer, const peer::v1::Offer
   if (pinned->blocks.empty()) return absl::OkStatus();  // nothing cached past skip_blocks
   const uint64_t id = next_lease_++;
   resp->set_lease(id);
+  resp->set_depth_blocks(depth);
   ToProto(pools[pool], resp->mutable_geometry());
   for (size_t i = 0; i < pinned->blocks.size(); ++i) {
     resp->add_blocks(pinned->blocks[i]);
@@ -243,17 +266,24 @@ absl::Status PeerService::DoRead(const std::string& peer, const peer::v1::ReadRe
                                                 req.first(), " count ", req.count(), " is not among them"));
     }
     pool = it->second.pool;
-    const int64_t block_bytes = arena_->geometries()[pool].block_bytes_all_shards();
-    const int64_t fit = std::max<int64_t>(1, kMaxReadBytes / block_bytes);
-    const int64_t n = std::min({req.count(), held - req.first(), fit});
-    blocks.assign(it->second.blocks.begin() + req.first(), it->second.blocks.begin() + req.first() + n);
+    // Whole blocks (a hybrid unit's components, each its group's size) up to kMaxReadBytes, at
+    // least one.
+    const PoolGeometry& g = arena_->geometries()[pool];
+    const int64_t last = std::min(held, req.first() + req.count());
+    int64_t bytes = 0;
+    for (int64_t i = req.first(); i < last; ++i) {
+      const BlockIndex b = it->second.blocks[static_cast<size_t>(i)];
+      bytes += UnitPartBytes(g, g.hybrid() ? g.GroupOf(b) : 0);
+      if (bytes > kMaxReadBytes && i > req.first()) break;
+      blocks.push_back(b);
+    }
   }
   // The pins keep these blocks' bytes as they were cached while the lease holds; whether it held
   // throughout is checked after the copy.
-  const size_t block_bytes = static_cast<size_t>(arena_->geometries()[pool].block_bytes_all_shards());
+  const PoolGeometry& g = arena_->geometries()[pool];
   for (BlockIndex b : blocks) {
     std::string* out = resp->add_blocks();
-    out->resize(block_bytes);
+    out->resize(static_cast<size_t>(UnitPartBytes(g, g.hybrid() ? g.GroupOf(b) : 0)));
     KVD_RETURN_IF_ERROR(arena_->ReadBlock(pool, b, reinterpret_cast<uint8_t*>(out->data())));
   }
   // A lease released or expired during the copy may have had its blocks unpinned and reused:

@@ -31,6 +31,7 @@
 #include "absl/synchronization/mutex.h"
 #include "gpu/device_arena.h"
 #include "kvd/peer/v1/peer.grpc.pb.h"
+#include "server/core/peer_port.h"
 #include "server/core/tier_port.h"
 #include "server/transfer/transfer_metrics.h"
 #include "server/transfer/transfer_options.h"
@@ -49,7 +50,10 @@ class PeerService final : public peer::v1::Peer::CallbackService {
   static constexpr int64_t kMaxReadBytes = int64_t{8} << 20;
 
   // Borrowed: all must outlive this.
-  PeerService(TierPort* cache, const DeviceArena* arena, const TransferOptions& options, TransferMetrics* metrics);
+  // `units` answers for hybrid pools (peer_port.h): an Offer leases the unit of every group's
+  // components a hit needs, in UnitLayout order, and `depth_blocks` says how deep it is.
+  PeerService(TierPort* cache, PeerPort* units, const DeviceArena* arena, const TransferOptions& options,
+              TransferMetrics* metrics);
   ~PeerService() override;  // unpins every lease
 
   grpc::ServerUnaryReactor* Offer(grpc::CallbackServerContext* ctx, const peer::v1::OfferRequest* req,
@@ -78,6 +82,7 @@ class PeerService final : public peer::v1::Peer::CallbackService {
   void ReapLoop() ABSL_LOCKS_EXCLUDED(mu_);
 
   TierPort* const cache_;
+  PeerPort* const units_;
   const DeviceArena* const arena_;
   const TransferOptions options_;
   const absl::flat_hash_set<std::string> allowed_;

@@ -12,7 +12,7 @@
 namespace kvd {
 
 absl::StatusOr<std::unique_ptr<Transfer>> Transfer::Start(const TransferOptions& options, TierPort* cache,
-                                                          const DeviceArena* arena) {
+                                                          PeerPort* units, const DeviceArena* arena) {
   std::unique_ptr<Transfer> t(new Transfer());
   t->metrics_ = std::make_unique<TransferMetrics>();
   // This node's certificate and key and the peers' CA, read once: presented as the server to
@@ -21,17 +21,17 @@ absl::StatusOr<std::unique_ptr<Transfer>> Transfer::Start(const TransferOptions&
   KVD_ASSIGN_OR_RETURN(std::string key, ReadConfigFile("transfer.tls_key_file", options.tls_key_file));
   KVD_ASSIGN_OR_RETURN(std::string ca, ReadConfigFile("transfer.tls_ca_file", options.tls_ca_file));
   grpc::SslCredentialsOptions client{ca, key, cert};
-  t->puller_ = PeerPuller::Create(options, cache, arena, t->metrics_.get(), client);
-  t->service_ = std::make_unique<PeerService>(cache, arena, options, t->metrics_.get());
+  t->puller_ = PeerPuller::Create(options, cache, units, arena, t->metrics_.get(), client);
+  t->service_ = std::make_unique<PeerService>(cache, units, arena, options, t->metrics_.get());
 
   grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   ssl.pem_root_certs = ca;
   ssl.pem_key_cert_pairs.push_back({key, cert});
   grpc::ServerBuilder builder;
-  int largest = 0;  // a Read's answer: up to kMaxReadBytes, or one block where a block is larger
+  int largest = 0;  // a Read's answer: up to kMaxReadBytes, or one block (or unit) where one is larger
   for (const PoolGeometry& g : arena->geometries()) {
     largest = static_cast<int>(std::min<int64_t>(
-        INT32_MAX, std::max({int64_t{largest}, PeerService::kMaxReadBytes, g.block_bytes_all_shards()}) + (1 << 20)));
+        INT32_MAX, std::max({int64_t{largest}, PeerService::kMaxReadBytes, LargestUnitBytes(g)}) + (1 << 20)));
   }
   builder.SetMaxSendMessageSize(largest);
   int port = 0;

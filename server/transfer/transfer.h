@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "gpu/device_arena.h"
+#include "server/core/peer_port.h"
 #include "server/core/tier_port.h"
 #include "server/transfer/peer_puller.h"
 #include "server/transfer/peer_service.h"
@@ -22,9 +23,10 @@ namespace kvd {
 class Transfer {
  public:
   // Binds options.listen and serves peers. INVALID_ARGUMENT (a TLS file), UNAVAILABLE (the
-  // address cannot be bound). Borrowed: cache and arena outlive this.
+  // address cannot be bound). Borrowed: cache, units (hybrid pools' units, peer_port.h) and arena
+  // outlive this.
   static absl::StatusOr<std::unique_ptr<Transfer>> Start(const TransferOptions& options, TierPort* cache,
-                                                         const DeviceArena* arena);
+                                                         PeerPort* units, const DeviceArena* arena);
   ~Transfer();  // stops serving peers (their leases are released), then finishes running pulls
 
   PeerPuller* puller() const { return puller_.get(); }

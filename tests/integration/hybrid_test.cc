@@ -92,8 +92,6 @@ TEST_CASE("Hybrid pool config errors exit 2 naming pools[i].groups[j].<field>", 
           "pools[0].groups[1].capacity_blocks: (unset) and the pool sets no capacity_bytes to split");
   // What does not serve hybrid pools yet is refused at start, naming the section.
   refused(HybridPool(), "pool 'hy' has KV groups; tiers do not serve pools with groups yet", {"--host-tier-bytes=1MiB"});
-  refused(HybridPool("transfer:\n  listen: 127.0.0.1:0\n"),
-          "pool 'hy' has KV groups; transfer (peers) do not serve pools with groups yet");
 }
 
 TEST_CASE("--print-config round-trips a hybrid pool, with the default split resolved", "[integration][hybrid]") {
