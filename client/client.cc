@@ -448,16 +448,20 @@ absl::StatusOr<PublishResult> Client::Keeps(const RequestId& id, absl::Span<cons
 }
 
 absl::Status Client::Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
-                                const std::string& engine_state) {
+                                const std::string& engine_state, absl::Span<const StateCheckpoint> state,
+                                std::vector<int64_t>* fresh_slots) {
   KVD_RETURN_IF_ERROR(impl_->AwaitWrites());
   v1::CheckpointRequest req;
   req.set_worker_id(impl_->Worker().value());
   req.set_request_id(id.value());
   req.mutable_tokens()->Add(tokens.begin(), tokens.end());
   req.set_engine_state(engine_state);
-  return impl_->Call<v1::CheckpointResponse>([&](auto* ctx, auto* resp) {
+  ToProto(state, req.mutable_state_checkpoints());
+  KVD_ASSIGN_OR_RETURN(v1::CheckpointResponse r, impl_->Call<v1::CheckpointResponse>([&](auto* ctx, auto* resp) {
     return impl_->stub()->Checkpoint(ctx, req, resp);
-  }).status();
+  }));
+  if (fresh_slots != nullptr) fresh_slots->assign(r.fresh_slots().begin(), r.fresh_slots().end());
+  return absl::OkStatus();
 }
 
 absl::Status Client::Release(const RequestId& id, bool completed) {
@@ -705,9 +709,20 @@ absl::StatusOr<PublishResult> KvRequest::Publish(absl::Span<const Token> tokens,
   return r;
 }
 
-absl::Status KvRequest::Checkpoint(absl::Span<const Token> tokens, const std::string& engine_state) {
+absl::Status KvRequest::Checkpoint(absl::Span<const Token> tokens, const std::string& engine_state,
+                                   absl::Span<const StateCheckpoint> state) {
   KVD_RETURN_IF_ERROR(Check());
-  return client_->LostIfRestarted(client_->Checkpoint(id_, tokens, engine_state), epoch_, id_);
+  std::vector<int64_t> fresh;
+  KVD_RETURN_IF_ERROR(
+      client_->LostIfRestarted(client_->Checkpoint(id_, tokens, engine_state, state, &fresh), epoch_, id_));
+  // Each named slot is the checkpoint's now: the fresh spare takes its place in the table.
+  for (size_t i = 0; i < state.size() && i < fresh.size(); ++i) {
+    const StateCheckpoint& c = state[i];
+    if (c.group < 0 || c.group >= static_cast<int>(state_.group_tables.size()) || fresh[i] < 0) continue;
+    std::vector<BlockIndex>& slots = state_.group_tables[c.group].blocks;
+    if (auto at = std::find(slots.begin(), slots.end(), c.slot); at != slots.end()) *at = static_cast<BlockIndex>(fresh[i]);
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<EndResult> KvRequest::End(int64_t publish_blocks, absl::Span<const Token> more_tokens,

@@ -201,8 +201,11 @@ class Client {
                                         absl::Span<const StateCheckpoint> checkpoints = {});
   absl::StatusOr<PublishResult> Keeps(const RequestId& id, absl::Span<const Token> tokens,
                                       absl::Span<const BlockIndex> blocks);
-  absl::Status Checkpoint(const RequestId& id, absl::Span<const Token> tokens,
-                          const std::string& engine_state);
+  // `state`: on a hybrid pool with a state group, per state group the slot holding the state at
+  // exactly tokens.size() (docs/hybrid.md §2.9; required there); `fresh_slots` (may be null) gets
+  // the spare that replaced each in the request's state table.
+  absl::Status Checkpoint(const RequestId& id, absl::Span<const Token> tokens, const std::string& engine_state,
+                          absl::Span<const StateCheckpoint> state = {}, std::vector<int64_t>* fresh_slots = nullptr);
   absl::Status Release(const RequestId& id, bool completed);
   // Publish of the request's first `publish_blocks` blocks (over the tokens the daemon knows,
   // then `more_tokens`) and Release, in one round trip (the End RPC).
@@ -311,7 +314,12 @@ class KvRequest {
   // group_table(state)->checkpoint_slot is the state at cached_tokens to copy from (read-only).
   absl::StatusOr<PublishResult> Publish(absl::Span<const Token> tokens,
                                         absl::Span<const StateCheckpoint> checkpoints = {});
-  absl::Status Checkpoint(absl::Span<const Token> tokens, const std::string& engine_state);
+  // A resumable point (Start with resume_from = id() continues it). On a hybrid pool `state` names
+  // per state group the slot of group_tables() holding the state at exactly tokens.size(): it
+  // leaves the table for the fresh spare kvd hands out. A resume answers it as the state group's
+  // checkpoint_slot, to copy into the running slot before computing (as after a hit).
+  absl::Status Checkpoint(absl::Span<const Token> tokens, const std::string& engine_state,
+                          absl::Span<const StateCheckpoint> state = {});
   absl::Status Release(bool completed);
   // Publishes the first `publish_blocks` blocks and releases, in one round trip: the daemon has
   // the prompt already; `more_tokens` are generated tokens past it that those blocks cover.

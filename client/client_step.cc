@@ -45,10 +45,12 @@ void StepBatch::Publish(StepRequest* req, std::vector<Token> tokens, int64_t num
   item.checkpoints = std::move(checkpoints);
   items_.push_back(std::move(item));
 }
-void StepBatch::Checkpoint(StepRequest* req, std::vector<Token> tokens, std::string engine_state) {
+void StepBatch::Checkpoint(StepRequest* req, std::vector<Token> tokens, std::string engine_state,
+                           std::vector<StateCheckpoint> state) {
   Item item{Kind::kCheckpoint, req};
   item.tokens = std::move(tokens);
   item.engine_state = std::move(engine_state);
+  item.checkpoints = std::move(state);
   items_.push_back(std::move(item));
 }
 void StepBatch::End(StepRequest* req, int64_t publish_blocks, std::vector<Token> more_tokens, bool completed,
@@ -60,10 +62,12 @@ void StepBatch::End(StepRequest* req, int64_t publish_blocks, std::vector<Token>
   item.checkpoints = std::move(checkpoints);
   items_.push_back(std::move(item));
 }
-void StepBatch::Preempt(StepRequest* req, std::vector<Token> tokens, std::string engine_state) {
+void StepBatch::Preempt(StepRequest* req, std::vector<Token> tokens, std::string engine_state,
+                        std::vector<StateCheckpoint> state) {
   Item item{Kind::kPreempt, req};
   item.tokens = std::move(tokens);
   item.engine_state = std::move(engine_state);
+  item.checkpoints = std::move(state);
   items_.push_back(std::move(item));
 }
 
@@ -410,6 +414,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
       case StepBatch::Kind::kCheckpoint:
         p->mutable_checkpoint()->mutable_tokens()->Add(item.tokens.begin(), item.tokens.end());
         p->mutable_checkpoint()->set_engine_state(item.engine_state);
+        ToProto(item.checkpoints, p->mutable_checkpoint()->mutable_state_checkpoints());
         break;
       case StepBatch::Kind::kEnd:
         p->mutable_end()->set_publish_blocks(static_cast<int32_t>(std::clamp<int64_t>(item.n, -1, INT32_MAX)));
@@ -420,6 +425,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
       case StepBatch::Kind::kPreempt:
         p->mutable_preempt()->mutable_tokens()->Add(item.tokens.begin(), item.tokens.end());
         p->mutable_preempt()->set_engine_state(item.engine_state);
+        ToProto(item.checkpoints, p->mutable_preempt()->mutable_state_checkpoints());
         break;
     }
     sent_item.push_back(i);
@@ -468,6 +474,17 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
       if (at == slots.end()) continue;
       if (c < out.fresh_slots.size() && out.fresh_slots[c] >= 0) *at = static_cast<BlockIndex>(out.fresh_slots[c]);
       else slots.erase(at);
+    }
+    // A generation checkpoint's named slots are the record's now: each fresh spare takes one's place.
+    if (item.kind == StepBatch::Kind::kCheckpoint && out.status.ok()) {
+      for (size_t c = 0; c < item.checkpoints.size() && c < out.fresh_slots.size(); ++c) {
+        const StateCheckpoint& cp = item.checkpoints[c];
+        if (cp.group < 0 || cp.group >= static_cast<int>(state->group_tables.size()) || out.fresh_slots[c] < 0) continue;
+        std::vector<BlockIndex>& slots = state->group_tables[cp.group].blocks;
+        if (auto at = std::find(slots.begin(), slots.end(), cp.slot); at != slots.end()) {
+          *at = static_cast<BlockIndex>(out.fresh_slots[c]);
+        }
+      }
     }
     switch (item.kind) {
       case StepBatch::Kind::kStart:

@@ -81,14 +81,20 @@ class StepBatch {
   // blocks; put the item before the grow that releases their window.
   void Publish(StepRequest* req, std::vector<Token> tokens, int64_t num_blocks,
                std::vector<StateCheckpoint> checkpoints = {});
-  void Checkpoint(StepRequest* req, std::vector<Token> tokens, std::string engine_state);
+  // A resumable point. `state`: on a hybrid pool, per state group the slot of req->group_tables
+  // holding the state at exactly tokens.size() (docs/hybrid.md §2.9); the answer swaps each for
+  // the fresh spare kvd hands out (StepItemResult::fresh_slots).
+  void Checkpoint(StepRequest* req, std::vector<Token> tokens, std::string engine_state,
+                  std::vector<StateCheckpoint> state = {});
   // Publishes the first `publish_blocks` blocks over the tokens kvd knows + `more_tokens`, then
   // releases the request.
   void End(StepRequest* req, int64_t publish_blocks, std::vector<Token> more_tokens, bool completed,
            std::vector<StateCheckpoint> checkpoints = {});
   // Checkpoints `tokens` (none: no checkpoint), then releases the request as interrupted; a later
-  // Start with resume_from = its id continues it.
-  void Preempt(StepRequest* req, std::vector<Token> tokens, std::string engine_state);
+  // Start with resume_from = its id continues it. `state` as Checkpoint's (no spare comes back: the
+  // request ends); the resumed start answers it as the state group's checkpoint_slot.
+  void Preempt(StepRequest* req, std::vector<Token> tokens, std::string engine_state,
+               std::vector<StateCheckpoint> state = {});
 
   size_t size() const { return items_.size(); }
   void Clear() { items_.clear(); }
@@ -104,7 +110,7 @@ class StepBatch {
     std::vector<Token> tokens;
     std::string engine_state;
     bool completed = false;
-    std::vector<StateCheckpoint> checkpoints;  // kPublish, kEnd
+    std::vector<StateCheckpoint> checkpoints;  // kPublish, kEnd; kCheckpoint, kPreempt: the state
   };
   const std::vector<Item>& items() const { return items_; }
 

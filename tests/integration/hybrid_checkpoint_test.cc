@@ -1,0 +1,278 @@
+// Generation checkpoints, preempt and resume on a hybrid pool, and a hot handoff of one, against
+// the real daemon (docs/hybrid.md §2.9, kvd-hybrid step 7): a generation checkpointed on worker A
+// with its state resumes on worker B reading A's bytes in every group (full blocks, the window
+// before the position, the state as the checkpoint slot); a preempt through a step does the same;
+// across --takeover the successor serves the same hit length and bytes and resumes a generation
+// live at the handoff once its fence lifts; a resume into another grouping is refused naming it,
+// and nothing is left owned or reserved at the end.
+#include <cstring>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "tests/integration/harness.h"
+
+namespace kvd::testing {
+namespace {
+
+constexpr int kRec = 2;
+
+// Four layers: full attention in 1 and 3, a 6-token window in 0, recurrent state in 2 (k = 2);
+// and a plain pool "m" beside it (another grouping).
+std::string Config(const std::string& top = "") {
+  return absl::StrCat(top,
+                      "pools:\n"
+                      "  - name: hy\n"
+                      "    block_tokens: 4\n"
+                      "    num_layers: 4\n"
+                      "    bytes_per_token_per_layer: 16\n"
+                      "    max_model_len: 64\n"
+                      "    step_tokens: 8\n"
+                      "    groups:\n"
+                      "      - {name: full, kind: full, layers: [\"1-3/2\"], capacity_blocks: 40}\n"
+                      "      - {name: swa, kind: sliding_window, layers: [0], window: 6, capacity_blocks: 24}\n"
+                      "      - {name: rec, kind: state, layers: [2], bytes_per_state: 100, checkpoint_every_blocks: 2, "
+                      "capacity_slots: 8}\n"
+                      "  - name: m\n"
+                      "    block_tokens: 4\n"
+                      "    num_layers: 2\n"
+                      "    bytes_per_token_per_layer: 16\n"
+                      "    max_model_len: 64\n"
+                      "    capacity_blocks: 32\n");
+}
+
+// What a worker writes into unit `unit` of `group`, layer j: a pattern of the unit and a tag.
+std::string Pattern(int64_t bytes, BlockIndex unit, int32_t j, char tag) {
+  std::string s(static_cast<size_t>(bytes), '\0');
+  for (size_t i = 0; i < s.size(); ++i) s[i] = static_cast<char>((unit * 131 + j * 17 + i * 7 + tag) & 0xff);
+  return s;
+}
+void Write(client::Client& c, const std::string& group, BlockIndex unit, char tag) {
+  auto pool = c.FindPool("hy");
+  REQUIRE(pool.ok());
+  auto view = client::GroupKv(**pool, group);
+  REQUIRE(view.ok());
+  for (int32_t j = 0; j < static_cast<int32_t>(view->layers.size()); ++j) {
+    const std::string bytes = Pattern(view->layer_unit_bytes, unit, j, tag);
+    std::memcpy(view->Unit(j, view->Local(unit)), bytes.data(), bytes.size());
+  }
+}
+// Whether `unit` of `group`, read through `c`'s own mapping, holds what Write(.., `written`, tag) put.
+bool Holds(client::Client& c, const std::string& group, BlockIndex unit, BlockIndex written, char tag) {
+  auto pool = c.FindPool("hy");
+  REQUIRE(pool.ok());
+  auto view = client::GroupKv(**pool, group);
+  REQUIRE(view.ok());
+  bool same = true;
+  for (int32_t j = 0; j < static_cast<int32_t>(view->layers.size()); ++j) {
+    const std::string bytes = Pattern(view->layer_unit_bytes, written, j, tag);
+    same = same && std::memcmp(view->Unit(j, view->Local(unit)), bytes.data(), bytes.size()) == 0;
+  }
+  return same;
+}
+
+RequestSpec Resume(const std::string& id, std::vector<Token> prompt, const std::string& from,
+                   const std::string& pool = "hy") {
+  RequestSpec s = PoolRequest(id, std::move(prompt), 8, pool);
+  s.resume_from = RequestId(from);
+  return s;
+}
+
+// A generation of 10 prompt tokens on `c`, computed to 10 and written in every group: full blocks
+// [0, 3), window blocks [0, 3), the state at 10 in its running slot. Returns the request.
+struct Written {
+  std::unique_ptr<client::KvRequest> req;
+  std::vector<BlockIndex> full, swa;
+  BlockIndex state = 0;
+};
+Written Generate(client::Client& c, const std::string& id, Token first) {
+  Written w;
+  auto r = c.Start(PoolRequest(id, Range(first, 10), 8, "hy"));
+  REQUIRE(r.ok());
+  w.req = std::move(*r);
+  REQUIRE(w.req->Extend(0, 8).ok());  // reports 8 computed: the window's blocks up to 16 come
+  w.full = w.req->group_table("full")->blocks;
+  w.swa = w.req->group_table("swa")->blocks;
+  REQUIRE(w.req->group_table("swa")->first_block_position == 0);
+  REQUIRE(w.swa.size() == 3);
+  w.state = w.req->group_table("rec")->blocks[0];
+  for (int i = 0; i < 3; ++i) {
+    Write(c, "full", w.full[i], 'f');
+    Write(c, "swa", w.swa[i], 's');
+  }
+  Write(c, "rec", w.state, 'r');
+  return w;
+}
+
+// What the resumed request reads, through `c`: A's bytes in every unit it needs.
+void ReadsBack(client::Client& c, const AcquireResult& got, const Written& w, const std::string& what) {
+  INFO(what);
+  CHECK(got.resumed);
+  CHECK(got.cached_tokens == 10);
+  const GroupTable* full = nullptr;
+  const GroupTable* swa = nullptr;
+  const GroupTable* rec = nullptr;
+  for (const GroupTable& t : got.group_tables) {
+    if (t.name == "full") full = &t;
+    if (t.name == "swa") swa = &t;
+    if (t.name == "rec") rec = &t;
+  }
+  REQUIRE((full != nullptr && swa != nullptr && rec != nullptr));
+  REQUIRE(full->blocks.size() >= 3);
+  for (int i = 0; i < 3; ++i) CHECK(Holds(c, "full", full->blocks[i], w.full[i], 'f'));
+  // A computation at 10 reads positions 5..9: window blocks 1 and 2.
+  CHECK(swa->first_block_position == 1);
+  REQUIRE(swa->blocks.size() >= 2);
+  CHECK(Holds(c, "swa", swa->blocks[0], w.swa[1], 's'));
+  CHECK(Holds(c, "swa", swa->blocks[1], w.swa[2], 's'));
+  REQUIRE(rec->checkpoint_slot >= 0);
+  CHECK(Holds(c, "rec", static_cast<BlockIndex>(rec->checkpoint_slot), w.state, 'r'));
+  CHECK(rec->blocks.size() == 1);  // the running slot to copy it into
+}
+
+void NothingHeld(client::Client& c) {
+  auto report = c.Report();
+  REQUIRE(report.ok());
+  for (const PoolReport& p : report->pools) {
+    INFO(p.name);
+    CHECK(p.owned_blocks == 0);
+    CHECK(p.reserved_blocks == 0);
+  }
+  CHECK(report->reserved_bytes == 0);
+}
+
+TEST_CASE("A hybrid generation checkpointed on worker A resumes on worker B with A's bytes in every group",
+          "[integration][hybrid][hybrid_checkpoint]") {
+  DaemonProcess d(Config());
+  auto a = client::Client::Connect({.target = d.target()});
+  auto b = client::Client::Connect({.target = d.target()});
+  REQUIRE((a.ok() && b.ok()));
+
+  // Live checkpoint with the state, then the request ends interrupted.
+  Written w = Generate(**a, "gen", 1);
+  REQUIRE(w.req->Checkpoint(Range(1, 10), "engine", std::vector<StateCheckpoint>{{kRec, 10, w.state}}).ok());
+  const std::vector<BlockIndex>& slots = w.req->group_table("rec")->blocks;
+  CHECK(std::find(slots.begin(), slots.end(), w.state) == slots.end());  // a fresh spare in its place
+  // Bad input changes nothing: a slot that is not the request's.
+  const absl::Status foreign =
+      w.req->Checkpoint(Range(1, 10), "x", std::vector<StateCheckpoint>{{kRec, 10, w.state}});
+  CHECK(foreign.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(foreign.message(), "state_checkpoints"));
+  REQUIRE(w.req->Release(/*completed=*/false).ok());
+
+  // A start of the other grouping naming it is refused; the checkpoint stays resumable.
+  const absl::StatusOr<std::unique_ptr<client::KvRequest>> cross = (*b)->Start(Resume("cross", Range(1, 9), "gen", "m"));
+  CHECK(cross.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(absl::StrContains(cross.status().message(), "another KV grouping"));
+
+  auto resumed = (*b)->Start(Resume("gen-b", Range(1, 10), "gen"));
+  REQUIRE(resumed.ok());
+  AcquireResult got;
+  got.resumed = true;
+  got.cached_tokens = (*resumed)->cached_tokens();
+  got.group_tables = (*resumed)->group_tables();
+  ReadsBack(**b, got, w, "Checkpoint + Release, resumed by Start");
+
+  REQUIRE((*resumed)->Release(true).ok());
+
+  // Worker B checkpoints another generation; worker A resumes it through a step's start.
+  Written w2 = Generate(**b, "gen2", 1);
+  REQUIRE(w2.req->Checkpoint(Range(1, 10), "e2", std::vector<StateCheckpoint>{{kRec, 10, w2.state}}).ok());
+  REQUIRE(w2.req->Release(false).ok());
+  client::StepBatch batch;
+  client::StepRequest r;
+  batch.Start(&r, Resume("gen3", Range(1, 10), "gen2"));
+  auto started = (*a)->Step(batch);
+  REQUIRE(started.ok());
+  REQUIRE(started->items[0].status.ok());
+  ReadsBack(**a, r.acquired, w2, "resumed by a step's start");
+  CHECK(r.acquired.engine_state == "e2");
+  // Preempted through a step with the state at 10 in the running slot; resumed by B.
+  Write(**a, "rec", r.group_table("rec")->blocks[0], 'R');
+  const BlockIndex running = r.group_table("rec")->blocks[0];
+  batch.Clear();
+  batch.Preempt(&r, Range(1, 10), "e3", {{kRec, 10, running}});
+  auto preempted = (*a)->Step(batch);
+  REQUIRE(preempted.ok());
+  INFO(preempted->items[0].status.ToString());
+  REQUIRE(preempted->items[0].status.ok());
+  auto again = (*b)->Start(Resume("gen4", Range(1, 10), "gen3"));
+  REQUIRE(again.ok());
+  CHECK((*again)->cached_tokens() == 10);
+  const GroupTable* rec = (*again)->group_table("rec");
+  REQUIRE(rec->checkpoint_slot == static_cast<int64_t>(running));
+  CHECK(Holds(**b, "rec", running, running, 'R'));
+  REQUIRE((*again)->End(0, {}, true).ok());
+  NothingHeld(**b);
+}
+
+TEST_CASE("Across --takeover a hybrid pool's hits, bytes and a live generation's checkpoint carry over",
+          "[integration][hybrid][hybrid_checkpoint][handoff]") {
+  DaemonProcess d(Config("lease_ttl_s: 2\n"));
+  auto a = client::Client::Connect({.target = d.target()});
+  REQUIRE(a.ok());
+  // A published prompt with the state at 8 (one unit every group serves).
+  auto p = (*a)->Start(PoolRequest("pub", Range(1, 17), 0, "hy"));
+  REQUIRE(p.ok());
+  const std::vector<BlockIndex> full = (*p)->group_table("full")->blocks;
+  const std::vector<BlockIndex> swa = (*p)->group_table("swa")->blocks;
+  const BlockIndex spare = (*p)->group_table("rec")->blocks[1];
+  for (int i = 0; i < 2; ++i) {
+    Write(**a, "full", full[i], 'F');
+    Write(**a, "swa", swa[i], 'S');
+  }
+  Write(**a, "rec", spare, 'T');
+  auto published = (*p)->Publish(Range(1, 8), std::vector<StateCheckpoint>{{kRec, 8, spare}});
+  REQUIRE(published.ok());
+  REQUIRE(published->checkpoint_outcomes == std::vector<CheckpointOutcome>{CheckpointOutcome::kKept});
+  REQUIRE((*p)->End(0, {}, true).ok());
+  const std::vector<Token> probe = {1, 2, 3, 4, 5, 6, 7, 8, 900, 901, 902};
+  REQUIRE(*(*a)->PeekPrefixLen(Namespace{.pool = "hy"}, probe) == 8);
+  // A generation live at the handoff, checkpointed with its state.
+  Written w = Generate(**a, "live", 100);
+  REQUIRE(w.req->Checkpoint(Range(100, 10), "live-state", std::vector<StateCheckpoint>{{kRec, 10, w.state}}).ok());
+
+  REQUIRE(d.TakeOver());
+  INFO(d.Log());
+  REQUIRE(d.WaitPredecessorExit(absl::Seconds(10)).value_or(-1) == 0);
+  auto c = client::Client::Connect({.target = d.target()});
+  REQUIRE(c.ok());
+  CHECK(*(*c)->PeekPrefixLen(Namespace{.pool = "hy"}, probe) == 8);
+  auto hit = (*c)->Start(PoolRequest("hit", probe, 0, "hy"));
+  REQUIRE(hit.ok());
+  CHECK((*hit)->cached_tokens() == 8);
+  for (int i = 0; i < 2; ++i) {
+    CHECK((*hit)->group_table("full")->blocks[i] == full[i]);
+    CHECK(Holds(**c, "full", full[i], full[i], 'F'));
+    CHECK((*hit)->group_table("swa")->blocks[i] == swa[i]);
+    CHECK(Holds(**c, "swa", swa[i], swa[i], 'S'));
+  }
+  CHECK((*hit)->group_table("rec")->checkpoint_slot == static_cast<int64_t>(spare));
+  CHECK(Holds(**c, "rec", spare, spare, 'T'));
+  REQUIRE((*hit)->End(0, {}, true).ok());
+
+  // The live generation's checkpoint crossed; its tail stays fenced until its writer re-attaches
+  // quiesced or the lease passes (a refused resume changes nothing), then it resumes exactly.
+  absl::StatusOr<std::unique_ptr<client::KvRequest>> resumed;
+  for (int i = 0; i < 50; ++i) {
+    resumed = (*c)->Start(Resume("live2", Range(100, 10), "live"));
+    if (resumed.ok()) break;
+    INFO(resumed.status().ToString());
+    REQUIRE(absl::StrContains(resumed.status().message(), "cannot be resumed exactly"));
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  REQUIRE(resumed.ok());
+  AcquireResult got;
+  got.resumed = true;
+  got.cached_tokens = (*resumed)->cached_tokens();
+  got.group_tables = (*resumed)->group_tables();
+  ReadsBack(**c, got, w, "resumed on the successor");
+  REQUIRE((*resumed)->End(0, {}, true).ok());
+  absl::SleepFor(absl::Milliseconds(2500));  // every fence of the handoff past its lease
+  NothingHeld(**c);
+}
+
+}  // namespace
+}  // namespace kvd::testing
