@@ -119,8 +119,14 @@ class CacheCollector final : public prometheus::Collectable {
     add(family("process_start_time_seconds", "Start time of the kvd process since the Unix epoch.", MetricType::Gauge),
         proc.start_time_seconds);
     add(family("kvd_published_blocks_total", "Blocks kept by Publish.", MetricType::Counter), r.published_blocks);
-    add(family("kvd_duplicate_blocks_total", "Published blocks dropped as duplicates.", MetricType::Counter),
+    add(family("kvd_duplicate_blocks_total",
+               "Published positions identical to a cached block (the cached one is kept; counted once).",
+               MetricType::Counter),
         r.duplicate_blocks);
+    add(family("kvd_no_parent_blocks_total",
+               "Published positions not cached because their chain broke before them (counted once).",
+               MetricType::Counter),
+        r.no_parent_blocks);
     add(family("kvd_events_total", "Index events emitted (last sequence number).", MetricType::Counter),
         r.last_event_sequence);
     add(family("kvd_build_info", "Build information (value 1).", MetricType::Gauge), 1,
