@@ -163,6 +163,41 @@ TEST_CASE("A checkpoint holds the cached duplicate, and a resume continues from 
   REQUIRE(Owned(*cache) == 0);
 }
 
+TEST_CASE("A preempted request's checkpoint crosses a handoff holding the cached duplicate", "[core][publish]") {
+  FakeClock clock;
+  auto cache = MakeCache(SmallOptions(), &clock);
+  RequestSpec a = Spec("a", Concat(kShared, Seq(100, 9)));
+  RequestSpec b = Spec("b", Concat(kShared, Seq(200, 9)), /*max_new=*/4);
+  const AcquireResult ra = Start(*cache, a);
+  const AcquireResult rb = Start(*cache, b);
+  REQUIRE(PublishAll(*cache, a, a.prompt, ra).kept == 4);
+  REQUIRE(PublishAll(*cache, b, b.prompt, rb).kept == 2);
+  std::vector<StepOp> ops(1);
+  ops[0].kind = StepOpKind::kPreempt;
+  ops[0].id = b.id;
+  ops[0].token_ids = b.prompt;
+  ops[0].engine_state = "sampler";
+  std::vector<StepOpResult> preempted = cache->Step(b.owner, b.owner, std::move(ops), {}, nullptr);
+  REQUIRE(preempted[0].status.ok());
+  REQUIRE(cache->Release(a.id, true).ok());
+  RequireInvariants(*cache);
+
+  const CacheSnapshot snap = cache->ExportSnapshot();
+  auto fresh = MakeCache(SmallOptions(), &clock);
+  REQUIRE(fresh->ImportSnapshot(snap).ok());
+  RequireInvariants(*fresh);
+  RequestSpec resume = Spec("b2", b.prompt, /*max_new=*/4);
+  resume.resume_from = b.id;
+  const AcquireResult rr = Start(*fresh, resume);
+  REQUIRE(rr.resumed);
+  REQUIRE(First(rr.blocks, 2) == First(ra.blocks, 2));  // blocks keep their indices across
+  RequireInvariants(*fresh);
+  REQUIRE(fresh->Release(resume.id, true).ok());
+  REQUIRE(Owned(*fresh) == 0);
+  REQUIRE(*fresh->PeekPrefixLen(Namespace{.pool = "m"}, b.prompt) == 16);
+  RequireInvariants(*fresh);
+}
+
 TEST_CASE("A lost worker's copies of duplicates are fenced and then freed", "[core][publish]") {
   FakeClock clock;
   auto cache = MakeCache(SmallOptions(), &clock);
