@@ -175,11 +175,16 @@ absl::StatusOr<HybridReplayStats> ReplayHybrid(const std::vector<TraceRequest>& 
         }
         return absl::OkStatus();
       };
+      // Where the spine matched further than the hit (the state group cut it), the prefix up to
+      // the last grid point of the match is shared with another chain: a step-mode engine ends its
+      // first chunk there so that a checkpoint marks the branch (SGLang's mamba_branching_seqlen).
+      const int64_t branch = acq->full_hit_tokens / grid * grid;
       while (c < n) {
         int64_t c2 = std::min(n, c + step);
         if (state_group >= 0 && options.mode == CheckpointMode::kStep && c2 < n && c2 / grid * grid > c) {
           c2 = c2 / grid * grid;  // align mode: a chunk that does not finish the prompt ends on the grid
         }
+        if (state_group >= 0 && options.mode == CheckpointMode::kStep && branch > c && branch < c2) c2 = branch;
         if (state_group >= 0 && options.mode == CheckpointMode::kGrid) {
           for (int64_t p = (c / grid + 1) * grid; p <= c2; p += grid) KVD_RETURN_IF_ERROR(publish(p, p));
         } else if (state_group >= 0 && c2 % grid == 0) {

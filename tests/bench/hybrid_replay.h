@@ -26,7 +26,9 @@ enum class HybridModel { kOss, kQwen };
 //   kGrid: at every multiple of k x block_tokens the prefill passes (an engine whose kernel emits
 //          the intermediate states, or whose prefill chunks are k blocks: SGLang's extra buffer);
 //   kStep: at step ends that land on the grid only (vLLM's `align` mode: prefill chunks of
-//          step_tokens rounded down to the grid, the state kept at each chunk's end).
+//          step_tokens rounded down to the grid, the state kept at each chunk's end); the first
+//          chunk ends at the last grid point of the spine's match when the hit was cut short
+//          there (full_hit_tokens), so the branch point gets a checkpoint.
 enum class CheckpointMode { kGrid, kStep };
 
 struct HybridReplayOptions {
