@@ -3,7 +3,7 @@ continuous-batching engine (kvd.engine.hybrid_batch) against a real kvd, with it
 layers in the full group's blocks, its sliding-window layer in the window group's table (only
 the window: a read outside it raises) and its recurrent state in the state group's running slot.
 Several requests sharing prefixes run in one continuous batch; each one's tokens and float32
-logits equal bit for bit (torch.equal) a run of the same prompt on an engine with no cache, at
+logits equal bit for bit (torch.equal, and the SHA-256 of every row) a run of the same prompt on an engine with no cache, at
 every position it computed, and the hits happened where the pool's rules put them (a k-grid
 checkpoint, End's tail; fewer than k shared blocks: none). Negative controls, each on a hit:
 reading one window block too few, one too many, and a stale state (the checkpoint copy skipped)
@@ -17,6 +17,8 @@ tests/python). With --backend=cuda (the GPU bundle's hybrid_model step, tests/gp
 kvd keeps the pool on the GPU, the engine runs the model on the slab's device through kv_tensor,
 and the reference runs on the same device."""
 import json
+import os
+import subprocess
 import sys
 import tempfile
 
@@ -24,7 +26,7 @@ import torch
 
 from kvd.client import Client
 from kvd.engine.hybrid_batch import HybridBatchEngine, expectation
-from kvd.engine.hybrid_model import HybridConfig, TinyHybrid, local_hybrid_kv
+from kvd.engine.hybrid_model import HybridConfig, TinyHybrid, local_hybrid_kv, row_digests
 from kvd_testlib import Daemon, check, finish
 
 import kvd.v1.kvd_pb2 as pb
@@ -71,8 +73,9 @@ def exact(result, prompt):
     """Tokens and every computed position's logits equal the no-cache run's, bit for bit."""
     ref_logits, ref_new = reference(prompt)
     got = result["logits"]
-    return (result["tokens"] == ref_new and got is not None and
-            torch.equal(got, ref_logits[result["first_computed"]:]))
+    want = ref_logits[result["first_computed"]:]
+    return (result["tokens"] == ref_new and got is not None and torch.equal(got, want) and
+            row_digests(got) == row_digests(want))
 
 
 def first_row_differs(result, prompt):
@@ -103,6 +106,8 @@ def main(argv):
                 negative_controls(c)
         finally:
             d.stop()
+        if not cuda:  # the host backend's: peers on loopback
+            peer_pull(kvd, tmp)
     return finish()
 
 
@@ -153,6 +158,51 @@ def negative_controls(c):
     eng.submit("B", B, MAX_NEW, salt="control-0")
     r = eng.run()["B"]
     check(r["cached_tokens"] == 16 and exact(r, B), "the controls' prefix served to a correct engine is exact")
+
+
+CERTS = r"""set -e
+openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=kvd-peer-ca -keyout ca.key -out ca.pem 2>/dev/null
+for who in node-a node-b; do
+  openssl req -newkey rsa:2048 -nodes -subj /CN=$who -keyout $who.key -out $who.csr 2>/dev/null
+  printf 'subjectAltName=DNS:%s\n' $who > $who.ext
+  openssl x509 -req -in $who.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -extfile $who.ext -out $who.pem 2>/dev/null
+done
+"""
+
+
+def transfer_yaml(tmp, name, peer, address):
+    return (f"transfer:\n  listen: \"127.0.0.1:0\"\n  tls_cert_file: {tmp}/{name}.pem\n  tls_key_file: {tmp}/{name}.key\n"
+            f"  tls_ca_file: {tmp}/ca.pem\n  peers:\n    - {{name: {peer}, address: \"{address}\"}}\n")
+
+
+def peer_pull(kvd, tmp):
+    """Two daemons joined by the peers' mutual-TLS channel on loopback (port 0): A computes A's
+    prompt; on node B, B's start names node-a as its peer, kvd B pulls A's full and window blocks
+    and the checkpoint at 16, and B's tokens and logits equal the no-cache run bit for bit."""
+    subprocess.run(["/bin/sh", "-c", CERTS], cwd=tmp, check=True)
+    # A never pulls: its peer entry only allows node-b to pull from it.
+    a = Daemon(kvd, tmp, pool_yaml() + transfer_yaml(tmp, "node-a", "node-b", "127.0.0.1:9"), name="node-a")
+    b = None
+    try:
+        check(a.started, "node A serves with a transfer section")
+        with open(os.path.join(tmp, "node-a.ready")) as f:
+            port = json.load(f)["transfer"].rsplit(":", 1)[1]
+        b = Daemon(kvd, tmp, pool_yaml() + transfer_yaml(tmp, "node-b", "node-a", f"127.0.0.1:{port}"), name="node-b")
+        check(b.started, "node B serves, pulling from node A")
+        with Client(a.target, expect=[expectation(CFG, "hy", K)]) as ca:
+            eng = HybridBatchEngine(ca, "hy", MODEL)
+            eng.submit("A", A, MAX_NEW)
+            eng.run()
+        with Client(b.target, expect=[expectation(CFG, "hy", K)]) as cb:
+            eng = HybridBatchEngine(cb, "hy", MODEL, peer="node-a")
+            eng.submit("B", B, MAX_NEW)
+            r = eng.run()["B"]
+            check(r["cached_tokens"] == 16 and exact(r, B),
+                  f"B on node B hits A's checkpoint at 16 pulled from node A, bit for bit ({r['cached_tokens']})")
+    finally:
+        for x in (b, a):
+            if x is not None and x.proc.poll() is None:
+                x.stop()
 
 
 if __name__ == "__main__":

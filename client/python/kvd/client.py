@@ -238,10 +238,17 @@ class Request:
         _swap_kept_slots(self.group_tables, list(state_checkpoints), resp.checkpoint_outcomes, resp.fresh_slots)
         return resp
 
-    def checkpoint(self, tokens, engine_state=b""):
+    def checkpoint(self, tokens, engine_state=b"", state_checkpoints=()):
+        """A generation checkpoint of `tokens`. Hybrid pools with a state group:
+        `state_checkpoints`, (group index, len(tokens), slot) per state group; the record keeps
+        the slot and the fresh spare kvd hands out takes its place in the state table."""
         self._client._await_writes()
-        self._call("Checkpoint", kvd_pb2.CheckpointRequest(
-            worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, engine_state=engine_state))
+        resp = self._call("Checkpoint", kvd_pb2.CheckpointRequest(
+            worker_id=self._client.worker_id, request_id=self.id, tokens=tokens, engine_state=engine_state,
+            state_checkpoints=_state_checkpoints(state_checkpoints)))
+        _swap_kept_slots(self.group_tables, list(state_checkpoints), [kvd_pb2.CHECKPOINT_KEPT] * len(state_checkpoints),
+                         resp.fresh_slots)
+        return resp
 
     def end(self, publish_blocks=0, more_tokens=(), completed=True, state_checkpoints=()):
         """Publishes the first `publish_blocks` blocks and releases, in one round trip (the daemon

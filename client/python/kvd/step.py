@@ -8,7 +8,8 @@ credit covers (kvd learns of it with the next step that goes out).
     batch.end(c, publish_blocks=n, more_tokens=generated)
     results = client.step(batch)          # results[i]: the i-th item's StepResult
 
-On a hybrid pool, publish and end items may carry state checkpoints (docs/hybrid.md §2.7):
+On a hybrid pool, publish, end, checkpoint and preempt items may carry state checkpoints
+(docs/hybrid.md §2.7, §2.9):
 `state_checkpoints=[(group index, position_tokens, slot)]`, slots of the request's own state table
 holding the state at exactly that position; the item's StepResult has one checkpoint_outcomes
 entry each (kvd_pb2.CHECKPOINT_*) and fresh_slots, and a kept slot is swapped for its fresh spare
@@ -164,8 +165,13 @@ class StepBatch:
                                                                state_checkpoints=_state_checkpoints(state_checkpoints))))
         return self
 
-    def checkpoint(self, req, tokens, engine_state=b""):
-        self.items.append(("checkpoint", req, kvd_pb2.CheckpointRequest(tokens=list(tokens), engine_state=engine_state)))
+    def checkpoint(self, req, tokens, engine_state=b"", state_checkpoints=()):
+        """A generation checkpoint of `tokens` (the positions with KV). Hybrid pools with a state
+        group: `state_checkpoints`, one (group index, len(tokens), slot) per state group, the slot
+        holding the state there; the record keeps it and a fresh spare takes its place in the
+        request's state table (StepResult.fresh_slots)."""
+        self.items.append(("checkpoint", req, kvd_pb2.CheckpointRequest(
+            tokens=list(tokens), engine_state=engine_state, state_checkpoints=_state_checkpoints(state_checkpoints))))
         return self
 
     def end(self, req, publish_blocks=0, more_tokens=(), completed=True, state_checkpoints=()):
@@ -176,8 +182,12 @@ class StepBatch:
                                                           state_checkpoints=_state_checkpoints(state_checkpoints))))
         return self
 
-    def preempt(self, req, tokens=(), engine_state=b""):
-        self.items.append(("preempt", req, kvd_pb2.CheckpointRequest(tokens=list(tokens), engine_state=engine_state)))
+    def preempt(self, req, tokens=(), engine_state=b"", state_checkpoints=()):
+        """Checkpoints `tokens` (none: no checkpoint) and releases interrupted; a later start with
+        resume_from continues it. Hybrid pools: `state_checkpoints` as checkpoint's; a resume
+        answers the state as the state group's GroupTable.checkpoint_slot."""
+        self.items.append(("preempt", req, kvd_pb2.CheckpointRequest(
+            tokens=list(tokens), engine_state=engine_state, state_checkpoints=_state_checkpoints(state_checkpoints))))
         return self
 
 
@@ -316,9 +326,11 @@ class Stepper:
             out = StepResult(_code(r.code), r.message, r.waiting, r.kept, r.already_cached, r.duplicates, r.no_parent,
                              r.checkpoint_outcomes, r.fresh_slots)
             results[i] = out
-            if kind in ("publish", "end") and out.ok and arg.state_checkpoints:
-                _swap_kept_slots(req.group_tables, [(c.group, c.position_tokens, c.slot) for c in arg.state_checkpoints],
-                                 out.checkpoint_outcomes, out.fresh_slots)
+            if kind in ("publish", "end", "checkpoint") and out.ok and arg.state_checkpoints:
+                entries = [(c.group, c.position_tokens, c.slot) for c in arg.state_checkpoints]
+                # A generation checkpoint keeps every slot it names (no outcomes on the wire).
+                outcomes = out.checkpoint_outcomes if kind != "checkpoint" else [kvd_pb2.CHECKPOINT_KEPT] * len(entries)
+                _swap_kept_slots(req.group_tables, entries, outcomes, out.fresh_slots)
             if kind == "start":
                 req.waiting, req.epoch = r.waiting, epoch
                 if out.ok and not r.waiting:

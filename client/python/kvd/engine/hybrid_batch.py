@@ -21,6 +21,10 @@ full block when that is off the grid. Waiting starts keep their place, as in Bat
 Each request's result has its tokens and the float32 logit rows of every position it computed,
 so a test compares them bit for bit (torch.equal) with a run on an engine with no cache.
 
+Preemption: preempt(rid) checkpoints a request between decode positions with its running slot as
+the state at its positions (§2.9), releases it and queues it; the resume copies the state kvd
+answers (the state group's checkpoint_slot) into its new running slot and continues.
+
 Negative controls (tests only): `window_fault_blocks` = +1 / -1 reads one window block more /
 fewer than W (a block the request does not hold reads as zeros, as a null block would);
 `skip_checkpoint_copy` leaves a hit's running slot zeroed instead of copying the checkpoint.
@@ -93,9 +97,11 @@ class _Gen:
 
 
 class HybridBatchEngine:
-    def __init__(self, client, pool, model, token_budget=24, max_running=8, max_wait_s=30.0,
+    def __init__(self, client, pool, model, token_budget=24, max_running=8, max_wait_s=30.0, peer="",
                  window_fault_blocks=0, skip_checkpoint_copy=False):
-        self.client, self.pool, self.model = client, pool, model
+        """`peer`: a peer kvd (a name in kvd's transfer.peers) each start pulls the prompt's
+        cached prefix from first (docs/transfer.md)."""
+        self.client, self.pool, self.model, self.peer = client, pool, model, peer
         p = client.pool(pool)
         self.block_tokens = p.block_tokens
         self.step_tokens = p.step_tokens or p.max_model_len
@@ -167,7 +173,7 @@ class HybridBatchEngine:
         while self.waiting and len(self.running) + len(starting) < self.max_running:
             g = self.waiting.popleft()
             batch.start(g.req, pool=self.pool, prompt=g.prompt, max_new_tokens=g.max_new, cache_salt=g.salt,
-                        resume_from=g.rid if g.resume else "", max_wait_s=self.max_wait_s)
+                        resume_from=g.rid if g.resume else "", max_wait_s=self.max_wait_s, peer=self.peer)
             starting.append(g)
         results = self.client.step(batch)
         self._apply(batch, results, ending)
@@ -220,16 +226,19 @@ class HybridBatchEngine:
         table = req.group_table(self.state)
         slots = self.slots[self.state]
         running = self._local(self.state, table.blocks[0])
+        slots[:, running].zero_()  # the initial state; a slot keeps its last user's bytes
+        # A hit's checkpoint, or a resume's state at its checkpoint: the state at cached_tokens.
+        if table.checkpoint_slot is not None and not self.skip_checkpoint_copy:
+            slots[:, running].copy_(slots[:, self._local(self.state, table.checkpoint_slot)])
         if req.resumed:
-            # kvd handed the checkpoint's state slot back as the running slot: it holds the state
-            # at cached_tokens, the positions with KV. The sampled-next token is engine_state.
+            # The positions with KV, then the token sampled next (engine_state). The state is the
+            # one at exactly those positions: nothing before them can be recomputed.
             g.tokens = list(req.resumed_tokens)
-            g.known = len(g.tokens)
+            g.known, g.published = len(g.tokens), 0
             g.generated = g.tokens[len(g.prompt):] + [struct.unpack("<I", req.engine_state)[0]]
-        else:
-            slots[:, running].zero_()  # the initial state; a slot keeps its last user's bytes
-            if table.checkpoint_slot is not None and not self.skip_checkpoint_copy:
-                slots[:, running].copy_(slots[:, self._local(self.state, table.checkpoint_slot)])
+            if g.computed != len(g.tokens) or table.checkpoint_slot is None:
+                raise RuntimeError(f"{g.rid}: resumed at {g.computed} of {len(g.tokens)} tokens, state slot "
+                                   f"{table.checkpoint_slot}: the state is not the one at its positions")
         self.running.append(g)
 
     def _local(self, group, index):
@@ -278,6 +287,24 @@ class HybridBatchEngine:
             if len(g.generated) >= g.max_new:
                 self.running.remove(g)
                 self.finished.append(g)
+
+    def preempt(self, rid):
+        """Checkpoints running request `rid` (its positions with KV, the sampled-next token as
+        engine_state, its running slot as the state there: docs/hybrid.md §2.9), releases it
+        and queues it to resume (resume_from), as BatchEngine does under pressure."""
+        g = next(x for x in self.running if x.rid == rid)
+        if not g.generated or g.computed != len(g.tokens):
+            raise ValueError(f"{rid}: preempted between decode positions only")
+        self.running.remove(g)
+        running = g.req.group_table(self.state).blocks[0]
+        batch = StepBatch().preempt(g.req, g.tokens[:g.computed], struct.pack("<I", g.generated[-1]),
+                                    state_checkpoints=[(self.group_index[self.state], g.computed, running)])
+        r = self.client.step(batch)[0]
+        if not r.ok:
+            raise RuntimeError(f"{rid}: preempt failed: {r.code} {r.message}")
+        g.req, g.resume, g.grid, g.tail = StepRequest(rid), True, None, None
+        g.preemptions += 1
+        self.waiting.append(g)
 
     def _result(self, g):
         return {"id": g.rid, "tokens": g.generated, "cached_tokens": g.cached_tokens,
