@@ -5,14 +5,20 @@
 // across --takeover the successor serves the same hit length and bytes and resumes a generation
 // live at the handoff once its fence lifts; a resume into another grouping is refused naming it,
 // and nothing is left owned or reserved at the end.
+#include <unistd.h>
+
 #include <cstring>
+#include <set>
 
 #include <catch2/catch.hpp>
+#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "kvd/v1/kvd.grpc.pb.h"
 #include "tests/integration/harness.h"
+#include "tests/integration/raw_attachment.h"
 
 namespace kvd::testing {
 namespace {
@@ -210,7 +216,7 @@ TEST_CASE("A hybrid generation checkpointed on worker A resumes on worker B with
 
 TEST_CASE("Across --takeover a hybrid pool's hits, bytes and a live generation's checkpoint carry over",
           "[integration][hybrid][hybrid_checkpoint][handoff]") {
-  DaemonProcess d(Config("lease_ttl_s: 2\n"));
+  DaemonProcess d(Config("lease_ttl_s: 1\n"));
   auto a = client::Client::Connect({.target = d.target()});
   REQUIRE(a.ok());
   // A published prompt with the state at 8 (one unit every group serves).
@@ -270,8 +276,99 @@ TEST_CASE("Across --takeover a hybrid pool's hits, bytes and a live generation's
   got.group_tables = (*resumed)->group_tables();
   ReadsBack(**c, got, w, "resumed on the successor");
   REQUIRE((*resumed)->End(0, {}, true).ok());
-  absl::SleepFor(absl::Milliseconds(2500));  // every fence of the handoff past its lease
+  absl::SleepFor(absl::Milliseconds(1300));  // every fence of the handoff past its lease
   NothingHeld(**c);
+}
+
+}  // namespace
+}  // namespace kvd::testing
+
+namespace kvd::testing {
+namespace {
+
+// A worker that dies right after checkpointing (its attach stream breaks, as a killed process's
+// does): its checkpoint resumes exactly on another worker at once (the lost writer writes only
+// past it), while what it may still be writing stays fenced from everyone until it re-attaches
+// quiesced; then nothing is left owned or reserved.
+TEST_CASE("A hybrid worker lost right after its checkpoint: resumed exactly, its other units fenced, nothing leaked",
+          "[integration][hybrid][hybrid_checkpoint][fences]") {
+  DaemonProcess d(Config());
+  auto stub = v1::Kvd::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  auto lost = AttachByHand(*stub);
+  const std::string lost_id = lost->attached.worker_id();
+  v1::StartRequest start;
+  start.mutable_admit()->set_worker_id(lost_id);
+  start.mutable_admit()->set_request_id("gen");
+  start.mutable_admit()->mutable_namespace_()->set_pool("hy");
+  for (Token t = 1; t <= 10; ++t) start.mutable_admit()->add_prompt(t);
+  start.mutable_admit()->set_max_new_tokens(8);
+  v1::StartResponse started;
+  {
+    grpc::ClientContext ctx;
+    REQUIRE(stub->Start(&ctx, start, &started).ok());
+  }
+  std::set<uint32_t> held;  // every unit the lost worker held
+  std::vector<uint32_t> full, swa;
+  uint32_t running = 0;
+  for (const v1::GroupTable& t : started.acquired().group_tables()) {
+    held.insert(t.blocks().begin(), t.blocks().end());
+    if (t.group() == "full") full.assign(t.blocks().begin(), t.blocks().end());
+    if (t.group() == "swa") swa.assign(t.blocks().begin(), t.blocks().end());
+    if (t.group() == "rec") running = t.blocks(0);
+  }
+  REQUIRE(full.size() == 3);
+  REQUIRE(swa.size() == 2);
+  // A slot that is not its own: refused naming the field; then its checkpoint at 8 tokens.
+  v1::CheckpointRequest ckpt;
+  ckpt.set_worker_id(lost_id);
+  ckpt.set_request_id("gen");
+  for (Token t = 1; t <= 8; ++t) ckpt.add_tokens(t);
+  v1::StateCheckpoint* state = ckpt.add_state_checkpoints();
+  state->set_group(kRec);
+  state->set_position_tokens(8);
+  state->set_slot(full[0]);
+  {
+    grpc::ClientContext ctx;
+    v1::CheckpointResponse resp;
+    const grpc::Status s = stub->Checkpoint(&ctx, ckpt, &resp);
+    CHECK(s.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK(s.error_message().find("state_checkpoints") != std::string::npos);
+  }
+  state->set_slot(running);
+  v1::CheckpointResponse checkpointed;
+  {
+    grpc::ClientContext ctx;
+    REQUIRE(stub->Checkpoint(&ctx, ckpt, &checkpointed).ok());
+  }
+  REQUIRE(checkpointed.fresh_slots_size() == 1);
+  held.insert(static_cast<uint32_t>(checkpointed.fresh_slots(0)));
+  lost->Break();  // killed
+  absl::SleepFor(absl::Milliseconds(300));
+
+  auto b = client::Client::Connect({.target = d.target()});
+  REQUIRE(b.ok());
+  auto resumed = (*b)->Start(Resume("gen-b", Range(1, 10), "gen"));
+  REQUIRE(resumed.ok());
+  CHECK((*resumed)->cached_tokens() == 8);
+  const GroupTable* f = (*resumed)->group_table("full");
+  const GroupTable* w = (*resumed)->group_table("swa");
+  const GroupTable* r = (*resumed)->group_table("rec");
+  CHECK(std::vector<BlockIndex>(f->blocks.begin(), f->blocks.begin() + 2) == std::vector<BlockIndex>{full[0], full[1]});
+  CHECK(w->first_block_position == 0);
+  CHECK(std::vector<BlockIndex>(w->blocks.begin(), w->blocks.begin() + 2) == std::vector<BlockIndex>{swa[0], swa[1]});
+  CHECK(r->checkpoint_slot == static_cast<int64_t>(running));
+  // Its fresh units are none of what the lost worker may still write.
+  for (const GroupTable& t : (*resumed)->group_tables()) {
+    for (size_t i = 0; i < t.blocks.size(); ++i) {
+      const bool from_checkpoint = (t.name == "full" || t.name == "swa") && i < 2;
+      if (!from_checkpoint) CHECK_FALSE(held.contains(t.blocks[i]));
+    }
+  }
+  REQUIRE((*resumed)->End(0, {}, true).ok());
+  // The lost worker re-attaches having quiesced: its fences lift; nothing stays owned or reserved.
+  auto back = AttachByHand(*stub, "", getpid(), lost_id, /*quiesced=*/true);
+  absl::SleepFor(absl::Milliseconds(200));
+  NothingHeld(**b);
 }
 
 }  // namespace
