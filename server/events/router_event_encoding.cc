@@ -1,5 +1,6 @@
 #include "server/events/router_event_encoding.h"
 
+#include <cstring>
 #include <string_view>
 
 #include <msgpack.hpp>
@@ -44,7 +45,16 @@ std::string EncodeRouterBatch(double ts, const std::vector<RouterEvent>& events,
     pk.pack_array(3);
   }
   key("ts");
-  pk.pack_double(ts);
+  // Always a float64, as msgspec writes a float: msgpack-cxx's pack_double writes an integral
+  // value as an integer, which a decoder typed for a float may refuse.
+  {
+    uint64_t bits = 0;
+    std::memcpy(&bits, &ts, sizeof(bits));
+    char raw[9];
+    raw[0] = static_cast<char>(0xcb);
+    for (int i = 0; i < 8; ++i) raw[1 + i] = static_cast<char>((bits >> (8 * (7 - i))) & 0xff);
+    buf.write(raw, sizeof(raw));
+  }
   key("events");
   pk.pack_array(static_cast<uint32_t>(events.size()));
   for (const RouterEvent& ev : events) {

@@ -81,6 +81,12 @@ TEST_CASE("A hybrid pool's events carry group_idx, kind and window at vLLM's pla
         "615f706172616c6c656c5f72616e6b02");
 }
 
+TEST_CASE("A batch's timestamp is a float64 even when it is a whole second", "[events]") {
+  // msgpack.packb([1700000000.0, [], 0]): msgspec's ts is a float; an integer there is not.
+  CHECK(Hex(EncodeRouterBatch(1700000000.0, {}, 0, false)) == "93cb41d954fc400000009000");
+  CHECK(Hex(EncodeRouterBatch(1700000000.0, {}, 0, true)).substr(0, 26) == "83a27473cb41d954fc40000000");
+}
+
 TEST_CASE("kvd's group kinds read as vLLM's kv_cache_spec_kind words", "[events]") {
   CHECK(RouterSpecKind("full") == "full_attention");
   CHECK(RouterSpecKind("sliding_window") == "sliding_window");
