@@ -135,7 +135,9 @@ absl::Status CheckOfferedGeometry(const PoolGeometry& g, const peer::v1::Geometr
   KVD_RETURN_IF_ERROR(Same("block_tokens", int64_t{g.block_tokens}, int64_t{o.block_tokens()}));
   KVD_RETURN_IF_ERROR(Same("num_layers", int64_t{g.num_layers}, int64_t{o.num_layers()}));
   KVD_RETURN_IF_ERROR(Same("bytes_per_token_per_layer", g.bytes_per_token_per_layer, o.bytes_per_token_per_layer()));
-  KVD_RETURN_IF_ERROR(Same("capacity_blocks", g.capacity_blocks, o.capacity_blocks()));
+  // A hybrid pool's capacity is its groups' split, which may differ between nodes: its units'
+  // meaning is in the groups compared below.
+  if (!g.hybrid()) KVD_RETURN_IF_ERROR(Same("capacity_blocks", g.capacity_blocks, o.capacity_blocks()));
   KVD_RETURN_IF_ERROR(Same("num_shards", int64_t{g.num_shards}, int64_t{o.num_shards()}));
   KVD_RETURN_IF_ERROR(Same("layout", PoolLayoutName(g.layout), o.layout()));
   KVD_RETURN_IF_ERROR(Same("kv.dtype", g.kv.dtype, o.kv_dtype()));

@@ -102,5 +102,75 @@ TEST_CASE("An offer from a pool of another model fingerprint is refused, naming 
   CHECK(CheckOfferedGeometry(g, o).ok());
 }
 
+
+TEST_CASE("An offer of a hybrid pool is compared group by group, naming the group and field", "[config][transfer]") {
+  PoolGeometry g;
+  g.name = "hy";
+  g.block_tokens = 4;
+  g.num_layers = 4;
+  g.bytes_per_token_per_layer = 16;
+  g.max_model_len = 64;
+  g.groups.push_back(KvGroup{.name = "full", .kind = KvGroupKind::kFull, .layers = {1, 3}, .capacity = 40});
+  g.groups.push_back(KvGroup{.name = "swa", .kind = KvGroupKind::kSlidingWindow, .layers = {0}, .window = 6, .capacity = 24});
+  g.groups.push_back(KvGroup{.name = "rec", .kind = KvGroupKind::kState, .layers = {2}, .bytes_per_state = 100,
+                             .checkpoint_every_blocks = 2, .capacity = 6});
+  REQUIRE(g.ResolveGroups().ok());
+  const auto offered = [](const PoolGeometry& p) {
+    peer::v1::Geometry o;
+    o.set_block_tokens(p.block_tokens);
+    o.set_num_layers(p.num_layers);
+    o.set_bytes_per_token_per_layer(p.bytes_per_token_per_layer);
+    o.set_capacity_blocks(p.capacity_blocks);
+    o.set_num_shards(p.num_shards);
+    o.set_layout(PoolLayoutName(p.layout));
+    for (const KvGroup& k : p.groups) {
+      peer::v1::GroupGeometry* x = o.add_groups();
+      x->set_name(k.name);
+      x->set_kind(KvGroupKindName(k.kind));
+      x->mutable_layers()->Add(k.layers.begin(), k.layers.end());
+      x->set_bytes_per_token(k.attention() ? p.bytes_per_token_per_layer : 0);
+      x->set_bytes_per_state(k.bytes_per_state);
+      x->set_window(k.window);
+      x->set_chunk(k.chunk);
+      x->set_checkpoint_every_blocks(k.checkpoint_every_blocks);
+      x->set_checkpoint_at_end(!k.attention() && k.checkpoint_at_end);
+    }
+    return o;
+  };
+  const peer::v1::Geometry o = offered(g);
+  CHECK(CheckOfferedGeometry(g, o).ok());
+  peer::v1::Geometry d = o;
+  d.set_capacity_blocks(o.capacity_blocks() + 8);  // another split of the same groups
+  CHECK(CheckOfferedGeometry(g, d).ok());
+  d = o;
+  d.mutable_groups(1)->set_window(7);
+  CHECK(CheckOfferedGeometry(g, d).message() ==
+        "the peer's pool differs in group 'swa' (groups[1]) field window: 7 there, 6 here");
+  d = o;
+  d.mutable_groups(2)->set_bytes_per_state(128);
+  CHECK(CheckOfferedGeometry(g, d).message() ==
+        "the peer's pool differs in group 'rec' (groups[2]) field bytes_per_state: 128 there, 100 here");
+  d = o;
+  d.mutable_groups(2)->set_checkpoint_every_blocks(4);
+  CHECK(std::string(CheckOfferedGeometry(g, d).message()).find("group 'rec' (groups[2]) field checkpoint_every_blocks") !=
+        std::string::npos);
+  d = o;
+  d.mutable_groups(0)->set_layers(1, 2);
+  CHECK(CheckOfferedGeometry(g, d).message() == "the peer's pool differs in group 'full' (groups[0]) field layers: 1,2 there, 1,3 here");
+  d = o;
+  d.mutable_groups(1)->set_kind("chunked_local");
+  CHECK(std::string(CheckOfferedGeometry(g, d).message()).find("field kind: chunked_local there, sliding_window here") !=
+        std::string::npos);
+  d = o;
+  d.mutable_groups()->RemoveLast();  // a peer without the state group
+  CHECK(CheckOfferedGeometry(g, d).message() == "the peer's pool differs in its KV groups: [full, swa] there, [full, swa, rec] here");
+  d = o;
+  d.clear_groups();  // a pool without groups under the same name
+  CHECK(absl::IsFailedPrecondition(CheckOfferedGeometry(g, d)));
+  PoolGeometry plain = g;  // and the other way round: this node's pool has no groups
+  plain.groups.clear();
+  CHECK(CheckOfferedGeometry(plain, o).message() ==
+        "the peer's pool differs in its KV groups: [full, swa, rec] there, [] here");
+}
 }  // namespace
 }  // namespace kvd
