@@ -375,12 +375,13 @@ absl::Status Options::Validate() const {
     // every block held every layer: refused, naming the section. (Router events announce a hybrid
     // pool's blocks with their group, docs/hybrid.md §2.9.)
     if (g.hybrid()) {
-      // (Peers pull a hybrid pool's hits as units, docs/hybrid.md §2.9.)
-      const char* section = tiers.enabled() ? "tiers" : nullptr;
+      // (Peers pull a hybrid pool's hits as units; G2/G3, flush and warm restart move whole
+      // units, docs/hybrid.md §2.9. G4 stores single blocks only.)
+      const char* section = tiers.remote.enabled() ? "tiers.redis_url" : nullptr;
       if (section != nullptr) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "pool '", g.name, "' has KV groups; ", section, " do not serve pools with groups yet (docs/hybrid.md, "
-            "\"What works today\"): remove the ", section, " section or the pool's groups"));
+            "pool '", g.name, "' has KV groups; ", section, " (G4) does not serve pools with groups yet (docs/hybrid.md, "
+            "\"What works today\"; host_bytes and disk_dir do): remove ", section, " or the pool's groups"));
       }
     }
     if (g.allocator == PoolAllocator::kVmm && server.backend == "host") {

@@ -19,6 +19,15 @@ namespace kvd {
 struct CachedBlock;
 class PrefixIndex;
 
+// A component of a hybrid pool's unit (docs/hybrid.md §2.9): the block of another attention
+// group, or a state group's checkpoint slot, hanging off a spine node. `tail`: an End tail
+// checkpoint (off the k-grid).
+struct UnitComponent {
+  int32_t group = 0;
+  BlockIndex index = 0;
+  bool tail = false;
+};
+
 // A cached block as seen from outside the cache: where it is and what it holds.
 struct CachedBlockView {
   PoolId pool = 0;
@@ -29,6 +38,9 @@ struct CachedBlockView {
   BlockKey parent_key;            // zero when !has_parent
   bool has_parent = false;
   absl::Span<const Token> tokens;  // valid during the call
+  // A hybrid pool's spine node: the components that travel with it as one unit, in group order
+  // (held like the block while the view is in use). Empty for a pool without groups.
+  absl::Span<const UnitComponent> parts;
 };
 
 // The view of a node of `index` (its tokens in the pool's slab). REQUIRES: `block` is in `index`.
@@ -45,14 +57,16 @@ struct HeldBlock {
   BlockKey parent_key;
   bool has_parent = false;
   std::vector<Token> tokens;
+  std::vector<UnitComponent> parts;
   EvictReason reason = EvictReason::kCapacity;  // for demotions
 
   explicit HeldBlock(const CachedBlockView& v)
       : pool(v.pool), index(v.index), ns(*v.ns), root_key(v.root_key), key(v.key),
-        parent_key(v.parent_key), has_parent(v.has_parent), tokens(v.tokens.begin(), v.tokens.end()) {}
+        parent_key(v.parent_key), has_parent(v.has_parent), tokens(v.tokens.begin(), v.tokens.end()),
+        parts(v.parts.begin(), v.parts.end()) {}
   // Valid while this HeldBlock lives.
   CachedBlockView view() const {
-    return CachedBlockView{pool, index, &ns, root_key, key, parent_key, has_parent, tokens};
+    return CachedBlockView{pool, index, &ns, root_key, key, parent_key, has_parent, tokens, parts};
   }
 };
 

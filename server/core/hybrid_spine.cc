@@ -271,8 +271,9 @@ void HybridSpine::DropAll(const CachedBlock& node, EvictionPlan* plan) {
   // Checkpoints first: their covers leave the window blocks, this node's included.
   for (int g = 0; g < num_groups(); ++g) {
     if (groups_[g].kind != KvGroupKind::kState) continue;
+    const bool tail = checkpoint_is_tail(node, g);
     const BlockIndex slot = DetachCheckpoint(node, g);
-    if (slot != kNone) plan->components.push_back({&node, g, slot});
+    if (slot != kNone) plan->components.push_back({&node, g, slot, tail});
   }
   const size_t slot = Slot(node);
   for (int g = 0; g < num_groups(); ++g) {

@@ -83,6 +83,7 @@ struct SpineDrop {
   const CachedBlock* node = nullptr;
   int group = 0;
   BlockIndex index = 0;
+  bool tail = false;  // a state group's tail checkpoint (the tiers keep it with its unit)
 };
 
 // What an eviction removed from the spine's side arrays, for KvCache to carry out under the same

@@ -193,6 +193,13 @@ class KvCache final : public TierPort, public PeerPort {
   int64_t VisitCached(absl::Span<const CachedBlockRef> refs,
                       const std::function<void(const CachedBlockView&)>& fn) override ABSL_LOCKS_EXCLUDED(mu_);
   std::vector<CheckpointSnapshot> SnapshotCheckpoints(bool pin) override ABSL_LOCKS_EXCLUDED(mu_);
+  // kv_cache_units.cc: hybrid units into and out of the tiers (docs/hybrid.md §2.9).
+  absl::StatusOr<int64_t> SpineMatch(const Namespace& ns, absl::Span<const Token> prompt) override
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<UnitInstall> BeginInstall(const Namespace& ns, absl::Span<const Token> prompt, int64_t first_depth,
+                                           std::vector<std::vector<UnitComponent>> units) override ABSL_LOCKS_EXCLUDED(mu_);
+  int64_t FinishInstall(const Namespace& ns, absl::Span<const Token> prompt, UnitInstall install,
+                        int64_t written) override ABSL_LOCKS_EXCLUDED(mu_);
   void SetCheckpointDurable(const RequestId& id, uint64_t version, bool durable) override ABSL_LOCKS_EXCLUDED(mu_);
   int64_t checkpoints_not_durable() const override ABSL_LOCKS_EXCLUDED(mu_);
   int64_t cached_blocks() const override ABSL_LOCKS_EXCLUDED(mu_);
@@ -463,6 +470,8 @@ class KvCache final : public TierPort, public PeerPort {
   // A cached, unreferenced component leaves its group's evictable list and is freed.
   void FreeComponentLocked(Pool& pool, BlockIndex index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Erases pool.plan's nodes in order (EvictNodeLocked) and frees its components, then clears it.
+  // With a sink (and not for kClear, nor while side_pressure_), each node goes down as one unit:
+  // its components in the plan are held with it for the sink's copy (HeldBlock::parts).
   void CarryOutPlanLocked(Pool& pool, EvictReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A block of a hybrid pool with a spine lost its last reference: an unservable spine leaf goes
   // (U2), a window block no checkpoint reads is tombstoned and freed (U4).
@@ -473,7 +482,17 @@ class KvCache final : public TierPort, public PeerPort {
                           absl::Span<const BlockKey> keys, std::vector<CachedBlock*>* chain, HybridHit* hit) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The old single-node eviction: `victim` leaves the index and its block is freed (or held).
-  void EvictNodeLocked(Pool& pool, CachedBlock* victim, EvictReason reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The components of spine node `node` of a hybrid pool, in group order (empty otherwise).
+  std::vector<UnitComponent> UnitPartsLocked(const Pool& pool, const CachedBlock& node) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Up to `max` blocks of `group` that this thread's pending demotions hold for nobody (a unit's
+  // parts, a cascaded node), handed to `owner` (refs + 1) as AllocateOwnedLocked hands a victim.
+  std::vector<BlockIndex> TakeHeldLocked(PoolId pool, int group, int64_t max, uint64_t owner)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `parts`: a hybrid unit's components, already detached from the spine, demoted with it (held
+  // like the block) when the block is; null: none.
+  void EvictNodeLocked(Pool& pool, CachedBlock* victim, EvictReason reason,
+                       const std::vector<UnitComponent>* parts = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // CheckInvariantsForTesting's per-group part (docs/hybrid.md §2.8, U6): per group of every
   // hybrid pool, free + owned + cached = capacity counted from the blocks and equal to the
   // allocator's and side lists' counts; every block of a request's group table lies in that
@@ -572,6 +591,9 @@ class KvCache final : public TierPort, public PeerPort {
   EvictionSink* sink_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::function<void()> mover_wake_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> demote_wanted_{false};  // set under mu_ when a pool falls below its reserve
+  // A window or state group's allocation is evicting (EvictSideLocked): its units are dropped,
+  // not demoted, so that the units it frees are free at once (a held part would be neither).
+  bool side_pressure_ ABSL_GUARDED_BY(mu_) = false;
   int demotions_in_flight_ ABSL_GUARDED_BY(mu_) = 0;  // RunDemotions calls using sink_ now
   // Blocks evicted towards the sink whose OnEvict has not returned yet (held, being copied down).
   int64_t demotions_pending_ ABSL_GUARDED_BY(mu_) = 0;

@@ -131,19 +131,36 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool
   // A hybrid pool allocates from one group's range; a spine group evicts index nodes as a pool
   // without groups does, any other attention group its own side blocks, a state group nothing.
   if (pool.geometry.hybrid() && group != pool.spine_group) {
+    // Units this operation's evictions hold for the sink's copy are taken first, as they are
+    // (AllocateOwnedLocked's spine path does the same with its victims): neither free nor
+    // evictable, they would otherwise be missing from the count.
+    std::vector<BlockIndex> handed = TakeHeldLocked(pool_id, group, count, owner);
+    const int64_t need = count - static_cast<int64_t>(handed.size());
+    const auto give_back = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (BlockIndex b : handed) {
+        pool.blocks[b].owner = 0;
+        --pool.blocks[b].refs;
+      }
+    };
     const int64_t reclaimable = pool.allocator.num_free(group) + pool.EvictableIn(group);
-    if (count > reclaimable) {
+    if (need > reclaimable) {
+      give_back();
       return absl::ResourceExhaustedError(absl::StrCat("group '", pool.geometry.groups[group].name, "' of pool '",
                                                        pool.geometry.name, "' has ", reclaimable,
-                                                       " free or reclaimable units, need ", count));
+                                                       " free or reclaimable units, need ", need));
     }
-    while (pool.allocator.num_free(group) < count) {
+    side_pressure_ = true;  // units go at once, not held for a copy
+    while (pool.allocator.num_free(group) < need) {
       if (!EvictSideLocked(pool, group)) {
+        side_pressure_ = false;
+        give_back();
         return absl::ResourceExhaustedError(absl::StrCat("group '", pool.geometry.groups[group].name, "' of pool '",
                                                          pool.geometry.name, "' has too few reclaimable units"));
       }
     }
-    std::vector<BlockIndex> out = TakeFreeLocked(pool, count, group, owner);
+    side_pressure_ = false;
+    std::vector<BlockIndex> out = TakeFreeLocked(pool, need, group, owner);
+    out.insert(out.end(), handed.begin(), handed.end());
     if (writer != nullptr) {
       for (BlockIndex b : out) KVD_CHECK(owners_.Assign(pool_id, b, *writer).ok());
     }
@@ -159,17 +176,24 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::AllocateOwnedLocked(PoolId pool
   // Victims the sink copies stay held (owned by nobody, pinned) until their copy is done: this
   // request takes them as they are, so they leave no free block another thread could take.
   std::vector<BlockIndex> held;
-  while (pool.allocator.num_free(group) + static_cast<int64_t>(held.size()) < count) {
+  std::vector<BlockIndex> handed;  // a hybrid pool's: the units' spine blocks its victims hold, already ours
+  while (pool.allocator.num_free(group) + static_cast<int64_t>(held.size() + handed.size()) < count) {
     // Every unreferenced cached block has only unreferenced descendants (a reader of a block
     // holds its whole prefix), so some unreferenced leaf is always queued here.
     CachedBlock* victim = pool.queue.Peek();
     KVD_CHECK(victim != nullptr);
     const BlockIndex index = victim->address.index;
     EvictOneLocked(pool, victim, EvictReason::kCapacity);
-    if (pool.blocks[index].kind == BlockState::Kind::kOwned) held.push_back(index);
+    if (pool.spine != nullptr) {  // a unit's cascade may hold several spine blocks for the copy
+      const int64_t want = count - pool.allocator.num_free(group) - static_cast<int64_t>(handed.size());
+      for (BlockIndex b : TakeHeldLocked(pool_id, group, want, owner)) handed.push_back(b);
+    } else if (pool.blocks[index].kind == BlockState::Kind::kOwned) {
+      held.push_back(index);
+    }
   }
   absl::StatusOr<std::vector<BlockIndex>> out =
-      TakeFreeLocked(pool, count - static_cast<int64_t>(held.size()), group, owner);
+      TakeFreeLocked(pool, count - static_cast<int64_t>(held.size() + handed.size()), group, owner);
+  out->insert(out->end(), handed.begin(), handed.end());
   if (sink_ != nullptr && pool.allocator.num_free() < pool.reserve_blocks) {
     demote_wanted_.store(true, std::memory_order_relaxed);  // Deliver wakes the mover
   }
@@ -196,7 +220,8 @@ void KvCache::EvictOneLocked(Pool& pool, CachedBlock* victim, EvictReason reason
   CarryOutPlanLocked(pool, reason);
 }
 
-void KvCache::EvictNodeLocked(Pool& pool, CachedBlock* victim, EvictReason reason) {
+void KvCache::EvictNodeLocked(Pool& pool, CachedBlock* victim, EvictReason reason,
+                              const std::vector<UnitComponent>* parts) {
   KVD_CHECK(victim->num_children == 0);
   const BlockIndex index = victim->address.index;
   BlockState& s = pool.blocks[index];
@@ -223,10 +248,12 @@ void KvCache::EvictNodeLocked(Pool& pool, CachedBlock* victim, EvictReason reaso
     e.medium.clear();
     EmitLocked();
   }
-  const bool demote = sink_ != nullptr && reason != EvictReason::kClear && !pool.geometry.hybrid();
+  // A hybrid pool's node goes down only as a unit (CarryOutPlanLocked decides and passes parts).
+  const bool demote = sink_ != nullptr && reason != EvictReason::kClear && (!pool.geometry.hybrid() || parts != nullptr);
   if (demote) {
     cache_state::PendingDemotion d{this, HeldBlock(ViewOf(index_, *victim))};
     d.block.reason = reason;
+    if (parts != nullptr) d.block.parts = *parts;
     cache_state::ThreadDemotions().push_back(std::move(d));
     ++demotions_pending_;
   }

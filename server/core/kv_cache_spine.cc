@@ -151,9 +151,53 @@ void KvCache::FreeComponentLocked(Pool& pool, BlockIndex index) {
 }
 
 void KvCache::CarryOutPlanLocked(Pool& pool, EvictReason reason) {
-  for (CachedBlock* node : pool.plan.nodes) EvictNodeLocked(pool, node, reason);
-  for (const SpineDrop& d : pool.plan.components) {
-    FreeComponentLocked(pool, d.index);
+  // With a sink, every node goes down as one unit with the components the plan drops with it
+  // (docs/hybrid.md §2.9); a component that goes alone (a tombstone, a dropped internal
+  // checkpoint) is freed. The pairing is computed before any node leaves the index.
+  const bool demote = sink_ != nullptr && reason != EvictReason::kClear && !side_pressure_;
+  std::vector<std::vector<UnitComponent>> parts(demote ? pool.plan.nodes.size() : 0);
+  std::vector<bool> with_node(pool.plan.components.size(), false);
+  if (demote) {
+    for (size_t c = 0; c < pool.plan.components.size(); ++c) {
+      const SpineDrop& d = pool.plan.components[c];
+      for (size_t n = 0; n < pool.plan.nodes.size(); ++n) {
+        if (pool.plan.nodes[n] != d.node) continue;
+        parts[n].push_back(UnitComponent{d.group, d.index, d.tail});
+        with_node[c] = true;
+        break;
+      }
+    }
+    for (std::vector<UnitComponent>& p : parts) {
+      std::sort(p.begin(), p.end(), [](const UnitComponent& a, const UnitComponent& b) { return a.group < b.group; });
+    }
+  }
+  for (size_t n = 0; n < pool.plan.nodes.size(); ++n) {
+    EvictNodeLocked(pool, pool.plan.nodes[n], reason, demote ? &parts[n] : nullptr);
+  }
+  for (size_t c = 0; c < pool.plan.components.size(); ++c) {
+    const BlockIndex index = pool.plan.components[c].index;
+    if (with_node[c]) {
+      // Held for the sink's copy with its node (RunDemotions lets it go): owned by nobody,
+      // pinned, not free.
+      BlockState& s = pool.blocks[index];
+      KVD_CHECK(s.kind == BlockState::Kind::kCached && s.refs == 0 && s.node == nullptr);
+      cache_state::Pool::SideGroup& sg = pool.side[pool.allocator.GroupOf(index)];
+      auto it = sg.where.find(index);
+      KVD_CHECK(it != sg.where.end());
+      sg.evictable.erase(it->second);
+      sg.where.erase(it);
+      --sg.cached;
+      --pool.num_cached;
+      --pool.num_cached_unreferenced;
+      pool.component_node[index] = nullptr;
+      s.kind = BlockState::Kind::kOwned;
+      s.owner = 0;
+      s.refs = 1;
+      ++pool.pins[index];
+      ++pool.num_owned;
+    } else {
+      FreeComponentLocked(pool, index);
+    }
     ++counters_.evictions[static_cast<int>(reason)];
   }
   pool.plan.clear();

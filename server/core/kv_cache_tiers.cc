@@ -90,7 +90,10 @@ void KvCache::RunDemotions() {
   }
   {
     absl::MutexLock lock(&mu_);
-    for (const HeldBlock& b : mine) UnholdLocked(b.pool, b.index);
+    for (const HeldBlock& b : mine) {
+      for (const UnitComponent& part : b.parts) UnholdLocked(b.pool, part.index);
+      UnholdLocked(b.pool, b.index);
+    }
     --demotions_in_flight_;
     demotions_pending_ -= static_cast<int64_t>(mine.size());
     UpdatePressureLocked();
@@ -251,7 +254,8 @@ std::vector<CachedBlockRef> KvCache::SnapshotCached() const {
       const BlockIndex end = start + std::min(kSlice, capacity - start);
       for (BlockIndex b = start; b < end; ++b) {
         const BlockState& s = pool.blocks[b];
-        if (s.kind == BlockState::Kind::kCached) out.push_back(CachedBlockRef{p, b, s.node->key});
+        // A hybrid pool's side block (s.node null) travels with its spine node (VisitCached).
+        if (s.kind == BlockState::Kind::kCached && s.node != nullptr) out.push_back(CachedBlockRef{p, b, s.node->key});
       }
     }
   }
@@ -272,12 +276,20 @@ int64_t KvCache::VisitCached(absl::Span<const CachedBlockRef> refs,
       const BlockState& s = pool.blocks[ref.index];
       if (s.kind != BlockState::Kind::kCached || s.node == nullptr || s.node->key != ref.key) continue;
       visits.emplace_back(ViewOf(index_, *s.node));
+      // A hybrid unit's components travel with it, held like the prefix (before it: a held
+      // component's node is held, U5).
+      visits.back().parts = UnitPartsLocked(pool, *s.node);
       // A referenced block's prefix must be referenced too (eviction goes leaf first).
       // Each block once, up to the first already held.
       for (const CachedBlock* n = s.node; n != nullptr && held.insert({ref.pool, n->address.index}).second;
            n = n->parent) {
         HoldLocked(ref.pool, n->address.index);
         holds.emplace_back(ref.pool, n->address.index);
+      }
+      for (const UnitComponent& part : visits.back().parts) {
+        if (!held.insert({ref.pool, part.index}).second) continue;
+        HoldLocked(ref.pool, part.index);
+        holds.emplace_back(ref.pool, part.index);
       }
     }
   }

@@ -42,6 +42,34 @@ class TierPort {
   virtual void UnpinBlocks(PoolId pool, absl::Span<const BlockIndex> blocks) = 0;
   virtual absl::Status AdoptPromoted(const RequestId& id, int64_t new_cached_tokens) = 0;
 
+  // Hybrid promotion (docs/hybrid.md §2.9): a tier brings whole units back into G1 *before* a
+  // lookup, which then runs §2.6 over G1 as always (so a hit is only as long as every group
+  // serves from what came back). SpineMatch: how many spine nodes G1 holds of the prompt's chain
+  // (at most (len - 1) / bt; 0 for a pool without a spine); NOT_FOUND for an unknown pool.
+  // BeginInstall holds G1's first `first_depth` nodes of the chain (none may be evicted meanwhile)
+  // and reserves and allocates, held (owned by nobody, pinned), a block of the spine group and one
+  // unit of each part's group for every entry of `units` (unit i is the node at depth
+  // first_depth + i + 1): FAILED_PRECONDITION when G1's match is no longer `first_depth` or the
+  // pool has no spine, RESOURCE_EXHAUSTED without room; changes nothing on error. The caller then
+  // writes each unit's bytes into UnitInstall's blocks (without any lock) and calls FinishInstall
+  // exactly once: the first `written` units are indexed as cached, unreferenced units (a node the
+  // spine already holds, or a collision, ends the run), each checkpoint only where §2.7 accepts it
+  // (its window present); the rest is freed, and U2-U4 drop what no hit could serve. Returns the
+  // units indexed.
+  struct UnitInstall {
+    PoolId pool = 0;
+    int64_t first_depth = 0;
+    std::vector<BlockIndex> chain;                  // G1's nodes held, root first
+    std::vector<BlockIndex> spine;                  // per unit: its spine block
+    std::vector<std::vector<UnitComponent>> parts;       // per unit: its parts, index filled in
+  };
+  virtual absl::StatusOr<int64_t> SpineMatch(const Namespace& ns, absl::Span<const Token> prompt) = 0;
+  virtual absl::StatusOr<UnitInstall> BeginInstall(const Namespace& ns, absl::Span<const Token> prompt,
+                                                   int64_t first_depth,
+                                                   std::vector<std::vector<UnitComponent>> units) = 0;
+  virtual int64_t FinishInstall(const Namespace& ns, absl::Span<const Token> prompt, UnitInstall install,
+                                int64_t written) = 0;
+
   // Peer transfer (server/transfer): pins the cached blocks of the longest cached prefix of
   // `tokens` in `ns`, from block `skip_blocks` on, at most `max_blocks` (0: all) and never the
   // block holding the last token; pinned blocks stay cached and unmoved until UnpinBlocks.

@@ -233,7 +233,16 @@ absl::Status KvdService::CheckPeer(const std::string& peer) const {
 }
 
 void KvdService::AcquireThen(const RequestId& id, v1::AcquireResponse* resp,
-                             std::function<void(absl::Status)> done, const std::string& peer) {
+                             std::function<void(absl::Status)> done, const std::string& peer, bool units_in_g1) {
+  if (tiers_ != nullptr && !units_in_g1) {
+    // A hybrid pool's units below G1 come back as whole units before the lookup, which then
+    // serves them by docs/hybrid.md §2.6 as any cached unit (off this thread; the answer waits).
+    absl::StatusOr<RequestSpec> spec = cache_->SpecOf(id);
+    if (spec.ok() && spec->resume_from.empty() &&
+        tiers_->InstallUnits(*spec, [this, id, resp, done, peer]() { AcquireThen(id, resp, done, peer, true); })) {
+      return;
+    }
+  }
   absl::StatusOr<AcquireResult> r = cache_->Acquire(id);
   if (!r.ok()) return done(r.status());
   for (const WorkerId& w : r->publishers) {

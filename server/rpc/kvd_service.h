@@ -202,9 +202,11 @@ class KvdService final : public v1::Kvd::CallbackService {
   // The wait of AdmitAfterOwnerGone alone (Start queues its admission afterwards).
   void WaitOwnerGone(const grpc::CallbackServerContext* ctx, const RequestSpec& spec);
   // Acquire, with promotion from lower tiers, then a pull from `peer` (empty: none); fills `resp`
-  // and calls `done` exactly once, maybe on another thread (a promotion's or a pull's).
+  // and calls `done` exactly once, maybe on another thread (a promotion's or a pull's). On a
+  // hybrid pool the tiers' units come back into G1 first (TierStore::InstallUnits), then this
+  // runs again with `units_in_g1`.
   void AcquireThen(const RequestId& id, v1::AcquireResponse* resp, std::function<void(absl::Status)> done,
-                   const std::string& peer = "");
+                   const std::string& peer = "", bool units_in_g1 = false);
   // After promotion: the pull from `peer`, then done(OK) (a failed pull leaves `resp` as it was).
   void PullThen(const RequestId& id, const std::string& peer, v1::AcquireResponse* resp,
                 std::function<void(absl::Status)> done);

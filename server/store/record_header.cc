@@ -79,6 +79,13 @@ void EncodeRecordHeader(const RecordHeader& h, std::string* out) {
   Put(out, h.checksum);
   Put(out, h.offset);
   Put(out, h.layout_tag);
+  if (h.kind == RecordKind::kUnit) {
+    Put<uint8_t>(out, static_cast<uint8_t>(h.parts.size()));
+    for (const UnitRecordPart& p : h.parts) {
+      Put<uint8_t>(out, p.group);
+      Put<uint8_t>(out, p.tail ? 1 : 0);
+    }
+  }
 }
 
 absl::StatusOr<RecordHeader> DecodeRecordHeader(absl::string_view* in) {
@@ -105,7 +112,20 @@ absl::StatusOr<RecordHeader> DecodeRecordHeader(absl::string_view* in) {
   }
   ok = ok && r.GetString(&h.object_key) && r.Get(&codec) && r.Get(&h.raw_length) &&
        r.Get(&h.stored_length) && r.Get(&h.checksum) && r.Get(&h.offset) && r.Get(&h.layout_tag);
-  if (ok && kind > static_cast<uint8_t>(RecordKind::kCheckpoint)) ok = r.Fail("unknown record kind");
+  if (ok && kind > static_cast<uint8_t>(RecordKind::kUnit)) ok = r.Fail("unknown record kind");
+  if (ok && kind == static_cast<uint8_t>(RecordKind::kUnit)) {
+    uint8_t nparts = 0;
+    ok = r.Get(&nparts);
+    if (ok && nparts > kMaxKvGroups) ok = r.Fail("too many unit parts");
+    for (uint8_t i = 0; ok && i < nparts; ++i) {
+      UnitRecordPart p;
+      uint8_t tail = 0;
+      ok = r.Get(&p.group) && r.Get(&tail);
+      if (ok && (p.group >= kMaxKvGroups || tail > 1)) ok = r.Fail("bad unit part");
+      p.tail = tail != 0;
+      h.parts.push_back(p);
+    }
+  }
   if (ok && codec > static_cast<uint8_t>(Codec::kZstd)) ok = r.Fail("unknown codec");
   if (ok && (h.raw_length < 0 || h.stored_length < 0)) ok = r.Fail("negative length");
   if (!ok) return absl::DataLossError(absl::StrCat("bad record header: ", r.error()));
@@ -130,6 +150,21 @@ uint64_t LayoutTag(const PoolGeometry& g) {
   if (!g.model_fingerprint.empty()) {
     buf.append("model:");
     PutString(&buf, g.model_fingerprint);
+  }
+  // Hybrid pools only (others keep their tag): what fixes each group's unit bytes and which
+  // checkpoints it accepts.
+  if (g.hybrid()) {
+    buf.append("groups:");
+    for (size_t i = 0; i < g.groups.size(); ++i) {
+      const KvGroup& k = g.groups[i];
+      Put<int32_t>(&buf, static_cast<int32_t>(k.kind));
+      Put<uint32_t>(&buf, static_cast<uint32_t>(k.layers.size()));
+      for (int32_t l : k.layers) Put<int32_t>(&buf, l);
+      Put<int64_t>(&buf, g.GroupLayerUnitBytes(static_cast<int>(i)));
+      Put<int32_t>(&buf, k.window);
+      Put<int32_t>(&buf, k.chunk);
+      Put<int32_t>(&buf, k.checkpoint_every_blocks);
+    }
   }
   return XXH3_64bits(buf.data(), buf.size());
 }

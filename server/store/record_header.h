@@ -23,7 +23,22 @@ namespace kvd {
 
 // kCheckpoint: an interrupted generation's checkpoint; object_key is its request id, tokens its
 // tokens, and the payload [u32 engine state bytes][engine state][its blocks' bytes, in order].
-enum class RecordKind : uint8_t { kBlock = 0, kObject = 1, kCheckpoint = 2 };
+// kUnit: a hybrid pool's spine node with the components that travel with it (docs/hybrid.md
+// §2.9): identified like kBlock (key, parent, tokens), `parts` naming each component's group (and
+// a state checkpoint's tail flag); the payload is the spine block's bytes, then each part's, in
+// `parts` order, each its group's unit across all shards.
+enum class RecordKind : uint8_t { kBlock = 0, kObject = 1, kCheckpoint = 2, kUnit = 3 };
+
+// A prefix block of the chain (kBlock, or a hybrid pool's kUnit): found and verified by key,
+// parent and tokens.
+inline bool IsChainRecord(RecordKind k) { return k == RecordKind::kBlock || k == RecordKind::kUnit; }
+
+// One component of a kUnit record.
+struct UnitRecordPart {
+  uint8_t group = 0;  // the pool's group index (never the spine's)
+  bool tail = false;  // a state group's End tail checkpoint
+  bool operator==(const UnitRecordPart&) const = default;
+};
 
 struct RecordHeader {
   RecordKind kind = RecordKind::kBlock;
@@ -42,6 +57,8 @@ struct RecordHeader {
   // to a pool with the same tag (a pool redefined under the same name, or declaring another
   // model fingerprint, never gets old bytes).
   uint64_t layout_tag = 0;
+  // kUnit only (encoded after layout_tag, for that kind alone, so other records are unchanged).
+  std::vector<UnitRecordPart> parts;
 };
 
 // The size of the smallest encoded header (every string and list empty): bounds how many headers
@@ -58,7 +75,8 @@ BlockKey CheckpointKey(absl::string_view request_id);
 
 // A fingerprint of everything that fixes a block's bytes: the layout and, when the pool declares
 // one, its model fingerprint (pool_geometry.h). Pools without a fingerprint get the tag they had
-// before fingerprints existed.
+// before fingerprints existed. A hybrid pool's tag also covers its groups (kind, layers, unit
+// bytes, window, chunk, k), so a record of another grouping is never served.
 uint64_t LayoutTag(const PoolGeometry& g);
 // Why a record tagged `record_tag` is not served to pool `g` (whose tag differs), as precisely as
 // the tag allows: records keep only a hash of the fingerprint they were written under.

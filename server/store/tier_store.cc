@@ -55,7 +55,14 @@ TierStore::TierStore(TierOptions options, const DeviceArena* arena, TierPort* ca
       readers_(std::make_unique<Executor>(options_.read_threads)),
       writer_(std::make_unique<Executor>(1)),
       uploader_(std::make_unique<Executor>(1)) {
-  for (const PoolGeometry& g : pools_) layout_tags_.push_back(LayoutTag(g));
+  for (const PoolGeometry& g : pools_) {
+    layout_tags_.push_back(LayoutTag(g));
+    int spine = -1;
+    for (size_t i = 0; i < g.groups.size() && spine < 0; ++i) {
+      if (g.groups[i].kind == KvGroupKind::kFull) spine = static_cast<int>(i);
+    }
+    spine_groups_.push_back(spine);
+  }
 }
 
 TierStore::~TierStore() {
@@ -82,6 +89,11 @@ RecordHeader TierStore::BlockHeader(const CachedBlockView& v) const {
   h.tokens.assign(v.tokens.begin(), v.tokens.end());
   h.raw_length = pools_[v.pool].block_bytes_all_shards();
   h.layout_tag = layout_tags_[v.pool];
+  if (pools_[v.pool].hybrid()) {
+    h.kind = RecordKind::kUnit;
+    for (const UnitComponent& c : v.parts) h.parts.push_back(UnitRecordPart{static_cast<uint8_t>(c.group), c.tail});
+    h.raw_length = UnitRawLength(v.pool, h.parts);
+  }
   return h;
 }
 
@@ -97,7 +109,7 @@ TierStore::Entry* TierStore::FindBlockLocked(const BlockKey& key, const BlockKey
   auto it = entries_.find(key);
   if (it == entries_.end()) return nullptr;
   const RecordHeader& h = it->second.header;
-  if (h.kind != RecordKind::kBlock || h.has_parent != has_parent ||
+  if (!IsChainRecord(h.kind) || h.has_parent != has_parent ||
       (has_parent && h.parent_key != parent) || !std::equal(h.tokens.begin(), h.tokens.end(),
                                                             tokens.begin(), tokens.end())) {
     return nullptr;  // a key collision: never serve it
@@ -177,10 +189,15 @@ void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
   // Three steps, so that no block bytes move under mu_ either: claim a destination (a host slot,
   // or a spill buffer) and pin the entry; copy without mu_; install the copy. A reader meanwhile
   // finds the entry without bytes below G1 (a miss there), never a half-written slot.
-  const int64_t raw_bytes = pools_[block.pool].block_bytes_all_shards();
+  const RecordHeader header = BlockHeader(block);
+  const int64_t raw_bytes = header.raw_length;
+  // A hybrid unit (several components, perhaps several slots) is read into one buffer first.
+  const bool unit = header.kind == RecordKind::kUnit;
+  if (unit && raw_bytes < 0) return;  // a part the record cannot name: dropped
   const int r = static_cast<int>(reason);
   std::optional<std::vector<uint32_t>> slots;
   uint8_t* slot_bytes = nullptr;  // the claimed slot: this call's alone until installed
+  HostTier* host = nullptr;       // G2, when slots were claimed (its slots are this call's alone)
   bool spill = false;
   {
     absl::MutexLock lock(&mu_);
@@ -190,15 +207,29 @@ void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
       e = FindBlockLocked(block.key, block.parent_key, block.has_parent, block.tokens);
       if (e == nullptr) return;  // a collision with another record: keep that one
       TouchLocked(block.key, *e);
-      if (!e->slots.empty() || e->spill != nullptr) return;  // already in memory below G1
+      if (e->header.parts != header.parts) {
+        // The unit leaves G1 with other components than its stored copy has: the newer replaces
+        // it, unless a reader or the writer holds the old one now (then the old one stays).
+        if (e->pins > 0 || e->spill != nullptr) return;
+        DropSlotsLocked(*e);
+        if (e->segment != 0) {
+          TombstoneLocked(block.key, *e);
+          ScheduleSpillWriteLocked();
+        }
+        e->header = header;
+        RecountLocked(*e);
+      } else if (!e->slots.empty() || e->spill != nullptr) {
+        return;  // already in memory below G1
+      }
     } else {
-      e->header = BlockHeader(block);
+      e->header = header;
       e->last_use = cache_->clock()->Now();
       RecountLocked(*e);
     }
-    slots = AllocateSlotsLocked(1);
+    slots = AllocateSlotsLocked(host_ == nullptr ? 1 : host_->SlotsFor(raw_bytes));
     e = &entries_.at(block.key);  // slot allocation may have erased other entries (not this one)
-    if (slots.has_value()) slot_bytes = host_->slot((*slots)[0]);
+    if (slots.has_value() && !unit) slot_bytes = host_->slot((*slots)[0]);
+    if (slots.has_value()) host = host_.get();
     if (!slots.has_value()) {
       spill = e->segment == 0 && !options_.disk_dir.empty();
       if (!spill) {
@@ -211,7 +242,11 @@ void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
   }
   absl::Status copied;
   std::shared_ptr<std::string> raw;
-  if (slots.has_value()) {
+  if (unit) {
+    raw = std::make_shared<std::string>(static_cast<size_t>(raw_bytes), '\0');
+    copied = ReadFromDevice(block, reinterpret_cast<uint8_t*>(raw->data()));
+    if (copied.ok() && slots.has_value()) host->Scatter(*slots, reinterpret_cast<const uint8_t*>(raw->data()), raw_bytes);
+  } else if (slots.has_value()) {
     copied = arena_->ReadBlock(block.pool, block.index, slot_bytes);
   } else {
     raw = std::make_shared<std::string>(static_cast<size_t>(raw_bytes), '\0');
@@ -306,6 +341,7 @@ bool TierStore::Promote(const RequestId& id, const RequestSpec& spec, const Acqu
                         PromoteDone done) {
   if (acquired.resumed) return false;
   const PoolGeometry& g = pools_[acquired.pool];
+  if (g.hybrid()) return false;  // units come back before the lookup (InstallUnits)
   const int32_t bt = g.block_tokens;
   const int64_t prompt_len = static_cast<int64_t>(spec.prompt.size());
   const int64_t max_blocks = (prompt_len - 1) / bt;  // leave one token to compute

@@ -86,6 +86,16 @@ class TierStore final : public EvictionSink {
   bool Promote(const RequestId& id, const RequestSpec& spec, const AcquireResult& acquired,
                PromoteDone done) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Hybrid pools (docs/hybrid.md §2.9; tier_store_units.cc): before a lookup, brings the units
+  // G2/G3 hold past G1's spine match of the request's prompt back into G1 as cached units
+  // (TierPort::BeginInstall / FinishInstall) on a reader thread, then calls done() there; the
+  // lookup that follows applies §2.6 to them. A run of records stops at the first missing, damaged
+  // or foreign one, and (pools with a state group) at the deepest unit holding a checkpoint of
+  // every state group. False, without calling `done`, for a pool without groups or when no
+  // tier holds the next unit.
+  bool InstallUnits(const RequestSpec& spec, std::function<void()> done) ABSL_LOCKS_EXCLUDED(mu_);
+  bool hybrid(PoolId pool) const { return pools_[pool].hybrid(); }
+
   // Starts bringing the saved blocks of `tokens` up to G2 and keeps them there until the handle
   // is released (or its owner detaches). NOT_FOUND for an unknown pool.
   absl::StatusOr<PrefetchInfo> Prefetch(const Namespace& ns, absl::Span<const Token> tokens,
@@ -217,8 +227,15 @@ class TierStore final : public EvictionSink {
   // as a checksum failure); any other error only counts a read error (the record is kept).
   void OnReadFailure(const ReadSource& src, const absl::Status& s) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<PoolId> PoolOf(const std::string& name) const;
-  // The G3 header of a device block (identity, raw length, layout tag; no location yet).
+  // The G3 header of a device block (identity, raw length, layout tag; no location yet); a hybrid
+  // pool's is a kUnit naming the view's parts.
   RecordHeader BlockHeader(const CachedBlockView& v) const;
+  // tier_store_units.cc. A kUnit's bytes: its spine block's, then each part's (all shards each);
+  // -1 for a part no unit of the pool may have (the spine's group, a group twice, a tail on an
+  // attention group, a group out of range).
+  int64_t UnitRawLength(PoolId pool, absl::Span<const UnitRecordPart> parts) const;
+  // A device block's record bytes (a hybrid unit: the spine block, then its parts), raw_length long.
+  absl::Status ReadFromDevice(const CachedBlockView& v, uint8_t* out) const;
 
   // tier_store_remote.cc: G4.
   // Queues a block the cache just stored in G1 for upload (the cache's event listener).
@@ -260,6 +277,7 @@ class TierStore final : public EvictionSink {
   TierPort* const cache_;  // the engine, as a tier sees it
   const std::vector<PoolGeometry> pools_;
   std::vector<uint64_t> layout_tags_;   // per pool
+  std::vector<int> spine_groups_;       // per pool: its first full group (a hybrid pool's spine), or -1
   std::atomic<bool> idle_demotion_{true};
   std::function<void()> flush_hook_for_testing_;
   std::function<void()> demotion_hook_for_testing_;

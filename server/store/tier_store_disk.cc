@@ -231,7 +231,7 @@ absl::Status TierStore::Load(bool restore_checkpoints) {
       disk_used_ += l.size;
       for (RecordHeader& h : *headers) {
         if (dead.contains({h.key.hi ^ num, h.key.lo}) || entries_.contains(h.key)) continue;
-        if (l.what.blocks_only && h.kind != RecordKind::kBlock) continue;
+        if (l.what.blocks_only && !IsChainRecord(h.kind)) continue;
         if (absl::Status bad = CheckLoadedLocked(h); !bad.ok()) {
           // One line per reason: after a model upgrade every record of a pool is refused alike.
           if (++not_served[std::string(bad.message())] == 1) {
@@ -240,7 +240,7 @@ absl::Status TierStore::Load(bool restore_checkpoints) {
           ++stats_.incompatible;
           continue;
         }
-        if (h.kind == RecordKind::kBlock) {
+        if (IsChainRecord(h.kind)) {
           const PoolGeometry& g = pools_[*PoolOf(h.ns.pool)];
           CacheEvent e;
           e.kind = CacheEventKind::kStored;
@@ -311,6 +311,20 @@ absl::Status TierStore::CheckLoadedLocked(const RecordHeader& h) const {
       }
       return absl::OkStatus();
     }
+    case RecordKind::kUnit: {
+      // A hybrid unit is whole or not served: its parts must be ones the pool's units have, and
+      // its length exactly theirs (a unit cut short fails its checksum when read).
+      absl::StatusOr<PoolId> pool = PoolOf(h.ns.pool);
+      if (!pool.ok()) return absl::FailedPreconditionError(absl::StrCat("no pool '", h.ns.pool, "'"));
+      if (h.layout_tag != layout_tags_[*pool]) {
+        return absl::FailedPreconditionError(DescribeTagMismatch(pools_[*pool], h.layout_tag));
+      }
+      const int64_t want = UnitRawLength(*pool, h.parts);
+      if (want < 0 || h.raw_length != want) {
+        return absl::DataLossError("a hybrid unit whose parts or length its pool's groups do not allow");
+      }
+      return absl::OkStatus();
+    }
     case RecordKind::kCheckpoint: {
       absl::StatusOr<PoolId> pool = PoolOf(h.ns.pool);
       if (!pool.ok()) return absl::FailedPreconditionError(absl::StrCat("no pool '", h.ns.pool, "'"));
@@ -337,6 +351,13 @@ void TierStore::FlushCheckpoints(FlushResult* result) {
   for (const CheckpointSnapshot& c : snaps) {
     const BlockKey key = CheckpointKey(c.id.value());
     live.insert(key);
+    // A hybrid pool's generation checkpoint holds units of every group (window blocks, a state
+    // slot), which this record's layout cannot carry: not written, so it stays counted in
+    // checkpoints_not_durable (docs/hybrid.md, "What works today").
+    if (pools_[c.pool].hybrid()) {
+      cache_->UnpinBlocks(c.pool, c.blocks);
+      continue;
+    }
     // The engine knows whether this version was written (a rewrite with the same tokens may carry
     // new engine state); the copy must still be here.
     bool durable = false;
@@ -565,6 +586,13 @@ absl::Status TierStore::WriteSegmentOf(std::vector<RecordHeader> headers,
         e.last_use = cache_->clock()->Now();
       } else if (h.kind == RecordKind::kCheckpoint && e.header.kind == RecordKind::kCheckpoint) {
         if (e.segment != 0) TombstoneLocked(h.key, e);  // the generation moved on: replace it
+      } else if (h.kind == RecordKind::kUnit && e.header.kind == RecordKind::kUnit && e.header.parts != h.parts &&
+                 e.header.tokens == h.tokens && e.header.parent_key == h.parent_key) {
+        // The same unit with other components (G1 gained or lost a checkpoint): the newer
+        // replaces every older copy, unless a reader holds it now.
+        if (e.pins > 0) continue;
+        if (e.segment != 0) TombstoneLocked(h.key, e);
+        DropSlotsLocked(e);
       } else if (e.segment != 0 || e.header.tokens != h.tokens || e.header.kind != h.kind ||
                  e.header.object_key != h.object_key) {
         continue;  // already on G3, or another record under a colliding key
@@ -754,6 +782,7 @@ FlushResult TierStore::FlushNow() {
   {
     absl::MutexLock lock(&mu_);
     std::erase_if(refs, [&](const CachedBlockRef& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (pools_[r.pool].hybrid()) return false;  // a unit's components are compared when visited
       auto it = entries_.find(r.key);
       const bool durable = it != entries_.end() && it->second.segment != 0;
       if (durable) ++result.already_durable;
@@ -770,8 +799,17 @@ FlushResult TierStore::FlushNow() {
     cache_->VisitCached(absl::MakeConstSpan(refs).subspan(i, end - i), [&](const CachedBlockView& v) {
       visited.insert(v.key);
       RecordHeader h = BlockHeader(v);
+      if (h.raw_length < 0) return;  // a hybrid unit with a part no record can name: not written
+      if (h.kind == RecordKind::kUnit) {
+        absl::MutexLock lock(&mu_);
+        auto it = entries_.find(h.key);
+        if (it != entries_.end() && it->second.segment != 0 && it->second.header.parts == h.parts) {
+          ++result.already_durable;  // on G3 with the same components
+          return;
+        }
+      }
       auto raw = std::make_shared<std::string>(static_cast<size_t>(h.raw_length), '\0');
-      absl::Status s = arena_->ReadBlock(v.pool, v.index, reinterpret_cast<uint8_t*>(raw->data()));
+      absl::Status s = ReadFromDevice(v, reinterpret_cast<uint8_t*>(raw->data()));
       if (!s.ok()) {
         if (copy_error.ok()) copy_error = s;
         return;
@@ -824,18 +862,18 @@ std::vector<SavedPrefix> TierStore::SavedPrefixes() const {
   absl::MutexLock lock(&mu_);
   absl::flat_hash_set<BlockKey> parents;
   for (const auto& [key, e] : entries_) {
-    if (e.segment != 0 && e.header.kind == RecordKind::kBlock && e.header.has_parent) {
+    if (e.segment != 0 && IsChainRecord(e.header.kind) && e.header.has_parent) {
       parents.insert(e.header.parent_key);
     }
   }
   std::vector<SavedPrefix> out;
   for (const auto& [key, e] : entries_) {
-    if (e.segment == 0 || e.header.kind != RecordKind::kBlock || parents.contains(key)) continue;
+    if (e.segment == 0 || !IsChainRecord(e.header.kind) || parents.contains(key)) continue;
     std::vector<const RecordHeader*> chain{&e.header};
     bool complete = true;
     while (chain.back()->has_parent) {
       auto it = entries_.find(chain.back()->parent_key);
-      if (it == entries_.end() || it->second.segment == 0 || it->second.header.kind != RecordKind::kBlock) {
+      if (it == entries_.end() || it->second.segment == 0 || !IsChainRecord(it->second.header.kind)) {
         complete = false;
         break;
       }

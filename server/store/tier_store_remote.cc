@@ -24,6 +24,7 @@ void TierStore::QueueUpload(const CacheEvent& e) {
   if (e.kind != CacheEventKind::kStored || !e.medium.empty()) return;  // only blocks new in G1
   absl::StatusOr<PoolId> pool = PoolOf(e.pool);
   if (!pool.ok()) return;
+  if (pools_[*pool].hybrid()) return;  // G4 stores single blocks, not units (docs/hybrid.md §2.9)
   Namespace ns;
   ns.pool = e.pool;
   ns.adapter = e.adapter;
