@@ -183,6 +183,7 @@ absl::StatusOr<AcquireResult> KvCache::ResumeGroupsLocked(Request& req, Checkpoi
   // the resumed request, nobody else writing it); below it, a fence's writer writes nothing (it
   // writes past what it computed), so such a block is taken from its fence.
   auto check = [&](int g, int64_t position, BlockIndex b) -> absl::Status {
+    mu_.AssertHeld();
     const Owner* w = owners_.OwnerOf(req.pool, b);
     const BlockState& s = pool.blocks[b];
     const bool at_tail = position >= tail;
@@ -253,6 +254,7 @@ absl::StatusOr<AcquireResult> KvCache::ResumeGroupsLocked(Request& req, Checkpoi
   // The record's references pass to the request; its owned units to the request's writer.
   const Owner writer = WriterOf(req);
   auto take = [&](BlockIndex b) {
+    mu_.AssertHeld();
     BlockState& s = pool.blocks[b];
     if (s.kind != BlockState::Kind::kOwned) return;
     s.owner = req.serial;

@@ -325,6 +325,7 @@ absl::Status KvCache::CheckGroupsLocked() const {
   for (PoolId p = 0; p < pools_.size(); ++p) reserved[p].assign(pools_[p]->geometry.groups.size(), 0);
   // Orphaned checkpoints and fences of hybrid pools are charged per group too.
   auto add_units = [&](PoolId p, const std::vector<int64_t>& units, int64_t sum) -> bool {
+    mu_.AssertHeld();
     if (!pools_[p]->geometry.hybrid()) return true;
     if (units.empty()) return sum == 0;
     int64_t total = 0;

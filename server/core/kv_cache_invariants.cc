@@ -257,10 +257,12 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
     for (BlockIndex b : AllBlocksOf(*ckpt)) {
       ++refs[ckpt->pool][b];
       const BlockState& s = pools_[ckpt->pool]->blocks[b];
-      // A checkpoint's own units are written by nobody (a fence's, or a resumed request's, aside).
-      if (s.kind == BlockState::Kind::kOwned && s.owner == ckpt->serial && ckpt->orphaned &&
-          owners_.OwnerOf(ckpt->pool, b) != nullptr && owners_.OwnerOf(ckpt->pool, b)->kind != OwnerKind::kFence) {
-        return fail("block ", b, " of orphaned checkpoint ", id.value(), " has a writer that is no fence");
+      // An orphaned checkpoint's own units are written by no request or credit (a fence, or a
+      // pull its request started, may still write past it until it lifts or unpins).
+      const Owner* w = owners_.OwnerOf(ckpt->pool, b);
+      if (s.kind == BlockState::Kind::kOwned && s.owner == ckpt->serial && ckpt->orphaned && w != nullptr &&
+          w->kind != OwnerKind::kFence && w->kind != OwnerKind::kPull) {
+        return fail("block ", b, " of orphaned checkpoint ", id.value(), " is written by a ", OwnerKindName(w->kind));
       }
     }
     for (size_t g = 0; g < ckpt->groups.size(); ++g) {
