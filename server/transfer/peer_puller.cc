@@ -256,7 +256,16 @@ bool PeerPuller::Pull(const std::string& peer, const RequestId& id, const Reques
     metrics_->Pull(cause);
     if (r.ok() && *r > cached_tokens) {
       const int64_t blocks = (*r - cached_tokens) / arena_->geometries()[pool].block_tokens;
-      metrics_->Pulled(blocks, blocks * arena_->geometries()[pool].block_bytes_all_shards(),
+      // A hybrid pool's unit: its components' bytes (every group's units it carried).
+      const PoolGeometry& g = arena_->geometries()[pool];
+      int64_t bytes = blocks * g.block_bytes_all_shards();
+      if (g.hybrid()) {
+        bytes = 0;
+        for (const UnitPart& part : UnitLayout(g, cached_tokens / g.block_tokens, *r / g.block_tokens)) {
+          bytes += UnitPartBytes(g, part.group);
+        }
+      }
+      metrics_->Pulled(blocks, bytes,
                        std::chrono::duration<double>(Clock::now() - start).count());
     } else if (!r.ok()) {
       spdlog::warn("peer transfer: pull of request {} from {} failed ({}): {}; its worker computes those blocks",

@@ -930,6 +930,9 @@ TEST_CASE("A hybrid pool's hit is pulled from a peer as one unit, every group by
   CHECK(exact);
   CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"pulled\"}") == 1);
   CHECK(Metric(a, "kvd_peer_offered_blocks_total") == kHyBlocks + 2 + 1);
+  CHECK(Metric(b, "kvd_peer_pulled_blocks_total") == kHyBlocks);
+  // The unit's bytes: 8 full blocks of 2 layers, 2 window blocks of 1, one state of 100 bytes.
+  CHECK(Metric(b, "kvd_peer_pulled_bytes_total") == kHyBlocks * 2 * kHyBlock * 16 + 2 * kHyBlock * 16 + 100);
   CHECK(LeasesSettled(a) == 0);
   // Published on B as a unit: a later start hits there locally, at the same length, same bytes.
   CHECK(HyCached(*wb, 1) == kHyBlocks * kHyBlock);
