@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,20 @@ struct GroupTable {
   int64_t checkpoint_slot = -1;
 };
 
+// A start's next prompt blocks that another live request of the same namespace (tenant salt
+// included) is computing now: acquired, not yet published (docs/architecture.md, "Prefixes in
+// flight"). Never names a request of another namespace.
+struct InFlightInfo {
+  int64_t first_block = 0;       // the first such block's position (the start's hit, in blocks)
+  int64_t blocks = 0;            // how many of the start's next blocks in a row it computes
+  RequestId request_id;          // the computing request
+  int64_t published_tokens = 0;  // tokens of its chain it has published (or found cached) so far
+  int64_t computed_tokens = 0;   // its engine's last computed_tokens report (hybrid grows; else 0)
+  // Core only, not on the wire: the computing request's serial and the run's keys (what a wait watches).
+  uint64_t serial = 0;
+  std::vector<BlockKey> keys;
+};
+
 struct AcquireResult {
   PoolId pool = 0;
   std::vector<BlockIndex> blocks;  // block table: blocks[i] holds tokens [i*bt, (i+1)*bt)
@@ -76,6 +91,9 @@ struct AcquireResult {
   // the hit below it (-1: none did).
   int64_t full_hit_tokens = 0;
   int limited_by = -1;
+  // The lookup stopped at blocks another request of the namespace is computing now (this one
+  // computes them too; a start may wait for them first: KvCache::InFlightAhead).
+  std::optional<InFlightInfo> in_flight;
 };
 
 // A state group's checkpoint a publish offers (docs/hybrid.md §2.7): `slot`, one of the request's

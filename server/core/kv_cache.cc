@@ -391,6 +391,7 @@ absl::StatusOr<AcquireResult> KvCache::Acquire(const RequestId& id) {
                                : AcquirePrefixLocked(r);
       if (result.ok()) {
         r.acquired = true;
+        NoteAcquiredLocked(r, *result);  // what it found in flight; then it holds its own
         UpdatePressureLocked();
       }
     }
@@ -575,6 +576,7 @@ void KvCache::ReleaseLocked(Request& req, bool completed) {
   }
   if (!req.spec.session.empty() && req.acquired) UpdateSessionLocked(req);
   ReleaseWritesLocked(req);  // a pull writing some of them keeps them until UnpinBlocks
+  InflightEndedLocked(req);  // whoever waits on its blocks computes them
   for (auto g = req.groups.rbegin(); g != req.groups.rend(); ++g) {
     UnrefTableLocked(req.pool, g->blocks);
     if (g->checkpoint != HybridSpine::kNone) UnrefLocked(req.pool, g->checkpoint);

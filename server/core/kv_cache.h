@@ -48,6 +48,7 @@
 #include "server/core/event_log.h"
 #include "server/core/eviction_sink.h"
 #include "server/core/eviction_queue.h"
+#include "server/core/inflight_index.h"
 #include "server/core/kv_cache_state.h"
 #include "server/core/peer_port.h"
 #include "server/core/prefix_index.h"
@@ -143,6 +144,20 @@ class KvCache final : public TierPort, public PeerPort {
   // token to compute). Holds nothing. NOT_FOUND for an unknown pool.
   absl::StatusOr<int64_t> PeekPrefixLen(const Namespace& ns, absl::Span<const Token> tokens) const
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // --- prefixes in flight (kv_cache_inflight.cc; docs/architecture.md, "Prefixes in flight") ---
+  // Where a start of `ns` with `prompt` would find its next blocks, after the cached prefix,
+  // computed now by another live request of the namespace; nullopt when they are not. Holds
+  // nothing. NOT_FOUND for an unknown pool.
+  absl::StatusOr<std::optional<InFlightInfo>> InFlightAhead(const Namespace& ns, absl::Span<const Token> prompt) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether the request `info` names still computes any of the blocks it names (false once it
+  // published them or ended in any way).
+  bool InFlightHeld(const InFlightInfo& info) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Called after an operation let in-flight blocks go (published or ended), without the lock, on
+  // that operation's thread; must not block nor call back into KvCache. Set before serving.
+  void SetInflightWake(std::function<void()> wake) ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
+  int64_t inflight_blocks() const ABSL_LOCKS_EXCLUDED(mu_);  // entries of the in-flight index
 
   // Drops the session's affinity and protection; its cached blocks stay. NOT_FOUND if unknown.
   absl::Status CloseSession(const SessionId& session) ABSL_LOCKS_EXCLUDED(mu_);
@@ -535,6 +550,21 @@ class KvCache final : public TierPort, public PeerPort {
   void UpdateSessionLocked(const Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropSessionLocked(const SessionId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdatePressureLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kv_cache_inflight.cc: the in-flight index (inflight_index.h).
+  std::optional<InFlightInfo> InFlightInfoLocked(const Namespace& ns, absl::Span<const BlockKey> keys,
+                                                 int64_t from) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Blocks of `prompt` the namespace's index matches (a hybrid pool's spine match).
+  int64_t MatchedBlocksLocked(const Pool& pool, const Namespace& ns, absl::Span<const Token> prompt,
+                              absl::Span<const BlockKey> keys) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After `req`'s Acquire (not a resume): `out.in_flight` is what it found in flight past its
+  // match, then it holds its own prompt blocks from there (those nobody else holds).
+  void NoteAcquiredLocked(Request& req, AcquireResult& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void InflightPublishedLocked(const Request& req, int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void InflightEndedLocked(const Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckInflightLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Deliver's part: calls inflight_wake_ when entries went since the last call.
+  void WakeInflightWaiters() ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
+
   // Records `scratch_event_` (filled by the caller) in the event log and queues it for listeners.
   void EmitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   HandleInfo HandleOfLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -564,6 +594,9 @@ class KvCache final : public TierPort, public PeerPort {
   absl::flat_hash_map<RequestId, std::unique_ptr<CheckpointRecord>> checkpoints_ ABSL_GUARDED_BY(mu_);
   // Orphaned checkpoints, oldest first: (orphaned at, serial) -> id.
   absl::btree_map<std::pair<absl::Time, uint64_t>, RequestId> orphans_ ABSL_GUARDED_BY(mu_);
+  InflightIndex inflight_ ABSL_GUARDED_BY(mu_);  // prompt blocks live requests compute now
+  std::function<void()> inflight_wake_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> inflight_changed_{false};  // set under mu_ when in-flight entries went
   int64_t orphan_blocks_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t checkpoint_state_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // CheckpointRecord::state_bytes, all
   int64_t checkpoints_not_durable_ ABSL_GUARDED_BY(mu_) = 0;  // records with !durable

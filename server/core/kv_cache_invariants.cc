@@ -385,6 +385,7 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
   return CheckGroupsLocked();
 }
 
+  KVD_RETURN_IF_ERROR(CheckInflightLocked());  // every in-flight block: a live request's writable prompt block
 std::optional<Owner> KvCache::WriterForTesting(PoolId pool, BlockIndex block) const {
   absl::MutexLock lock(&mu_);
   if (pool >= pools_.size() || block >= pools_[pool]->blocks.size()) return std::nullopt;

@@ -203,6 +203,7 @@ void KvCache::EmitLocked() {
 
 void KvCache::Deliver() {
   RunDemotions();
+  WakeInflightWaiters();
   if (demote_wanted_.load(std::memory_order_relaxed)) {
     absl::MutexLock deliver_lock(&deliver_mu_);  // SetMoverWake waits for it
     std::function<void()> wake;

@@ -255,6 +255,7 @@ absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
     }
   }
   req->counted = std::max(req->counted, static_cast<int64_t>(plan.outcomes.size()));
+  InflightPublishedLocked(*req, static_cast<int64_t>(plan.outcomes.size()));  // kv_cache_inflight.cc
   if (copies > 0 && !end) {
     // The own copies stay while the request runs: its reservation covers them (checked by the plan).
     KVD_CHECK(ledger_.Reserve(req->pool, copies).ok());
