@@ -583,7 +583,7 @@ absl::StatusOr<std::unique_ptr<EventWatcher>> Client::WatchEvents(uint64_t after
 }
 
 absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl::Duration wait,
-                                                         const std::string& peer) {
+                                                         const std::string& peer, absl::Duration wait_in_flight) {
   KVD_ASSIGN_OR_RETURN(const PoolView* pool, FindPool(spec.ns.pool));
   if (wait < absl::Milliseconds(1)) wait = absl::Milliseconds(1);
   const absl::Time deadline = absl::Now() + wait;
@@ -596,14 +596,22 @@ absl::StatusOr<std::unique_ptr<KvRequest>> Client::Start(RequestSpec spec, absl:
     ToProto(spec, req.mutable_admit());
     req.set_max_wait_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now())));
     req.set_peer(peer);
+    req.set_wait_for_in_flight_ms(absl::ToInt64Milliseconds(wait_in_flight));
     // The daemon waits for admission (first come, first served) and answers RESOURCE_EXHAUSTED
     // when `wait` passes; the call's own deadline leaves room for the Acquire after it.
     absl::StatusOr<v1::StartResponse> r = impl_->Call<v1::StartResponse>(
         [&](auto* ctx, auto* resp) { return impl_->stub()->Start(ctx, req, resp); },
-        (deadline - absl::Now()) + absl::Seconds(30));
+        (deadline - absl::Now()) + absl::Seconds(30) + wait_in_flight);
     if (r.ok()) {
-      return std::unique_ptr<KvRequest>(
+      std::unique_ptr<KvRequest> out(
           new KvRequest(this, spec.id, FromProto(r->acquired()), pool->geometry.block_tokens, epoch));
+      if (r->has_in_flight()) {
+        v1::AcquireResponse seen;  // the wire's InFlight, read as AcquireResult's
+        *seen.mutable_in_flight() = r->in_flight();
+        out->in_flight_seen_ = FromProto(seen).in_flight;
+      }
+      out->in_flight_wait_ = static_cast<int>(r->in_flight_wait());
+      return out;
     }
     if (IsKvdRestarted(LostIfRestarted(r.status(), epoch, spec.id)) && absl::Now() < deadline) {
       continue;  // kvd went away during the call: nothing of this request survived; try again

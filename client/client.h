@@ -236,10 +236,14 @@ class Client {
   // Admit + Acquire in one round trip (the Start RPC): the daemon waits for room in the budget,
   // first come first served, up to `wait` (DEADLINE_EXCEEDED after). The request releases itself
   // (interrupted) if dropped unreleased. `peer`: a peer kvd (a name in kvd's transfer.peers)
-  // whose cached blocks of the prompt kvd pulls first (docs/transfer.md).
+  // whose cached blocks of the prompt kvd pulls first (docs/transfer.md). `wait_in_flight` > 0:
+  // when another live request of the namespace is computing the prompt's next blocks, kvd waits
+  // up to that long (at most 30 s) for it to publish them, before admission and holding nothing
+  // (docs/api.md, "Prefixes in flight"); KvRequest::in_flight_seen() and in_flight_wait() say what.
   absl::StatusOr<std::unique_ptr<KvRequest>> Start(RequestSpec spec,
                                                    absl::Duration wait = absl::Seconds(10),
-                                                   const std::string& peer = "");
+                                                   const std::string& peer = "",
+                                                   absl::Duration wait_in_flight = absl::ZeroDuration());
 
   // One scheduler step (client/step.h). The status fails the whole step (kvd unreachable after
   // retries with the same sequence number, or a refused step); each item's own outcome is in
@@ -292,6 +296,13 @@ class KvRequest {
   const std::string& engine_state() const { return state_.engine_state; }
   // Interprocess event handles of the workers that published the reused blocks.
   const std::vector<std::string>& publisher_events() const { return state_.publisher_events; }
+  // Prefixes in flight: what the lookup stopped at (blocks another request of the namespace
+  // computes now; this one computes them too), none when unset. With Start's wait_in_flight: what
+  // the start found before waiting, and how the wait ended (v1::InFlightWait: 0 not waited,
+  // 1 published, 2 released, 3 timed out).
+  const std::optional<InFlightInfo>& in_flight() const { return state_.in_flight; }
+  const std::optional<InFlightInfo>& in_flight_seen() const { return in_flight_seen_; }
+  int in_flight_wait() const { return in_flight_wait_; }
 
   // Whether this request's blocks may be written now: its attachment is the client's current one
   // and the lease is held (Client::MayWrite). A writer thread checks it before each write.
@@ -337,6 +348,8 @@ class KvRequest {
   Client* client_;
   RequestId id_;
   AcquireResult state_;
+  std::optional<InFlightInfo> in_flight_seen_;
+  int in_flight_wait_ = 0;
   int32_t block_tokens_;
   int64_t epoch_;  // the client's attachment this request belongs to
   bool released_ = false;

@@ -28,8 +28,9 @@ void CopyStatus(const v1::StepResult& r, absl::Status* out) {
 
 }  // namespace
 
-void StepBatch::Start(StepRequest* req, RequestSpec spec, absl::Duration max_wait) {
+void StepBatch::Start(StepRequest* req, RequestSpec spec, absl::Duration max_wait, absl::Duration wait_in_flight) {
   items_.push_back(Item{Kind::kStart, req, std::move(spec), max_wait});
+  items_.back().wait_in_flight = wait_in_flight;
 }
 void StepBatch::Grow(StepRequest* req, int64_t tokens, int64_t computed_tokens) {
   Item item{Kind::kGrow, req};
@@ -400,6 +401,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
         spec.owner = im.Worker();
         ToProto(spec, p->mutable_start()->mutable_admit());
         p->mutable_start()->set_max_wait_ms(std::max<int64_t>(1, absl::ToInt64Milliseconds(item.max_wait)));
+        p->mutable_start()->set_wait_for_in_flight_ms(absl::ToInt64Milliseconds(item.wait_in_flight));
         break;
       }
       case StepBatch::Kind::kGrow:
@@ -491,6 +493,13 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
         state->id = item.spec.id;
         state->waiting = out.waiting = r.waiting();
         state->epoch = epoch;
+        state->in_flight_wait = static_cast<int>(r.in_flight_wait());
+        state->in_flight.reset();
+        if (r.has_in_flight()) {
+          v1::AcquireResponse seen;  // the wire's InFlight, read as AcquireResult's
+          *seen.mutable_in_flight() = r.in_flight();
+          state->in_flight = FromProto(seen).in_flight;
+        }
         if (out.status.ok() && !r.waiting()) {
           state->acquired = FromProto(r.acquired());
           state->pool = state->acquired.pool;

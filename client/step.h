@@ -39,6 +39,12 @@ struct StepRequest {
   // The table of group `name`, or nullptr when the pool has no such group.
   const GroupTable* group_table(std::string_view name) const;
   bool waiting = false;            // started, not admitted yet: start it again in a later step
+  // Prefixes in flight: while `waiting` for them, the blocks another request computes (unset while
+  // waiting for admission); once acquired, acquired.in_flight says what the lookup stopped at and
+  // in_flight_wait how the wait ended (v1::InFlightWait: 0 not waited, 1 published, 2 released,
+  // 3 timed out).
+  std::optional<InFlightInfo> in_flight;
+  int in_flight_wait = 0;
   bool live = false;               // acquired and not ended
   AcquireResult acquired;          // what its start answered (cached_tokens, resumed state, ...)
   // A growth kvd refused after the client had placed it (credit-covered growth is told later):
@@ -67,7 +73,12 @@ class StepBatch {
   // A new request, admitted in its pool's FIFO and acquired. When the budget has no room it comes
   // back waiting and keeps its place in the queue for up to `max_wait`: start it again (same
   // request) in a later step. A start is its request's only item in a step.
-  void Start(StepRequest* req, RequestSpec spec, absl::Duration max_wait = absl::Seconds(30));
+  // `wait_in_flight` > 0: when another live request of the namespace is computing the prompt's next
+  // blocks, the start comes back waiting with req->in_flight set, holding nothing, until that
+  // request publishes them (then a hit) or ends, or the bound passes (at most 30 s): start it
+  // again in later steps, as above.
+  void Start(StepRequest* req, RequestSpec spec, absl::Duration max_wait = absl::Seconds(30),
+             absl::Duration wait_in_flight = absl::ZeroDuration());
   // `tokens` more positions. Blocks it crosses into come from the worker's credit when it holds
   // them (appended to req->blocks at once), else from kvd in the answer.
   // Hybrid pools: always a round trip (no credit there yet); `computed_tokens` is the engine's
@@ -105,6 +116,7 @@ class StepBatch {
     StepRequest* req;
     RequestSpec spec;           // kStart
     absl::Duration max_wait;    // kStart
+    absl::Duration wait_in_flight = absl::ZeroDuration();  // kStart
     int64_t n = 0;              // kGrow: tokens; kPublish, kEnd: blocks
     int64_t computed_tokens = 0;  // kGrow
     std::vector<Token> tokens;

@@ -140,6 +140,15 @@ void ToProto(const AcquireResult& r, v1::AcquireResponse* p) {
   if (r.limited_by >= 0 && r.limited_by < static_cast<int>(r.group_tables.size())) {
     p->set_limited_by(r.group_tables[r.limited_by].name);
   }
+  if (r.in_flight.has_value()) ToProto(*r.in_flight, p->mutable_in_flight());
+}
+
+void ToProto(const InFlightInfo& f, v1::InFlight* p) {
+  p->set_first_block(f.first_block);
+  p->set_blocks(f.blocks);
+  p->set_request_id(f.request_id.value());
+  p->set_published_tokens(f.published_tokens);
+  p->set_computed_tokens(f.computed_tokens);
 }
 
 void ToProto(const GroupTable& t, v1::GroupTable* p) {
@@ -190,6 +199,15 @@ AcquireResult FromProto(const v1::AcquireResponse& p) {
     if (!p.limited_by().empty() && p.group_tables(g).group() == p.limited_by()) r.limited_by = g;
   }
   r.full_hit_tokens = p.full_hit_tokens();
+  if (p.has_in_flight()) {
+    InFlightInfo f;
+    f.first_block = p.in_flight().first_block();
+    f.blocks = p.in_flight().blocks();
+    f.request_id = RequestId(p.in_flight().request_id());
+    f.published_tokens = p.in_flight().published_tokens();
+    f.computed_tokens = p.in_flight().computed_tokens();
+    r.in_flight = std::move(f);
+  }
   return r;
 }
 

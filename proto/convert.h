@@ -28,6 +28,7 @@ void ToProto(const AdmitResult& r, v1::AdmitResponse* p);
 AdmitResult FromProto(const v1::AdmitResponse& p);
 
 void ToProto(const AcquireResult& r, v1::AcquireResponse* p);
+void ToProto(const InFlightInfo& f, v1::InFlight* p);  // the wire's view (no serial, no keys)
 AcquireResult FromProto(const v1::AcquireResponse& p);
 // A hybrid pool's per-group table; `group` is its index in the pool's groups (the wire names it).
 void ToProto(const GroupTable& t, v1::GroupTable* p);

@@ -544,12 +544,6 @@ class KvCache final : public TierPort, public PeerPort {
   void LiftFenceLocked(FenceMap::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool FencedLocked(PoolId pool, BlockIndex index) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // kv_cache_maintenance.cc: sessions, expiry, pressure, reports.
-  // Reads the clock (op_now_ns_), drops sessions and orphans past their TTL. Every mutation's first.
-  void ExpireLocked(GcStats* stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void UpdateSessionLocked(const Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void DropSessionLocked(const SessionId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void UpdatePressureLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // kv_cache_inflight.cc: the in-flight index (inflight_index.h).
   std::optional<InFlightInfo> InFlightInfoLocked(const Namespace& ns, absl::Span<const BlockKey> keys,
                                                  int64_t from) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -565,6 +559,12 @@ class KvCache final : public TierPort, public PeerPort {
   // Deliver's part: calls inflight_wake_ when entries went since the last call.
   void WakeInflightWaiters() ABSL_LOCKS_EXCLUDED(mu_, deliver_mu_);
 
+  // kv_cache_maintenance.cc: sessions, expiry, pressure, reports.
+  // Reads the clock (op_now_ns_), drops sessions and orphans past their TTL. Every mutation's first.
+  void ExpireLocked(GcStats* stats) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateSessionLocked(const Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void DropSessionLocked(const SessionId& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdatePressureLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Records `scratch_event_` (filled by the caller) in the event log and queues it for listeners.
   void EmitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   HandleInfo HandleOfLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -588,15 +588,15 @@ class KvCache final : public TierPort, public PeerPort {
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Pool>> pools_ ABSL_GUARDED_BY(mu_);
   PrefixIndex index_ ABSL_GUARDED_BY(mu_);
+  InflightIndex inflight_ ABSL_GUARDED_BY(mu_);  // prompt blocks live requests compute now
+  std::function<void()> inflight_wake_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> inflight_changed_{false};  // set under mu_ when in-flight entries went
   BudgetLedger ledger_ ABSL_GUARDED_BY(mu_);
   PressureMonitor pressure_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<RequestId, std::unique_ptr<Request>> requests_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<RequestId, std::unique_ptr<CheckpointRecord>> checkpoints_ ABSL_GUARDED_BY(mu_);
   // Orphaned checkpoints, oldest first: (orphaned at, serial) -> id.
   absl::btree_map<std::pair<absl::Time, uint64_t>, RequestId> orphans_ ABSL_GUARDED_BY(mu_);
-  InflightIndex inflight_ ABSL_GUARDED_BY(mu_);  // prompt blocks live requests compute now
-  std::function<void()> inflight_wake_ ABSL_GUARDED_BY(mu_);
-  std::atomic<bool> inflight_changed_{false};  // set under mu_ when in-flight entries went
   int64_t orphan_blocks_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t checkpoint_state_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // CheckpointRecord::state_bytes, all
   int64_t checkpoints_not_durable_ ABSL_GUARDED_BY(mu_) = 0;  // records with !durable

@@ -382,10 +382,10 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
   }
   if (total_cached != index_.num_blocks()) return fail("index size drifted");
   if (ledger_.reserved_bytes() > ledger_.budget_bytes()) return fail("budget exceeded");
+  KVD_RETURN_IF_ERROR(CheckInflightLocked());  // every in-flight block: a live request's writable prompt block
   return CheckGroupsLocked();
 }
 
-  KVD_RETURN_IF_ERROR(CheckInflightLocked());  // every in-flight block: a live request's writable prompt block
 std::optional<Owner> KvCache::WriterForTesting(PoolId pool, BlockIndex block) const {
   absl::MutexLock lock(&mu_);
   if (pool >= pools_.size() || block >= pools_[pool]->blocks.size()) return std::nullopt;

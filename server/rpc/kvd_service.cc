@@ -40,9 +40,38 @@ KvdService::KvdService(KvCache* cache, AttachmentRegistry* workers, const Device
       metrics_(metrics),
       side_socket_(std::move(side_socket)),
       lease_ttl_(lease_ttl),
-      admission_(std::make_unique<AdmissionQueue>(cache)) {}
+      admission_(std::make_unique<AdmissionQueue>(cache)),
+      inflight_(std::make_unique<InflightWaits>(cache)) {
+  cache_->SetInflightWake([waits = inflight_.get()] { waits->Poke(); });
+}
 
-KvdService::~KvdService() = default;
+KvdService::~KvdService() {
+  cache_->SetInflightWake(nullptr);  // the cache may outlive the waits
+}
+
+absl::Status KvdService::CheckInflightWait(int64_t wait_ms) const {
+  if (wait_ms < 0 || wait_ms > absl::ToInt64Milliseconds(InflightWaits::kMaxWait)) {
+    return absl::InvalidArgumentError(absl::StrCat("wait_for_in_flight_ms must be between 0 and ",
+                                                   absl::ToInt64Milliseconds(InflightWaits::kMaxWait), ", not ",
+                                                   wait_ms));
+  }
+  return absl::OkStatus();
+}
+
+bool KvdService::WaitInFlight(const RequestSpec& spec, int64_t wait_ms, absl::Time deadline,
+                              std::function<absl::Status()> cancelled,
+                              const std::function<void(const v1::InFlight&)>& seen,
+                              std::function<void(absl::StatusOr<InflightWaits::Outcome>, absl::Duration)> then) {
+  if (wait_ms <= 0 || !spec.resume_from.empty()) return false;
+  absl::StatusOr<std::optional<InFlightInfo>> ahead = cache_->InFlightAhead(spec.ns, spec.prompt);
+  if (!ahead.ok() || !ahead->has_value()) return false;  // a bad spec fails in Admit, as without a wait
+  v1::InFlight found;
+  ToProto(**ahead, &found);
+  seen(found);
+  inflight_->Wait(spec.limit_key(), std::move(**ahead), spec.ns, spec.prompt,
+                  std::min(deadline, absl::Now() + absl::Milliseconds(wait_ms)), std::move(cancelled), std::move(then));
+  return true;
+}
 
 absl::StatusOr<KvdService::Caller> KvdService::Identify(const std::string& grpc_peer) const {
   Caller caller;
@@ -86,6 +115,7 @@ void KvdService::StartDraining(bool final) {
   if (draining_.exchange(true)) return;
   spdlog::info("draining: no new work is admitted");
   admission_->Close(Draining());
+  inflight_->Close(Draining());
   if (on_serving_) on_serving_(false);
 }
 
@@ -95,6 +125,7 @@ absl::Status KvdService::StopDraining() {
   }
   if (!draining_) return absl::OkStatus();
   admission_->Reopen();
+  inflight_->Reopen();
   draining_ = false;
   spdlog::info("drain undone: admitting again");
   if (on_serving_) on_serving_(true);
@@ -329,6 +360,7 @@ grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, co
                                                      absl::ToInt64Milliseconds(kMaxStartWait), ", not ",
                                                      req->max_wait_ms()));
     }
+    KVD_RETURN_IF_ERROR(CheckInflightWait(req->wait_for_in_flight_ms()));
     KVD_RETURN_IF_ERROR(CheckPeer(req->peer()));
     return CheckWorker(ctx, req->admit().worker_id(), "");
   }();
@@ -349,9 +381,12 @@ grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, co
   const RequestId id = spec.id;
   const WorkerId worker = spec.owner;
   std::string pool = spec.ns.pool;
+  auto admit = std::make_shared<std::function<void(RequestSpec)>>();
+  *admit = [this, ctx, reactor, resp, start, deadline, id, worker, pool = std::move(pool), key = caller->key,
+            peer = req->peer()](RequestSpec spec) {
   admission_->Admit(
       std::move(spec), deadline, [ctx] { return ctx->IsCancelled(); },
-      [this, reactor, resp, start, id, worker, pool = std::move(pool), key = caller->key, peer = req->peer()](
+      [this, reactor, resp, start, id, worker, pool, key, peer](
           absl::StatusOr<AdmitResult> admitted, absl::Duration waited) {
         resp->set_waited(waited > absl::ZeroDuration());
         resp->set_waited_us(absl::ToInt64Microseconds(waited));
@@ -383,6 +418,27 @@ grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, co
             },
             peer);
       });
+  };
+  // Blocks in flight first (docs/architecture.md, "Prefixes in flight"): the start waits holding
+  // nothing, then queues for admission as any start.
+  const bool waits = WaitInFlight(
+      spec, req->wait_for_in_flight_ms(), deadline,
+      [this, ctx, worker, id, key = caller->key]() -> absl::Status {
+        if (ctx->IsCancelled()) return absl::CancelledError("the caller gave up waiting");
+        if (!workers_->Check(worker, key).ok()) {
+          return absl::FailedPreconditionError(absl::StrCat("worker ", worker.value(), " detached while request '",
+                                                            id.value(), "' waited for blocks in flight"));
+        }
+        return absl::OkStatus();
+      },
+      [resp](const v1::InFlight& found) { *resp->mutable_in_flight() = found; },
+      [this, admit, reactor, resp, start, spec](absl::StatusOr<InflightWaits::Outcome> outcome, absl::Duration waited) {
+        resp->set_in_flight_waited_us(absl::ToInt64Microseconds(waited));
+        if (!outcome.ok()) return FinishRpc(reactor, "Start", start, outcome.status());
+        resp->set_in_flight_wait(static_cast<v1::InFlightWait>(*outcome));
+        (*admit)(spec);
+      });
+  if (!waits) (*admit)(std::move(spec));
   return reactor;
 }
 
@@ -556,6 +612,8 @@ grpc::ServerUnaryReactor* KvdService::Report(grpc::CallbackServerContext* ctx,
     ToProto(cache_->Report(), resp);
     resp->set_attached_workers(workers_->size());
     resp->set_admission_waiting(admission_->waiting());
+    resp->set_in_flight_blocks(cache_->inflight_blocks());
+    resp->set_in_flight_waiting(inflight_->waiting());
     resp->set_build(absl::StrCat(BuildInfo(), ", backend ", arena_->backend()));
     resp->set_draining(draining());
     if (tiers_ != nullptr) ToProto(tiers_->Stats(), resp->mutable_tiers());

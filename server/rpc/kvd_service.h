@@ -21,6 +21,7 @@
 #include "server/obs/metrics.h"
 #include "server/rpc/access_policy.h"
 #include "server/rpc/admission_queue.h"
+#include "server/rpc/inflight_waits.h"
 #include "server/rpc/attachments.h"
 #include "server/rpc/peer_listener.h"
 #include "server/rpc/roles.h"
@@ -210,6 +211,15 @@ class KvdService final : public v1::Kvd::CallbackService {
   // After promotion: the pull from `peer`, then done(OK) (a failed pull leaves `resp` as it was).
   void PullThen(const RequestId& id, const std::string& peer, v1::AcquireResponse* resp,
                 std::function<void(absl::Status)> done);
+  // Start's and step start's wait for blocks in flight (StartRequest.wait_for_in_flight_ms), before
+  // admission: INVALID_ARGUMENT for a bad bound. When the start asks to wait and its next blocks
+  // are in flight, `seen` is told them (before any answer), `then` runs once the wait ends (maybe
+  // on kvd-inflight's thread) and true is returned; else false and nothing runs. `cancelled`: the
+  // caller's wish.
+  absl::Status CheckInflightWait(int64_t wait_ms) const;
+  bool WaitInFlight(const RequestSpec& spec, int64_t wait_ms, absl::Time deadline,
+                    std::function<absl::Status()> cancelled, const std::function<void(const v1::InFlight&)>& seen,
+                    std::function<void(absl::StatusOr<InflightWaits::Outcome>, absl::Duration)> then);
   // OK for no peer or a configured one; Start's and step start's check before admission.
   absl::Status CheckPeer(const std::string& peer) const;
   static constexpr absl::Duration kDefaultStartWait = absl::Seconds(30);
@@ -246,6 +256,7 @@ class KvdService final : public v1::Kvd::CallbackService {
   std::atomic<bool> draining_{false};
   std::atomic<int> resume_waiters_{0};
   std::unique_ptr<AdmissionQueue> admission_;  // Start's waits
+  std::unique_ptr<InflightWaits> inflight_;    // Start's waits for blocks in flight (before admission)
   const AccessPolicy* policy_ = nullptr;
   const PeerListener* peers_ = nullptr;
   std::function<void(bool)> on_serving_;

@@ -31,7 +31,11 @@ struct KvdService::ParkedStart {
   absl::StatusOr<AdmitResult> result ABSL_GUARDED_BY(mu);
   bool withdrawn ABSL_GUARDED_BY(mu) = false;  // ended in a step, or its worker is gone
   std::atomic<bool> cancelled{false};          // `withdrawn`, as the admission queue reads it
-  v1::StartRequest start;  // as first sent, without its ids and wait: a resend must match it
+  v1::StartRequest start;  // as first sent, without its ids and waits: a resend must match it
+  // Its wait for blocks in flight, before admission (StartRequest.wait_for_in_flight_ms): what it
+  // found, and how the wait ended (0 while it waits, or when it did not).
+  v1::InFlight in_flight ABSL_GUARDED_BY(mu);
+  int in_flight_wait ABSL_GUARDED_BY(mu) = 0;
 };
 
 struct KvdService::StepLog {
@@ -63,6 +67,7 @@ v1::StartRequest Comparable(const v1::StartRequest& sr) {
   c.mutable_admit()->clear_worker_id();
   c.mutable_admit()->clear_request_id();
   c.clear_max_wait_ms();
+  c.clear_wait_for_in_flight_ms();
   return c;
 }
 
@@ -364,6 +369,7 @@ void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const Worker
                                                         sr.max_wait_ms())));
   }
   if (absl::Status peer = CheckPeer(sr.peer()); !peer.ok()) return fail(peer);
+  if (absl::Status w = CheckInflightWait(sr.wait_for_in_flight_ms()); !w.ok()) return fail(w);
   std::shared_ptr<ParkedStart> park;
   {
     absl::MutexLock lock(&log->mu);
@@ -385,9 +391,10 @@ void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const Worker
     park->start = Comparable(sr);
     const absl::Time deadline =
         absl::Now() + (sr.max_wait_ms() > 0 ? absl::Milliseconds(sr.max_wait_ms()) : kDefaultStartWait);
+    auto admit = [this, park, worker, key = caller.key, id, deadline](RequestSpec spec) {
     admission_->Admit(
         std::move(spec), deadline, [park] { return park->cancelled.load(); },
-        [this, park, worker, key = caller.key, id](absl::StatusOr<AdmitResult> admitted, absl::Duration) {
+        [this, park, worker, key, id](absl::StatusOr<AdmitResult> admitted, absl::Duration) {
           // Admitted after it was withdrawn or its worker went: the reservation goes back. Decided
           // under park->mu, where a withdrawal marks it: exactly one of the two gives it back.
           const bool worker_gone = !workers_->Check(worker, key).ok();
@@ -407,6 +414,40 @@ void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const Worker
             admission_->Poke();
           }
         });
+    };
+    // Blocks in flight first: the start waits holding nothing (parked, answered `waiting` with
+    // what it waits for), then queues for admission.
+    v1::InFlight seen;
+    const bool waits = WaitInFlight(
+        spec, sr.wait_for_in_flight_ms(), deadline,
+        [this, park, worker, key = caller.key, id]() -> absl::Status {
+          if (park->cancelled.load()) return absl::CancelledError("withdrawn in a step");
+          if (!workers_->Check(worker, key).ok()) {
+            return absl::FailedPreconditionError(absl::StrCat("worker ", worker.value(), " detached while request '",
+                                                              id.value(), "' waited for blocks in flight"));
+          }
+          return absl::OkStatus();
+        },
+        [&seen](const v1::InFlight& found) { seen = found; },
+        [park, admit, spec](absl::StatusOr<InflightWaits::Outcome> outcome, absl::Duration) {
+          if (!outcome.ok()) {
+            absl::MutexLock lock(&park->mu);
+            park->answered = true;
+            park->result = outcome.status();
+            return;
+          }
+          {
+            absl::MutexLock lock(&park->mu);
+            park->in_flight_wait = static_cast<int>(*outcome);
+          }
+          admit(spec);
+        });
+    if (waits) {
+      absl::MutexLock lock(&park->mu);
+      if (park->in_flight_wait == 0 && !park->answered) park->in_flight = seen;
+    } else {
+      admit(std::move(spec));
+    }
   }
   absl::StatusOr<AdmitResult> admitted;
   bool answered = false;
@@ -414,9 +455,12 @@ void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const Worker
     absl::MutexLock lock(&park->mu);
     answered = park->answered;
     if (answered) admitted = park->result;
+    if (park->in_flight_wait == 0 && park->in_flight.blocks() > 0) *result->mutable_in_flight() = park->in_flight;
+    result->set_in_flight_wait(static_cast<v1::InFlightWait>(park->in_flight_wait));
   }
   if (!answered) {
-    // Not answered yet: it keeps its place in the queue until a later step sends it again.
+    // Not answered yet: it keeps its place (in the queue, or its wait for blocks in flight)
+    // until a later step sends it again.
     absl::MutexLock lock(&log->mu);
     log->parked[item.request_id()] = park;
     result->set_waiting(true);

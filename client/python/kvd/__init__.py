@@ -14,4 +14,4 @@ device pointer and size, and layer_address() gives a block layer's device addres
 """
 from .client import Client, KvdError, KvdRestarted, KvdUnavailable, Request, default_target  # noqa: F401
 from .cuda import CudaError, CudaRuntime, DeviceSlab  # noqa: F401
-from .step import GroupTable, StepBatch, StepRequest, StepResult  # noqa: F401
+from .step import GroupTable, InFlight, StepBatch, StepRequest, StepResult  # noqa: F401

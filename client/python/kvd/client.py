@@ -12,7 +12,7 @@ import grpc
 
 from . import cuda
 from .errors import KvdError, KvdRestarted, KvdUnavailable  # noqa: F401 (also kvd.client's)
-from .step import GroupTable, StepBatch, StepRequest, Stepper, _state_checkpoints, _swap_kept_slots
+from .step import IN_FLIGHT_WAITS, GroupTable, InFlight, StepBatch, StepRequest, Stepper, _state_checkpoints, _swap_kept_slots
 from .v1 import kvd_pb2, kvd_pb2_grpc
 
 try:  # optional: numpy views of the slabs
@@ -171,6 +171,14 @@ class Request:
         self.group_tables = [GroupTable.from_proto(t) for t in resp.group_tables]
         self.full_hit_tokens = resp.full_hit_tokens
         self.limited_by = resp.limited_by or None
+        # Blocks in flight (kvd.step.InFlight, or None): what the lookup stopped at, blocks another
+        # live request of the namespace computes now (this one computes them too). Client.request
+        # also sets in_flight_seen (what it found before waiting), in_flight_wait and
+        # in_flight_waited_s when it asked to wait for them (wait_in_flight_s).
+        self.in_flight = InFlight.from_proto(resp)
+        self.in_flight_seen = None
+        self.in_flight_wait = "not_waited"
+        self.in_flight_waited_s = 0.0
         self._released = False
         self._epoch = client.epoch
 
@@ -775,12 +783,15 @@ class Client:
         return per_layer.reshape(p.num_layers, p.block_tokens, -1)
 
     def request(self, request_id, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="",
-                adapter="", media_keys=(), media=(), wait_s=10.0, peer=""):
+                adapter="", media_keys=(), media=(), wait_s=10.0, peer="", wait_in_flight_s=0.0):
         """Admit (the daemon waits while the budget is full, up to wait_s) and acquire, in one
         round trip (Start): a Request context manager. `media`: (identifier, offset, length) of each
         multimodal item, in prompt order (router events key only the blocks an item overlaps, as
         vLLM does); `media_keys`: identifiers without positions (every block). `peer`: a peer kvd
-        (a name in kvd's transfer.peers) whose cached blocks of the prompt kvd pulls first."""
+        (a name in kvd's transfer.peers) whose cached blocks of the prompt kvd pulls first.
+        `wait_in_flight_s` > 0: when another live request of the namespace is computing the prompt's
+        next blocks, kvd waits up to that long (at most 30 s) for it to publish them (then they are
+        a hit), holding nothing meanwhile; it answers early when that request ends without them."""
         ns = kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt, adapter=adapter, media_keys=list(media_keys),
                                media=[kvd_pb2.MediaItem(identifier=i, offset=o, length=n) for i, o, n in media])
         deadline = time.monotonic() + wait_s
@@ -795,8 +806,10 @@ class Client:
             # One round trip: the daemon waits for room (first come, first served) up to wait_s, and
             # gives the admission back itself if the Acquire after it fails.
             try:
-                resp = self._rpc("Start", kvd_pb2.StartRequest(admit=admit, max_wait_ms=max(1, int(left * 1000)), peer=peer),
-                                 timeout=left + 30).acquired
+                start = self._rpc("Start", kvd_pb2.StartRequest(admit=admit, max_wait_ms=max(1, int(left * 1000)), peer=peer,
+                                                                wait_for_in_flight_ms=int(wait_in_flight_s * 1000)),
+                                  timeout=left + 30 + wait_in_flight_s)
+                resp = start.acquired
             except KvdError as e:
                 if self._lost(e, epoch) and time.monotonic() < deadline:
                     continue  # kvd went away during the call: start again on the new one
@@ -805,6 +818,9 @@ class Client:
                 raise
             req = Request(self, request_id, resp)
             req._epoch = epoch
+            req.in_flight_seen = InFlight.from_proto(start)
+            req.in_flight_wait = IN_FLIGHT_WAITS.get(start.in_flight_wait, "not_waited")
+            req.in_flight_waited_s = start.in_flight_waited_us / 1e6
             return req
 
     def step(self, batch):

@@ -56,6 +56,35 @@ class GroupTable:
                 f"checkpoint_slot={self.checkpoint_slot})")
 
 
+class InFlight:
+    """A start's next prompt blocks that another live request of its namespace (tenant salt
+    included) is computing now, acquired and not yet published (docs/architecture.md, "Prefixes in
+    flight"): `blocks` of them from block position `first_block`, by `request_id`, which has
+    published `published_tokens` of its chain and reported `computed_tokens` (hybrid grows; 0
+    unknown). Never names another namespace's request."""
+
+    def __init__(self, first_block=0, blocks=0, request_id="", published_tokens=0, computed_tokens=0):
+        self.first_block, self.blocks, self.request_id = first_block, blocks, request_id
+        self.published_tokens, self.computed_tokens = published_tokens, computed_tokens
+
+    @classmethod
+    def from_proto(cls, msg, field="in_flight"):
+        """The InFlight in `msg`.`field`, or None when unset."""
+        if not msg.HasField(field):
+            return None
+        f = getattr(msg, field)
+        return cls(f.first_block, f.blocks, f.request_id, f.published_tokens, f.computed_tokens)
+
+    def __repr__(self):
+        return (f"InFlight(first_block={self.first_block}, blocks={self.blocks}, request_id={self.request_id!r}, "
+                f"published_tokens={self.published_tokens}, computed_tokens={self.computed_tokens})")
+
+
+# How a start's wait for blocks in flight ended (kvd_pb2.InFlightWait), by name.
+IN_FLIGHT_WAITS = {kvd_pb2.IN_FLIGHT_NOT_WAITED: "not_waited", kvd_pb2.IN_FLIGHT_PUBLISHED: "published",
+                   kvd_pb2.IN_FLIGHT_RELEASED: "released", kvd_pb2.IN_FLIGHT_TIMED_OUT: "timed_out"}
+
+
 def _state_checkpoints(entries):
     """(group index, position_tokens, slot) tuples as the wire's StateCheckpoint."""
     return [kvd_pb2.StateCheckpoint(group=g, position_tokens=p, slot=s) for g, p, s in entries]
@@ -109,6 +138,11 @@ class StepRequest:
         self.resumed_tokens = []
         self.engine_state = b""
         self.waiting = False   # started, not admitted yet: start it again in a later step
+        # Blocks in flight (InFlight or None): while `waiting` on them, what it waits for; once
+        # acquired, what its lookup stopped at (it computes those blocks itself). `in_flight_wait`:
+        # how a wait for them ended ("not_waited", "published", "released", "timed_out").
+        self.in_flight = None
+        self.in_flight_wait = "not_waited"
         self.live = False      # acquired and not ended
         self.error = None      # a KvdError kvd answered for growth placed earlier: End or preempt it
         self.epoch = 0
@@ -124,8 +158,9 @@ class StepResult:
     replaced a kept slot, -1 otherwise)."""
 
     def __init__(self, code=grpc.StatusCode.OK, message="", waiting=False, kept=0, already_cached=0,
-                 duplicates=0, no_parent=0, checkpoint_outcomes=(), fresh_slots=()):
+                 duplicates=0, no_parent=0, checkpoint_outcomes=(), fresh_slots=(), in_flight=None):
         self.code, self.message, self.waiting = code, message, waiting
+        self.in_flight = in_flight  # start: the blocks in flight it waits for (`waiting`), or found
         self.kept, self.already_cached, self.duplicates, self.no_parent = kept, already_cached, duplicates, no_parent
         self.checkpoint_outcomes, self.fresh_slots = list(checkpoint_outcomes), list(fresh_slots)
 
@@ -140,11 +175,17 @@ class StepBatch:
         self.computed_tokens = {}  # item index -> a grow's computed_tokens (hybrid pools)
 
     def start(self, req, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="", adapter="",
-              max_wait_s=30.0, peer=""):
+              max_wait_s=30.0, peer="", wait_in_flight_s=0.0):
+        """A new request. `wait_in_flight_s` > 0: when another live request of the namespace is
+        computing the prompt's next blocks, wait up to that long (at most 30 s) for it to publish
+        them before admission; meanwhile the start answers `waiting` with `in_flight` set (send it
+        again in a later step, as a start waiting for admission)."""
         ns = kvd_pb2.Namespace(pool=pool, cache_salt=cache_salt, adapter=adapter)
         admit = kvd_pb2.AdmitRequest(namespace=ns, prompt=list(prompt), max_new_tokens=max_new_tokens,
                                      session_id=session, resume_from=resume_from)
-        self.items.append(("start", req, kvd_pb2.StartRequest(admit=admit, max_wait_ms=max(1, int(max_wait_s * 1000)), peer=peer)))
+        self.items.append(("start", req, kvd_pb2.StartRequest(
+            admit=admit, max_wait_ms=max(1, int(max_wait_s * 1000)), peer=peer,
+            wait_for_in_flight_ms=int(wait_in_flight_s * 1000))))
         return self
 
     def grow(self, req, tokens, computed_tokens=0):
@@ -324,7 +365,8 @@ class Stepper:
             r = resp.results[len(held) + k]
             kind, req, arg = batch.items[i]
             out = StepResult(_code(r.code), r.message, r.waiting, r.kept, r.already_cached, r.duplicates, r.no_parent,
-                             r.checkpoint_outcomes, r.fresh_slots)
+                             r.checkpoint_outcomes, r.fresh_slots,
+                             InFlight.from_proto(r) or (InFlight.from_proto(r.acquired) if kind == "start" else None))
             results[i] = out
             if kind in ("publish", "end", "checkpoint") and out.ok and arg.state_checkpoints:
                 entries = [(c.group, c.position_tokens, c.slot) for c in arg.state_checkpoints]
@@ -333,6 +375,7 @@ class Stepper:
                 _swap_kept_slots(req.group_tables, entries, outcomes, out.fresh_slots)
             if kind == "start":
                 req.waiting, req.epoch = r.waiting, epoch
+                req.in_flight, req.in_flight_wait = out.in_flight, IN_FLIGHT_WAITS.get(r.in_flight_wait, "not_waited")
                 if out.ok and not r.waiting:
                     a = r.acquired
                     req.pool_id, req.blocks, req.num_tokens = a.pool_id, list(a.blocks), a.num_tokens

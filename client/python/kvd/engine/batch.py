@@ -7,7 +7,12 @@ Client.step (none, when every item is decode growth the block credit covers); th
 every scheduled position. A request whose pool cannot grow is preempted: checkpointed (the
 positions with KV, the next token in engine_state) and released, and put back at the head of the
 waiting queue, which starts it again with resume_from. A start kvd answers `waiting` stays at
-the head of the queue and keeps its place in kvd's admission FIFO.
+the head of the queue and keeps its place in kvd's admission FIFO. With `wait_in_flight_s`, a
+start whose prompt's next blocks another request of the namespace is computing (this engine's or
+another's) is deferred: kvd parks it, answering `waiting` with the blocks in flight, until they
+are published (then it starts with them as a hit) or the computing request ends or the bound
+passes; meanwhile the engine runs its other work and sends the start again each step
+(docs/integration.md, "Prefixes in flight").
 
 The model is pluggable: `forward(kv_io, tokens, start, end)` computes positions [start, end)
 (writing their KV through kv_io) and returns one bytes "logit row" per position. PatternModel
@@ -113,10 +118,11 @@ class _Gen:
 
 class BatchEngine:
     """`preempt_after`: when the head of the waiting queue has waited this many steps (kvd answered
-    `waiting`), the youngest running request is preempted to make room (0: never)."""
+    `waiting` for admission), the youngest running request is preempted to make room (0: never).
+    `wait_in_flight_s`: how long a start may be deferred while its prefix is in flight (0: never)."""
 
     def __init__(self, client, pool="default", model=None, token_budget=256, max_running=32, chunk=64,
-                 max_wait_s=30.0, preempt_after=0):
+                 max_wait_s=30.0, preempt_after=0, wait_in_flight_s=0.0):
         self.client, self.pool = client, pool
         self.model = model or PatternModel()
         self.token_budget, self.max_running, self.chunk = token_budget, max_running, chunk
@@ -129,6 +135,8 @@ class BatchEngine:
         self.steps = 0
         self.head_waited = 0
         self.prefill_tokens = 0  # positions computed for prompts (reuse lowers it)
+        self.wait_in_flight_s = wait_in_flight_s
+        self.deferred_in_flight = 0  # start answers deferred for a prefix in flight
 
     def submit(self, rid, prompt, max_new=8, salt=""):
         self.waiting.append(_Gen(rid, prompt, max_new, salt))
@@ -178,7 +186,8 @@ class BatchEngine:
         while self.waiting and len(self.running) + len(starting) < self.max_running:
             g = self.waiting.popleft()
             batch.start(g.req, pool=self.pool, prompt=g.prompt, max_new_tokens=g.max_new, cache_salt=g.salt,
-                        resume_from=g.rid if g.resume else "", max_wait_s=self.max_wait_s)
+                        resume_from=g.rid if g.resume else "", max_wait_s=self.max_wait_s,
+                        wait_in_flight_s=0.0 if g.resume else self.wait_in_flight_s)
             starting.append(g)
         results = self.client.step(batch)
         for k, (kind, _, _) in enumerate(batch.items):
@@ -188,16 +197,22 @@ class BatchEngine:
             self._finish(g)
         by_item = {id(item[1]): r for item, r in zip(batch.items, results) if item[0] == "grow"}
         starts = results[len(results) - len(starting):]
-        head = []  # kvd keeps their place in the pool's FIFO; so does the queue here
+        head = []  # kvd keeps their place in the pool's FIFO (or their wait); so does the queue here
+        admission_waits = False
         for g, r in zip(starting, starts):
             if r.waiting:
                 head.append(g)
+                if r.in_flight is not None:
+                    self.deferred_in_flight += 1
+                else:
+                    admission_waits = True
             elif not r.ok:
                 raise RuntimeError(f"{g.rid}: start failed: {r.code} {r.message}")
             else:
                 self._started(g)
         self.waiting.extendleft(reversed(head))
-        self.head_waited = self.head_waited + 1 if head else 0
+        # Only a wait for room makes preemption worth it (a prefix in flight comes by itself).
+        self.head_waited = self.head_waited + 1 if admission_waits else 0
         # The model: every scheduled position, each from the KV before it.
         for g, start, end, grew in plan:
             if grew:
