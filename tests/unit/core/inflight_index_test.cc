@@ -5,6 +5,8 @@
 // namespace's request, and the invariant checker vouches for them after every op.
 #include <catch2/catch.hpp>
 
+#include "proto/vocab/pool_geometry.h"
+#include "proto/vocab/step_types.h"
 #include "server/core/inflight_index.h"
 #include "server/core/kv_cache.h"
 #include "tests/unit/core/test_util.h"
@@ -180,6 +182,45 @@ TEST_CASE("Another tenant never learns of a request in flight", "[core][inflight
   d.ns.cache_salt = "tenant-1";
   REQUIRE((*cache->InFlightAhead(d.ns, d.prompt))->request_id == RequestId("a"));
   REQUIRE(absl::IsNotFound(cache->InFlightAhead(Namespace{.pool = "nope"}, d.prompt).status()));
+  RequireInvariants(*cache);
+}
+
+TEST_CASE("On a hybrid pool the spine's blocks are in flight, and the hit follows the groups", "[core][inflight]") {
+  PoolGeometry g;
+  g.name = "h";
+  g.block_tokens = 4;
+  g.bytes_per_token_per_layer = 8;
+  g.max_model_len = 256;
+  g.step_tokens = 8;
+  g.groups.push_back(KvGroup{.name = "full", .kind = KvGroupKind::kFull, .layers = {0}, .capacity = 64});
+  g.groups.push_back(
+      KvGroup{.name = "swa", .kind = KvGroupKind::kSlidingWindow, .layers = {1}, .window = 64, .capacity = 64});
+  g.num_layers = 2;
+  REQUIRE(g.ResolveGroups().ok());
+  CacheOptions o = SmallOptions();
+  o.pools = {g};
+  FakeClock clock;
+  auto cache = MakeCache(o, &clock);
+  const RequestSpec a = Spec("a", Concat(kShared, Seq(100, 5)), 0, "h");
+  const RequestSpec b = Spec("b", Concat(kShared, Seq(200, 5)), 0, "h");
+  const AcquireResult ra = Start(*cache, a);
+  REQUIRE(cache->inflight_blocks() == 5);  // the full group's prompt blocks
+  REQUIRE(testing::Grow(*cache, "a", 0, 8).status.ok());  // the engine computed 8 tokens
+  const InFlightInfo seen = **cache->InFlightAhead(b.ns, b.prompt);
+  REQUIRE(seen.request_id == RequestId("a"));
+  REQUIRE(seen.blocks == 4);
+  REQUIRE(seen.computed_tokens == 8);  // how far it got
+  RequireInvariants(*cache);
+  REQUIRE(testing::Grow(*cache, "a", 0, 21).status.ok());
+  REQUIRE(cache->Publish(a.id, a.prompt, std::vector<BlockIndex>(ra.blocks.begin(), ra.blocks.begin() + 5)).ok());
+  REQUIRE_FALSE(cache->InFlightHeld(seen));
+  const AcquireResult rb = Start(*cache, b);
+  REQUIRE(rb.cached_tokens == 16);  // the window group holds every block: the spine's hit stands
+  REQUIRE_FALSE(rb.in_flight.has_value());
+  RequireInvariants(*cache);
+  REQUIRE(cache->Release(a.id, true).ok());
+  REQUIRE(cache->Release(b.id, true).ok());
+  REQUIRE(cache->inflight_blocks() == 0);
   RequireInvariants(*cache);
 }
 
