@@ -173,7 +173,9 @@ std::string DescribeTagMismatch(const PoolGeometry& g, uint64_t record_tag) {
   PoolGeometry shape = g;
   shape.model_fingerprint.clear();
   if (g.model_fingerprint.empty()) {
-    return "its pool's layout changed, or it was written under a model fingerprint this pool does not declare";
+    return g.hybrid() ? "its pool's layout or KV groups changed, or it was written under a model fingerprint this "
+                        "pool does not declare"
+                      : "its pool's layout changed, or it was written under a model fingerprint this pool does not declare";
   }
   if (record_tag == LayoutTag(shape)) {
     return absl::StrCat("it was written without a model fingerprint, and pool '", g.name, "' declares '",
