@@ -7,7 +7,10 @@ logits equal bit for bit (torch.equal, and the SHA-256 of every row) a run of th
 every position it computed, and the hits happened where the pool's rules put them (a k-grid
 checkpoint, End's tail; fewer than k shared blocks: none). Negative controls, each on a hit:
 reading one window block too few, one too many, and a stale state (the checkpoint copy skipped)
-each change the logits at the first computed position.
+each change the logits at the first computed position. The same exactness after a preemption
+resumed on another worker, after a warm restart (flush to the disk tier, a new kvd reading it),
+across a hot handoff (kvd --takeover; a request preempted before it resumes after it) and after
+a pull from a peer kvd (mutual TLS on loopback).
 
 Pool: 4-token blocks, W = 6 (the window straddles a block), checkpoints every k = 2 blocks with
 the tail on, step_tokens 8.
@@ -97,16 +100,20 @@ def main(argv):
         if not d.started:
             return finish()
         try:
-            with Client(d.target, expect=[expectation(CFG, "hy", K)]) as c:
+            with Client(d.target, expect=[expectation(CFG, "hy", K)]) as c, \
+                    Client(d.target, worker_name="python-2", expect=[expectation(CFG, "hy", K)]) as c2:
                 device = str(c.kv_tensor("hy", group="full", dtype=torch.float32, inner_shape=CFG.kv_inner_shape).device)
                 check(device.startswith("cuda") == cuda, f"the pool's slab is on {device}")
                 if device != "cpu":
                     MODEL = TinyHybrid(CFG, device=device)
                 reuse(c)
                 negative_controls(c)
+                preempt_resume(c, c2)
         finally:
             d.stop()
-        if not cuda:  # the host backend's: peers on loopback
+        if not cuda:  # the host backend's: tiers, a host handoff, peers on loopback
+            warm_restart(kvd, tmp)
+            handoff(kvd, tmp)
             peer_pull(kvd, tmp)
     return finish()
 
@@ -158,6 +165,86 @@ def negative_controls(c):
     eng.submit("B", B, MAX_NEW, salt="control-0")
     r = eng.run()["B"]
     check(r["cached_tokens"] == 16 and exact(r, B), "the controls' prefix served to a correct engine is exact")
+
+
+def preempt_resume(c, c2):
+    """P is preempted between decode positions on one worker (its running slot named as the state
+    at its 19 positions, off a block boundary) and resumed on another worker, which copies the
+    state kvd answers into its running slot; Q runs beside it throughout. Both are exact."""
+    eng = HybridBatchEngine(c, "hy", MODEL, token_budget=12)
+    eng.submit("P", A, MAX_NEW, salt="preempt")
+    eng.submit("Q", E, MAX_NEW, salt="preempt")
+    eng.run(until=lambda e: any(g.rid == "P" and len(g.generated) == 2 for g in e.running))
+    eng.preempt("P")
+    other = HybridBatchEngine(c2, "hy", MODEL, token_budget=12)
+    other.waiting.append(eng.waiting.pop())
+    q = eng.run()["Q"]
+    r = other.run()["P"]
+    check(r["preemptions"] == 1 and r["cached_tokens"] == 0 and r["resumed_at"] == 19,
+          f"P was preempted once and resumed at its 19 positions ({r['preemptions']}, {r['resumed_at']})")
+    check(exact(r, A), "P, preempted at 19 tokens and resumed on another worker: tokens and logits bit for bit")
+    check(exact(q, E), "Q, in the batch beside it: bit for bit")
+
+
+def handoff(kvd, tmp):
+    """A hot handoff (kvd --takeover): A's prefix published and P preempted under the old kvd; under
+    the new one B hits A's checkpoint at 16 and P resumes from its checkpoint, both exact."""
+    d = Daemon(kvd, tmp, pool_yaml(), name="handoff")
+    successor = None
+    try:
+        with Client(d.target, expect=[expectation(CFG, "hy", K)]) as c:
+            eng = HybridBatchEngine(c, "hy", MODEL, token_budget=12)
+            eng.submit("A", A, MAX_NEW)
+            eng.submit("P", D, MAX_NEW, salt="handoff")
+            eng.run(until=lambda e: any(g.rid == "P" and len(g.generated) == 2 for g in e.running))
+            eng.preempt("P")
+            parked = eng.waiting.pop()
+            eng.run()
+            epoch = c.epoch
+            os.remove(os.path.join(tmp, "handoff.ready"))
+            successor = Daemon(kvd, tmp, pool_yaml(), name="handoff", extra=["--takeover"])
+            check(successor.started and d.proc.wait(timeout=30) == 0, "the successor took over; the old kvd exited 0")
+            c.wait_attached(10)
+            check(c.epoch == epoch + 1, "the client re-attached to the successor")
+            eng = HybridBatchEngine(c, "hy", MODEL, token_budget=12)
+            eng.submit("B", B, MAX_NEW)
+            eng.waiting.append(parked)
+            out = eng.run()
+            check(out["B"]["cached_tokens"] == 16 and exact(out["B"], B),
+                  f"after the handoff B hits A's checkpoint at 16, bit for bit ({out['B']['cached_tokens']})")
+            check(out["P"]["preemptions"] == 1 and out["P"]["resumed_at"] == 16 and exact(out["P"], D),
+                  f"P, preempted at 16 before the handoff, resumes there after it bit for bit ({out['P']['resumed_at']})")
+    finally:
+        for x in (successor, d):
+            if x is not None and x.proc.poll() is None:
+                x.stop()
+
+
+def warm_restart(kvd, tmp):
+    """A's prefix flushed to the disk tier; kvd stopped and started again on the same disk_dir
+    (warm restart); B hits A's checkpoint at 16 promoted from disk, bit for bit."""
+    disk = os.path.join(tmp, "disk")
+    config = pool_yaml() + f"tiers:\n  host_bytes: 4194304\n  disk_dir: {disk}\n"
+    d = Daemon(kvd, tmp, config, name="warm")
+    try:
+        with Client(d.target, expect=[expectation(CFG, "hy", K)]) as c:
+            eng = HybridBatchEngine(c, "hy", MODEL)
+            eng.submit("A", A, MAX_NEW)
+            eng.run()
+            check(c.flush().durable, "the flush is durable")
+    finally:
+        d.stop()
+    os.remove(os.path.join(tmp, "warm.ready"))
+    d = Daemon(kvd, tmp, config, name="warm")
+    try:
+        with Client(d.target, expect=[expectation(CFG, "hy", K)]) as c:
+            eng = HybridBatchEngine(c, "hy", MODEL)
+            eng.submit("B", B, MAX_NEW)
+            out = eng.run()
+            check(out["B"]["cached_tokens"] == 16 and exact(out["B"], B),
+                  f"after a warm restart B hits A's checkpoint at 16 from disk, bit for bit ({out['B']['cached_tokens']})")
+    finally:
+        d.stop()
 
 
 CERTS = r"""set -e

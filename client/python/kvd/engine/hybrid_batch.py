@@ -94,6 +94,7 @@ class _Gen:
         self.max_first_window = 0    # the window table's largest first_block_position seen
         self.resume = False
         self.preemptions = 0
+        self.resumed_at = None       # the positions a resume continued from
 
 
 class HybridBatchEngine:
@@ -234,7 +235,7 @@ class HybridBatchEngine:
             # The positions with KV, then the token sampled next (engine_state). The state is the
             # one at exactly those positions: nothing before them can be recomputed.
             g.tokens = list(req.resumed_tokens)
-            g.known, g.published = len(g.tokens), 0
+            g.known, g.published, g.resumed_at = len(g.tokens), 0, g.computed
             g.generated = g.tokens[len(g.prompt):] + [struct.unpack("<I", req.engine_state)[0]]
             if g.computed != len(g.tokens) or table.checkpoint_slot is None:
                 raise RuntimeError(f"{g.rid}: resumed at {g.computed} of {len(g.tokens)} tokens, state slot "
@@ -310,4 +311,4 @@ class HybridBatchEngine:
         return {"id": g.rid, "tokens": g.generated, "cached_tokens": g.cached_tokens,
                 "first_computed": g.first_computed, "logits": torch.cat(g.rows) if g.rows else None,
                 "checkpoints": g.outcomes, "window_at_start": g.window_at_start,
-                "max_first_window": g.max_first_window, "preemptions": g.preemptions}
+                "max_first_window": g.max_first_window, "preemptions": g.preemptions, "resumed_at": g.resumed_at}
