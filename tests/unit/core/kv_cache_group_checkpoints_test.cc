@@ -6,7 +6,11 @@
 // and checkpoints to a successor that serves the same hits. The checker runs after every step.
 #include <catch2/catch.hpp>
 
+#include <map>
+#include <random>
+
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "proto/vocab/pool_geometry.h"
 #include "proto/vocab/step_types.h"
 #include "tests/unit/core/test_util.h"
@@ -358,6 +362,167 @@ TEST_CASE("a hybrid pool's units, checkpoints and fences cross a handoff; the su
   CHECK(absl::StrContains(refused.status().message(), "groups changed"));
   CHECK(regrouped->Report().pools[0].cached_blocks == 0);
   RequireInvariants(*regrouped);
+}
+
+
+// Random starts (some hitting published prefixes, some resuming), grows, live checkpoints,
+// preempts, publishing ends, releases, lost workers and handoffs on a tight hybrid pool: every
+// call answers a clear status, the checker passes after each, and a snapshot taken at any point
+// imports into a fresh cache whose checker passes too.
+TEST_CASE("randomized hybrid checkpoints, preempts, resumes, fences and handoffs keep every invariant",
+          "[core][hybrid_checkpoint]") {
+  int64_t checkpoints = 0, preempts = 0, resumes = 0, refused_resumes = 0, carried = 0, fenced = 0;
+  int64_t successor_resumes = 0;
+  for (uint32_t seed = 1; seed <= 6; ++seed) {
+    INFO("seed " << seed);
+    std::mt19937 rng(seed);
+    auto pick = [&rng](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+    FakeClock clock;
+    CacheOptions o = testing::SmallOptions();
+    PoolGeometry g = Hybrid();
+    g.max_model_len = 48;
+    g.groups[0].capacity = 24;  // tight: evictions and refusals happen
+    g.groups[1].capacity = 16;
+    g.groups[2].capacity = 10;
+    const absl::Status resolved = g.ResolveGroups();
+    INFO(resolved.ToString());
+    REQUIRE(resolved.ok());
+    o.pools = {g};
+    auto cache = testing::MakeCache(o, &clock);
+    struct Live {
+      std::string worker;
+      int64_t n = 0, c = 0;
+      std::vector<BlockIndex> slots;
+      int64_t known = 0;  // tokens kvd knows for it (prompt or resumed, then checkpoints)
+    };
+    std::map<std::string, Live> live;
+    std::vector<std::string> orphans;
+    int next = 0;
+    // Token at position i: the prompt's, then a generated one, the same for every request.
+    auto token = [](int64_t i) { return static_cast<Token>(i < 6 ? 1 + i : 1000 + i); };
+    auto tokens = [&](int64_t n) {
+      std::vector<Token> t;
+      for (int64_t i = 0; i < n; ++i) t.push_back(token(i));
+      return t;
+    };
+    auto grown = [&](const std::string& id, const StepOpResult& r) {
+      if (!r.status.ok() || r.group_tables.size() <= static_cast<size_t>(kRec)) return;
+      for (BlockIndex b : r.group_tables[kRec].blocks) live[id].slots.push_back(b);
+    };
+    auto acquired = [&](const std::string& id, const std::string& worker, const AcquireResult& a) {
+      Live l{worker, a.num_tokens, a.cached_tokens, a.group_tables[kRec].blocks, a.num_tokens};
+      live[id] = l;
+    };
+    for (int op = 0; op < 300; ++op) {
+      const int64_t what = pick(0, 9);
+      const std::string worker = pick(0, 1) == 0 ? "w0" : "w1";
+      if (what <= 1 || live.empty()) {  // a start, or a resume of an orphaned checkpoint
+        const std::string id = absl::StrCat("r", next++);
+        RequestSpec spec = HSpec(id, tokens(pick(5, 12)), worker);
+        if (!orphans.empty() && pick(0, 1) == 0) {
+          const size_t k = static_cast<size_t>(pick(0, static_cast<int64_t>(orphans.size()) - 1));
+          spec.resume_from = RequestId(orphans[k]);
+          spec.prompt = tokens(5);
+        }
+        const absl::StatusOr<AdmitResult> admitted = cache->Admit(spec);
+        if (admitted.ok() && admitted->decision == AdmitDecision::kAdmitted) {
+          const absl::StatusOr<AcquireResult> a = cache->Acquire(spec.id);
+          if (a.ok()) {
+            acquired(id, worker, *a);
+            resumes += a->resumed ? 1 : 0;
+            if (a->resumed) orphans.erase(std::find(orphans.begin(), orphans.end(), spec.resume_from.value()));
+          } else {
+            INFO(a.status().ToString());
+            CHECK((absl::IsResourceExhausted(a.status()) || absl::IsFailedPrecondition(a.status())));
+            ++refused_resumes;
+            REQUIRE(cache->Release(spec.id, true).ok());
+          }
+        }
+      } else {
+        auto it = live.begin();
+        std::advance(it, pick(0, static_cast<int64_t>(live.size()) - 1));
+        const std::string id = it->first;
+        Live& l = it->second;
+        if (what <= 4) {  // a grow reporting computed tokens
+          const int64_t more = std::min<int64_t>(pick(0, 4), 40 - l.n);
+          const int64_t c = pick(l.c, std::min(l.n + more, l.c + 8));
+          const StepOpResult r = GrowAs(*cache, l.worker, id, more, c);
+          if (r.status.ok()) {
+            l.n += more;
+            l.c = c;
+            grown(id, r);
+          } else {
+            CHECK(absl::IsResourceExhausted(r.status));
+          }
+        } else if (what <= 6 && l.c > 0 && !l.slots.empty()) {  // a live checkpoint or a preempt
+          const BlockIndex slot = l.slots[static_cast<size_t>(pick(0, static_cast<int64_t>(l.slots.size()) - 1))];
+          if (what == 5) {
+            std::vector<int64_t> fresh;
+            const absl::Status s =
+                cache->Checkpoint(RequestId(id), tokens(l.c), "s", std::vector<StateCheckpoint>{{kRec, l.c, slot}}, &fresh);
+            if (s.ok()) {
+              REQUIRE(fresh.size() == 1);
+              *std::find(l.slots.begin(), l.slots.end(), slot) = static_cast<BlockIndex>(fresh[0]);
+              l.known = std::max(l.known, l.c);
+              ++checkpoints;
+            } else {
+              INFO(s.ToString());
+              CHECK(absl::IsResourceExhausted(s));
+            }
+          } else {
+            const StepOpResult r = Preempt(*cache, id, tokens(l.c), {{kRec, l.c, slot}}, l.worker);
+            INFO(r.status.ToString());
+            REQUIRE((r.status.ok() || absl::IsResourceExhausted(r.status)));
+            if (r.status.ok()) {
+              ++preempts;
+              REQUIRE_FALSE(cache->GetHandle(RequestId(id)).ok());
+              orphans.push_back(id);
+              live.erase(id);
+            }
+          }
+        } else if (what == 7) {  // ends, publishing its computed blocks
+          const absl::StatusOr<PublishResult> e = cache->End(RequestId(id), std::min(l.c, l.known) / 4, {}, pick(0, 1) == 0);
+          INFO(e.status().ToString());
+          REQUIRE(e.ok());
+          live.erase(id);
+        } else if (what == 8) {  // its worker is lost: every request of it ends fenced
+          fenced += cache->FenceWorker(WorkerId(l.worker), 0, absl::Seconds(5));
+          std::erase_if(live, [&](const auto& r) { return !cache->GetHandle(RequestId(r.first)).ok(); });
+        } else {  // time passes; a handoff's snapshot imports into a fresh cache
+          clock.Advance(absl::Seconds(pick(0, 6)));
+          cache->ExpireFences();
+          auto fresh = testing::MakeCache(o, &clock);
+          const CacheSnapshot snap = cache->ExportSnapshot();
+          carried += static_cast<int64_t>(snap.checkpoints.size());
+          const absl::StatusOr<int64_t> imported = fresh->ImportSnapshot(snap);
+          INFO(imported.status().ToString());
+          REQUIRE(imported.ok());
+          RequireInvariants(*fresh);
+          if (!snap.checkpoints.empty()) {  // the successor resumes one, exactly or with a clear refusal
+            RequestSpec spec = HSpec("successor", tokens(5), "w9", snap.checkpoints[0].id.value());
+            REQUIRE(fresh->Admit(spec).ok());
+            const absl::StatusOr<AcquireResult> a = fresh->Acquire(spec.id);
+            INFO(a.status().ToString());
+            CHECK((a.ok() ? a->resumed : (absl::IsResourceExhausted(a.status()) || absl::IsFailedPrecondition(a.status()))));
+            successor_resumes += a.ok() ? 1 : 0;
+            RequireInvariants(*fresh);
+            REQUIRE(fresh->Release(spec.id, true).ok());
+            RequireInvariants(*fresh);
+          }
+        }
+      }
+      RequireInvariants(*cache);
+    }
+  }
+  INFO(checkpoints << " checkpoints, " << preempts << " preempts, " << resumes << " resumes (" << refused_resumes
+                   << " refused), " << carried << " carried by snapshots, " << successor_resumes
+                   << " resumed by successors, " << fenced << " fenced");
+  CHECK(checkpoints > 10);
+  CHECK(preempts > 10);
+  CHECK(resumes > 5);
+  CHECK(carried > 5);
+  CHECK(successor_resumes > 5);
+  CHECK(fenced > 0);
 }
 
 }  // namespace
