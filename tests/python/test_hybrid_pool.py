@@ -238,6 +238,12 @@ def tables(w, observer):
           f"one block shared (fewer than k = 2): no hit ({c.cached_tokens})")
     for x in (c, b):
         x.release()
+    a.extend(0, computed_tokens=8)
+    named = a.group_table("rec").blocks[1]
+    resp = a.checkpoint(list(range(300, 308)), b"s", state_checkpoints=[(2, 8, named)])
+    check(len(resp.fresh_slots) == 1 and a.group_table("rec").blocks[1] == resp.fresh_slots[0] and
+          named not in a.group_table("rec").blocks,
+          f"Request.checkpoint with the state: the record keeps the slot, a fresh spare takes its place ({resp.fresh_slots})")
     a.end()
     stepped_checkpoints(w, observer)
 
@@ -281,6 +287,19 @@ def stepped_checkpoints(w, observer):
     # its window, blocks [1, 3), held after a grow reporting 12 computed.
     res = w.step(StepBatch().grow(s, 0, computed_tokens=12))
     check(res[0].ok and s.group_table("swa").first_block_position == 1, f"computed 12: window from block 1 ({res[0].message})")
+    # A live generation checkpoint at 12 with the state: a position that is not the checkpoint's is
+    # refused naming the field, nothing changed; the spare named is kept by the record and a fresh
+    # spare takes its place in the table.
+    live = s.group_table("rec").blocks[1]
+    before = [list(t.blocks) for t in s.group_tables]
+    res = w.step(StepBatch().checkpoint(s, prompt[:12], b"x", state_checkpoints=[(2, 8, live)]))
+    check(res[0].code == grpc.StatusCode.INVALID_ARGUMENT and "position_tokens" in res[0].message and
+          [list(t.blocks) for t in s.group_tables] == before,
+          f"a checkpoint whose state is not at its position is refused naming it, tables unchanged ({res[0].message})")
+    res = w.step(StepBatch().checkpoint(s, prompt[:12], b"x", state_checkpoints=[(2, 12, live)]))
+    rt = s.group_table("rec").blocks
+    check(res[0].ok and len(res[0].fresh_slots) == 1 and res[0].fresh_slots[0] >= 0 and rt[1] == res[0].fresh_slots[0]
+          and live not in rt, f"a stepped checkpoint keeps the slot; its fresh spare takes its place ({res[0].message}, {rt})")
     tail_slot = s.group_table("rec").blocks[1]
     state12 = bytes((i * 13 + 1) % 251 for i in range(rec.layer_unit_bytes))
     w.layer_view("hy", tail_slot, rec.layers[0])[:] = state12
