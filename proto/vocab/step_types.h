@@ -34,6 +34,10 @@ struct StepOp {
   RequestId id;
   int64_t tokens = 0;
   std::vector<BlockIndex> credit_blocks;
+  // A hybrid pool's credit entries name their KV group: credit_groups[i] is credit_blocks[i]'s
+  // (the same length; empty on a pool without groups). Each group's entries are appended to that
+  // group's table, in order, before what kvd allocates (docs/hybrid.md §2.4).
+  std::vector<int> credit_groups;
   // kGrow on a hybrid pool: the engine's computed tokens after the step that just ran (0: no
   // change). Window groups release the blocks wholly below it minus W - 1 (docs/hybrid.md §2.4).
   int64_t computed_tokens = 0;
@@ -56,15 +60,19 @@ struct StepOpResult {
 
 // A worker's credit in one pool: what it asks to hold after the step and the blocks it gives
 // back; what it holds, and how many of them kvd asks back.
+// On a hybrid pool credit is per (pool, group): `group` is the KV group's index (0 on a pool
+// without groups), and a block returned or held is of that group's range.
 struct CreditWant {
   PoolId pool = 0;
   int64_t blocks = 0;
   std::vector<BlockIndex> returned;  // unplaced credit blocks the worker gives back
+  int group = 0;
 };
 struct CreditHeld {
   PoolId pool = 0;
   std::vector<BlockIndex> blocks;
   int64_t wanted = 0;  // blocks kvd asks the worker to give back (by name, in a later step)
+  int group = 0;
 };
 
 }  // namespace kvd

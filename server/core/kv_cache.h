@@ -344,10 +344,13 @@ class KvCache final : public TierPort, public PeerPort {
   absl::StatusOr<std::vector<BlockIndex>> GrowLocked(const RequestId& id, int64_t additional,
                                                      absl::Span<const BlockIndex> credit,
                                                      int64_t computed_tokens = 0,
-                                                     std::vector<GroupTable>* groups = nullptr)
+                                                     std::vector<GroupTable>* groups = nullptr,
+                                                     absl::Span<const int> credit_groups = {})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes back `want.returned` (blocks the worker does not hold are skipped), then tops up; returns
-  // how many blocks above the cap kvd asks back.
+  // how many blocks above the cap kvd asks back. On a hybrid pool, for `want.group` alone: one
+  // ledger owner per (worker, pool) holds every group's credit blocks (a block's index says its
+  // group), charged per group's units.
   int64_t SetCreditLocked(const WorkerId& worker, const WorkerId& principal, const CreditWant& want)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The credit's ledger owner in `pool` of `worker`, or null when it holds none there.
@@ -462,10 +465,13 @@ class KvCache final : public TierPort, public PeerPort {
   absl::StatusOr<AcquireResult> AcquireGroupsLocked(Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // GrowLocked on a hybrid pool: `additional_tokens` more positions and the engine's
   // `computed_tokens` (0: unchanged); releases window blocks that fell out (published: cached;
-  // else freed) and appends what each group needs. All or nothing. Returns per group the blocks
-  // appended and the first block position after.
+  // else freed) and appends what each group needs, taking `credit` (the worker's credit blocks,
+  // credit_groups[i] the group of credit[i]) first in each group. All or nothing. Returns per
+  // group the blocks appended and the first block position after.
   absl::StatusOr<std::vector<GroupTable>> GrowGroupsLocked(Request& req, int64_t additional_tokens,
-                                                           int64_t computed_tokens, bool credit_named)
+                                                           int64_t computed_tokens,
+                                                           absl::Span<const BlockIndex> credit = {},
+                                                           absl::Span<const int> credit_groups = {})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // kv_cache_spine.cc: the spine of a hybrid pool with a full group (docs/hybrid.md §2.6-2.8).
   // INVALID_ARGUMENT, before anything changes, unless each checkpoint names a state group and one

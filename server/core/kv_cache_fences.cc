@@ -164,8 +164,14 @@ void KvCache::FenceCreditLocked(const WorkerId& worker, const FenceOwner& owner,
     AddFenceLocked(owner, pool, blocks, until, serial);
     for (BlockIndex b : blocks) UnrefLocked(pool, b, /*touch=*/false);
     const int64_t n = static_cast<int64_t>(blocks.size());
-    ledger_.Unreserve(pool, n);
-    workers_.AddUsage(it->second.principal, 0, -ledger_.BytesOf(pool, n));
+    if (pools_[pool]->geometry.hybrid()) {  // a hybrid pool's credit is charged per group's units
+      const std::vector<int64_t> units = UnitsOfLocked(pool, blocks);
+      ledger_.UnreserveUnits(pool, units);
+      workers_.AddUsage(it->second.principal, 0, -ledger_.BytesOfUnits(pool, units));
+    } else {
+      ledger_.Unreserve(pool, n);
+      workers_.AddUsage(it->second.principal, 0, -ledger_.BytesOf(pool, n));
+    }
     ChargeFenceLocked(until, serial);
   }
   credit_.erase(it);

@@ -205,12 +205,38 @@ absl::StatusOr<AcquireResult> KvCache::AcquireGroupsLocked(Request& req) {
 
 absl::StatusOr<std::vector<GroupTable>> KvCache::GrowGroupsLocked(Request& req, int64_t additional_tokens,
                                                                   int64_t computed_tokens,
-                                                                  bool credit_named) {
+                                                                  absl::Span<const BlockIndex> credit,
+                                                                  absl::Span<const int> credit_groups) {
   Pool& pool = *pools_[req.pool];
   const PoolGeometry& geo = pool.geometry;
-  if (credit_named) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "pool '", geo.name, "' has KV groups: block credit is not per group yet; grow without credit_blocks"));
+  // Credit per (pool, group) (kv_cache_step.cc): each entry names its group, is of that group's
+  // range, and is the worker's credit, named once. Checked before anything changes.
+  std::vector<int64_t> given(geo.groups.size(), 0);
+  const cache_state::PoolCredit* pc = credit.empty() ? nullptr : FindCreditLocked(req.spec.owner, req.pool);
+  if (credit_groups.size() != credit.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("credit_blocks: pool '", geo.name,
+                                                   "' has KV groups; a grow names {group, block} credit entries"));
+  }
+  for (size_t i = 0; i < credit.size(); ++i) {
+    const int g = credit_groups[i];
+    const BlockIndex b = credit[i];
+    if (g < 0 || g >= static_cast<int>(geo.groups.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("credit entry ", i, " names group ", g, "; pool '", geo.name,
+                                                     "' has ", geo.groups.size()));
+    }
+    if (b >= pool.blocks.size() || pool.allocator.GroupOf(b) != g) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "credit block ", b, " is not of group '", geo.groups[g].name, "' of pool '", geo.name, "'",
+          b < pool.blocks.size() ? absl::StrCat(" (it is group '", geo.groups[pool.allocator.GroupOf(b)].name, "''s)")
+                                 : std::string()));
+    }
+    if (pc == nullptr || !owners_.BlocksOf(pc->serial).contains(b) ||
+        std::find(credit.begin(), credit.begin() + i, b) != credit.begin() + i) {
+      return absl::InvalidArgumentError(absl::StrCat("block ", b, " is not in this worker's credit of group '",
+                                                     geo.groups[g].name, "' in pool '", geo.name,
+                                                     "' (used twice, or never granted)"));
+    }
+    ++given[g];
   }
   const int64_t n = req.num_tokens + additional_tokens;
   const int64_t c = computed_tokens == 0 ? req.computed_tokens : computed_tokens;
@@ -228,7 +254,7 @@ absl::StatusOr<std::vector<GroupTable>> KvCache::GrowGroupsLocked(Request& req, 
     int64_t cached = 0;            // released blocks that stay cached (published)
   };
   std::vector<Plan> plan(num_groups);
-  std::vector<int64_t> grow(num_groups, 0);
+  std::vector<int64_t> grow(num_groups, 0), from_credit(num_groups, 0), extra(num_groups, 0);
   bool grows = false;
   for (int g = 0; g < num_groups; ++g) {
     Plan& p = plan[g];
@@ -250,21 +276,42 @@ absl::StatusOr<std::vector<GroupTable>> KvCache::GrowGroupsLocked(Request& req, 
       if (s.refs != 1) continue;  // someone else holds it too
       ++(s.kind == BlockState::Kind::kCached ? p.cached : p.freed);
     }
-    const int64_t after = static_cast<int64_t>(held.size()) - p.drop + p.add;
+    // Credit placed past what the group appends (a window group's past computed + step_tokens)
+    // is refused: the engine's table and kvd's would differ.
+    if (given[g] > p.add) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "growing request '", req.spec.id.value(), "' to ", n, " positions (computed ", c, ") appends ", p.add,
+          " blocks to group '", geo.groups[g].name, "', not the ", given[g], " credit blocks named",
+          geo.groups[g].attention() && geo.groups[g].kind != KvGroupKind::kFull
+              ? " (a window group holds blocks up to computed_tokens + step_tokens)" : ""));
+    }
+    // The spine group's reservation also covers the request's own copies of duplicates
+    // (kv_cache_publish.cc: hybrid chains continue past them too).
+    const int64_t copies = g == pool.spine_group ? static_cast<int64_t>(req.own_copies.size()) : 0;
+    const int64_t after = static_cast<int64_t>(held.size()) - p.drop + p.add + copies;
     grow[g] = std::max<int64_t>(0, after - req.reserved_units[g]);
-    grows |= grow[g] > 0;
+    // Each credit block is charged already and pays for one unit of the growth.
+    from_credit[g] = std::min(grow[g], given[g]);
+    extra[g] = grow[g] - from_credit[g];
+    grows |= extra[g] > 0;
     // What this grow releases to the free list, or leaves evictable, may serve what it appends.
-    if (p.add > pool.allocator.num_free(g) + pool.EvictableIn(g) + p.freed + p.cached) {
+    if (p.add - given[g] > pool.allocator.num_free(g) + pool.EvictableIn(g) + p.freed + p.cached) {
       return absl::ResourceExhaustedError(absl::StrCat("group '", geo.groups[g].name, "' of pool '", geo.name,
                                                        "' has too few reclaimable units for ", p.add, " more"));
     }
   }
-  if (grows) {
-    if (!ledger_.CanReserveUnits(req.pool, grow)) {
+  // Credit is charged to the worker's principal; moved to the request's key when they differ.
+  const WorkerId principal = pc != nullptr ? credit_[req.spec.owner].principal : req.spec.limit_key();
+  std::vector<int64_t> charged = extra;
+  if (principal != req.spec.limit_key()) {
+    for (int g = 0; g < num_groups; ++g) charged[g] += from_credit[g];
+  }
+  if (grows || principal != req.spec.limit_key()) {
+    if (!ledger_.CanReserveUnits(req.pool, extra)) {
       return absl::ResourceExhaustedError(absl::StrCat("request '", req.spec.id.value(),
                                                        "' grows past its reservation; the budget or a group is full"));
     }
-    KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(req.spec.limit_key(), 0, ledger_.BytesOfUnits(req.pool, grow)));
+    KVD_RETURN_IF_ERROR(CheckWorkerLimitsLocked(req.spec.limit_key(), 0, ledger_.BytesOfUnits(req.pool, charged)));
   }
   // Nothing fails from here on.
   const Owner writer = WriterOf(req);
@@ -288,20 +335,41 @@ absl::StatusOr<std::vector<GroupTable>> KvCache::GrowGroupsLocked(Request& req, 
       UnrefLocked(req.pool, req.groups[g].checkpoint);
       req.groups[g].checkpoint = HybridSpine::kNone;
     }
-    absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(req.pool, p.add, req.serial, &writer, g);
+    // The worker named them: its credit gives them to its request, in the order named (one
+    // reference, from the credit to the table; one writer, now under the request's epoch).
+    std::vector<BlockIndex> appended;
+    for (size_t i = 0; i < credit.size(); ++i) {
+      if (credit_groups[i] != g) continue;
+      KVD_CHECK(owners_.Transfer(req.pool, credit[i], Owner{OwnerKind::kCredit, req.spec.owner, pc->serial}, writer)
+                    .ok());
+      pool.blocks[credit[i]].owner = req.serial;
+      appended.push_back(credit[i]);
+    }
+    absl::StatusOr<std::vector<BlockIndex>> owned =
+        AllocateOwnedLocked(req.pool, p.add - given[g], req.serial, &writer, g);
     KVD_CHECK(owned.ok());
-    held.insert(held.end(), owned->begin(), owned->end());
+    appended.insert(appended.end(), owned->begin(), owned->end());
+    held.insert(held.end(), appended.begin(), appended.end());
     out[g].group = g;
     out[g].name = geo.groups[g].name;
     out[g].first_block_position = p.lo;
-    out[g].blocks = *std::move(owned);
+    out[g].blocks = std::move(appended);
   }
-  if (grows) {
-    KVD_CHECK(ledger_.ReserveUnits(req.pool, grow).ok());
-    workers_.AddUsage(req.spec.limit_key(), 0, ledger_.BytesOfUnits(req.pool, grow));
-    for (int g = 0; g < num_groups; ++g) req.reserved_units[g] += grow[g];
-    for (int64_t u : grow) req.reserved_blocks += u;
+  if (pc != nullptr && owners_.BlocksOf(pc->serial).empty()) {
+    cache_state::WorkerCredit& wc = credit_[req.spec.owner];
+    wc.pools.erase(req.pool);
+    if (wc.pools.empty()) credit_.erase(req.spec.owner);
   }
+  if (!credit.empty()) {
+    std::vector<int64_t> unplaced(num_groups, 0);
+    for (int g = 0; g < num_groups; ++g) unplaced[g] = given[g] - from_credit[g];
+    ledger_.UnreserveUnits(req.pool, unplaced);  // credit within the reservation: its charge goes
+    workers_.AddUsage(principal, 0, -ledger_.BytesOfUnits(req.pool, given));
+  }
+  if (grows) KVD_CHECK(ledger_.ReserveUnits(req.pool, extra).ok());
+  workers_.AddUsage(req.spec.limit_key(), 0, ledger_.BytesOfUnits(req.pool, grow));
+  for (int g = 0; g < num_groups; ++g) req.reserved_units[g] += grow[g];
+  for (int64_t u : grow) req.reserved_blocks += u;
   req.num_tokens = n;
   req.computed_tokens = c;
   UpdatePressureLocked();
@@ -316,13 +384,21 @@ absl::Status KvCache::CheckGroupsLocked() const {
     charged += f.charged_units.empty() ? ledger_.BytesOf(f.pool, f.charged_blocks)
                                        : ledger_.BytesOfUnits(f.pool, f.charged_units);
   }
-  for (const auto& [w, credit] : credit_) {
-    for (const auto& [p, pc] : credit.pools) {
-      charged += ledger_.BytesOf(p, static_cast<int64_t>(owners_.BlocksOf(pc.serial).size()));
-    }
-  }
   std::vector<std::vector<int64_t>> reserved(pools_.size());
   for (PoolId p = 0; p < pools_.size(); ++p) reserved[p].assign(pools_[p]->geometry.groups.size(), 0);
+  for (const auto& [w, credit] : credit_) {
+    for (const auto& [p, pc] : credit.pools) {
+      const absl::flat_hash_set<BlockIndex>& mine = owners_.BlocksOf(pc.serial);
+      if (!pools_[p]->geometry.hybrid()) {
+        charged += ledger_.BytesOf(p, static_cast<int64_t>(mine.size()));
+        continue;
+      }
+      // A hybrid pool's credit: each block its group's unit (kv_cache_step.cc).
+      const std::vector<int64_t> units = UnitsOfLocked(p, std::vector<BlockIndex>(mine.begin(), mine.end()));
+      charged += ledger_.BytesOfUnits(p, units);
+      for (size_t g = 0; g < units.size(); ++g) reserved[p][g] += units[g];
+    }
+  }
   // Orphaned checkpoints and fences of hybrid pools are charged per group too.
   auto add_units = [&](PoolId p, const std::vector<int64_t>& units, int64_t sum) -> bool {
     mu_.AssertHeld();
@@ -359,7 +435,8 @@ absl::Status KvCache::CheckGroupsLocked() const {
       sum += req->reserved_units[g];
       if (g >= req->groups.size()) continue;
       const std::vector<BlockIndex>& held = static_cast<int>(g) == pool.spine_group ? req->table : req->groups[g].blocks;
-      if (static_cast<int64_t>(held.size()) > req->reserved_units[g]) {
+      const size_t copies = static_cast<int>(g) == pool.spine_group ? req->own_copies.size() : 0;
+      if (static_cast<int64_t>(held.size() + copies) > req->reserved_units[g]) {
         return fail("request ", id.value(), " holds ", held.size(), " units of group ", pool.geometry.groups[g].name,
                     ", reserved ", req->reserved_units[g]);
       }

@@ -225,7 +225,10 @@ absl::Status KvCache::CheckInvariantsForTesting() const {
       if (blocks.empty()) return fail("worker ", worker.value(), " keeps an empty credit entry");
       live_serials[pc.serial] = p;
       reserved[p] += static_cast<int64_t>(blocks.size());
-      usage[credit.principal].reserved_bytes += ledger_.BytesOf(p, static_cast<int64_t>(blocks.size()));
+      usage[credit.principal].reserved_bytes +=
+          pools_[p]->geometry.hybrid()  // a hybrid pool's credit: each block its group's unit
+              ? ledger_.BytesOfUnits(p, UnitsOfLocked(p, std::vector<BlockIndex>(blocks.begin(), blocks.end())))
+              : ledger_.BytesOf(p, static_cast<int64_t>(blocks.size()));
       for (BlockIndex b : blocks) {
         ++refs[p][b];
         const BlockState& s = pools_[p]->blocks[b];

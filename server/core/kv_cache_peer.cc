@@ -350,7 +350,7 @@ absl::Status KvCache::AdoptUnitLocked(const RequestId& id, PoolId pool_id, int64
   // The tables as a hit at `depth` holds them: each window group from its first needed block to
   // the step horizon (blocks below, never written by the pull, go back unpublished), the old
   // hit's checkpoint let go and a spare in its stead.
-  const absl::StatusOr<std::vector<GroupTable>> grown = GrowGroupsLocked(*req, 0, depth * bt, /*credit_named=*/false);
+  const absl::StatusOr<std::vector<GroupTable>> grown = GrowGroupsLocked(*req, 0, depth * bt);
   KVD_CHECK(grown.ok());
   // The blocks and the checkpoints are published as one unit (an off-grid checkpoint as the
   // unit's tail, as the lender kept it).

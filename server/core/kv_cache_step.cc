@@ -17,19 +17,27 @@ std::vector<StepOpResult> KvCache::Step(const WorkerId& worker, const WorkerId& 
     absl::MutexLock lock(&mu_);
     ExpireLocked(nullptr);
     for (size_t i = 0; i < ops.size(); ++i) out[i] = ApplyStepOpLocked(worker, ops[i]);
-    absl::flat_hash_map<PoolId, int64_t> wanted;
-    for (const CreditWant& want : credit) wanted[want.pool] = SetCreditLocked(worker, principal, want);
+    absl::flat_hash_map<std::pair<PoolId, int>, int64_t> wanted;
+    for (const CreditWant& want : credit) wanted[{want.pool, want.group}] = SetCreditLocked(worker, principal, want);
     if (held != nullptr) {
       held->clear();
       if (auto it = credit_.find(worker); it != credit_.end()) {
         for (const auto& [pool, pc] : it->second.pools) {
-          const absl::flat_hash_set<BlockIndex>& blocks = owners_.BlocksOf(pc.serial);
-          auto w = wanted.find(pool);
-          held->push_back(CreditHeld{pool, std::vector<BlockIndex>(blocks.begin(), blocks.end()),
-                                     w == wanted.end() ? 0 : w->second});
+          // One ledger owner holds a pool's credit; a hybrid pool's is answered per group.
+          absl::flat_hash_map<int, std::vector<BlockIndex>> by_group;
+          for (BlockIndex b : owners_.BlocksOf(pc.serial)) {
+            by_group[pools_[pool]->geometry.hybrid() ? pools_[pool]->allocator.GroupOf(b) : 0].push_back(b);
+          }
+          for (auto& [g, blocks] : by_group) {
+            auto w = wanted.find({pool, g});
+            std::sort(blocks.begin(), blocks.end());
+            held->push_back(CreditHeld{pool, std::move(blocks), w == wanted.end() ? 0 : w->second, g});
+          }
         }
       }
-      std::sort(held->begin(), held->end(), [](const CreditHeld& a, const CreditHeld& b) { return a.pool < b.pool; });
+      std::sort(held->begin(), held->end(), [](const CreditHeld& a, const CreditHeld& b) {
+        return std::make_pair(a.pool, a.group) < std::make_pair(b.pool, b.group);
+      });
     }
     UpdatePressureLocked();
   }
@@ -99,7 +107,7 @@ StepOpResult KvCache::ApplyStepOpLocked(const WorkerId& worker, StepOp& op) {
   switch (op.kind) {
     case StepOpKind::kGrow: {
       absl::StatusOr<std::vector<BlockIndex>> grown =
-          GrowLocked(op.id, op.tokens, op.credit_blocks, op.computed_tokens, &r.group_tables);
+          GrowLocked(op.id, op.tokens, op.credit_blocks, op.computed_tokens, &r.group_tables, op.credit_groups);
       if (grown.ok()) r.blocks = *std::move(grown);
       else r.status = grown.status();
       break;
@@ -147,7 +155,8 @@ StepOpResult KvCache::ApplyStepOpLocked(const WorkerId& worker, StepOp& op) {
 
 absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id, int64_t additional_tokens,
                                                            absl::Span<const BlockIndex> credit,
-                                                           int64_t computed_tokens, std::vector<GroupTable>* groups) {
+                                                           int64_t computed_tokens, std::vector<GroupTable>* groups,
+                                                           absl::Span<const int> credit_groups) {
   KVD_ASSIGN_OR_RETURN(Request * req, FindRequestLocked(id));
   if (additional_tokens < 0) return absl::InvalidArgumentError("additional_tokens must be >= 0");
   if (!req->acquired) {
@@ -163,11 +172,15 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
   }
   if (pool.geometry.hybrid()) {
     KVD_ASSIGN_OR_RETURN(std::vector<GroupTable> tables,
-                         GrowGroupsLocked(*req, additional_tokens, computed_tokens, !credit.empty()));
+                         GrowGroupsLocked(*req, additional_tokens, computed_tokens, credit, credit_groups));
     std::vector<BlockIndex> spine;
     if (pool.spine_group >= 0) spine = tables[pool.spine_group].blocks;
     if (groups != nullptr) *groups = std::move(tables);
     return spine;
+  }
+  if (!credit_groups.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("credit: pool '", pool.geometry.name,
+                                                   "' has no KV groups; a grow names credit_blocks"));
   }
   const int64_t new_tokens = req->num_tokens + additional_tokens;
   const int64_t have = static_cast<int64_t>(req->table.size());
@@ -234,11 +247,28 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::GrowLocked(const RequestId& id,
 int64_t KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& principal, const CreditWant& want) {
   if (want.pool >= pools_.size()) return 0;
   Pool& pool = *pools_[want.pool];
-  // Credit is not per KV group yet: a hybrid pool grants none (a grow naming some is refused).
-  if (pool.geometry.hybrid()) return 0;
-  // A worker's credit never takes more than an eighth of a pool: it is budget no request holds.
-  int64_t target = std::clamp<int64_t>(want.blocks, 0, std::min(options_.step_credit_blocks,
-                                                                  pool.geometry.capacity_blocks / 8));
+  // A hybrid pool's credit is per (pool, group): blocks of group g's range, charged as g's units
+  // (docs/hybrid.md §2.4-2.5). Elsewhere the pool is one group, 0.
+  const bool hybrid = pool.geometry.hybrid();
+  const int g = want.group;
+  if (g < 0 || g >= (hybrid ? static_cast<int>(pool.geometry.groups.size()) : 1)) return 0;
+  const int64_t capacity = hybrid ? pool.geometry.groups[g].capacity : pool.geometry.capacity_blocks;
+  const auto units = [&](int64_t n) {
+    std::vector<int64_t> u(pool.geometry.groups.size(), 0);
+    u[g] = n;
+    return u;
+  };
+  const auto bytes = [&](int64_t n) {
+    mu_.AssertHeld();
+    return hybrid ? ledger_.BytesOfUnits(want.pool, units(n)) : ledger_.BytesOf(want.pool, n);
+  };
+  const auto can_reserve = [&](int64_t n) {
+    mu_.AssertHeld();
+    return hybrid ? ledger_.CanReserveUnits(want.pool, units(n)) : ledger_.CanReserve(want.pool, n);
+  };
+  // A worker's credit never takes more than an eighth of a pool (of a group): it is budget no
+  // request holds.
+  int64_t target = std::clamp<int64_t>(want.blocks, 0, std::min(options_.step_credit_blocks, capacity / 8));
   if (pressure_.level() == PressureLevel::kCritical) target = 0;
   else if (pressure_.level() == PressureLevel::kHigh) target /= 4;
   cache_state::WorkerCredit& wc = credit_[worker];
@@ -250,15 +280,22 @@ int64_t KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& princip
   // a grow, named twice, never granted) is skipped; the answer lists what it holds.
   int64_t back = 0;
   for (BlockIndex b : want.returned) {
-    if (b >= pool.blocks.size() || !owners_.Release(want.pool, b, me).ok()) continue;
+    if (b >= pool.blocks.size() || (hybrid && pool.allocator.GroupOf(b) != g)) continue;
+    if (!owners_.Release(want.pool, b, me).ok()) continue;
     UnrefLocked(want.pool, b);
     ++back;
   }
   if (back > 0) {
-    ledger_.Unreserve(want.pool, back);
-    workers_.AddUsage(wc.principal, 0, -ledger_.BytesOf(want.pool, back));
+    if (hybrid) ledger_.UnreserveUnits(want.pool, units(back));
+    else ledger_.Unreserve(want.pool, back);
+    workers_.AddUsage(wc.principal, 0, -bytes(back));
   }
-  const int64_t have = static_cast<int64_t>(owners_.BlocksOf(pc.serial).size());
+  int64_t have = 0;
+  if (!hybrid) {
+    have = static_cast<int64_t>(owners_.BlocksOf(pc.serial).size());
+  } else {
+    for (BlockIndex b : owners_.BlocksOf(pc.serial)) have += pool.allocator.GroupOf(b) == g ? 1 : 0;
+  }
   int64_t wanted = 0;
   if (have > target) {
     // Never taken here: the worker may be placing any of them into a request at this moment
@@ -268,16 +305,17 @@ int64_t KvCache::SetCreditLocked(const WorkerId& worker, const WorkerId& princip
     int64_t n = target - have;
     // As much as fits now: the budget (so every admitted request still gets its blocks), the
     // worker's limits, and the blocks free or reclaimable.
-    while (n > 0 && (!ledger_.CanReserve(want.pool, n) ||
-                     !CheckWorkerLimitsLocked(wc.principal, 0, ledger_.BytesOf(want.pool, n)).ok() ||
-                     n > pool.allocator.num_free() + pool.num_cached_unreferenced)) {
+    const int64_t reclaimable = hybrid ? pool.allocator.num_free(g) + pool.EvictableIn(g)
+                                       : pool.allocator.num_free() + pool.num_cached_unreferenced;
+    while (n > 0 && (!can_reserve(n) || !CheckWorkerLimitsLocked(wc.principal, 0, bytes(n)).ok() || n > reclaimable)) {
       n /= 2;
     }
     if (n > 0) {
-      absl::StatusOr<std::vector<BlockIndex>> got = AllocateOwnedLocked(want.pool, n, pc.serial, &me);
+      absl::StatusOr<std::vector<BlockIndex>> got = AllocateOwnedLocked(want.pool, n, pc.serial, &me, g);
       KVD_CHECK(got.ok());
-      KVD_CHECK(ledger_.Reserve(want.pool, n).ok());
-      workers_.AddUsage(wc.principal, 0, ledger_.BytesOf(want.pool, n));
+      if (hybrid) KVD_CHECK(ledger_.ReserveUnits(want.pool, units(n)).ok());
+      else KVD_CHECK(ledger_.Reserve(want.pool, n).ok());
+      workers_.AddUsage(wc.principal, 0, bytes(n));
     }
   }
   if (owners_.BlocksOf(pc.serial).empty()) wc.pools.erase(want.pool);
@@ -297,9 +335,15 @@ void KvCache::DropCreditLocked(const WorkerId& worker, std::vector<CreditHeld>* 
       KVD_CHECK(owners_.Release(pool, b, me).ok());
       UnrefLocked(pool, b);
     }
+    if (pools_[pool]->geometry.hybrid()) {  // each group's units
+      const std::vector<int64_t> units = UnitsOfLocked(pool, blocks);
+      ledger_.UnreserveUnits(pool, units);
+      workers_.AddUsage(it->second.principal, 0, -ledger_.BytesOfUnits(pool, units));
+    } else {
+      ledger_.Unreserve(pool, n);
+      workers_.AddUsage(it->second.principal, 0, -ledger_.BytesOf(pool, n));
+    }
     if (taken != nullptr) taken->push_back(CreditHeld{pool, std::move(blocks)});
-    ledger_.Unreserve(pool, n);
-    workers_.AddUsage(it->second.principal, 0, -ledger_.BytesOf(pool, n));
   }
   credit_.erase(it);
 }

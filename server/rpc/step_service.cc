@@ -80,6 +80,13 @@ StepOp OpFromProto(const v1::StepItem& item) {
       op.kind = StepOpKind::kGrow;
       op.tokens = item.grow().tokens();
       op.credit_blocks.assign(item.grow().credit_blocks().begin(), item.grow().credit_blocks().end());
+      for (const v1::CreditEntry& e : item.grow().credit()) {  // a hybrid pool's {group, block} entries
+        op.credit_blocks.push_back(e.block());
+        op.credit_groups.push_back(e.group());
+      }
+      if (!op.credit_groups.empty() && item.grow().credit_blocks_size() > 0) {
+        op.credit_groups.push_back(-1);  // both named: KvCache refuses the mismatch, naming credit_blocks
+      }
       op.computed_tokens = item.grow().computed_tokens();
       break;
     case v1::StepItem::kPublish:
@@ -167,10 +174,16 @@ absl::Status KvdService::CheckStep(const v1::StepRequest& req) const {
     return absl::InvalidArgumentError(
         absl::StrCat("step has ", req.items_size(), " items; at most ", kMaxStepItems));
   }
-  absl::flat_hash_map<std::string, int> seen;
+  absl::flat_hash_map<std::pair<std::string, int>, int> seen;
   for (int i = 0; i < req.credit_size(); ++i) {
     const v1::CreditWant& c = req.credit(i);
     KVD_ASSIGN_OR_RETURN(const PoolId pool, cache_->FindPool(c.pool()));
+    // Credit is per (pool, group) on a hybrid pool; a pool without groups is group 0.
+    const int num_groups = std::max<int>(1, static_cast<int>(cache_->pools()[pool].groups.size()));
+    if (c.group() < 0 || c.group() >= num_groups) {
+      return absl::InvalidArgumentError(absl::StrCat("credit for pool '", c.pool(), "' names group ", c.group(),
+                                                     "; the pool has ", num_groups));
+    }
     if (c.returned_size() > cache_->pools()[pool].capacity_blocks) {
       return absl::InvalidArgumentError(absl::StrCat("credit for pool '", c.pool(), "' returns ", c.returned_size(),
                                                      " blocks, more than the pool has"));
@@ -178,8 +191,10 @@ absl::Status KvdService::CheckStep(const v1::StepRequest& req) const {
     if (c.blocks() < 0) {
       return absl::InvalidArgumentError(absl::StrCat("credit for pool '", c.pool(), "' asks for ", c.blocks(), " blocks"));
     }
-    if (!seen.emplace(c.pool(), i).second) {
-      return absl::InvalidArgumentError(absl::StrCat("credit names pool '", c.pool(), "' twice"));
+    if (!seen.emplace(std::make_pair(c.pool(), c.group()), i).second) {
+      return absl::InvalidArgumentError(num_groups > 1 ? absl::StrCat("credit names group ", c.group(), " of pool '",
+                                                                      c.pool(), "' twice")
+                                                       : absl::StrCat("credit names pool '", c.pool(), "' twice"));
     }
   }
   return absl::OkStatus();
@@ -295,7 +310,7 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
   for (const v1::CreditWant& c : req->credit()) {
     const PoolId pool = *cache_->FindPool(c.pool());
     wants.push_back(CreditWant{pool, starts_waiting ? 0 : c.blocks(),
-                               std::vector<BlockIndex>(c.returned().begin(), c.returned().end())});
+                               std::vector<BlockIndex>(c.returned().begin(), c.returned().end()), c.group()});
   }
   const bool credit_now = starts.empty();
   auto held = std::make_shared<std::vector<CreditHeld>>();
@@ -325,6 +340,7 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
       out->set_pool_id(c.pool);
       out->mutable_blocks()->Add(c.blocks.begin(), c.blocks.end());
       out->set_wanted(c.wanted);
+      out->set_group(c.group);  // 0 (not on the wire) on a pool without groups
     }
     std::vector<StepLog::Waiter> waiters;
     {

@@ -260,9 +260,9 @@ TEST_CASE("hybrid refusals change nothing", "[groups]") {
   r = Grow(*cache, "r", 0, 40);  // computed past the tokens
   CHECK(absl::IsInvalidArgument(r.status));
   same();
-  r = Grow(*cache, "r", 1, 0, {0});  // credit is not per group yet
-  CHECK(absl::IsFailedPrecondition(r.status));
-  CHECK_THAT(std::string(r.status.message()), Catch::Contains("credit"));
+  r = Grow(*cache, "r", 1, 0, {0});  // credit without its group (kv_cache_group_credit_test.cc)
+  CHECK(absl::IsInvalidArgument(r.status));
+  CHECK_THAT(std::string(r.status.message()), Catch::Contains("credit_blocks"));
   same();
   r = Grow(*cache, "r", 1000, 0);  // past max_model_len
   CHECK(absl::IsOutOfRange(r.status));
