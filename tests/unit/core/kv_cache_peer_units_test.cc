@@ -48,22 +48,26 @@ std::unique_ptr<KvCache> Cache(FakeClock* clock) {
 
 const Namespace kNs{.pool = "h"};
 
-// On `cache`, request `id` computes `prompt` (8 blocks and a token) and publishes it with the state
-// at 32 tokens; returns its tables as they were when it published.
+// On `cache`, request `id` computes `prompt` and publishes its first `depth` blocks (even) with the
+// state after them; returns its tables as they were when it published.
 struct Published {
   std::vector<BlockIndex> full;
-  std::vector<BlockIndex> swa;  // positions 6 and 7
+  std::vector<BlockIndex> swa;  // positions depth - 2 and depth - 1
   BlockIndex checkpoint = 0;
 };
-Published PublishUnit(KvCache& cache, const std::string& id, const std::vector<Token>& prompt) {
+Published PublishUnit(KvCache& cache, const std::string& id, const std::vector<Token>& prompt, int64_t depth = 8) {
   const RequestSpec a = Spec(id, prompt, 0, "h");
   const AcquireResult ra = testing::Start(cache, a);
   testing::GroupView swa{ra.group_tables[kSwa].first_block_position, ra.group_tables[kSwa].blocks};
-  for (int64_t computed : {8, 16, 24, 32}) swa.Apply(testing::Grow(cache, id, 0, computed).group_tables[kSwa]);
-  REQUIRE(swa.first == 6);
-  Published out{{ra.blocks.begin(), ra.blocks.begin() + 8}, {swa.at(6), swa.at(7)}, ra.group_tables[kRec].blocks[1]};
-  const absl::StatusOr<PublishResult> p =
-      cache.Publish(a.id, prompt, out.full, std::vector<StateCheckpoint>{{kRec, 32, out.checkpoint}});
+  for (int64_t computed = 8; computed <= depth * 4; computed += 8) {
+    swa.Apply(testing::Grow(cache, id, 0, computed).group_tables[kSwa]);
+  }
+  REQUIRE(swa.first == depth - 2);
+  Published out{{ra.blocks.begin(), ra.blocks.begin() + depth},
+                {swa.at(depth - 2), swa.at(depth - 1)},
+                ra.group_tables[kRec].blocks[1]};
+  const absl::StatusOr<PublishResult> p = cache.Publish(a.id, absl::MakeConstSpan(prompt).first(depth * 4), out.full,
+                                                        std::vector<StateCheckpoint>{{kRec, depth * 4, out.checkpoint}});
   REQUIRE(p.ok());
   REQUIRE(p->checkpoint_outcomes == std::vector<CheckpointOutcome>{CheckpointOutcome::kKept});
   REQUIRE(cache.Release(a.id, true).ok());
@@ -211,5 +215,45 @@ TEST_CASE("a borrower whose spine holds the prompt past its hit pulls no unit (i
   RequireInvariants(*borrower);
 }
 
+
+TEST_CASE("a borrower with a hit of its own pulls the rest: its old checkpoint goes, the new one stands for the spare",
+          "[core][peer]") {
+  FakeClock clock;
+  auto borrower = Cache(&clock);
+  const std::vector<Token> prompt = Seq(1, 33);
+  // The borrower holds the unit at 16 tokens itself: its start hits there.
+  const Published local = PublishUnit(*borrower, "x", Seq(1, 17), 4);
+  const RequestSpec b = Spec("b", prompt, 0, "h");
+  const AcquireResult rb = testing::Start(*borrower, b);
+  REQUIRE(rb.cached_tokens == 16);
+  REQUIRE(rb.group_tables[kRec].checkpoint_slot == local.checkpoint);
+  REQUIRE(rb.group_tables[kRec].blocks.size() == 1);
+  REQUIRE(rb.group_tables[kSwa].first_block_position == 2);
+  auto targets = borrower->PinUnitTargets(b.id, 8);
+  REQUIRE(targets.ok());
+  // Full [4, 8), the window's 6 and 7 (past the table's horizon at 6: loose), the running slot.
+  REQUIRE(targets->blocks.size() == 4 + 2 + 1);
+  CHECK(targets->loose.size() == 2);
+  CHECK(targets->blocks.back() == rb.group_tables[kRec].blocks[0]);
+  REQUIRE(borrower->FinishUnitPull(b.id, 0, 8, *targets, /*written=*/true).ok());
+  RequireInvariants(*borrower);
+  auto tables = borrower->GroupTablesOf(b.id);
+  REQUIRE(tables.ok());
+  CHECK((*tables)[kRec].checkpoint_slot == targets->blocks.back());
+  REQUIRE((*tables)[kRec].blocks.size() == 1);  // a fresh spare; the hit's checkpoint stands for the other
+  CHECK((*tables)[kRec].blocks[0] != targets->blocks.back());
+  CHECK((*tables)[kSwa].first_block_position == 6);
+  CHECK((*tables)[kSwa].blocks[0] == targets->blocks[4]);
+  // Both units are cached: the one at 16 (unreferenced now) and the pulled one at 32.
+  CHECK(*borrower->PeekPrefixLen(kNs, Seq(1, 17)) == 16);
+  CHECK(*borrower->PeekPrefixLen(kNs, prompt) == 32);
+  const AcquireResult hit = testing::Start(*borrower, Spec("c", Concat(Seq(1, 32), {5}), 0, "h"));
+  CHECK(hit.cached_tokens == 32);
+  CHECK(hit.group_tables[kRec].checkpoint_slot == targets->blocks.back());
+  REQUIRE(borrower->Release(b.id, true).ok());
+  REQUIRE(borrower->Release(RequestId("c"), true).ok());
+  RequireInvariants(*borrower);
+  for (int g : {kFull, kSwa, kRec}) CHECK(Group(borrower->Report(), g).owned == 0);
+}
 }  // namespace
 }  // namespace kvd
