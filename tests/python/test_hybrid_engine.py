@@ -19,6 +19,7 @@ Usage: test_hybrid_engine.py KVD_BINARY [--backend=cuda]   (PYTHONPATH: the buil
 tests/python). With --backend=cuda (the GPU bundle's hybrid_model step, tests/gpu/hybrid_gpu_check.py)
 kvd keeps the pool on the GPU, the engine runs the model on the slab's device through kv_tensor,
 and the reference runs on the same device."""
+import contextlib
 import json
 import os
 import subprocess
@@ -100,8 +101,11 @@ def main(argv):
         if not d.started:
             return finish()
         try:
+            # The resuming worker: another client on the host backend; on CUDA the same one (a
+            # process opens a CUDA IPC handle once).
             with Client(d.target, expect=[expectation(CFG, "hy", K)]) as c, \
-                    Client(d.target, worker_name="python-2", expect=[expectation(CFG, "hy", K)]) as c2:
+                    (contextlib.nullcontext(c) if cuda else
+                     Client(d.target, worker_name="python-2", expect=[expectation(CFG, "hy", K)])) as c2:
                 device = str(c.kv_tensor("hy", group="full", dtype=torch.float32, inner_shape=CFG.kv_inner_shape).device)
                 check(device.startswith("cuda") == cuda, f"the pool's slab is on {device}")
                 if device != "cpu":
@@ -169,8 +173,9 @@ def negative_controls(c):
 
 def preempt_resume(c, c2):
     """P is preempted between decode positions on one worker (its running slot named as the state
-    at its 19 positions, off a block boundary) and resumed on another worker, which copies the
-    state kvd answers into its running slot; Q runs beside it throughout. Both are exact."""
+    at its 19 positions, off a block boundary) and resumed on worker c2 (another one, or the same),
+    which copies the state kvd answers into its running slot; Q runs beside it throughout. Both
+    are exact."""
     eng = HybridBatchEngine(c, "hy", MODEL, token_budget=12)
     eng.submit("P", A, MAX_NEW, salt="preempt")
     eng.submit("Q", E, MAX_NEW, salt="preempt")
@@ -182,7 +187,8 @@ def preempt_resume(c, c2):
     r = other.run()["P"]
     check(r["preemptions"] == 1 and r["cached_tokens"] == 0 and r["resumed_at"] == 19,
           f"P was preempted once and resumed at its 19 positions ({r['preemptions']}, {r['resumed_at']})")
-    check(exact(r, A), "P, preempted at 19 tokens and resumed on another worker: tokens and logits bit for bit")
+    where = "the same worker" if c2 is c else "another worker"
+    check(exact(r, A), f"P, preempted at 19 tokens and resumed on {where}: tokens and logits bit for bit")
     check(exact(q, E), "Q, in the batch beside it: bit for bit")
 
 
