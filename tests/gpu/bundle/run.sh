@@ -186,7 +186,9 @@ else
   if [ "$rc" -eq 4 ]; then
     record hybrid_model 0 "$secs" "$(tail -1 "$out/hybrid_model.log")"
   else
-    record hybrid_model "$rc" "$secs" "$(grep -E '^FAIL|failed$' "$out/hybrid_model.log" | tail -6)"
+    detail=$(grep -E '^FAIL|failed$' "$out/hybrid_model.log" | tail -6)
+    [ "$rc" -eq 0 ] || grep -q '^FAIL' "$out/hybrid_model.log" || detail=$(tail -4 "$out/hybrid_model.log")
+    record hybrid_model "$rc" "$secs" "$detail"
   fi
 fi
 
