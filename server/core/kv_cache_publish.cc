@@ -7,6 +7,28 @@
 #include "proto/vocab/status_macros.h"
 
 namespace kvd {
+namespace {
+
+// A request's own copies of duplicates are charged as blocks, or on a hybrid pool as units of its
+// spine group (the full group whose blocks its table holds).
+std::vector<int64_t> CopyUnits(const PoolGeometry& geo, int spine_group, int64_t copies) {
+  std::vector<int64_t> units(geo.groups.size(), 0);
+  units[spine_group] = copies;
+  return units;
+}
+
+bool CanReserveCopies(const BudgetLedger& ledger, const PoolGeometry& geo, int spine_group, PoolId pool,
+                      int64_t copies) {
+  return geo.hybrid() ? ledger.CanReserveUnits(pool, CopyUnits(geo, spine_group, copies))
+                      : ledger.CanReserve(pool, copies);
+}
+
+int64_t CopiesBytes(const BudgetLedger& ledger, const PoolGeometry& geo, int spine_group, PoolId pool,
+                    int64_t copies) {
+  return geo.hybrid() ? ledger.BytesOfUnits(pool, CopyUnits(geo, spine_group, copies)) : ledger.BytesOf(pool, copies);
+}
+
+}  // namespace
 
 absl::Status KvCache::CheckKnownTokensLocked(const Request& req,
                                              absl::Span<const Token> tokens) const {
@@ -120,18 +142,21 @@ absl::StatusOr<PublishResult> KvCache::PlanPublishLocked(const Request& req,
     }
     return absl::OkStatus();
   };
-  // Hybrid pools keep the old rule: the request's window blocks and checkpoints at a duplicate's
-  // positions would have to attach to the cached node's components, which the spine does not do
-  // yet (docs/hybrid.md).
-  bool cont = !pool.geometry.hybrid();
+  // Hybrid pools with a spine continue too: the cached node takes the position, and the request's
+  // window blocks and checkpoints at later positions attach to the continued chain; at the
+  // duplicate's own position they fill what the cached node lacks (PublishSideLocked).
+  bool cont = !pool.geometry.hybrid() || pool.spine != nullptr;
   PublishResult plan;
   int64_t copies = 0;
   KVD_RETURN_IF_ERROR(plan_with(cont, plan, copies));
   // Before End, each own copy stays while the request runs: its reservation grows by one block
-  // per copy, when the budget and the worker's limits allow; else the chain stops (End continues it).
+  // (a hybrid pool: one unit of its spine group) per copy, when the budget and the worker's limits
+  // allow; else the chain stops (End continues it).
   if (cont && copies > 0 && !end &&
-      (!ledger_.CanReserve(req.pool, copies) ||
-       !CheckWorkerLimitsLocked(req.spec.limit_key(), 0, ledger_.BytesOf(req.pool, copies)).ok())) {
+      (!CanReserveCopies(ledger_, pool.geometry, pool.spine_group, req.pool, copies) ||
+       !CheckWorkerLimitsLocked(req.spec.limit_key(), 0,
+                                CopiesBytes(ledger_, pool.geometry, pool.spine_group, req.pool, copies))
+            .ok())) {
     cont = false;
     plan = PublishResult();
     KVD_RETURN_IF_ERROR(plan_with(cont, plan, copies));
@@ -258,9 +283,14 @@ absl::StatusOr<PublishResult> KvCache::PublishLocked(const RequestId& id,
   InflightPublishedLocked(*req, static_cast<int64_t>(plan.outcomes.size()));  // kv_cache_inflight.cc
   if (copies > 0 && !end) {
     // The own copies stay while the request runs: its reservation covers them (checked by the plan).
-    KVD_CHECK(ledger_.Reserve(req->pool, copies).ok());
+    if (pool.geometry.hybrid()) {
+      KVD_CHECK(ledger_.ReserveUnits(req->pool, CopyUnits(pool.geometry, pool.spine_group, copies)).ok());
+      req->reserved_units[pool.spine_group] += copies;
+    } else {
+      KVD_CHECK(ledger_.Reserve(req->pool, copies).ok());
+    }
     req->reserved_blocks += copies;
-    workers_.AddUsage(req->spec.limit_key(), 0, ledger_.BytesOf(req->pool, copies));
+    workers_.AddUsage(req->spec.limit_key(), 0, CopiesBytes(ledger_, pool.geometry, pool.spine_group, req->pool, copies));
   }
   counters_.published_blocks += plan.kept;
   LearnTokensLocked(*req, tokens);
