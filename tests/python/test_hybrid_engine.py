@@ -10,7 +10,8 @@ reading one window block too few, one too many, and a stale state (the checkpoin
 each change the logits at the first computed position. The same exactness after a preemption
 resumed on another worker, after a warm restart (flush to the disk tier, a new kvd reading it),
 across a hot handoff (kvd --takeover; a request preempted before it resumes after it) and after
-a pull from a peer kvd (mutual TLS on loopback).
+a pull from a peer kvd (mutual TLS on loopback). A careless engine whose client closes
+mid-generation leaves nothing owned or reserved, and what it published is served exactly.
 
 Pool: 4-token blocks, W = 6 (the window straddles a block), checkpoints every k = 2 blocks with
 the tail on, step_tokens 8.
@@ -25,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -113,6 +115,8 @@ def main(argv):
                 reuse(c)
                 negative_controls(c)
                 preempt_resume(c, c2)
+                if not cuda:
+                    careless_engine(d.target, c)
         finally:
             d.stop()
         if not cuda:  # the host backend's: tiers, a host handoff, peers on loopback
@@ -190,6 +194,30 @@ def preempt_resume(c, c2):
     where = "the same worker" if c2 is c else "another worker"
     check(exact(r, A), f"P, preempted at 19 tokens and resumed on {where}: tokens and logits bit for bit")
     check(exact(q, E), "Q, in the batch beside it: bit for bit")
+
+
+def careless_engine(target, observer):
+    """An engine whose client closes mid-generation, without ending its requests (one past its
+    checkpoint at 8, one in its first chunk): nothing stays owned or reserved, and what it
+    published is served exactly to the next engine (B hits the checkpoint at 8)."""
+    careless = Client(target, worker_name="careless", expect=[expectation(CFG, "hy", K)])
+    eng = HybridBatchEngine(careless, "hy", MODEL)
+    eng.submit("A", A, MAX_NEW, salt="careless")
+    eng.submit("E", E, MAX_NEW, salt="careless")
+    eng.run(until=lambda e: e.steps >= 3)
+    live = counts(observer)
+    careless.close()
+    deadline = time.monotonic() + 5
+    left = counts(observer)
+    while left != (0, 0) and time.monotonic() < deadline:  # its detach may land after close() returns
+        time.sleep(0.02)
+        left = counts(observer)
+    check(live[0] > 0 and left == (0, 0), f"a client closed mid-generation leaves nothing owned or reserved ({live} -> {left})")
+    eng = HybridBatchEngine(observer, "hy", MODEL)
+    eng.submit("B", B, MAX_NEW, salt="careless")
+    r = eng.run()["B"]
+    check(r["cached_tokens"] == 8 and exact(r, B),
+          f"what it published (the checkpoint at 8) is served bit for bit ({r['cached_tokens']})")
 
 
 def handoff(kvd, tmp):
