@@ -830,6 +830,24 @@ class Client:
         with self._step_lock:
             return self._stepper.step(batch)
 
+    def step_submit(self, batch):
+        """Client.step with the round trip left in flight: a kvd.step.StepFuture whose result() is
+        the list Client.step returns. What needs no round trip is placed before it returns (growth
+        on credit: req.blocks has its blocks), so the engine may compute into blocks it owns while
+        kvd answers; the rest (starts, growth past the credit) is known once result() returns. The
+        next step of this client waits for this one's answer first."""
+        with self._step_lock:
+            return self._stepper.submit(batch)
+
+    def step_flush(self):
+        """Sends what steps hold back (growth on credit, publishes and ends given hold_s), if
+        anything, after the step in flight; their StepResults get their outcomes. KvdError when
+        that step fails as a whole."""
+        with self._step_lock:
+            f = self._stepper.submit(StepBatch(), overlap=False, force=True)
+        if f._error is not None:
+            raise f._error
+
     def step_credit(self, pool):
         """Credit blocks held now in `pool` (name or id)."""
         return len(self._stepper.credit.get(self.pool(pool).id, []))
@@ -896,6 +914,11 @@ class Client:
         return self._rpc("Flush", kvd_pb2.FlushRequest())
 
     def close(self):
+        if not self._closed.is_set() and (self._stepper.ops or self._stepper.inflight is not None):
+            try:  # publishes and ends held back go out before the stream ends (best effort)
+                self.step_flush()
+            except KvdError:
+                pass
         if not self._closed.is_set():
             self._closed.set()
             self._outbox.put(None)

@@ -22,6 +22,17 @@ with the same sequence number while the attachment lasts (kvd answers a repeat f
 kvd never takes credit back: it asks (StepCredit.wanted), and the next step that goes out returns
 that many unplaced blocks by name. A step whose outcome stays unknown drops the credit list until
 an answer lists it again.
+
+Publishes and ends given `hold_s` are held back the same way (their StepResult is `deferred`, OK
+for now, and filled in when the step carrying them is answered): they go out after the held
+growth, before the items of the next step that must go out, or once `hold_s` has passed at a
+step, or with Client.step_flush (Client.close does one). Until then their blocks are the
+request's own in kvd: a worker that dies first has them released unpublished, as any live
+request's. Not on hybrid pools, nor with state checkpoints (their answer changes the tables).
+
+Client.step_submit sends a step without waiting (grpc's future API) and returns a StepFuture:
+the engine computes into the blocks it already owns (growth on credit is placed before it
+returns) while the round trip is in flight, then takes result() (starts, growth past the credit).
 """
 import time
 
@@ -158,8 +169,11 @@ class StepResult:
     replaced a kept slot, -1 otherwise)."""
 
     def __init__(self, code=grpc.StatusCode.OK, message="", waiting=False, kept=0, already_cached=0,
-                 duplicates=0, no_parent=0, checkpoint_outcomes=(), fresh_slots=(), in_flight=None):
+                 duplicates=0, no_parent=0, checkpoint_outcomes=(), fresh_slots=(), in_flight=None, deferred=False):
         self.code, self.message, self.waiting = code, message, waiting
+        # A publish or end held back (hold_s): OK for now; the step that carries it fills in its
+        # outcome (code, kept, ...) in this object and clears `deferred`.
+        self.deferred = deferred
         self.in_flight = in_flight  # start: the blocks in flight it waits for (`waiting`), or found
         self.kept, self.already_cached, self.duplicates, self.no_parent = kept, already_cached, duplicates, no_parent
         self.checkpoint_outcomes, self.fresh_slots = list(checkpoint_outcomes), list(fresh_slots)
@@ -173,6 +187,7 @@ class StepBatch:
     def __init__(self):
         self.items = []
         self.computed_tokens = {}  # item index -> a grow's computed_tokens (hybrid pools)
+        self.hold_s = {}  # item index -> how long a publish or end may be held back
 
     def start(self, req, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="", adapter="",
               max_wait_s=30.0, peer="", wait_in_flight_s=0.0):
@@ -198,12 +213,16 @@ class StepBatch:
             self.computed_tokens[len(self.items) - 1] = computed_tokens
         return self
 
-    def publish(self, req, tokens, num_blocks, state_checkpoints=()):
+    def publish(self, req, tokens, num_blocks, state_checkpoints=(), hold_s=0.0):
         """The request's first `num_blocks` blocks, filled for `tokens`. Hybrid pools:
         `state_checkpoints`, (group index, position_tokens, slot) of the request's state slots,
-        published after the blocks (before a grow of the same step releases their window)."""
+        published after the blocks (before a grow of the same step releases their window).
+        `hold_s` > 0: the publish may be held back that long, to ride the next step that goes out
+        anyway (its StepResult is `deferred` until then); not on hybrid pools."""
         self.items.append(("publish", req, kvd_pb2.StepPublish(tokens=list(tokens), num_blocks=num_blocks,
                                                                state_checkpoints=_state_checkpoints(state_checkpoints))))
+        if hold_s > 0:
+            self.hold_s[len(self.items) - 1] = hold_s
         return self
 
     def checkpoint(self, req, tokens, engine_state=b"", state_checkpoints=()):
@@ -215,12 +234,16 @@ class StepBatch:
             tokens=list(tokens), engine_state=engine_state, state_checkpoints=_state_checkpoints(state_checkpoints))))
         return self
 
-    def end(self, req, publish_blocks=0, more_tokens=(), completed=True, state_checkpoints=()):
+    def end(self, req, publish_blocks=0, more_tokens=(), completed=True, state_checkpoints=(), hold_s=0.0):
         """Publishes the first `publish_blocks` blocks and releases. Hybrid pools:
-        `state_checkpoints` as publish's, e.g. the tail (the state at the last full block)."""
+        `state_checkpoints` as publish's, e.g. the tail (the state at the last full block).
+        `hold_s` > 0: held back as publish's; the request is no longer live here at once, its
+        blocks stay its own in kvd until the end goes out (a crash first: released unpublished)."""
         self.items.append(("end", req, kvd_pb2.EndRequest(publish_blocks=publish_blocks, more_tokens=list(more_tokens),
                                                           completed=completed,
                                                           state_checkpoints=_state_checkpoints(state_checkpoints))))
+        if hold_s > 0:
+            self.hold_s[len(self.items) - 1] = hold_s
         return self
 
     def preempt(self, req, tokens=(), engine_state=b"", state_checkpoints=()):
@@ -236,8 +259,32 @@ def _blocks_for(tokens, block_tokens):
     return (tokens + block_tokens - 1) // block_tokens
 
 
+class StepFuture:
+    """A step in flight (Client.step_submit): `result()` waits for kvd's answer and applies it (the
+    list of StepResult, as Client.step returns); `done()` says whether that would not block. Items
+    placed without a round trip (growth on credit, held publishes and ends) already hold their
+    outcome. The next step of the same client waits for this one first (its sequence number and
+    credit follow from the answer)."""
+
+    def __init__(self, stepper, results, pending=None, call=None):
+        self._stepper, self._results, self._pending, self._call = stepper, results, pending, call
+        self._error = None
+        self._settled = pending is None
+
+    def done(self):
+        return self._settled or self._call is None or self._call.done()
+
+    def result(self):
+        with self._stepper._client._step_lock:
+            self._stepper._settle(self)
+        if self._error is not None:
+            raise self._error
+        return self._results
+
+
 class Stepper:
-    """The client's step state: sequence number, credit per pool, growth held back."""
+    """The client's step state: sequence number, credit per pool, growth, publishes and ends held
+    back, the step in flight."""
 
     def __init__(self, client, credit_blocks):
         self._client = client
@@ -247,21 +294,57 @@ class Stepper:
         self.credit = {}     # pool id -> [block]
         self.wanted = {}     # pool id -> blocks kvd asked back, returned by the next step
         self.held = {}       # StepRequest -> [tokens, [credit blocks]] (insertion ordered)
+        self.ops = []        # publishes and ends held back: [kind, req, arg, StepResult, send by]
         self.peak = {}       # pool id -> most blocks one step took
+        self.inflight = None  # the StepFuture whose answer has not been applied yet
 
     def _want(self, pool_id):
         return 0 if self.credit_blocks <= 0 else max(self.credit_blocks, 2 * self.peak.get(pool_id, 0))
 
     def step(self, batch):
+        f = self.submit(batch, overlap=False)
+        if f._error is not None:
+            raise f._error
+        return f._results
+
+    def submit(self, batch, overlap=True, force=False):
+        """Places what needs no round trip and sends the rest; a StepFuture. `overlap`: the RPC is
+        started and left in flight (grpc's future API); otherwise it is made here. `force`: send
+        held items even when nothing else must go."""
+        if self.inflight is not None:
+            self._settle(self.inflight)
+        results, pending = self._prepare(batch, force)
+        f = StepFuture(self, results, pending)
+        if pending is None:
+            return f
+        if overlap:
+            c = pending["client"]
+            try:
+                f._call = c._stub.Step.future(pending["step"], timeout=30)
+                c.rpc_calls += 1
+                self.inflight = f
+            except ValueError as e:  # a stub whose channel a re-attach closed under the call
+                if "closed channel" not in str(e):
+                    raise
+                self._settle(f)  # sent (again) the ordinary way, which says what happened
+        else:
+            self._settle(f)
+        return f
+
+    def _prepare(self, batch, force):
         c = self._client
         epoch = c.epoch
-        if epoch != self.epoch:  # a new attachment: credit and held growth went with the old one
-            self.epoch, self.seq, self.credit, self.held, self.peak = epoch, 0, {}, {}, {}
+        if epoch != self.epoch:  # a new attachment: credit and held items went with the old one
+            for _, req, _, out, _ in self.ops:
+                out.code, out.message, out.deferred = (grpc.StatusCode.ABORTED,
+                                                       f"request {req.id!r} was lost with a kvd restart", False)
+            self.epoch, self.seq, self.credit, self.held, self.peak, self.ops = epoch, 0, {}, {}, {}, []
             self.wanted = {}
         results = [StepResult() for _ in batch.items]
         send = [False] * len(batch.items)
         must, publishes = False, False
         used, need = set(), {}
+        now = time.monotonic()
         for i, (kind, req, arg) in enumerate(batch.items):
             if kind == "start":
                 pool = c.pool(arg.admit.namespace.pool)
@@ -284,6 +367,15 @@ class Stepper:
             pool = c.pool(req.pool_id)
             if not pool.groups:
                 used.add(req.pool_id)
+            hold = batch.hold_s.get(i, 0.0)
+            if hold > 0 and kind in ("publish", "end") and not pool.groups and not arg.state_checkpoints:
+                # Held back: the blocks stay the request's until the step that carries it (a
+                # crash before then releases them as a live request's, unpublished).
+                out = results[i] = StepResult(deferred=True)
+                self.ops.append([kind, req, arg, out, now + hold])
+                if kind == "end":
+                    req.live = False
+                continue
             if kind != "grow" or pool.groups:  # a hybrid pool grants no credit yet
                 send[i] = must = True
                 publishes |= kind not in ("end", "grow") or (
@@ -308,8 +400,9 @@ class Stepper:
         for p, n in need.items():
             self.peak[p] = max(self.peak.get(p, 0), n)
         low = bool(self.wanted) or any(len(self.credit.get(p, [])) < self._want(p) // 2 for p in used)
-        if not must and not low:
-            return results
+        due = any(op[4] <= now for op in self.ops)
+        if not must and not low and not due and not (force and (self.ops or self.held)):
+            return results, None
 
         step = kvd_pb2.StepRequest(worker_id=c.worker_id)
         self.seq += 1
@@ -318,6 +411,10 @@ class Stepper:
         self.held = {}
         for req, (tokens, blocks) in held:
             step.items.add(request_id=req.id, grow=kvd_pb2.StepGrow(tokens=tokens, credit_blocks=blocks))
+        ops, self.ops = self.ops, []
+        for kind, req, arg, _, _ in ops:  # after the growth held before them, before this batch
+            getattr(step.items.add(request_id=req.id), kind).CopyFrom(arg)
+            publishes |= kind == "publish" or arg.publish_blocks != 0
         sent = []
         for i, (kind, req, arg) in enumerate(batch.items):
             if not send[i]:
@@ -343,26 +440,63 @@ class Stepper:
             back = [mine.pop() for _ in range(min(owed, len(mine)))]  # off the list before it is sent
             step.credit.add(pool=c.pool(p).name, blocks=self._want(p), returned=back)
         self.wanted = {}
+        return results, {"client": c, "epoch": epoch, "step": step, "held": held, "ops": ops, "sent": sent,
+                         "batch": batch}
+
+    def _settle(self, f):
+        """Waits for f's answer (sending again while kvd is unreachable) and applies it, once."""
+        if f._settled:
+            return
+        f._settled = True
+        if self.inflight is f:
+            self.inflight = None
+        try:
+            self._apply(f._results, f._pending, self._exchange(f._pending, f._call))
+        except KvdError as e:
+            f._error = e
+
+    def _exchange(self, pending, call):
+        c, epoch, step, held, ops = (pending[k] for k in ("client", "epoch", "step", "held", "ops"))
         resp = None
         for attempt in range(3):
             try:
-                resp = c._rpc("Step", step)
+                if call is not None and attempt == 0:
+                    t = time.perf_counter()  # the part of the round trip not overlapped
+                    try:
+                        resp = call.result()
+                    except grpc.RpcError as e:  # pylint: disable=no-member
+                        raise KvdError(e.code(), e.details()) from None
+                    finally:
+                        c.rpc_seconds += time.perf_counter() - t
+                else:
+                    resp = c._rpc("Step", step)
                 break
             except KvdError as e:
                 if e.code != grpc.StatusCode.UNAVAILABLE or c.epoch != epoch or attempt == 2:
                     for req, _ in held:  # unknown whether kvd applied it: those requests are unusable
                         req.error = e
+                    for _, req, _, out, _ in ops:  # and whether these were
+                        out.code, out.message, out.deferred = e.code, e.details, False
                     self.credit, self.wanted = {}, {}  # and the credit is re-synced from the next answer
                     if c._lost(e, epoch):
                         raise KvdRestarted(f"step {step.seq}") from None
                     raise
                 time.sleep(0.05 * (1 << attempt))
+        return resp
+
+    def _apply(self, results, pending, resp):
+        epoch, held, ops, sent, batch = (pending[k] for k in ("epoch", "held", "ops", "sent", "batch"))
         for k, (req, _) in enumerate(held):
             r = resp.results[k]
             if r.code != 0:
                 req.error = KvdError(_code(r.code), r.message)
-        for k, i in enumerate(sent):
+        for k, (_, req, _, out, _) in enumerate(ops):  # the held items' outcomes, in place
             r = resp.results[len(held) + k]
+            out.code, out.message, out.deferred = _code(r.code), r.message, False
+            out.kept, out.already_cached, out.duplicates, out.no_parent = r.kept, r.already_cached, r.duplicates, r.no_parent
+        base = len(held) + len(ops)
+        for k, i in enumerate(sent):
+            r = resp.results[base + k]
             kind, req, arg = batch.items[i]
             out = StepResult(_code(r.code), r.message, r.waiting, r.kept, r.already_cached, r.duplicates, r.no_parent,
                              r.checkpoint_outcomes, r.fresh_slots,
@@ -399,7 +533,6 @@ class Stepper:
             self.credit[cr.pool_id] = list(cr.blocks)
             if cr.wanted > 0:
                 self.wanted[cr.pool_id] = cr.wanted
-        return results
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}

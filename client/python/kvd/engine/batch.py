@@ -14,6 +14,17 @@ are published (then it starts with them as a hit) or the computing request ends 
 passes; meanwhile the engine runs its other work and sends the start again each step
 (docs/integration.md, "Prefixes in flight").
 
+The step's round trip (docs/performance.md, "The continuous-batching engine on a trace"): ends
+and publishes go with `hold_s` (kvd.step), so they ride the next step that must go out anyway (a
+start, growth past the block credit) instead of making one of their own, and go out within
+hold_s, when the engine idles, or at the end of run(). With `overlap` (and a client that has
+step_submit), the step is sent and the model runs, while kvd answers, every scheduled position
+whose blocks the request already holds: prefill chunks of admitted prompts and decode positions
+the credit placed; what waits for the answer is growth past the credit (computed after it) and
+the starts. New arrivals' prefill was already one step after their start (the plan is made
+before the step), so they lose nothing to the overlap; the tokens are those of the synchronous
+path, bit for bit (tests/python/test_step_pipeline.py).
+
 The model is pluggable: `forward(kv_io, tokens, start, end)` computes positions [start, end)
 (writing their KV through kv_io) and returns one bytes "logit row" per position. PatternModel
 needs no weights and no torch: the KV of position p is the kv_pattern.h bytes of (token, p), and
@@ -119,10 +130,12 @@ class _Gen:
 class BatchEngine:
     """`preempt_after`: when the head of the waiting queue has waited this many steps (kvd answered
     `waiting` for admission), the youngest running request is preempted to make room (0: never).
-    `wait_in_flight_s`: how long a start may be deferred while its prefix is in flight (0: never)."""
+    `wait_in_flight_s`: how long a start may be deferred while its prefix is in flight (0: never).
+    `hold_s`: how long an end or publish may be held back for a step that goes out anyway (0: sent
+    with its own step). `overlap`: run the model while the step's round trip is in flight."""
 
     def __init__(self, client, pool="default", model=None, token_budget=256, max_running=32, chunk=64,
-                 max_wait_s=30.0, preempt_after=0, wait_in_flight_s=0.0):
+                 max_wait_s=30.0, preempt_after=0, wait_in_flight_s=0.0, hold_s=0.05, overlap=True):
         self.client, self.pool = client, pool
         self.model = model or PatternModel()
         self.token_budget, self.max_running, self.chunk = token_budget, max_running, chunk
@@ -137,6 +150,9 @@ class BatchEngine:
         self.prefill_tokens = 0  # positions computed for prompts (reuse lowers it)
         self.wait_in_flight_s = wait_in_flight_s
         self.deferred_in_flight = 0  # start answers deferred for a prefix in flight
+        self.hold_s = hold_s
+        self.overlap = overlap and hasattr(client, "step_submit")
+        self.held = []  # (kind, rid, StepResult) of publishes and ends held back, not yet answered
 
     def submit(self, rid, prompt, max_new=8, salt=""):
         self.waiting.append(_Gen(rid, prompt, max_new, salt))
@@ -152,10 +168,27 @@ class BatchEngine:
                 _, rid, prompt, max_new, salt = pending.popleft()
                 self.submit(rid, prompt, max_new, salt)
             if not (self.waiting or self.running or self.finished):
+                self.flush()  # idle: what is held back goes out now
                 time.sleep(max(0.0, pending[0][0] - now))
                 continue
             self.step()
+        self.flush()
         return self.results
+
+    def flush(self):
+        """Sends the publishes and ends held back; RuntimeError naming one kvd refused."""
+        if self.held and hasattr(self.client, "step_flush"):
+            self.client.step_flush()
+        self._check_held()
+
+    def _check_held(self):
+        left = []
+        for kind, rid, r in self.held:
+            if r.deferred:
+                left.append((kind, rid, r))
+            elif not r.ok:
+                raise RuntimeError(f"{rid}: held {kind} failed: {r.code} {r.message}")
+        self.held = left
 
     def step(self):
         self.steps += 1
@@ -163,11 +196,11 @@ class BatchEngine:
         batch = StepBatch()
         ending, self.finished = self.finished, []
         for g in ending:  # every full block with KV, then the end
-            batch.publish(g.req, g.tokens[:g.computed], g.computed // bt)
-            batch.end(g.req, completed=True)
+            batch.publish(g.req, g.tokens[:g.computed], g.computed // bt, hold_s=self.hold_s)
+            batch.end(g.req, completed=True, hold_s=self.hold_s)
         for g in self.running:
             if g.publish:
-                batch.publish(g.req, g.prompt, len(g.prompt) // bt)
+                batch.publish(g.req, g.prompt, len(g.prompt) // bt, hold_s=self.hold_s)
                 g.publish = False
         # Running requests within the token budget: a prefill chunk, or the next decode position.
         budget, plan = self.token_budget, []
@@ -189,10 +222,19 @@ class BatchEngine:
                         resume_from=g.rid if g.resume else "", max_wait_s=self.max_wait_s,
                         wait_in_flight_s=0.0 if g.resume else self.wait_in_flight_s)
             starting.append(g)
-        results = self.client.step(batch)
-        for k, (kind, _, _) in enumerate(batch.items):
-            if kind in ("publish", "end") and not results[k].ok:
+        if self.overlap:
+            # In flight: meanwhile, every position whose blocks the request holds already.
+            future = self.client.step_submit(batch)
+            plan = [p for p in plan if not self._forward(p, None)]
+            results = future.result()
+        else:
+            results = self.client.step(batch)
+        for k, (kind, req, _) in enumerate(batch.items):
+            if kind in ("publish", "end") and results[k].deferred:
+                self.held.append((kind, req.id, results[k]))
+            elif kind in ("publish", "end") and not results[k].ok:
                 raise RuntimeError(f"{kind} failed: {results[k].code} {results[k].message}")
+        self._check_held()
         for g in ending:
             self._finish(g)
         by_item = {id(item[1]): r for item, r in zip(batch.items, results) if item[0] == "grow"}
@@ -213,30 +255,41 @@ class BatchEngine:
         self.waiting.extendleft(reversed(head))
         # Only a wait for room makes preemption worth it (a prefix in flight comes by itself).
         self.head_waited = self.head_waited + 1 if admission_waits else 0
-        # The model: every scheduled position, each from the KV before it.
-        for g, start, end, grew in plan:
-            if grew:
+        # The model: every scheduled position (left), each from the KV before it.
+        for p in plan:
+            self._forward(p, by_item)
+        if self.preempt_after and self.head_waited >= self.preempt_after and self.running:
+            self._preempt(self.running[-1])
+            self.head_waited = 0
+
+    def _forward(self, p, by_item):
+        """Runs planned positions [start, end) of g. by_item None (the step in flight): only when
+        the request holds their blocks already; False when it does not (nothing done)."""
+        g, start, end, grew = p
+        if grew:
+            if by_item is None:
+                if g.req.num_tokens < end or g.req.error is not None:
+                    return False  # growth past the credit: its blocks come with the answer
+            else:
                 r = by_item[id(g.req)]
                 if not r.ok:
                     g.tokens.pop()
                     raise RuntimeError(f"{g.rid}: grow failed: {r.code} {r.message}")
-            g.kv.table = g.req.blocks
-            rows = self.model.forward(g.kv, g.tokens, start, end)
-            if not grew:
-                self.prefill_tokens += end - start
-            g.computed = end
-            if end == len(g.tokens):  # the prompt is complete, or a decode position: sample
-                if not g.generated:
-                    g.publish = True
-                    g.ttft = time.perf_counter() - g.t_submit
-                g.digest.update(rows[-1])
-                g.generated.append(self.model.sample(rows[-1]))
-                if len(g.generated) >= g.max_new:
-                    self.running.remove(g)
-                    self.finished.append(g)
-        if self.preempt_after and self.head_waited >= self.preempt_after and self.running:
-            self._preempt(self.running[-1])
-            self.head_waited = 0
+        g.kv.table = g.req.blocks
+        rows = self.model.forward(g.kv, g.tokens, start, end)
+        if not grew:
+            self.prefill_tokens += end - start
+        g.computed = end
+        if end == len(g.tokens):  # the prompt is complete, or a decode position: sample
+            if not g.generated:
+                g.publish = True
+                g.ttft = time.perf_counter() - g.t_submit
+            g.digest.update(rows[-1])
+            g.generated.append(self.model.sample(rows[-1]))
+            if len(g.generated) >= g.max_new:
+                self.running.remove(g)
+                self.finished.append(g)
+        return True
 
     def _started(self, g):
         req = g.req
