@@ -65,6 +65,8 @@ bool KvdService::WaitInFlight(const RequestSpec& spec, int64_t wait_ms, absl::Ti
   if (wait_ms <= 0 || !spec.resume_from.empty()) return false;
   absl::StatusOr<std::optional<InFlightInfo>> ahead = cache_->InFlightAhead(spec.ns, spec.prompt);
   if (!ahead.ok() || !ahead->has_value()) return false;  // a bad spec fails in Admit, as without a wait
+  // Never a wait on its own id: Admit refuses a live id at once (ALREADY_EXISTS), as without a wait.
+  if ((*ahead)->request_id == spec.id) return false;
   v1::InFlight found;
   ToProto(**ahead, &found);
   seen(found);

@@ -187,6 +187,14 @@ def main():
                   and rb.in_flight.request_id == "a5",
                   f"timed out: it computes them, told who still does ({rb.in_flight_wait}, {rb.in_flight})")
             check(rb.in_flight_waited_s < 10, f"the wait ended within its bound ({rb.in_flight_waited_s:.2f} s)")
+            t0 = time.monotonic()
+            try:
+                b.request("a5", "default", prompt(shared, 1000), wait_in_flight_s=20)
+                check(False, "a start with the computing request's own id is refused")
+            except KvdError as e:
+                # Not after its 20 s bound (a wait on itself would last until a5 ends, past it).
+                check(e.code == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() - t0 < 10,
+                      f"a start with the computing request's own id never waits on it: refused at once ({e.code})")
             for bad in (-0.001, 31):
                 try:
                     b.request("bad", "default", prompt(shared, 1100), wait_in_flight_s=bad)
