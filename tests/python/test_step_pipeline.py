@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""The Python step path without its own round trips (kvd.step, kvd-reuse-2 item 6) against a real
+kvd: publishes and ends held back (hold_s) ride the next step that goes out and answer there; a
+worker killed while holding them has its blocks released unpublished (nothing cached from them,
+nothing leaked); a step submitted with its round trip in flight (Client.step_submit) answers as
+Client.step does; and the reference batch engine gives the same tokens and digests synchronous,
+holding back, and overlapping its model with the round trip, with fewer round trips and nothing
+held after.
+
+Usage: test_step_pipeline.py KVD_BINARY   (PYTHONPATH=<build>/python:<this dir>)
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from kvd import Client, StepBatch, StepRequest
+from kvd.engine.batch import BatchEngine
+from kvd_testlib import SMALL_POOL, Daemon, check, finish
+
+BT = 4
+
+# A worker in its own process: computes a prompt, holds its publish and end back, says HELD, waits.
+HOLDER = """
+import sys, time
+from kvd import Client, StepBatch, StepRequest
+c = Client(sys.argv[1], worker_name="holder", step_credit_blocks=0)  # no refill step
+r = StepRequest("held-1")
+prompt = [int(t) for t in sys.argv[2].split(",")]
+assert c.step(StepBatch().start(r, "default", prompt))[0].ok
+res = c.step(StepBatch().publish(r, prompt, len(prompt) // 4, hold_s=60).end(r, hold_s=60))
+assert all(x.deferred for x in res)
+print("HELD", flush=True)
+time.sleep(60)
+"""
+
+
+def wait_until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def idle(c, what, credit=0):
+    """Nothing leaked: no live request; the only blocks owned and reserved are the `credit` a
+    worker holds for its steps."""
+    ok = wait_until(lambda: (lambda r: r.live_requests == 0 and r.pools[0].owned_blocks == credit)(c.report()))
+    r = c.report()
+    p = r.pools[0]
+    check(ok and p.free_blocks + p.cached_blocks + credit == p.capacity_blocks,
+          f"{what}: nothing leaked (live {r.live_requests}, owned {p.owned_blocks}, credit {credit})")
+
+
+def prompts(n, shared=12, seed=0):
+    return {f"p{seed}-{i}": [700 + t for t in range(shared)] + [9000 + 100 * i + t + seed for t in range(5 + i % 4)]
+            for i in range(n)}
+
+
+def engine_run(target, work, **kw):
+    with Client(target, worker_name="pipeline", step_credit_blocks=16) as c:
+        e = BatchEngine(c, max_running=4, chunk=8, token_budget=24, **kw)
+        for rid, p in work.items():
+            e.submit(rid, p, max_new=9)
+        before = c.rpc_calls
+        res = e.run()
+        return res, c.rpc_calls - before
+
+
+def main():
+    kvd = sys.argv[1]
+    tmp = tempfile.mkdtemp(prefix="kvd-py-pipeline-")
+    daemon = Daemon(kvd, tmp, SMALL_POOL.replace("capacity_blocks: 64", "capacity_blocks: 256"))
+    try:
+        with Client(daemon.target, worker_name="held", step_credit_blocks=8) as c, \
+                Client(daemon.target, map_slabs=False) as obs:
+            # --- a publish and an end held back ride the next step that goes out ----------------
+            prompt = list(range(300, 313))
+            a = StepRequest("a")
+            check(c.step(StepBatch().start(a, "default", prompt))[0].ok, "a starts")
+            calls = c.rpc_calls
+            pub, end = c.step(StepBatch().publish(a, prompt, 3, hold_s=30).end(a, hold_s=30))
+            check(pub.deferred and end.deferred and pub.ok and c.rpc_calls == calls and not a.live,
+                  "a's publish and end are held back: no round trip, a no longer live here")
+            r = obs.report()
+            check(r.live_requests == 1 and r.pools[0].cached_blocks == 0,
+                  f"kvd still holds a as live, nothing cached yet (live {r.live_requests})")
+            check(not c.step(StepBatch().grow(a, 1))[0].ok, "a held-back end: a's growth is refused here")
+            b = StepRequest("b")
+            rb = c.step(StepBatch().start(b, "default", prompt))[0]
+            check(not pub.deferred and pub.ok and pub.kept == 3 and not end.deferred and end.ok,
+                  f"they went with b's start and answered there (kept {pub.kept})")
+            check(rb.ok and b.cached_tokens == 12, f"b's start came after them: a hit of 12 ({b.cached_tokens})")
+            # Held past hold_s: the next step goes out for it even with nothing else to send.
+            c.step(StepBatch().end(b, hold_s=0.05))
+            time.sleep(0.1)
+            calls = c.rpc_calls
+            c.step(StepBatch())
+            check(c.rpc_calls == calls + 1 and obs.report().live_requests == 0, "an end held past hold_s goes out")
+            # Client.step_flush sends them at once.
+            d = StepRequest("d")
+            c.step(StepBatch().start(d, "default", prompt))
+            held = c.step(StepBatch().end(d, hold_s=30))[0]
+            c.step_flush()
+            check(not held.deferred and held.ok and obs.report().live_requests == 0, "step_flush sends a held end")
+
+            # --- a step in flight ------------------------------------------------------------
+            e1, e2 = StepRequest("e1"), StepRequest("e2")
+            f1 = c.step_submit(StepBatch().start(e1, "default", prompt))
+            f2 = c.step_submit(StepBatch().start(e2, "default", list(range(400, 409))))
+            r2, r1 = f2.result(), f1.result()
+            check(r1[0].ok and r2[0].ok and e1.cached_tokens == 12 and e2.live and f1.done(),
+                  "two steps submitted back to back: the second waits for the first's answer, both apply")
+            g = c.step_submit(StepBatch().grow(e2, 1).end(e1))
+            check(e2.num_tokens == 10, "growth on credit is placed before the answer")
+            check(all(x.ok for x in g.result()) and not e1.live, "and the end answers with it")
+            c.step(StepBatch().end(e2))
+            idle(obs, "held items and steps in flight", c.step_credit("default"))
+
+            # --- a worker killed while holding a publish and an end ---------------------------
+            killed = list(range(500, 513))
+            p = subprocess.Popen([sys.executable, "-c", HOLDER, daemon.target, ",".join(map(str, killed))],
+                                 stdout=subprocess.PIPE, text=True, env=os.environ)
+            line = p.stdout.readline().strip()
+            check(line == "HELD" and wait_until(lambda: obs.report().live_requests == 1),
+                  "a worker holds its publish and end back, its request live in kvd")
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=10)
+            idle(obs, "the holder SIGKILLed", c.step_credit("default"))
+            k = StepRequest("k")
+            c.step(StepBatch().start(k, "default", killed))
+            check(k.live and k.cached_tokens == 0,
+                  f"what it held back was never published: no hit ({k.cached_tokens} cached tokens)")
+            c.step(StepBatch().end(k))
+            idle(obs, "after", c.step_credit("default"))
+
+        # --- the batch engine: synchronous, holding back, overlapping -----------------------
+        work = prompts(10)
+        runs = {label: engine_run(daemon.target, work, **kw) for label, kw in
+                (("sync", {"hold_s": 0.0, "overlap": False}), ("held", {"hold_s": 30.0, "overlap": False}),
+                 ("overlap", {"hold_s": 30.0, "overlap": True}))}
+        ref = runs["sync"][0]
+        for label in ("held", "overlap"):
+            res = runs[label][0]
+            bad = [rid for rid in work if res[rid]["tokens"] != ref[rid]["tokens"] or res[rid]["digest"] != ref[rid]["digest"]]
+            check(len(res) == len(work) and not bad, f"batch engine {label}: the same tokens and digests as sync ({len(bad)} differ)")
+        reused = [sum(r["cached_tokens"] for r in runs[k][0].values()) for k in runs]
+        check(all(x >= 12 * 6 for x in reused), f"every run reused the shared prompt ({reused} tokens)")
+        check(runs["held"][1] < runs["sync"][1] and runs["overlap"][1] <= runs["held"][1],
+              f"round trips: sync {runs['sync'][1]}, held {runs['held'][1]}, overlap {runs['overlap'][1]}")
+        with Client(daemon.target, map_slabs=False) as obs:
+            idle(obs, "batch engine runs")
+    finally:
+        daemon.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
