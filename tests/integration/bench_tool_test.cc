@@ -107,5 +107,52 @@ TEST_CASE("kvd-bench replays deterministically and agrees with the daemon's coun
   REQUIRE(JsonDouble(reports[0], "compute_saved") == JsonDouble(reports[1], "compute_saved"));
 }
 
+// The agent fan-out (kvd-reuse-2): N requests start together on a new shared context of S tokens,
+// each with its own tail, and each waits out a prefill delay before publishing. Asking kvd to wait
+// for prompt blocks in flight, the node computes the context once: S + N x own prompt tokens.
+// Without the wait every request computes the context too (the run that shows the difference).
+TEST_CASE("kvd-bench's fan-out computes a shared context once with the in-flight wait", "[integration][bench]") {
+  TempDir dir;
+  const std::string config =
+      "pools:\n  - name: default\n    block_tokens: 16\n    num_layers: 1\n"
+      "    bytes_per_token_per_layer: 8\n    capacity_blocks: 400\n    max_model_len: 4096\n";
+  constexpr int kN = 4, kContext = 64, kOwn = 16;
+  DaemonProcess d(config);
+  double computed[2] = {0, 0}, published_waits[2] = {0, 0};
+  for (int wait = 0; wait < 2; ++wait) {
+    const std::string json = dir.path() + absl::StrCat("/fanout", wait, ".json");
+    // 80 prompt tokens at 400 tokens/s: each start's blocks stay in flight for 200 ms.
+    ProcessResult r = RunProcess(
+        KVD_BENCH_BINARY, {"--target=" + d.target(), absl::StrCat("--fanout=", kN),
+                           absl::StrCat("--fanout-context=", kContext), absl::StrCat("--fanout-own=", kOwn),
+                           "--prefill-tps=400", "--max-decode-tokens=0", absl::StrCat("--seed=", 100 + wait),
+                           absl::StrCat("--wait-in-flight-ms=", wait ? 5000 : 0), "--json=" + json});
+    INFO(r.out);
+    REQUIRE(r.exit_code == 0);
+    std::string report;
+    std::ifstream in(json);
+    std::getline(in, report);
+    INFO(report);
+    REQUIRE(JsonDouble(report, "requests") == kN);
+    REQUIRE(JsonDouble(report, "no_parent") == 0);
+    REQUIRE(JsonDouble(report, "last_first_token_ms") > 0);
+    computed[wait] = JsonDouble(report, "computed_tokens");
+    published_waits[wait] = JsonDouble(report, "in_flight_published");
+  }
+  CHECK(computed[1] == kContext + kN * kOwn);  // the context once, every request's own tail
+  CHECK(published_waits[1] == kN - 1);
+  CHECK(computed[0] > kContext + kN * kOwn);   // without the wait, the context again
+  CHECK(published_waits[0] == 0);
+}
+
+TEST_CASE("kvd-bench refuses a bad fan-out or in-flight wait, naming the flag", "[integration][bench]") {
+  ProcessResult r = RunProcess(KVD_BENCH_BINARY, {"--target=unix:///nonexistent.sock", "--wait-in-flight-ms=40000"});
+  CHECK(r.exit_code != 0);
+  CHECK(r.out.find("--wait-in-flight-ms") != std::string::npos);
+  r = RunProcess(KVD_BENCH_BINARY, {"--target=unix:///nonexistent.sock"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("--trace is required") != std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvd
