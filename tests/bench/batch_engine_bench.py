@@ -59,7 +59,8 @@ def child(args):
                              capacity_blocks=args.capacity_blocks, max_model_len=1024)
     else:
         client = Client(args.target, worker_name="bench")
-    e = BatchEngine(client, max_running=args.max_running, chunk=64, token_budget=512)
+    e = BatchEngine(client, max_running=args.max_running, chunk=64, token_budget=512, hold_s=args.hold_s,
+                    overlap=not args.no_overlap)
     res = e.run(arrivals)
     print(json.dumps({"results": list(res.values()), "prefill_tokens": e.prefill_tokens}))
     return 0
@@ -81,7 +82,8 @@ def run_mode(args, tmp, mode, salt, max_running, reqs):
             files.append(path)
         start = time.perf_counter()
         procs = [subprocess.Popen([sys.executable, __file__, "--child-work", p, "--target", target,
-                                   "--capacity-blocks", str(cap), "--max-running", str(max_running)]
+                                   "--capacity-blocks", str(cap), "--max-running", str(max_running),
+                                   "--hold-s", str(args.hold_s)] + (["--no-overlap"] if args.no_overlap else [])
                                   + (["--salt"] if salt else []), stdout=subprocess.PIPE, text=True) for p in files]
         results, prefill = [], 0
         for p in procs:
@@ -152,6 +154,10 @@ def main():
     ap.add_argument("--target")
     ap.add_argument("--max-running", type=int, default=16)
     ap.add_argument("--salt", action="store_true")
+    # The Python step path (kvd.engine.batch): ends and publishes held back up to this long, and the
+    # model run while the step is in flight; --hold-s 0 --no-overlap is the synchronous path.
+    ap.add_argument("--hold-s", type=float, default=0.05)
+    ap.add_argument("--no-overlap", action="store_true")
     args = ap.parse_args()
     if args.child_work:
         return child(args)
