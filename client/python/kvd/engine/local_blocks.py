@@ -2,8 +2,16 @@
 without kvd. Its own free list and prefix cache over its own memory (a bytearray), with kvd's block
 size and policy — admission against a reservation of prompt + max_new_tokens in FIFO order, the
 longest cached prefix of a namespace (cache salt) capped to leave one token to compute, publish of
-full blocks (a chain stops at a block another request cached first), LRU eviction of unreferenced
-cached blocks — and no daemon, no round trips, nothing shared with another process.
+full blocks, LRU eviction of unreferenced cached blocks — and no daemon, no round trips, nothing
+shared with another process.
+
+Duplicates (`chains`): a block another request cached first under the same key. "continue" (the
+default) keeps the chain going as vLLM does (its block pool keeps a second block under an existing
+hash, and the request's later blocks are cached after it), as kvd does since kvd-reuse-2: the
+request's own copy stays private to it and is freed at its end. "stop" is the old rule, kvd's
+before kvd-reuse-2: the chain stops at the duplicate and the request's later blocks are not cached,
+which is what overlapping requests lost (the benchmarks run both to show it). `duplicates` and
+`no_parent` count each published position's outcome once, as kvd's Report does.
 
 It answers the calls BatchEngine makes of a kvd.Client (pool, layer_view, step) with the same
 StepResult shapes, so the engine runs unchanged on either."""
@@ -30,7 +38,11 @@ class _Pool:
 
 class LocalBlocks:
     def __init__(self, pool="default", block_tokens=4, num_layers=2, bytes_per_token_per_layer=16,
-                 capacity_blocks=256, max_model_len=1024):
+                 capacity_blocks=256, max_model_len=1024, chains="continue"):
+        if chains not in ("continue", "stop"):
+            raise ValueError(f"chains must be 'continue' or 'stop', not {chains!r}")
+        self.chains = chains
+        self.duplicates = self.no_parent = 0     # publish outcomes, once per position
         self._pool = _Pool(pool, block_tokens, num_layers, bytes_per_token_per_layer, capacity_blocks, max_model_len)
         self._mem = bytearray(capacity_blocks * num_layers * self._pool.layer_block_bytes)
         self._pool.maps = [self._mem]  # as kvd.Client's pools: layer-major, one shard
@@ -40,7 +52,7 @@ class LocalBlocks:
         self._cache = {}                           # key -> block
         self._lru = collections.OrderedDict()      # unreferenced cached blocks, oldest first
         self._reserved = 0
-        self._live = {}                            # request id -> [salt, reserved blocks, table]
+        self._live = {}                            # request id -> [salt, reserved blocks, table, outcomes]
         self.rpc_calls = 0                         # never any: the same field kvd.Client has
 
     @staticmethod
@@ -110,7 +122,7 @@ class LocalBlocks:
             self._refs[b] += 1
             self._lru.pop(b, None)
         self._reserved += need
-        self._live[req.id] = [salt, need, table + fresh]
+        self._live[req.id] = [salt, need, table + fresh, {}]
         req.blocks, req.num_tokens, req.cached_tokens = table + fresh, len(prompt), len(table) * bt
         req.resumed, req.waiting, req.live, req.pool_id = False, False, True, 0
         return StepResult()
@@ -126,7 +138,7 @@ class LocalBlocks:
         return StepResult()
 
     def _publish(self, req, arg):
-        salt, _, table = self._live[req.id]
+        salt, _, table, outcomes = self._live[req.id]
         bt, parent, kept = self._pool.block_tokens, b"", 0
         tokens = list(arg.tokens)
         for i in range(arg.num_blocks):
@@ -136,12 +148,24 @@ class LocalBlocks:
                 self._cache[k], self._key_of[table[i]] = table[i], k
                 kept += 1
             elif b != table[i]:
-                break  # another request cached it first: the chain stops here
+                # Another request cached it first (or, after a stop, an earlier position was not ours).
+                if i not in outcomes:
+                    outcomes[i] = "duplicate" if b is not None else "no_parent"
+                    self.duplicates += b is not None
+                    self.no_parent += b is None
+                if self.chains == "stop":
+                    for j in range(i + 1, arg.num_blocks):  # the rest of the chain is not cached
+                        if j not in outcomes:
+                            outcomes[j] = "no_parent"
+                            self.no_parent += 1
+                    break
+                # vLLM's rule: the request's copy stays its own (freed at its end), its later
+                # blocks are cached after the cached one (the chained key is the same either way).
             parent = k
         return StepResult(kept=kept)
 
     def _end(self, req, arg):
-        _, need, table = self._live.pop(req.id)
+        _, need, table, _ = self._live.pop(req.id)
         for b in reversed(table):
             self._unref(b)
         self._reserved -= need
