@@ -254,6 +254,8 @@ class Client {
   // Credit blocks held now in `pool`: how many, and which.
   int64_t StepCredit(PoolId pool) const;
   std::vector<BlockIndex> StepCreditBlocks(PoolId pool) const;
+  // A hybrid pool's credit of one KV group (credit is per (pool, group)); group 0 elsewhere.
+  std::vector<BlockIndex> StepCreditBlocks(PoolId pool, int group) const;
 
   struct Impl;
 

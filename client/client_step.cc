@@ -129,13 +129,16 @@ absl::Status KvRequest::ExtendGroups(int64_t n, int64_t computed_tokens) {
 
 int64_t Client::StepCredit(PoolId pool) const {
   absl::MutexLock lock(&impl_->steps.mu);
-  auto it = impl_->steps.credit.find(pool);
-  return it == impl_->steps.credit.end() ? 0 : static_cast<int64_t>(it->second.size());
+  int64_t n = 0;  // every group's
+  for (const auto& [key, blocks] : impl_->steps.credit) n += key.first == pool ? static_cast<int64_t>(blocks.size()) : 0;
+  return n;
 }
 
-std::vector<BlockIndex> Client::StepCreditBlocks(PoolId pool) const {
+std::vector<BlockIndex> Client::StepCreditBlocks(PoolId pool) const { return StepCreditBlocks(pool, 0); }
+
+std::vector<BlockIndex> Client::StepCreditBlocks(PoolId pool, int group) const {
   absl::MutexLock lock(&impl_->steps.mu);
-  auto it = impl_->steps.credit.find(pool);
+  auto it = impl_->steps.credit.find(StepState::CreditKey{pool, group});
   return it == impl_->steps.credit.end() ? std::vector<BlockIndex>{} : it->second;
 }
 
@@ -172,7 +175,16 @@ void AddGrowItems(const std::vector<StepState::HeldGrowth>& held, v1::StepReques
     v1::StepItem* p = req->add_items();
     p->set_request_id(h.req->id.value());
     p->mutable_grow()->set_tokens(h.tokens);
-    p->mutable_grow()->mutable_credit_blocks()->Add(h.credit_blocks.begin(), h.credit_blocks.end());
+    p->mutable_grow()->set_computed_tokens(h.computed_tokens);
+    if (h.credit_groups.empty()) {
+      p->mutable_grow()->mutable_credit_blocks()->Add(h.credit_blocks.begin(), h.credit_blocks.end());
+      continue;
+    }
+    for (size_t k = 0; k < h.credit_blocks.size(); ++k) {  // a hybrid pool's {group, block} entries
+      v1::CreditEntry* e = p->mutable_grow()->add_credit();
+      e->set_group(h.credit_groups[k]);
+      e->set_block(h.credit_blocks[k]);
+    }
   }
 }
 
@@ -198,12 +210,59 @@ void ApplyHeld(Client::Impl& im, const std::vector<StepState::HeldGrowth>& sent,
   for (auto& [pool, blocks] : im.steps.credit) blocks.clear();
   im.steps.wanted.clear();
   for (const v1::StepCredit& c : resp.credit()) {
-    std::vector<BlockIndex>& mine = im.steps.credit[c.pool_id()];
+    const StepState::CreditKey key{c.pool_id(), c.group()};
+    std::vector<BlockIndex>& mine = im.steps.credit[key];
     for (uint32_t b : c.blocks()) {
       if (!taken.contains(b)) mine.push_back(b);
     }
-    if (c.wanted() > 0) im.steps.wanted[c.pool_id()] = c.wanted();
+    if (c.wanted() > 0) im.steps.wanted[key] = c.wanted();
   }
+}
+
+// A hybrid request's grow to `n` positions, `c` computed, as kvd applies it (docs/hybrid.md §2.4;
+// KvCache::HeldRange): per group the new first block position, the blocks dropped below it and
+// the blocks appended. False when only kvd can apply it: a state group short of a slot (after a
+// hit; kvd settles it), or tables that do not match the pool's groups.
+struct GroupGrowPlan {
+  std::vector<int64_t> lo, drop, add;
+};
+bool PlanGroupGrow(const PoolGeometry& g, const StepRequest& r, int64_t n, int64_t c, GroupGrowPlan* plan) {
+  const size_t num_groups = g.groups.size();
+  if (r.group_tables.size() != num_groups) return false;
+  const int64_t bt = g.block_tokens;
+  const auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const int64_t horizon = ceil_div(std::min<int64_t>(n, c + g.step_tokens_or_default()), bt);
+  plan->lo.assign(num_groups, 0);
+  plan->drop.assign(num_groups, 0);
+  plan->add.assign(num_groups, 0);
+  for (size_t i = 0; i < num_groups; ++i) {
+    const KvGroup& k = g.groups[i];
+    const GroupTable& t = r.group_tables[i];
+    const int64_t first = t.first_block_position;
+    const int64_t end = first + static_cast<int64_t>(t.blocks.size());
+    int64_t lo = 0, hi = 0;
+    switch (k.kind) {
+      case KvGroupKind::kFull: hi = ceil_div(n, bt); break;
+      case KvGroupKind::kSlidingWindow:
+        lo = std::min<int64_t>(std::max<int64_t>(0, c - (k.window - 1)) / bt, horizon);
+        hi = horizon;
+        break;
+      case KvGroupKind::kChunkedLocal:
+        lo = std::min<int64_t>((c / k.chunk) * k.chunk / bt, horizon);
+        hi = horizon;
+        break;
+      case KvGroupKind::kState:
+        if (t.blocks.size() < 2) return false;  // a hit's checkpoint stands for its spare
+        lo = first;
+        hi = end;
+        break;
+    }
+    lo = std::max(lo, first);
+    plan->lo[i] = lo;
+    plan->drop[i] = std::min(lo, end) - first;
+    plan->add[i] = std::max<int64_t>(0, hi - std::max(end, lo));
+  }
+  return true;
 }
 
 // A step's outcome is unknown: the credit list may name blocks kvd no longer counts as this
@@ -274,8 +333,17 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
   answer.items.resize(items.size());
   std::vector<bool> send(items.size(), false);
   bool must_send = false, publishes = false;
-  absl::flat_hash_map<PoolId, bool> pools_used;
-  absl::flat_hash_map<PoolId, int64_t> need;  // blocks this step's growth takes, per pool
+  absl::flat_hash_map<StepState::CreditKey, bool> pools_used;  // per (pool, group)
+  absl::flat_hash_map<StepState::CreditKey, int64_t> need;     // blocks this step's growth takes
+  // A pool's credit keys: group 0, or a hybrid pool's attention groups (state slots come from kvd).
+  const auto use_pool = [&](PoolId pool) {
+    const PoolGeometry& geo = views[pool].geometry;
+    if (!geo.hybrid()) pools_used[{pool, 0}] = true;
+    for (size_t k = 0; k < geo.groups.size(); ++k) {
+      if (geo.groups[k].attention()) pools_used[{pool, static_cast<int>(k)}] = true;
+    }
+  };
+  absl::flat_hash_set<const StepRequest*> sent_reqs;  // a request with an item kvd applies first
   for (size_t i = 0; i < items.size(); ++i) {
     const StepBatch::Item& item = items[i];
     StepRequest* r = item.req;
@@ -285,7 +353,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
         answer.items[i].status = pool.status();
         continue;
       }
-      if (!(*pool)->geometry.hybrid()) pools_used[(*pool)->id] = true;  // no credit on hybrid pools yet
+      use_pool((*pool)->id);
       send[i] = must_send = true;
       continue;
     }
@@ -302,29 +370,77 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
     }
     if (withdraw) {
       send[i] = must_send = true;
+      sent_reqs.insert(r);
       continue;
     }
     const PoolGeometry& g = views[r->pool].geometry;
-    if (!g.hybrid()) pools_used[r->pool] = true;
-    if (item.kind != StepBatch::Kind::kGrow || g.hybrid()) {  // a hybrid pool grants no credit yet
+    use_pool(r->pool);
+    if (item.kind != StepBatch::Kind::kGrow) {
       send[i] = must_send = true;
+      sent_reqs.insert(r);
       publishes |= item.kind != StepBatch::Kind::kEnd || item.n != 0;
       continue;
     }
     if (item.n < 0 || item.n > g.max_model_len - r->num_tokens) {
       send[i] = must_send = true;  // kvd names what is wrong
+      sent_reqs.insert(r);
+      continue;
+    }
+    if (g.hybrid()) {
+      // Placed from each group's credit when kvd's last word on the request is known and every
+      // group's growth is covered (docs/hybrid.md §2.4); else kvd applies it in the answer.
+      const int64_t n = r->num_tokens + item.n, c = item.computed_tokens;
+      GroupGrowPlan plan;
+      bool local = !sent_reqs.contains(r) && r->reported_computed >= 0 && c >= r->reported_computed && c > 0 &&
+                   c <= n && PlanGroupGrow(g, *r, n, c, &plan);
+      for (size_t k = 0; local && k < plan.add.size(); ++k) {
+        if (plan.add[k] == 0) continue;
+        const StepState::CreditKey key{r->pool, static_cast<int>(k)};
+        need[key] += plan.add[k];
+        if (plan.add[k] > static_cast<int64_t>(im.steps.credit[key].size()) && im.steps.reporting) wait_report();
+        local = plan.add[k] <= static_cast<int64_t>(im.steps.credit[key].size());
+      }
+      if (!local) {
+        send[i] = must_send = true;
+        sent_reqs.insert(r);
+        continue;
+      }
+      StepState::HeldGrowth h{r, item.n};  // one held item per grow: each has its own window
+      h.computed_tokens = c;
+      int spine = -1;  // `blocks` is the first full group's table
+      for (size_t k = 0; k < g.groups.size() && spine < 0; ++k) {
+        if (g.groups[k].kind == KvGroupKind::kFull) spine = static_cast<int>(k);
+      }
+      for (size_t k = 0; k < plan.add.size(); ++k) {
+        GroupTable& t = r->group_tables[k];
+        t.blocks.erase(t.blocks.begin(), t.blocks.begin() + plan.drop[k]);
+        t.first_block_position = plan.lo[k];
+        std::vector<BlockIndex>& credit = im.steps.credit[{r->pool, static_cast<int>(k)}];
+        for (int64_t j = 0; j < plan.add[k]; ++j) {
+          h.credit_blocks.push_back(credit.back());
+          h.credit_groups.push_back(static_cast<int>(k));
+          t.blocks.push_back(credit.back());
+          if (static_cast<int>(k) == spine) r->blocks.push_back(credit.back());
+          credit.pop_back();
+        }
+      }
+      im.steps.held.push_back(std::move(h));
+      r->num_tokens = n;
+      r->reported_computed = c;
       continue;
     }
     const int64_t needed =
         std::max<int64_t>(0, g.BlocksFor(r->num_tokens + item.n) - static_cast<int64_t>(r->blocks.size()));
-    need[r->pool] += needed;
-    std::vector<BlockIndex>* credit = &im.steps.credit[r->pool];
+    const StepState::CreditKey key{r->pool, 0};
+    need[key] += needed;
+    std::vector<BlockIndex>* credit = &im.steps.credit[key];
     if (needed > static_cast<int64_t>(credit->size()) && im.steps.reporting) {
       wait_report();  // a refill is on its way
-      credit = &im.steps.credit[r->pool];
+      credit = &im.steps.credit[key];
     }
     if (needed > static_cast<int64_t>(credit->size())) {
       send[i] = must_send = true;  // kvd allocates every block it needs, in the answer
+      sent_reqs.insert(r);
       continue;
     }
     // Covered: placed here at once, told later. One held item per request.
@@ -341,9 +457,9 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
   }
   // Credit asked for: the configured amount, or twice the most one step's growth took (a batch
   // whose requests cross a block together takes one block each at once).
-  for (const auto& [pool, n] : need) im.steps.peak_need[pool] = std::max(im.steps.peak_need[pool], n);
-  auto want = [&](PoolId pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
-    return im.options.step_credit_blocks <= 0 ? 0 : std::max(im.options.step_credit_blocks, 2 * im.steps.peak_need[pool]);
+  for (const auto& [key, n] : need) im.steps.peak_need[key] = std::max(im.steps.peak_need[key], n);
+  auto want = [&](const StepState::CreditKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
+    return im.options.step_credit_blocks <= 0 ? 0 : std::max(im.options.step_credit_blocks, 2 * im.steps.peak_need[key]);
   };
   bool low = !im.steps.wanted.empty();  // kvd asked for blocks back: tell it soon
   for (const auto& [pool, used] : pools_used) {
@@ -357,7 +473,8 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
       auto owed = im.steps.wanted.find(pool);
       if (im.options.step_credit_blocks <= 0 && owed == im.steps.wanted.end()) continue;
       v1::CreditWant* c = req->add_credit();
-      c->set_pool(views[pool].geometry.name);
+      c->set_pool(views[pool.first].geometry.name);
+      c->set_group(pool.second);  // 0 (not on the wire) on a pool without groups
       c->set_blocks(want(pool));
       if (owed == im.steps.wanted.end()) continue;
       std::vector<BlockIndex>& mine = im.steps.credit[pool];
@@ -515,6 +632,11 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
           if (absl::Status s = ApplyGroupGrow(r, &state->group_tables); !s.ok()) {
             out.status = state->error = s;  // the tables no longer match kvd's: End it
             break;
+          }
+          if (!state->group_tables.empty()) {  // what kvd now holds as the request's computed tokens
+            state->reported_computed = item.computed_tokens > 0
+                                           ? item.computed_tokens
+                                           : std::max(state->reported_computed, state->acquired.cached_tokens);
           }
           state->blocks.insert(state->blocks.end(), r.blocks().begin(), r.blocks().end());
           state->num_tokens += item.n;

@@ -51,6 +51,9 @@ struct StepRequest {
   // the request may no longer be written; End or Preempt it.
   absl::Status error;
   int64_t epoch = 0;               // the client attachment it started in
+  // Hybrid pools: the computed tokens kvd last heard for it (-1: unknown until a grow has gone
+  // out since its start). Credit-covered growth is placed locally only once it is known.
+  int64_t reported_computed = -1;
 };
 
 struct StepItemResult {

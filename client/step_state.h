@@ -35,15 +35,22 @@ struct StepState {
     StepRequest* req;
     int64_t tokens = 0;
     std::vector<BlockIndex> credit_blocks;
+    // Hybrid pools: the group of each credit block (same length), and the computed tokens the
+    // grow reports. A hybrid request's grows are held one item each, never merged (each grow's
+    // window follows its own computed tokens).
+    std::vector<int> credit_groups;
+    int64_t computed_tokens = 0;
   };
+  // Credit is per (pool, KV group); a pool without groups is group 0.
+  using CreditKey = std::pair<PoolId, int>;
   absl::Mutex mu;
   absl::CondVar cv;  // a report finished
   int64_t epoch ABSL_GUARDED_BY(mu) = 0;
   uint64_t seq ABSL_GUARDED_BY(mu) = 0;
-  absl::flat_hash_map<PoolId, std::vector<BlockIndex>> credit ABSL_GUARDED_BY(mu);
-  absl::flat_hash_map<PoolId, int64_t> peak_need ABSL_GUARDED_BY(mu);  // most blocks one step took
+  absl::flat_hash_map<CreditKey, std::vector<BlockIndex>> credit ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<CreditKey, int64_t> peak_need ABSL_GUARDED_BY(mu);  // most blocks one step took
   // Blocks kvd asked back (StepCredit.wanted) that the next step that goes out returns by name.
-  absl::flat_hash_map<PoolId, int64_t> wanted ABSL_GUARDED_BY(mu);
+  absl::flat_hash_map<CreditKey, int64_t> wanted ABSL_GUARDED_BY(mu);
   std::vector<HeldGrowth> held ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<const StepRequest*, size_t> held_index ABSL_GUARDED_BY(mu);  // into `held`
   bool reporting ABSL_GUARDED_BY(mu) = false;  // a report is queued or in flight
