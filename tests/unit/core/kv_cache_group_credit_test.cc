@@ -278,6 +278,24 @@ TEST_CASE("hybrid credit: pressure asks it back per group, never takes it", "[gr
   RequireInvariants(*cache);
 }
 
+TEST_CASE("hybrid credit of a lost worker is fenced per group's units, and lifted", "[groups][credit][fences]") {
+  FakeClock clock;
+  const PoolGeometry g = Hybrid(6, 8);
+  auto cache = HybridCache(g, &clock);
+  RequestSpec spec = Spec("r", Seq(1, 12), 40, "h");
+  testing::Start(*cache, spec);
+  Held held = AskCredit(*cache, {CreditWant{0, 3, {}, kFull}, CreditWant{0, 2, {}, kSwa}, CreditWant{0, 2, {}, kRec}});
+  REQUIRE(held.all().size() == 7);
+  RequireInvariants(*cache);
+  REQUIRE(cache->FenceWorker(kW, 4242, absl::Seconds(10)) == 1);
+  REQUIRE(cache->CreditBlocks(kW, 0) == 0);
+  RequireInvariants(*cache);  // the fence is charged each unit at its group's bytes
+  REQUIRE(cache->Report().reserved_bytes > 0);
+  REQUIRE(cache->LiftFences(kW, 4242) > 0);
+  RequireInvariants(*cache);
+  REQUIRE(cache->Report().reserved_bytes == 0);
+}
+
 TEST_CASE("randomized: hybrid decode on credit keeps the ledger and every invariant exact", "[groups][credit]") {
   std::mt19937 rng(4109);
   for (int round = 0; round < 12; ++round) {
