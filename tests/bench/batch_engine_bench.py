@@ -14,6 +14,18 @@ Scaling to the PatternModel (kvd.engine.batch): one trace hash id (512 tokens) b
 block whose tokens derive from the id, so prompts sharing hash ids share prefixes as in the trace;
 prompt = ceil(input_length / scale) capped to whole hash-id blocks; output = min(output_length /
 scale, max_new); arrival = timestamp / time_scale.
+
+Overlap (kvd-reuse-2): --prefill-tps F makes the model take 1/F s per position it computes (one
+engine per worker: its prefills queue, so a prefix computed twice costs its time twice);
+--wait-in-flight S gives kvd's engine BatchEngine(wait_in_flight_s=S) (a start whose prefix another
+request computes is deferred while there is other work); --chains stop runs the in-process
+baseline under the old duplicate rule (continue: vLLM's, the default). --fanout N replaces the
+trace with an agent fan-out: N requests on a new shared context of --fanout-context tokens plus
+--fanout-own of their own, all arriving at 0, on one worker; the report adds the time to the last
+first token. For example (one engine, 8 x (512 + 32) tokens at 20,000 tokens/s):
+
+  PYTHONPATH=build/python /usr/bin/python3 tests/bench/batch_engine_bench.py --kvd build/server/kvd \
+      --fanout 8 --fanout-context 512 --fanout-own 32 --prefill-tps 20000 --wait-in-flight 5 --batches 16
 """
 import argparse
 import json
@@ -46,6 +58,31 @@ def load(trace, n, scale, max_prompt, max_new, time_scale):
     return [(t - t0, rid, p, m) for t, rid, p, m in out]
 
 
+def fanout(n, context, own, max_new):
+    """N requests arriving together: a new shared context, then each one's own tokens."""
+    ctx = [(j * 7919 + 13) % 50000 for j in range(context)]
+    return [(0.0, f"f{k}", ctx + [(k * 104729 + j * 31 + 5) % 50000 for j in range(own)], max_new)
+            for k in range(n)]
+
+
+class DelayedModel:
+    """The PatternModel taking 1 / tps seconds per position it computes (a prefill delay)."""
+
+    def __init__(self, tps):
+        from kvd.engine.batch import PatternModel
+        self.inner, self.tps = PatternModel(), tps
+
+    def forward(self, kv, tokens, start, end):
+        time.sleep((end - start) / self.tps)
+        return self.inner.forward(kv, tokens, start, end)
+
+    def forget(self, kv):
+        return self.inner.forget(kv)
+
+    def sample(self, row):
+        return self.inner.sample(row)
+
+
 def child(args):
     from kvd import Client
     from kvd.engine.batch import BatchEngine
@@ -56,11 +93,14 @@ def child(args):
     arrivals = [(t, rid, p, m, rid if salt else "") for t, rid, p, m in work]
     if args.target == "local":
         client = LocalBlocks(block_tokens=BLOCK, num_layers=2, bytes_per_token_per_layer=16,
-                             capacity_blocks=args.capacity_blocks, max_model_len=1024)
+                             capacity_blocks=args.capacity_blocks, max_model_len=1024, chains=args.chains)
+        wait = {}
     else:
         client = Client(args.target, worker_name="bench")
+        wait = {"wait_in_flight_s": args.wait_in_flight} if args.wait_in_flight > 0 else {}
+    model = DelayedModel(args.prefill_tps) if args.prefill_tps > 0 else None
     e = BatchEngine(client, max_running=args.max_running, chunk=64, token_budget=512, hold_s=args.hold_s,
-                    overlap=not args.no_overlap)
+                    overlap=not args.no_overlap, model=model, **wait)
     res = e.run(arrivals)
     print(json.dumps({"results": list(res.values()), "prefill_tokens": e.prefill_tokens}))
     return 0
@@ -83,7 +123,9 @@ def run_mode(args, tmp, mode, salt, max_running, reqs):
         start = time.perf_counter()
         procs = [subprocess.Popen([sys.executable, __file__, "--child-work", p, "--target", target,
                                    "--capacity-blocks", str(cap), "--max-running", str(max_running),
-                                   "--hold-s", str(args.hold_s)] + (["--no-overlap"] if args.no_overlap else [])
+                                   "--hold-s", str(args.hold_s), "--prefill-tps", str(args.prefill_tps),
+                                   "--wait-in-flight", str(args.wait_in_flight), "--chains", args.chains]
+                                  + (["--no-overlap"] if args.no_overlap else [])
                                   + (["--salt"] if salt else []), stdout=subprocess.PIPE, text=True) for p in files]
         results, prefill = [], 0
         for p in procs:
@@ -102,7 +144,8 @@ def run_mode(args, tmp, mode, salt, max_running, reqs):
     return {"mode": mode, "reuse": not salt, "max_running": max_running, "requests": len(results),
             "throughput_tok_s": out_tokens / elapsed, "ttft_p50_ms": statistics.median(r["ttft_s"] for r in results) * 1e3,
             "tpot_p50_ms": statistics.median(tpot) * 1e3 if tpot else 0.0, "prefill_computed": prefill,
-            "cached_tokens": sum(r["cached_tokens"] or 0 for r in results), "elapsed_s": elapsed}
+            "cached_tokens": sum(r["cached_tokens"] or 0 for r in results), "elapsed_s": elapsed,
+            "last_first_token_ms": max((r["ttft_s"] or 0 for r in results), default=0) * 1e3}
 
 
 def plot(rows, path):
@@ -158,10 +201,20 @@ def main():
     # model run while the step is in flight; --hold-s 0 --no-overlap is the synchronous path.
     ap.add_argument("--hold-s", type=float, default=0.05)
     ap.add_argument("--no-overlap", action="store_true")
+    ap.add_argument("--prefill-tps", type=float, default=0.0)
+    ap.add_argument("--wait-in-flight", type=float, default=0.0)
+    ap.add_argument("--chains", choices=("continue", "stop"), default="continue")
+    ap.add_argument("--fanout", type=int, default=0)
+    ap.add_argument("--fanout-context", type=int, default=512)
+    ap.add_argument("--fanout-own", type=int, default=32)
     args = ap.parse_args()
     if args.child_work:
         return child(args)
-    reqs = load(args.trace, args.requests, args.scale, args.max_prompt, args.max_new, args.time_scale)
+    if args.fanout > 0:
+        args.workers = 1
+        reqs = fanout(args.fanout, args.fanout_context, args.fanout_own, args.max_new)
+    else:
+        reqs = load(args.trace, args.requests, args.scale, args.max_prompt, args.max_new, args.time_scale)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for b in (int(x) for x in args.batches.split(",")):
@@ -170,10 +223,11 @@ def main():
                     rows.append(run_mode(args, tmp, "kvd" if mode == "kvd" else "local", salt, b, reqs))
                     rows[-1]["mode"] = mode
     print("| max running | reuse | mode | throughput (tok/s) | TTFT p50 (ms) | TPOT p50 (ms) | prompt tokens computed |"
-          " tokens reused |\n|---|---|---|---|---|---|---|---|")
+          " tokens reused | last first token (ms) |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['max_running']} | {'yes' if r['reuse'] else 'no (salt)'} | {r['mode']} | {r['throughput_tok_s']:.0f} |"
-              f" {r['ttft_p50_ms']:.1f} | {r['tpot_p50_ms']:.2f} | {r['prefill_computed']} | {r['cached_tokens']} |")
+              f" {r['ttft_p50_ms']:.1f} | {r['tpot_p50_ms']:.2f} | {r['prefill_computed']} | {r['cached_tokens']} |"
+              f" {r['last_first_token_ms']:.0f} |")
     for b in sorted({r["max_running"] for r in rows}):
         for reuse in (False, True):
             k = next(r for r in rows if r["max_running"] == b and r["reuse"] == reuse and r["mode"] == "kvd")
