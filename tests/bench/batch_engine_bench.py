@@ -102,7 +102,8 @@ def child(args):
     e = BatchEngine(client, max_running=args.max_running, chunk=64, token_budget=512, hold_s=args.hold_s,
                     overlap=not args.no_overlap, model=model, **wait)
     res = e.run(arrivals)
-    print(json.dumps({"results": list(res.values()), "prefill_tokens": e.prefill_tokens}))
+    print(json.dumps({"results": list(res.values()), "prefill_tokens": e.prefill_tokens, "steps": e.steps,
+                      "rpc_calls": client.rpc_calls, "rpc_s": getattr(client, "rpc_seconds", 0.0)}))
     return 0
 
 
@@ -127,7 +128,7 @@ def run_mode(args, tmp, mode, salt, max_running, reqs):
                                    "--wait-in-flight", str(args.wait_in_flight), "--chains", args.chains]
                                   + (["--no-overlap"] if args.no_overlap else [])
                                   + (["--salt"] if salt else []), stdout=subprocess.PIPE, text=True) for p in files]
-        results, prefill = [], 0
+        results, prefill, path = [], 0, {"steps": 0, "rpc_calls": 0, "rpc_s": 0.0}
         for p in procs:
             out, _ = p.communicate(timeout=3600)
             if p.returncode != 0:
@@ -135,6 +136,8 @@ def run_mode(args, tmp, mode, salt, max_running, reqs):
             d = json.loads(out.strip().splitlines()[-1])
             results += d["results"]
             prefill += d["prefill_tokens"]
+            for k in path:  # the step path: steps, round trips, seconds the engine waited on them
+                path[k] += d.get(k, 0)
         elapsed = time.perf_counter() - start
     finally:
         if daemon is not None:
@@ -145,7 +148,7 @@ def run_mode(args, tmp, mode, salt, max_running, reqs):
             "throughput_tok_s": out_tokens / elapsed, "ttft_p50_ms": statistics.median(r["ttft_s"] for r in results) * 1e3,
             "tpot_p50_ms": statistics.median(tpot) * 1e3 if tpot else 0.0, "prefill_computed": prefill,
             "cached_tokens": sum(r["cached_tokens"] or 0 for r in results), "elapsed_s": elapsed,
-            "last_first_token_ms": max((r["ttft_s"] or 0 for r in results), default=0) * 1e3}
+            "last_first_token_ms": max((r["ttft_s"] or 0 for r in results), default=0) * 1e3, **path}
 
 
 def plot(rows, path):
@@ -234,7 +237,9 @@ def main():
             l = next(r for r in rows if r["max_running"] == b and r["reuse"] == reuse and r["mode"] == "in-process")
             print(f"max running {b}, reuse {reuse}: throughput kvd/in-process {k['throughput_tok_s'] / l['throughput_tok_s']:.3f}, "
                   f"TPOT p50 {k['tpot_p50_ms'] / max(l['tpot_p50_ms'], 1e-9):.3f}, TTFT p50 {k['ttft_p50_ms'] / max(l['ttft_p50_ms'], 1e-9):.3f}, "
-                  f"prefill computed {k['prefill_computed']} vs {l['prefill_computed']}")
+                  f"prefill computed {k['prefill_computed']} vs {l['prefill_computed']}; kvd's step path: "
+                  f"{k['rpc_calls'] / max(k['steps'], 1):.2f} round trips a step, "
+                  f"{k['rpc_s'] * 1e6 / max(k['steps'], 1):.0f} us a step waited on them")
     if args.plot:
         plot(rows, args.plot)
     return 0
