@@ -581,6 +581,7 @@ void KvCache::ReleaseLocked(Request& req, bool completed) {
     UnrefTableLocked(req.pool, g->blocks);
     if (g->checkpoint != HybridSpine::kNone) UnrefLocked(req.pool, g->checkpoint);
   }
+  ReorderReleasedWindowsLocked(req);  // kv_cache_spine.cc
   UnrefTableLocked(req.pool, req.table);
   for (const Request::OwnCopy& c : req.own_copies) UnrefLocked(req.pool, c.block);  // private: freed
   workers_.AddUsage(req.spec.limit_key(), -1, -ReservedBytesLocked(req));

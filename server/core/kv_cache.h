@@ -371,9 +371,9 @@ class KvCache final : public TierPort, public PeerPort {
   // kv_cache_publish.cc: publish and checkpoints. FAILED_PRECONDITION for a block a pull is
   // writing, unless `by_pull` (AdoptPromoted: the pull publishes what it wrote). `blocks[i]` may
   // name the request's own copy where its table holds the cached duplicate. `*continues` (may be
-  // null) says whether the chain continues past the plan's duplicates: not on a hybrid pool, nor
-  // before End when the budget or the worker's limits have no room for the own copies (`end`:
-  // the request is released under the same lock, so they need none).
+  // null) says whether the chain continues past the plan's duplicates: not on a hybrid pool without
+  // a spine (no full group), nor before End when the budget or the worker's limits have no room
+  // for the own copies (`end`: the request is released under the same lock, so they need none).
   absl::StatusOr<PublishResult> PlanPublishLocked(const Request& req, absl::Span<const Token> tokens,
                                                   absl::Span<const BlockIndex> blocks, bool by_pull,
                                                   bool end = false, bool* continues = nullptr) const
@@ -484,6 +484,10 @@ class KvCache final : public TierPort, public PeerPort {
   // block its own), then the checkpoints are accepted per §2.7 into `published`.
   void PublishSideLocked(Request& req, absl::Span<const StateCheckpoint> checkpoints, bool end,
                          PublishResult& published) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // At release on a hybrid pool, after its window blocks were let go: those no hit at the end of
+  // its cached chain reads (positions before that hit's window) go first in their group's
+  // eviction order (docs/hybrid.md §2.8). O(the request's table), no cache scan.
+  void ReorderReleasedWindowsLocked(const Request& req) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts from non-spine group g's oldest evictable components until one unit of g is free
   // (window blocks a checkpoint reads wait for that checkpoint; a unit at an unreferenced leaf goes
   // whole). False, when nothing more can go.

@@ -324,6 +324,14 @@ absl::StatusOr<std::vector<GroupTable>> KvCache::GrowGroupsLocked(Request& req, 
         KVD_CHECK(owners_.Release(req.pool, held[i], writer).ok());
       }
       UnrefLocked(req.pool, held[i]);  // unpublished: freed; published: cached, evictable
+      // A block the window left before the window of a hit at the computed blocks' end is interior
+      // to the chain the request goes on to publish: its group evicts it before the blocks a hit at
+      // a chain's end reads (docs/hybrid.md §2.8). The others wait for the release's verdict.
+      if (pool.spine != nullptr &&
+          (geo.groups[g].kind == KvGroupKind::kSlidingWindow || geo.groups[g].kind == KvGroupKind::kChunkedLocal) &&
+          req.groups[g].first + i < c / geo.block_tokens - pool.spine->WindowNeed(g, c / geo.block_tokens)) {
+        pool.side[g].MakeOldest(held[i]);
+      }
     }
     held.erase(held.begin(), held.begin() + p.drop);
     req.groups[g].first = p.lo;

@@ -134,6 +134,28 @@ void KvCache::PublishSideLocked(Request& req, absl::Span<const StateCheckpoint> 
   }
 }
 
+void KvCache::ReorderReleasedWindowsLocked(const Request& req) {
+  Pool& pool = *pools_[req.pool];
+  if (pool.spine == nullptr) return;
+  // The request's chain in the spine ends at its table's cached prefix: a hit there (the next turn
+  // continuing it) reads each window group's blocks before it; every earlier one is interior.
+  int64_t leaf = 0;
+  while (leaf < static_cast<int64_t>(req.table.size()) &&
+         pool.blocks[req.table[leaf]].kind == BlockState::Kind::kCached) {
+    ++leaf;
+  }
+  for (size_t g = 0; g < req.groups.size(); ++g) {
+    const KvGroupKind kind = pool.geometry.groups[g].kind;
+    if (kind != KvGroupKind::kSlidingWindow && kind != KvGroupKind::kChunkedLocal) continue;
+    const int64_t keep_from = leaf - pool.spine->WindowNeed(static_cast<int>(g), leaf);
+    const Request::Group& rg = req.groups[g];
+    // Shallow first, so that the deepest interior block is evicted first.
+    for (size_t i = 0; i < rg.blocks.size() && rg.first + static_cast<int64_t>(i) < keep_from; ++i) {
+      pool.side[g].MakeOldest(rg.blocks[i]);
+    }
+  }
+}
+
 void KvCache::FreeComponentLocked(Pool& pool, BlockIndex index) {
   BlockState& s = pool.blocks[index];
   KVD_CHECK(s.kind == BlockState::Kind::kCached && s.refs == 0 && s.node == nullptr);
@@ -230,7 +252,11 @@ bool KvCache::EvictSideLocked(Pool& pool, int g) {
     CarryOutPlanLocked(pool, EvictReason::kCapacity);
     return true;
   }
-  for (BlockIndex b : sg.evictable) {  // oldest first
+  // With a state group every evictable window block is read by a checkpoint (U4): none may go
+  // alone, so the walk is skipped (O(1) instead of a pass over the group's blocks).
+  const bool walk = kind == KvGroupKind::kFull || !spine.has_state_group();
+  for (auto it = walk ? sg.evictable.begin() : sg.evictable.end(); it != sg.evictable.end(); ++it) {  // oldest first
+    const BlockIndex b = *it;
     CachedBlock* node = pool.component_node[b];
     if (kind == KvGroupKind::kFull) {  // a further full group's block goes only with its node (U1)
       if (node->num_children != 0 || refs.NodeReferenced(*node)) continue;

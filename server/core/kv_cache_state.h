@@ -56,6 +56,13 @@ struct Pool {
     int64_t cached = 0;
     std::list<BlockIndex> evictable;
     absl::flat_hash_map<BlockIndex, std::list<BlockIndex>::iterator> where;
+    // Window eviction order (docs/hybrid.md §2.8): a block no hit at its chain's end reads (an
+    // interior one) is put first in line, if it is evictable at all (freed or referenced: no-op).
+    // O(1).
+    void MakeOldest(BlockIndex index) {
+      auto it = where.find(index);
+      if (it != where.end()) evictable.splice(evictable.begin(), evictable, it->second);
+    }
   };
   int spine_group = 0;
   std::vector<SideGroup> side;  // one per group of a hybrid pool; empty otherwise

@@ -3,6 +3,8 @@
 // onto the cached chain, and a later request hits there. The checker runs after every operation.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "proto/vocab/pool_geometry.h"
 #include "proto/vocab/step_types.h"
@@ -182,6 +184,72 @@ TEST_CASE("a recomputed hybrid prefix fills the window blocks and checkpoint its
   REQUIRE(cache->Release(RequestId("d"), true).ok());
   RequireInvariants(*cache);
   CHECK(cache->Report().no_parent_blocks == 0);
+}
+
+// full + sliding window (W = 6: a hit reads 2 window blocks before it), no state group: the
+// gpt-oss shape, where any node may keep or tombstone its window block (U4).
+PoolGeometry WindowOnly(int64_t swa_cap) {
+  PoolGeometry g;
+  g.name = "h";
+  g.block_tokens = 4;
+  g.bytes_per_token_per_layer = 8;
+  g.max_model_len = 128;
+  g.step_tokens = 8;
+  g.groups.push_back(KvGroup{.name = "full", .kind = KvGroupKind::kFull, .layers = {0}, .capacity = 64});
+  g.groups.push_back(
+      KvGroup{.name = "swa", .kind = KvGroupKind::kSlidingWindow, .layers = {1}, .window = 6, .capacity = swa_cap});
+  g.num_layers = 2;
+  const absl::Status resolved = g.ResolveGroups();
+  INFO(resolved.ToString());
+  REQUIRE(resolved.ok());
+  return g;
+}
+
+// Computes `prompt` as the bench's engine does: each step's blocks published before the grow
+// that reports them computed (and lets the window go), then End publishing every full block.
+void Compute(KvCache& cache, const RequestSpec& spec) {
+  const AcquireResult r = testing::Start(cache, spec);
+  const int64_t n = static_cast<int64_t>(spec.prompt.size());
+  for (int64_t c = r.cached_tokens; c < n;) {
+    const int64_t c2 = std::min<int64_t>(n, c + 8);
+    REQUIRE(cache.Publish(spec.id, spec.prompt, First(r.blocks, static_cast<size_t>(c2 / 4))).ok());
+    REQUIRE(Grow(cache, spec.id.value(), c2).status.ok());
+    c = c2;
+    RequireInvariants(cache);
+  }
+  REQUIRE(cache.End(spec.id, n / 4, {}, true).ok());
+  RequireInvariants(cache);
+}
+
+TEST_CASE("window pressure tombstones interior window blocks before those a chain end's hit reads", "[spine][reuse]") {
+  FakeClock clock;
+  auto cache = Cache(WindowOnly(/*swa_cap=*/16), &clock);
+  const Namespace ns{.pool = "h"};
+  // Two chains of 6 blocks, a then b: each keeps its window block at every position (12 cached).
+  const RequestSpec a = Spec("a", Seq(1, 25), 0, "h");
+  const RequestSpec b = Spec("b", Seq(5000, 25), 0, "h");
+  Compute(*cache, a);
+  Compute(*cache, b);
+  REQUIRE(*cache->PeekPrefixLen(ns, Concat(Seq(1, 24), {7})) == 24);
+  REQUIRE(*cache->PeekPrefixLen(ns, Concat(Seq(5000, 24), {7})) == 24);
+  REQUIRE(GroupReport(*cache, kSwa).cached == 12);
+  // Window pressure: requests that hold window blocks while they run evict some of the 12, fewer
+  // than the 8 interior ones (positions 0-3 of each chain). a's end (its blocks at 4 and 5) was
+  // released before b's interior blocks left b's window: by age alone a's would go first.
+  // Three of them (reservations of 5 window blocks each fit 16): 2 blocks each at the start, 4
+  // once two have computed 8 tokens: 10 held, 4 free before, so 6 of the cached blocks go.
+  for (int i = 0; i < 3; ++i) testing::Start(*cache, Spec(absl::StrCat("p", i), Seq(10000 * (i + 1), 25), 0, "h"));
+  for (int i = 0; i < 2; ++i) REQUIRE(Grow(*cache, absl::StrCat("p", i), 8).status.ok());
+  RequireInvariants(*cache);
+  const int64_t left = GroupReport(*cache, kSwa).cached;
+  INFO("window blocks cached " << left);
+  REQUIRE(left >= 4);
+  REQUIRE(left <= 7);
+  // Both chain ends still serve a continuation of the whole chain.
+  CHECK(*cache->PeekPrefixLen(ns, Concat(Seq(1, 24), {7})) == 24);
+  CHECK(*cache->PeekPrefixLen(ns, Concat(Seq(5000, 24), {7})) == 24);
+  for (int i = 0; i < 3; ++i) REQUIRE(cache->Release(RequestId(absl::StrCat("p", i)), true).ok());
+  RequireInvariants(*cache);
 }
 
 }  // namespace
