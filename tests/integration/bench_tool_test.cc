@@ -121,11 +121,11 @@ TEST_CASE("kvd-bench's fan-out computes a shared context once with the in-flight
   double computed[2] = {0, 0}, published_waits[2] = {0, 0};
   for (int wait = 0; wait < 2; ++wait) {
     const std::string json = dir.path() + absl::StrCat("/fanout", wait, ".json");
-    // 80 prompt tokens at 400 tokens/s: each start's blocks stay in flight for 200 ms.
+    // 80 prompt tokens at 200 tokens/s: each start's blocks stay in flight for 400 ms.
     ProcessResult r = RunProcess(
         KVD_BENCH_BINARY, {"--target=" + d.target(), absl::StrCat("--fanout=", kN),
                            absl::StrCat("--fanout-context=", kContext), absl::StrCat("--fanout-own=", kOwn),
-                           "--prefill-tps=400", "--max-decode-tokens=0", absl::StrCat("--seed=", 100 + wait),
+                           "--prefill-tps=200", "--max-decode-tokens=0", absl::StrCat("--seed=", 100 + wait),
                            absl::StrCat("--wait-in-flight-ms=", wait ? 5000 : 0), "--json=" + json});
     INFO(r.out);
     REQUIRE(r.exit_code == 0);
