@@ -358,10 +358,13 @@ int main(int argc, char** argv) {
   if (f.prefill_shared && f.prefill_tps > 0) {
     f.prefill_lock = absl::StrCat("/tmp/kvd-bench-prefill-", getpid(), ".lock");
   }
-  // Every worker starts its clock at the same instant: after they all had time to connect.
-  f.start_at_us = std::chrono::duration_cast<std::chrono::microseconds>(
-                      std::chrono::system_clock::now().time_since_epoch()).count() +
-                  300'000 + 20'000 * f.workers;
+  // With arrivals or overlap, every worker starts its clock at the same instant: after they all
+  // had time to connect (as fast as possible without overlap, each starts when it is ready).
+  if (f.overlap() || f.speedup > 0) {
+    f.start_at_us = std::chrono::duration_cast<std::chrono::microseconds>(
+                        std::chrono::system_clock::now().time_since_epoch()).count() +
+                    300'000 + 20'000 * f.workers;
+  }
   const auto start = Clock::now();
   for (int k = 0; k < f.workers; ++k) {
     std::vector<std::string> args = {
