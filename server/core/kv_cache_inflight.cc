@@ -124,6 +124,7 @@ void KvCache::WakeInflightWaiters() {
 absl::Status KvCache::CheckInflightLocked() const {
   absl::Status status;
   inflight_.ForEach([&](uint64_t serial, const RequestId& id, int64_t pos, const BlockKey& key) {
+    mu_.AssertHeld();  // the lambda runs under the caller's lock; the analysis cannot see through it
     if (!status.ok()) return;
     auto it = requests_.find(id);
     if (it == requests_.end() || it->second->serial != serial) {
