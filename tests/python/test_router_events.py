@@ -501,7 +501,7 @@ def prove_window_tombstone(kvd, tmp, ctx):
     """Window pressure tombstones the oldest window block, inside a chain (full + sliding window,
     W = 6: a hit of d blocks needs window blocks [d - 2, d)). kvd still serves the chain at its
     full length, and the router is told nothing: no BlockRemoved, every id still live. Then more
-    pressure tombstones more of its window and takes its leaf unit, which is announced removed: the
+    pressure tombstones the other interior window blocks and takes its leaf unit, which is announced removed: the
     router never scores the chain below what kvd serves (it may score it above: the tombstones
     inside it are not announced, docs/hybrid.md "What works today")."""
     events = (f"router_events:\n  endpoint: ipc://{tmp}/events-hw\n  replay_endpoint: ipc://{tmp}/replay-hw\n"
@@ -523,8 +523,14 @@ def prove_window_tombstone(kvd, tmp, ctx):
             after = {g.name: g.cached for g in c.report().pools[0].groups}
             served = c.peek_prefix_len("hw", a[:16] + [7])
             got = replay_settled(ctx, f"ipc://{tmp}/replay-hw", 0)
-            with c.request("d", pool="hw", prompt=list(range(5000, 5017))):
-                pass  # 4 window blocks with none free: a's next window blocks go, then its leaf
+            # Interior window blocks go first (docs/hybrid.md §2.8): d takes the 2 free and 2 of
+            # the 3 interior ones and caches its own 4; then e's 4 take the interior ones left and
+            # the chain ends' windows by release age, a's first, and with them its leaf unit.
+            d_prompt = list(range(5000, 5017))
+            with c.request("d", pool="hw", prompt=d_prompt) as r:
+                r.publish(d_prompt[:16])
+            with c.request("e", pool="hw", prompt=list(range(6000, 6017))):
+                pass
             served_after = c.peek_prefix_len("hw", a[:16] + [7])
             full_after = {g.name: g.cached for g in c.report().pools[0].groups}["full"]
             got_after = replay_settled(ctx, f"ipc://{tmp}/replay-hw", 0)
