@@ -82,7 +82,17 @@ bool ProcessGone(pid_t pid) {
   const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
   std::fclose(f);
   const char* paren = std::strrchr(buf, ')');  // the state follows the command name's ')'
-  return n > 0 && paren != nullptr && (paren[2] == 'Z' || paren[2] == 'X');
+  if (n == 0 || paren == nullptr) return false;
+  if (paren[2] == 'Z' || paren[2] == 'X') return true;
+  // A process killed by a signal closes its descriptors in do_exit() before it becomes a zombie, so
+  // a broken stream can be seen while the state still reads R or D. The kernel sets PF_EXITING
+  // (0x4, include/linux/sched.h) in the flags, field 9 of proc(5)'s stat, as do_exit() begins:
+  // from then on the process runs no code of its own and writes nothing.
+  char state = 0;
+  unsigned flags = 0;
+  if (std::sscanf(paren + 2, "%c %*d %*d %*d %*d %*d %u", &state, &flags) != 2) return false;
+  constexpr unsigned kPfExiting = 0x4;
+  return (flags & kPfExiting) != 0;
 }
 
 }  // namespace kvd

@@ -20,7 +20,8 @@ struct ProcessStats {
 // Fields that cannot be read stay 0.
 ProcessStats ReadProcessStats();
 
-// Whether process `pid` has ended (no such process, or a zombie): it can write nothing more.
+// Whether process `pid` has ended (no such process, a zombie, or exiting: PF_EXITING set): it can
+// write nothing more.
 // Reads /proc: never under a lock that guards anything else.
 bool ProcessGone(pid_t pid);
 
