@@ -14,18 +14,7 @@ import time
 
 from kvd import StepBatch, StepRequest
 from kvd.client import Client
-from kvd_testlib import Daemon, check, finish
-
-HYBRID_POOL = ("pools:\n  - name: hy\n    block_tokens: 4\n    num_layers: 4\n    bytes_per_token_per_layer: 16\n"
-               "    max_model_len: 64\n    dtype: float32\n    kv_heads: 2\n    head_dim: 1\n"
-               "    kv_arrangement: token_kv_head_dim\n    step_tokens: 8\n    groups:\n"
-               "      - {name: full, kind: full, layers: [\"1-3/2\"], capacity_blocks: 40}\n"
-               "      - {name: swa, kind: sliding_window, layers: [0], window: 6, capacity_blocks: 24}\n"
-               "      - {name: rec, kind: state, layers: [2], bytes_per_state: 96, checkpoint_every_blocks: 2, "
-               "capacity_slots: 6}\n")
-GROUPS = [{"name": "full", "kind": "full", "layers": [1, 3]},
-          {"name": "swa", "kind": "sliding_window", "window": 6},
-          {"name": "rec", "kind": "state", "checkpoint_every_blocks": 2, "bytes_per_state": 96}]
+from kvd_testlib import HYBRID_GROUPS as GROUPS, HYBRID_POOL, Daemon, check, finish
 
 
 def main():
