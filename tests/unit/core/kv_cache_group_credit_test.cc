@@ -45,9 +45,7 @@ PoolGeometry Hybrid(int32_t window, int32_t step, int64_t cap = 128) {
 }
 
 std::unique_ptr<KvCache> HybridCache(const PoolGeometry& g, FakeClock* clock, int64_t budget = 0) {
-  CacheOptions o = testing::SmallOptions();
-  o.pools = {g};
-  o.budget_bytes = budget;
+  CacheOptions o = testing::PoolOptions(g, budget);
   o.step_credit_blocks = 6;
   return testing::MakeCache(o, clock);
 }

@@ -48,13 +48,6 @@ PoolGeometry Hybrid(int32_t window, int32_t chunk, int32_t step, int32_t shards 
   return g;
 }
 
-std::unique_ptr<KvCache> HybridCache(const PoolGeometry& g, FakeClock* clock, int64_t budget = 0) {
-  CacheOptions o = testing::SmallOptions();
-  o.pools = {g};
-  o.budget_bytes = budget;
-  return testing::MakeCache(o, clock);
-}
-
 const PoolReport::Group& GroupReport(const KvCache& cache, const std::string& name) {
   static CacheReport r;
   r = cache.Report();
@@ -82,7 +75,7 @@ TEST_CASE("hybrid admission reserves §2.5's units per group, each at its unit b
               << row.prompt + row.max_new);
     FakeClock clock;
     const PoolGeometry g = Hybrid(row.window, row.chunk, row.step, row.shards);
-    auto cache = HybridCache(g, &clock);
+    auto cache = testing::PoolCache(g, &clock);
     const int64_t t = row.prompt + row.max_new;
     const int64_t bt = 4, s = row.step;
     // §2.5, written out independently of the code under test.
@@ -153,7 +146,7 @@ TEST_CASE("a hybrid request that cannot fit is OUT_OF_RANGE, naming the group or
     CHECK_THAT(std::string(r.status().message()), Catch::Contains("which holds 10"));
   }
   // The budget: a 64-token request needs 16 x 64 + 4 x 32 + 2 x 1000 bytes.
-  auto cache = HybridCache(Hybrid(6, 0, 8), &clock, /*budget=*/2000);
+  auto cache = testing::PoolCache(Hybrid(6, 0, 8), &clock, /*budget=*/2000);
   const auto r = cache->Admit(Spec("r", Seq(1, 64), 0, "h"));
   REQUIRE(absl::IsOutOfRange(r.status()));
   CHECK_THAT(std::string(r.status().message()), Catch::Contains("whole budget"));
@@ -164,7 +157,7 @@ TEST_CASE("window release: published blocks stay cached, unpublished ones are fr
   FakeClock clock;
   // W = 6, bt = 4, S = 8: the window holds [floor((c - 5) / 4), ceil(min(n, c + 8) / 4)).
   const PoolGeometry g = Hybrid(6, 0, 8);
-  auto cache = HybridCache(g, &clock);
+  auto cache = testing::PoolCache(g, &clock);
   RequestSpec spec = Spec("r", Seq(1, 16), 16, "h");
   const AcquireResult acq = testing::Start(*cache, spec);
   View swa{acq.group_tables[1].first_block_position, acq.group_tables[1].blocks};
@@ -235,7 +228,7 @@ TEST_CASE("window release: published blocks stay cached, unpublished ones are fr
 TEST_CASE("hybrid refusals change nothing", "[groups]") {
   FakeClock clock;
   const PoolGeometry g = Hybrid(6, 8, 8);
-  auto cache = HybridCache(g, &clock);
+  auto cache = testing::PoolCache(g, &clock);
   RequestSpec spec = Spec("r", Seq(1, 12), 8, "h");
   testing::Start(*cache, spec);
   REQUIRE(Grow(*cache, "r", 4, 10).status.ok());
@@ -284,7 +277,7 @@ TEST_CASE("hybrid refusals change nothing", "[groups]") {
   // Growing past the reservation when the budget is full: RESOURCE_EXHAUSTED, nothing changed.
   FakeClock clock2;
   const PoolGeometry small = Hybrid(6, 0, 8);
-  auto tight = HybridCache(small, &clock2, /*budget=*/3 * 64 + 3 * 32 + 2000);
+  auto tight = testing::PoolCache(small, &clock2, /*budget=*/3 * 64 + 3 * 32 + 2000);
   RequestSpec t = Spec("t", Seq(1, 12), 0, "h");
   testing::Start(*tight, t);
   const CacheReport tr = tight->Report();
@@ -305,7 +298,7 @@ TEST_CASE("randomized: growth within the reservation never fails, per group", "[
     INFO("round " << round << " W " << window << " C " << chunk << " S " << step);
     FakeClock clock;
     const PoolGeometry g = Hybrid(window, chunk, step, 1, 160);
-    auto cache = HybridCache(g, &clock);
+    auto cache = testing::PoolCache(g, &clock);
     struct Live {
       std::string id;
       int64_t n, computed, total;

@@ -41,12 +41,6 @@ PoolGeometry Geometry(int64_t cap, int64_t slots) {
   return g;
 }
 
-std::unique_ptr<KvCache> Cache(const PoolGeometry& g, FakeClock* clock) {
-  CacheOptions o = testing::SmallOptions();
-  o.pools = {g};
-  return testing::MakeCache(o, clock);
-}
-
 StepOpResult Grow(KvCache& cache, const std::string& id, int64_t computed) {
   return testing::Grow(cache, id, 0, computed);
 }
@@ -63,7 +57,7 @@ TEST_CASE("a hybrid chain continues past a recomputed prefix whose checkpoint wa
   FakeClock clock;
   // Three state slots: a request holds two (running, spare), so each kept checkpoint's fresh spare
   // evicts the oldest unreferenced checkpoint once the group is full.
-  auto cache = Cache(Geometry(/*cap=*/32, /*slots=*/3), &clock);
+  auto cache = testing::PoolCache(Geometry(/*cap=*/32, /*slots=*/3), &clock);
   const Namespace ns{.pool = "h"};
 
   // a computes 16 tokens with checkpoints at 8 and 16; the second's fresh spare evicts the first
@@ -140,7 +134,7 @@ TEST_CASE("a hybrid chain continues past a recomputed prefix whose checkpoint wa
 
 TEST_CASE("a recomputed hybrid prefix fills the window blocks and checkpoint its cached nodes lack", "[spine][reuse]") {
   FakeClock clock;
-  auto cache = Cache(Geometry(/*cap=*/32, /*slots=*/4), &clock);
+  auto cache = testing::PoolCache(Geometry(/*cap=*/32, /*slots=*/4), &clock);
   const Namespace ns{.pool = "h"};
   // a publishes 4 blocks with one checkpoint at 16, after its window left blocks 0 and 1
   // (released unpublished): nodes 0 and 1 hold no window block and no checkpoint.
@@ -223,7 +217,7 @@ void Compute(KvCache& cache, const RequestSpec& spec) {
 
 TEST_CASE("window pressure tombstones interior window blocks before those a chain end's hit reads", "[spine][reuse]") {
   FakeClock clock;
-  auto cache = Cache(WindowOnly(/*swa_cap=*/16), &clock);
+  auto cache = testing::PoolCache(WindowOnly(/*swa_cap=*/16), &clock);
   const Namespace ns{.pool = "h"};
   // Two chains of 6 blocks, a then b: each keeps its window block at every position (12 cached).
   const RequestSpec a = Spec("a", Seq(1, 25), 0, "h");

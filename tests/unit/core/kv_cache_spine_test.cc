@@ -51,12 +51,6 @@ PoolGeometry Geometry(int32_t window, int32_t chunk, int32_t every, int64_t cap 
   return g;
 }
 
-std::unique_ptr<KvCache> Cache(const PoolGeometry& g, FakeClock* clock) {
-  CacheOptions o = testing::SmallOptions();
-  o.pools = {g};
-  return testing::MakeCache(o, clock);
-}
-
 // A grow that only reports the engine's computed tokens.
 StepOpResult Grow(KvCache& cache, const std::string& id, int64_t computed) {
   return testing::Grow(cache, id, 0, computed);
@@ -78,7 +72,7 @@ std::vector<BlockIndex> First(const std::vector<BlockIndex>& v, size_t n) { retu
 
 TEST_CASE("a hit on a hybrid pool is limited by a sliding window's tombstones", "[spine]") {
   FakeClock clock;
-  auto cache = Cache(Geometry(6, 0, 0), &clock);
+  auto cache = testing::PoolCache(Geometry(6, 0, 0), &clock);
   const RequestSpec a = Spec("a", Seq(1, 17), 0, "h");
   const AcquireResult ra = testing::Start(*cache, a);
   View swa{ra.group_tables[kSwa].first_block_position, ra.group_tables[kSwa].blocks};
@@ -117,7 +111,7 @@ TEST_CASE("a hit on a hybrid pool is limited by a chunked group's blocks", "[spi
   FakeClock clock;
   // C = 8 (2 blocks): a hit of depth d reads the chunk's blocks before d: (4d mod 8) / 4. W = 1:
   // the window group reads nothing before d, so only the chunked group limits.
-  auto cache = Cache(Geometry(1, 8, 0), &clock);
+  auto cache = testing::PoolCache(Geometry(1, 8, 0), &clock);
   const int kChunk = 2;
   const RequestSpec a = Spec("a", Seq(1, 17), 0, "h");
   const AcquireResult ra = testing::Start(*cache, a);
@@ -142,7 +136,7 @@ TEST_CASE("a hit on a hybrid pool is limited by a chunked group's blocks", "[spi
 
 TEST_CASE("a hit on a hybrid pool with a state group ends at a checkpoint", "[spine]") {
   FakeClock clock;
-  auto cache = Cache(Geometry(6, 0, 2), &clock);
+  auto cache = testing::PoolCache(Geometry(6, 0, 2), &clock);
   const int kRec = 2;
   const RequestSpec a = Spec("a", Seq(1, 17), 0, "h");
   const AcquireResult ra = testing::Start(*cache, a);
@@ -184,7 +178,7 @@ TEST_CASE("a hit on a hybrid pool with a state group ends at a checkpoint", "[sp
 
 TEST_CASE("state checkpoints through publish: each outcome, refusals change nothing", "[spine]") {
   FakeClock clock;
-  auto cache = Cache(Geometry(6, 0, 2), &clock);
+  auto cache = testing::PoolCache(Geometry(6, 0, 2), &clock);
   const int kRec = 2;
   const RequestSpec a = Spec("a", Seq(1, 17), 0, "h");
   const AcquireResult ra = testing::Start(*cache, a);
@@ -254,7 +248,7 @@ TEST_CASE("state checkpoints through publish: each outcome, refusals change noth
 TEST_CASE("a spine leaf is evicted as one unit with its window blocks and checkpoint", "[spine]") {
   FakeClock clock;
   // 8 full blocks: a 32-token prompt needs them all.
-  auto cache = Cache(Geometry(6, 0, 2, /*cap=*/8, /*slots=*/4), &clock);
+  auto cache = testing::PoolCache(Geometry(6, 0, 2, /*cap=*/8, /*slots=*/4), &clock);
   const int kRec = 2;
   const RequestSpec a = Spec("a", Seq(1, 17), 0, "h");
   const AcquireResult ra = testing::Start(*cache, a);
@@ -411,7 +405,7 @@ TEST_CASE("randomized publish / acquire / evict on a hybrid pool: every hit exac
       INFO("capacity " << cap << " seed " << seed);
       FakeClock clock;
       const PoolGeometry geo = Geometry(6, 0, 2, cap, slots);
-      auto cache = Cache(geo, &clock);
+      auto cache = testing::PoolCache(geo, &clock);
       Engine(*cache, geo, seed).Run(300);
       const CacheReport r = cache->Report();
       CHECK(r.evictions[static_cast<int>(EvictReason::kCapacity)] > 0);

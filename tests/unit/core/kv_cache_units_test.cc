@@ -39,12 +39,6 @@ PoolGeometry Geometry(int64_t full_cap, int64_t swa_cap, int64_t slots) {
   return g;
 }
 
-std::unique_ptr<KvCache> Cache(const PoolGeometry& g, FakeClock* clock) {
-  CacheOptions o = testing::SmallOptions();
-  o.pools = {g};
-  return testing::MakeCache(o, clock);
-}
-
 // Records every demotion: its tokens and its parts' groups (tail flags too).
 class UnitSink final : public EvictionSink {
  public:
@@ -84,7 +78,7 @@ void PublishUnit(KvCache& cache, const std::string& id, Token first) {
 
 TEST_CASE("a spine unit goes down with its window blocks and checkpoint, and comes back whole", "[spine][tiers]") {
   FakeClock clock;
-  auto cache = Cache(Geometry(16, 16, 6), &clock);
+  auto cache = testing::PoolCache(Geometry(16, 16, 6), &clock);
   UnitSink sink;
   cache->SetEvictionSink(&sink);
   PublishUnit(*cache, "a", 1);
@@ -165,7 +159,7 @@ TEST_CASE("an acquire takes the window blocks its own evictions hold for the cop
   FakeClock clock;
   // 8 window blocks, all cached by 4 units; a 63-token start needs every full block, so its
   // evictions hold all 8 for the sink's copy when it allocates its own window blocks.
-  auto cache = Cache(Geometry(16, 8, 8), &clock);
+  auto cache = testing::PoolCache(Geometry(16, 8, 8), &clock);
   UnitSink sink;
   cache->SetEvictionSink(&sink);
   for (int i = 0; i < 4; ++i) PublishUnit(*cache, "u" + std::to_string(i), 100 * (i + 1));

@@ -101,6 +101,17 @@ inline StepOpResult Grow(KvCache& cache, const std::string& id, int64_t tokens, 
   return cache.Step(WorkerId("w0"), WorkerId("w0"), std::move(ops), {}, nullptr)[0];
 }
 
+// Options and a cache holding the one pool `g` (SmallOptions otherwise); budget 0: unlimited.
+inline CacheOptions PoolOptions(const PoolGeometry& g, int64_t budget = 0) {
+  CacheOptions o = SmallOptions();
+  o.pools = {g};
+  o.budget_bytes = budget;
+  return o;
+}
+inline std::unique_ptr<KvCache> PoolCache(const PoolGeometry& g, const Clock* clock, int64_t budget = 0) {
+  return MakeCache(PoolOptions(g, budget), clock);
+}
+
 // A group's table as the engine keeps it, by the clients' rule: drop below the new first
 // position, append.
 struct GroupView {
