@@ -767,9 +767,13 @@ TEST_CASE("A peer stopped and killed in the middle of a pull leaves nothing part
   INFO("B's log: " << b.Log());
   if (got.first == 0) {
     CHECK(Cached(*wb, 5, kBlocks) == 0);
-    CHECK(std::max<int64_t>(0, Metric(b, "kvd_peer_pulls_total{outcome=\"transfer\"}")) +
-              std::max<int64_t>(0, Metric(b, "kvd_peer_pulls_total{outcome=\"timeout\"}")) ==
-          1);
+    // A counts the offer before its answer leaves, so the stop can also land between the two:
+    // then B's Offer fails ("offer"). Any one failure, counted once, is right.
+    int64_t failed = 0;
+    for (const char* outcome : {"transfer", "timeout", "offer"}) {
+      failed += std::max<int64_t>(0, Metric(b, absl::StrCat("kvd_peer_pulls_total{outcome=\"", outcome, "\"}")));
+    }
+    CHECK(failed == 1);
   } else {
     WARN("the pull finished before the peer was stopped");
     CHECK(got.first == kBlocks * kBlockTokens);
