@@ -18,7 +18,7 @@ endforeach()
 install(TARGETS kvd_client kvd_proto kvd_gpu kvd_vocab EXPORT kvdTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
 # The closure of client/client.h's includes inside the repository (and the default target).
-foreach(header client/client.h client/step.h gpu/slab_layout.h proto/vocab/block_key.h
+foreach(header client/client.h client/kv_request.h client/step.h gpu/slab_layout.h proto/vocab/block_key.h
                proto/vocab/cache_event.h proto/vocab/cache_types.h proto/vocab/kv_format.h
                proto/vocab/pool_geometry.h proto/vocab/pressure_level.h proto/vocab/types.h
                proto/vocab/default_paths.h)

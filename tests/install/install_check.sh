@@ -17,7 +17,7 @@ source "$here/consumer_build.sh"
 prefix="$tmp/prefix"
 
 cmake --install "$build" --prefix "$prefix" >"$tmp/install.log" || { cat "$tmp/install.log" >&2; fail "cmake --install"; }
-for f in bin/kvd bin/kvdctl lib/systemd/system/kvd.service include/kvd/client/client.h include/kvd/client/step.h \
+for f in bin/kvd bin/kvdctl lib/systemd/system/kvd.service include/kvd/client/client.h include/kvd/client/kv_request.h include/kvd/client/step.h \
          include/kvd/proto/vocab/default_paths.h share/doc/kvd/kvd.example.yaml; do
   [ -e "$prefix/$f" ] || fail "$f is not installed"
 done
