@@ -1,17 +1,15 @@
-// Peer transfer (docs/transfer.md): two real kvd daemons on loopback, each with its own worker
-// clients; the Peer service under mutual TLS with certificates the test makes (openssl). Node A
-// prefills, node B pulls over that channel, and every pulled byte is compared with what A's
-// worker wrote. Then what goes wrong: a peer not configured, an unauthenticated caller, reads of
-// leases that are not the caller's, certificates whose names only look allowed, pins against
-// eviction, leases that expire, a hostile peer (a proxy in this process that corrupts A's real
-// offers and reads), a peer stopped while others serve, and one killed in the middle of a pull. The two-namespace test with the
+// Peer transfer (docs/transfer.md) of single-group pools: two real kvd daemons on loopback, each
+// with its own worker clients; the Peer service under mutual TLS with certificates the test makes
+// (openssl). Node A prefills, node B pulls over that channel, and every pulled byte is compared
+// with what A's worker wrote. Then what goes wrong: a peer not configured, an unauthenticated
+// caller, reads of leases that are not the caller's, certificates whose names only look allowed,
+// pins against eviction, leases that expire, a hostile peer (a proxy in this process that
+// corrupts A's real offers and reads), a peer stopped while others serve, and one killed in the
+// middle of a pull. Hybrid pools: transfer_hybrid_test.cc. The two-namespace test with the
 // reference engine is tests/transfer/netns_pull.py.
 #include <csignal>
-#include <cstring>
 #include <fstream>
 #include <map>
-#include <tuple>
-#include <sstream>
 #include <thread>
 
 #include <catch2/catch.hpp>
@@ -22,6 +20,7 @@
 #include "client/client.h"
 #include "kvd/peer/v1/peer.grpc.pb.h"
 #include "tests/integration/harness.h"
+#include "tests/integration/transfer_fixture.h"
 #include "tests/util/free_port.h"
 
 namespace kvd {
@@ -29,212 +28,6 @@ namespace {
 
 using namespace kvd::testing;
 using client::Client;
-using client::KvRequest;
-
-constexpr int kBlockTokens = 16;
-
-std::string ReadText(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// A CA, and a certificate it signed for each name (CN and DNS subjectAltName); and, for the
-// allow-list, certificates whose CN or other subjectAltName kinds say a name their DNS names do
-// not: file stem -> (CN, subjectAltName extension or "" for none).
-struct Certs {
-  TempDir dir;
-  bool ok = false;
-  static const std::vector<std::tuple<std::string, std::string, std::string>>& Odd() {
-    static const auto* odd = new std::vector<std::tuple<std::string, std::string, std::string>>{
-        {"cn-uri", "node-b", "URI:spiffe://example.org/node-x"},
-        {"cn-email", "node-b", "email:node-x@example.org"},
-        {"cn-ip", "node-b", "IP:127.0.0.9"},
-        {"cn-dns-other", "node-b", "DNS:node-x"},
-        {"uri-named", "someone-else", "URI:node-b"},
-        {"email-named", "someone-else", "email:node-b"},
-        {"cn-only", "node-b", ""},
-        {"dns-named", "someone-else", "DNS:node-b"},
-        {"spiffe", "someone-else", "URI:spiffe://example.org/node-b"}};
-    return *odd;
-  }
-  Certs() {
-    std::string script =
-        "set -e; cd '" + dir.path() + "'\n"
-        "openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=kvd-peer-ca -keyout ca.key -out ca.pem 2>/dev/null\n"
-        "cert() {  # stem, CN, subjectAltName ('' for none)\n"
-        "  openssl req -newkey rsa:2048 -nodes -subj \"/CN=$2\" -keyout $1.key -out $1.csr 2>/dev/null\n"
-        "  if [ -n \"$3\" ]; then printf 'subjectAltName=%s\\n' \"$3\" > $1.ext; else : > $1.ext; fi\n"
-        "  openssl x509 -req -in $1.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 -extfile $1.ext -out $1.pem 2>/dev/null\n"
-        "}\n"
-        "for who in node-a node-b evil stranger; do cert $who $who DNS:$who; done\n";
-    for (const auto& [stem, cn, san] : Odd()) absl::StrAppend(&script, "cert ", stem, " ", cn, " '", san, "'\n");
-    ok = RunProcess("/bin/sh", {"-c", script}).exit_code == 0;
-  }
-  std::string path(const std::string& file) const { return dir.path() + "/" + file; }
-};
-
-// A pool of 16-token blocks of 2 layers x `bytes_per_token_per_layer`, and a transfer section
-// for `name`, pulling from `peers` (name, address).
-std::string NodeConfig(const Certs& certs, const std::string& name,
-                       const std::vector<std::pair<std::string, std::string>>& peers,
-                       const std::string& allowed = "", int64_t bytes_per_token_per_layer = 64,
-                       int capacity_blocks = 256, const std::string& extra = "") {
-  std::string yaml = absl::StrCat(
-      "pools:\n"
-      "  - name: default\n"
-      "    block_tokens: ", kBlockTokens, "\n"
-      "    num_layers: 2\n"
-      "    bytes_per_token_per_layer: ", bytes_per_token_per_layer, "\n"
-      "    capacity_blocks: ", capacity_blocks, "\n"
-      "    max_model_len: 20000\n"
-      "transfer:\n"
-      "  listen: 127.0.0.1:0\n"
-      "  tls_cert_file: ", certs.path(name + ".pem"), "\n"
-      "  tls_key_file: ", certs.path(name + ".key"), "\n"
-      "  tls_ca_file: ", certs.path("ca.pem"), "\n", extra);
-  if (!allowed.empty()) absl::StrAppend(&yaml, "  allowed_peers: [", allowed, "]\n");
-  if (!peers.empty()) {
-    absl::StrAppend(&yaml, "  peers:\n");
-    for (const auto& [n, a] : peers) absl::StrAppend(&yaml, "    - {name: ", n, ", address: \"", a, "\"}\n");
-  }
-  return yaml;
-}
-
-// The byte a worker writes at `offset` of layer `layer` of prompt block `position`.
-uint8_t Pattern(uint32_t seed, int64_t position, int32_t layer, int64_t offset) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ (position * 0x100000001B3ull) ^ (layer * 0xC2B2AE3Dull) ^ offset;
-  x ^= x >> 29;
-  x *= 0xBF58476D1CE4E5B9ull;
-  return static_cast<uint8_t>(x >> 56);
-}
-
-std::unique_ptr<Client> Connect(const DaemonProcess& d, const std::string& name) {
-  auto c = Client::Connect({.target = d.target(), .worker_name = name});
-  REQUIRE(c.ok());
-  return std::move(*c);
-}
-
-std::vector<Token> Prompt(uint32_t seed, int blocks) {  // `blocks` full blocks and one more token
-  std::vector<Token> p;
-  for (int i = 0; i < blocks * kBlockTokens + 1; ++i) p.push_back(static_cast<Token>((seed * 7919 + i * 31) % 50000));
-  return p;
-}
-
-void WriteBlocks(Client& c, const KvRequest& r, int64_t first, int64_t count, uint32_t seed) {
-  const client::PoolView* pool = *c.FindPool("default");
-  const int64_t n = pool->geometry.layer_block_bytes();
-  std::vector<uint8_t> buf(static_cast<size_t>(n));
-  for (int64_t i = first; i < first + count; ++i) {
-    for (int32_t layer = 0; layer < pool->geometry.num_layers; ++layer) {
-      for (int64_t j = 0; j < n; ++j) buf[j] = Pattern(seed, i, layer, j);
-      REQUIRE(c.WriteLayer(r.pool(), r.blocks()[i], layer, 0, buf.data(), n).ok());
-    }
-  }
-}
-
-// Whether the first `count` blocks of `r` hold what WriteBlocks wrote for `seed`.
-bool BlocksExact(Client& c, const KvRequest& r, int64_t count, uint32_t seed) {
-  const client::PoolView* pool = *c.FindPool("default");
-  const int64_t n = pool->geometry.layer_block_bytes();
-  std::vector<uint8_t> buf(static_cast<size_t>(n));
-  for (int64_t i = 0; i < count; ++i) {
-    for (int32_t layer = 0; layer < pool->geometry.num_layers; ++layer) {
-      if (!c.ReadLayer(r.pool(), r.blocks()[i], layer, 0, buf.data(), n).ok()) return false;
-      for (int64_t j = 0; j < n; ++j) {
-        if (buf[j] != Pattern(seed, i, layer, j)) return false;
-      }
-    }
-  }
-  return true;
-}
-
-// A worker of `d` computes `blocks` blocks of prompt `seed` and publishes them.
-void Prefill(Client& c, const std::string& id, uint32_t seed, int blocks) {
-  auto r = c.Start(PoolRequest(id, Prompt(seed, blocks), 1));
-  REQUIRE(r.ok());
-  WriteBlocks(c, **r, (*r)->cached_tokens() / kBlockTokens, blocks - (*r)->cached_tokens() / kBlockTokens, seed);
-  REQUIRE((*r)->End(blocks, {}, true).ok());
-}
-
-// B's worker starts prompt `seed` naming `peer`; answers the cached tokens, and whether the bytes
-// of the cached blocks are exact.
-std::pair<int64_t, bool> PullStart(Client& c, const std::string& id, uint32_t seed, int blocks, const std::string& peer) {
-  auto r = c.Start(PoolRequest(id, Prompt(seed, blocks), 1), absl::Seconds(30), peer);
-  INFO(r.status().ToString());
-  REQUIRE(r.ok());
-  const int64_t cached = (*r)->cached_tokens();
-  const bool exact = BlocksExact(c, **r, cached / kBlockTokens, seed);
-  REQUIRE((*r)->Release(true).ok());
-  return {cached, exact};
-}
-
-int64_t Cached(Client& c, uint32_t seed, int blocks) {
-  Namespace ns;
-  ns.pool = "default";
-  auto n = c.PeekPrefixLen(ns, Prompt(seed, blocks));
-  REQUIRE(n.ok());
-  return *n;
-}
-
-// A's leases once the pullers' Releases landed: they go out after each start is answered, so a
-// test waits for them (up to 10 s) rather than reading the gauge at once.
-int64_t LeasesSettled(const DaemonProcess& a) {
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  int64_t n = Metric(a, "kvd_peer_leases");
-  while (n != 0 && absl::Now() < give_up) {
-    absl::SleepFor(absl::Milliseconds(20));
-    n = Metric(a, "kvd_peer_leases");
-  }
-  return n;
-}
-
-std::shared_ptr<grpc::ChannelCredentials> PeerCredentials(const Certs& certs, const std::string& who) {
-  grpc::SslCredentialsOptions ssl;
-  ssl.pem_root_certs = ReadText(certs.path("ca.pem"));
-  if (!who.empty()) {
-    ssl.pem_private_key = ReadText(certs.path(who + ".key"));
-    ssl.pem_cert_chain = ReadText(certs.path(who + ".pem"));
-  }
-  return grpc::SslCredentials(ssl);
-}
-
-// A raw stub to `d`'s Peer service, as `who` (empty: no client certificate).
-std::unique_ptr<peer::v1::Peer::Stub> PeerStub(const Certs& certs, const DaemonProcess& d, const std::string& server_name,
-                                               const std::string& who) {
-  grpc::ChannelArguments args;
-  args.SetSslTargetNameOverride(server_name);
-  return peer::v1::Peer::NewStub(grpc::CreateCustomChannel(d.transfer_address(), PeerCredentials(certs, who), args));
-}
-
-grpc::StatusCode Release(peer::v1::Peer::Stub& stub, uint64_t lease) {
-  grpc::ClientContext ctx;
-  peer::v1::ReleaseRequest rel;
-  rel.set_lease(lease);
-  peer::v1::ReleaseResponse ignored;
-  return stub.Release(&ctx, rel, &ignored).error_code();
-}
-
-grpc::Status Read(peer::v1::Peer::Stub& stub, uint64_t lease, int64_t first, int64_t count, peer::v1::ReadResponse* resp) {
-  peer::v1::ReadRequest req;
-  req.set_lease(lease);
-  req.set_first(first);
-  req.set_count(count);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  return stub.Read(&ctx, req, resp);
-}
-
-grpc::Status Offer(peer::v1::Peer::Stub& stub, uint32_t seed, int blocks, int64_t lease_ms, peer::v1::OfferResponse* resp) {
-  peer::v1::OfferRequest req;
-  req.mutable_namespace_()->set_pool("default");
-  for (Token t : Prompt(seed, blocks)) req.add_tokens(t);
-  req.set_lease_ms(lease_ms);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  return stub.Offer(&ctx, req, resp);
-}
 
 TEST_CASE("A kvd pulls a peer's cached prefix over mutual TLS, verified, and serves it as its own", "[integration][transfer]") {
   Certs certs;
@@ -520,75 +313,6 @@ TEST_CASE("Offered blocks stay pinned against eviction until released or expired
   CHECK(Cached(*wa, 2, 4) == 0);
 }
 
-// A peer in this process that answers with A's real offers and reads, corrupted as `mode` says.
-class HostilePeer final : public peer::v1::Peer::Service {
- public:
-  HostilePeer(std::unique_ptr<peer::v1::Peer::Stub> real) : real_(std::move(real)) {}
-  std::atomic<int> mode{0};
-  enum Mode {
-    kGeometry = 1, kLayout, kCount, kChecksum, kShortBlock, kLongBlock, kExtraBlock, kNoBlock, kFlipByte, kSwap,
-    // Hybrid pools: the unit's last component (a checkpoint) left out of the offer; a depth that
-    // does not match the components; the lease let go before the reads (the lender may evict).
-    kDropLast, kDepth, kReleaseFirst
-  };
-
-  grpc::Status Offer(grpc::ServerContext*, const peer::v1::OfferRequest* req, peer::v1::OfferResponse* resp) override {
-    grpc::ClientContext ctx;
-    grpc::Status s = real_->Offer(&ctx, *req, resp);
-    if (!s.ok() || resp->blocks().empty()) return s;
-    switch (mode.load()) {
-      case kGeometry: resp->mutable_geometry()->set_bytes_per_token_per_layer(128); break;
-      case kLayout: resp->mutable_geometry()->set_layout("block_major"); break;
-      case kCount: resp->add_blocks(resp->blocks(0)), resp->add_checksums(0); break;
-      case kChecksum: resp->set_checksums(2, resp->checksums(2) ^ 1); break;
-      case kDropLast: resp->mutable_blocks()->RemoveLast(), resp->mutable_checksums()->RemoveLast(); break;
-      case kDepth: resp->set_depth_blocks(resp->depth_blocks() + 2); break;
-    }
-    return s;
-  }
-  grpc::Status Read(grpc::ServerContext*, const peer::v1::ReadRequest* req, peer::v1::ReadResponse* resp) override {
-    if (mode.load() == kReleaseFirst) {
-      grpc::ClientContext release;
-      peer::v1::ReleaseRequest rel;
-      rel.set_lease(req->lease());
-      peer::v1::ReleaseResponse ignored;
-      (void)real_->Release(&release, rel, &ignored);
-    }
-    grpc::ClientContext ctx;
-    grpc::Status s = real_->Read(&ctx, *req, resp);
-    if (!s.ok() || resp->blocks().empty()) return s;
-    switch (mode.load()) {
-      case kShortBlock: resp->mutable_blocks(0)->pop_back(); break;
-      case kLongBlock: resp->mutable_blocks(0)->append(4096, 'x'); break;
-      case kExtraBlock: *resp->add_blocks() = resp->blocks(0); break;
-      case kNoBlock: resp->clear_blocks(); break;
-      case kFlipByte: (*resp->mutable_blocks(resp->blocks_size() - 1))[7] ^= 1; break;
-      case kSwap:
-        if (resp->blocks_size() > 1) resp->mutable_blocks(0)->swap(*resp->mutable_blocks(1));
-        break;
-    }
-    return s;
-  }
-  grpc::Status Release(grpc::ServerContext*, const peer::v1::ReleaseRequest* req, peer::v1::ReleaseResponse* resp) override {
-    grpc::ClientContext ctx;
-    return real_->Release(&ctx, *req, resp);
-  }
-
- private:
-  std::unique_ptr<peer::v1::Peer::Stub> real_;
-};
-
-// A TLS server for `service` in this process, presenting `who`'s certificate.
-std::unique_ptr<grpc::Server> ServePeer(const Certs& certs, const std::string& who, grpc::Service* service, int* port) {
-  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  ssl.pem_root_certs = ReadText(certs.path("ca.pem"));
-  ssl.pem_key_cert_pairs.push_back({ReadText(certs.path(who + ".key")), ReadText(certs.path(who + ".pem"))});
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::SslServerCredentials(ssl), port);
-  builder.RegisterService(service);
-  return builder.BuildAndStart();
-}
-
 TEST_CASE("A hostile peer's offers and reads are bounds-checked and verified: nothing is cached, nothing else written",
           "[integration][transfer]") {
   Certs certs;
@@ -596,10 +320,9 @@ TEST_CASE("A hostile peer's offers and reads are bounds-checked and verified: no
   DaemonProcess a(NodeConfig(certs, "node-a", {}, "node-b"));
   auto wa = Connect(a, "prefill");
   HostilePeer hostile(PeerStub(certs, a, "node-a", "node-b"));
-  int port = 0;
-  std::unique_ptr<grpc::Server> server = ServePeer(certs, "evil", &hostile, &port);
-  REQUIRE(port > 0);
-  DaemonProcess b(NodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}, {"evil", absl::StrCat("127.0.0.1:", port)}}));
+  std::string evil;
+  std::unique_ptr<grpc::Server> server = ServePeer(certs, "evil", &hostile, &evil);
+  DaemonProcess b(NodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}, {"evil", evil}}));
   auto wb = Connect(b, "decode");
   // A canary B computed itself, next to whatever the pulls write.
   Prefill(*wb, "canary", 99, 8);
@@ -641,13 +364,9 @@ TEST_CASE("A hostile peer's offers and reads are bounds-checked and verified: no
 }
 
 // A peer that answers Offer honestly, then sits on every Read until told to go on.
-class StallingPeer final : public peer::v1::Peer::Service {
+class StallingPeer final : public RelayPeer {
  public:
-  StallingPeer(std::unique_ptr<peer::v1::Peer::Stub> real) : real_(std::move(real)) {}
-  grpc::Status Offer(grpc::ServerContext*, const peer::v1::OfferRequest* req, peer::v1::OfferResponse* resp) override {
-    grpc::ClientContext ctx;
-    return real_->Offer(&ctx, *req, resp);
-  }
+  using RelayPeer::RelayPeer;
   grpc::Status Read(grpc::ServerContext* ctx, const peer::v1::ReadRequest*, peer::v1::ReadResponse*) override {
     reads_.fetch_add(1);
     while (!go_.load() && !ctx->IsCancelled()) absl::SleepFor(absl::Milliseconds(5));
@@ -661,7 +380,6 @@ class StallingPeer final : public peer::v1::Peer::Service {
   void Go() { go_.store(true); }
 
  private:
-  std::unique_ptr<peer::v1::Peer::Stub> real_;
   std::atomic<int> reads_{0};
   std::atomic<bool> go_{false};
 };
@@ -672,11 +390,10 @@ TEST_CASE("A stalled peer costs a start its pull timeout, and pulls from other p
   DaemonProcess a(NodeConfig(certs, "node-a", {}, "node-b, evil"));
   auto wa = Connect(a, "prefill");
   StallingPeer stalling(PeerStub(certs, a, "node-a", "evil"));
-  int port = 0;
-  std::unique_ptr<grpc::Server> server = ServePeer(certs, "evil", &stalling, &port);
-  REQUIRE(port > 0);
+  std::string evil;
+  std::unique_ptr<grpc::Server> server = ServePeer(certs, "evil", &stalling, &evil);
   // One pull thread per peer: a stalled peer fills its own, never node-a's.
-  DaemonProcess b(NodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}, {"evil", absl::StrCat("127.0.0.1:", port)}},
+  DaemonProcess b(NodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}, {"evil", evil}},
                              "", 64, 256, "  pull_timeout_s: 4\n  pull_threads: 1\n"));
   auto wb = Connect(b, "decode");
   auto wb2 = Connect(b, "decode2");
@@ -783,229 +500,6 @@ TEST_CASE("A peer stopped and killed in the middle of a pull leaves nothing part
   auto r = wb->Start(PoolRequest("after", Prompt(6, kBlocks), 1));
   REQUIRE(r.ok());
   REQUIRE((*r)->Release(true).ok());
-}
-
-// --- Hybrid pools (docs/hybrid.md §2.9, "peers"): a hit travels as one unit of every group's
-// components. Pool "hy": 4-token blocks, full attention in layers 1 and 3, a window of 6 in layer
-// 0, a recurrent state in layer 2 checkpointed every 2 blocks; step_tokens 8, so a start's window
-// table reaches 2 blocks past its hit and a deeper unit lands partly past it.
-constexpr int kHyBlock = 4;
-constexpr int kHyBlocks = 8;  // the prefill's prompt: 8 blocks and one token
-
-std::string HybridNodeConfig(const Certs& certs, const std::string& name,
-                             const std::vector<std::pair<std::string, std::string>>& peers,
-                             const std::string& allowed = "", int window = 6) {
-  std::string yaml = absl::StrCat(
-      "pools:\n"
-      "  - name: hy\n"
-      "    block_tokens: ", kHyBlock, "\n"
-      "    num_layers: 4\n"
-      "    bytes_per_token_per_layer: 16\n"
-      "    max_model_len: 64\n"
-      "    step_tokens: 8\n"
-      "    groups:\n"
-      "      - {name: full, kind: full, layers: [\"1-3/2\"], capacity_blocks: 40}\n"
-      "      - {name: swa, kind: sliding_window, layers: [0], window: ", window, ", capacity_blocks: 24}\n"
-      "      - {name: rec, kind: state, layers: [2], bytes_per_state: 100, checkpoint_every_blocks: 2, "
-      "capacity_slots: 6}\n"
-      "transfer:\n"
-      "  listen: 127.0.0.1:0\n"
-      "  tls_cert_file: ", certs.path(name + ".pem"), "\n"
-      "  tls_key_file: ", certs.path(name + ".key"), "\n"
-      "  tls_ca_file: ", certs.path("ca.pem"), "\n");
-  if (!allowed.empty()) absl::StrAppend(&yaml, "  allowed_peers: [", allowed, "]\n");
-  if (!peers.empty()) {
-    absl::StrAppend(&yaml, "  peers:\n");
-    for (const auto& [n, a] : peers) absl::StrAppend(&yaml, "    - {name: ", n, ", address: \"", a, "\"}\n");
-  }
-  return yaml;
-}
-
-std::vector<Token> HyPrompt(uint32_t seed) { return Range(static_cast<Token>(1000 * seed), kHyBlocks * kHyBlock + 1); }
-
-// What a worker writes into layer j of group `group`'s unit for block position `position` (a
-// state: the state after `position` blocks): a function of the content alone, so that two nodes'
-// bytes compare.
-std::string HyPattern(uint32_t seed, const std::string& group, int64_t position, int32_t j, int64_t bytes) {
-  std::string out(static_cast<size_t>(bytes), '\0');
-  for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<char>(Pattern(seed, position, j, static_cast<int64_t>(i)) ^ group[0]);
-  return out;
-}
-
-void HyWrite(Client& c, const std::string& group, BlockIndex unit, uint32_t seed, int64_t position) {
-  auto view = client::GroupKv(**c.FindPool("hy"), group);
-  REQUIRE(view.ok());
-  for (int32_t j = 0; j < static_cast<int32_t>(view->layers.size()); ++j) {
-    const std::string bytes = HyPattern(seed, group, position, j, view->layer_unit_bytes);
-    std::memcpy(view->Unit(j, view->Local(unit)), bytes.data(), bytes.size());
-  }
-}
-
-bool HyExact(Client& c, const std::string& group, BlockIndex unit, uint32_t seed, int64_t position) {
-  auto view = client::GroupKv(**c.FindPool("hy"), group);
-  if (!view.ok() || view->Local(unit) < 0) return false;
-  for (int32_t j = 0; j < static_cast<int32_t>(view->layers.size()); ++j) {
-    const std::string bytes = HyPattern(seed, group, position, j, view->layer_unit_bytes);
-    if (std::memcmp(view->Unit(j, view->Local(unit)), bytes.data(), bytes.size()) != 0) return false;
-  }
-  return true;
-}
-
-// A's worker computes HyPrompt(seed) as an engine would: every group's units as its tables hold
-// them, reporting computed tokens 8 at a time, and publishes the 8 blocks with the state after
-// them (a checkpoint at 32 tokens) in its spare slot.
-void HyPrefill(Client& c, const std::string& id, uint32_t seed) {
-  auto r = c.Start(PoolRequest(id, HyPrompt(seed), 0, "hy"));
-  REQUIRE(r.ok());
-  KvRequest& req = **r;
-  auto write_tables = [&] {
-    for (const std::string group : {"full", "swa"}) {
-      const GroupTable* t = req.group_table(group);
-      for (size_t i = 0; i < t->blocks.size(); ++i) HyWrite(c, group, t->blocks[i], seed, t->first_block_position + i);
-    }
-  };
-  write_tables();
-  for (int64_t computed = 8; computed <= kHyBlocks * kHyBlock; computed += 8) {
-    REQUIRE(req.Extend(0, computed).ok());
-    write_tables();
-  }
-  const BlockIndex spare = req.group_table("rec")->blocks[1];
-  HyWrite(c, "rec", spare, seed, kHyBlocks);
-  const std::vector<Token> prompt = HyPrompt(seed);
-  auto published = req.Publish(absl::MakeConstSpan(prompt).first(kHyBlocks * kHyBlock),
-                               std::vector<StateCheckpoint>{{2, kHyBlocks * kHyBlock, spare}});
-  REQUIRE(published.ok());
-  REQUIRE(published->checkpoint_outcomes == std::vector<CheckpointOutcome>{CheckpointOutcome::kKept});
-  REQUIRE(req.Release(true).ok());
-}
-
-// B's worker starts HyPrompt(seed) naming `peer`: the cached tokens, and whether every unit its
-// hit reads (full blocks below it, the window before it, the checkpoint at it) holds A's bytes.
-std::pair<int64_t, bool> HyPullStart(Client& c, const std::string& id, uint32_t seed, const std::string& peer) {
-  auto r = c.Start(PoolRequest(id, HyPrompt(seed), 0, "hy"), absl::Seconds(30), peer);
-  INFO(r.status().ToString());
-  REQUIRE(r.ok());
-  KvRequest& req = **r;
-  const int64_t d = req.cached_tokens() / kHyBlock;
-  bool exact = true;
-  for (int64_t i = 0; i < d; ++i) exact = exact && HyExact(c, "full", req.blocks()[i], seed, i);
-  if (d > 0) {
-    const GroupTable* swa = req.group_table("swa");
-    const GroupTable* rec = req.group_table("rec");
-    exact = exact && swa->first_block_position == d - 2 && swa->blocks.size() >= 2;  // ceil((6 - 1) / 4) = 2
-    for (int64_t i = 0; exact && i < 2; ++i) exact = HyExact(c, "swa", swa->blocks[i], seed, d - 2 + i);
-    exact = exact && rec->checkpoint_slot >= 0 && HyExact(c, "rec", static_cast<BlockIndex>(rec->checkpoint_slot), seed, d);
-  }
-  REQUIRE(req.Release(true).ok());
-  return {req.cached_tokens(), exact};
-}
-
-int64_t HyCached(Client& c, uint32_t seed) {
-  auto n = c.PeekPrefixLen(Namespace{.pool = "hy"}, HyPrompt(seed));
-  REQUIRE(n.ok());
-  return *n;
-}
-
-// B's units of pool hy owned by anyone (requests, pulls): 0 once its requests are gone.
-int64_t HyOwned(Client& c) {
-  absl::StatusOr<CacheReport> r = c.Report();
-  REQUIRE(r.ok());
-  for (const PoolReport& p : r->pools) {
-    if (p.name == "hy") return p.owned_blocks;
-  }
-  FAIL("no pool hy");
-  return -1;
-}
-
-TEST_CASE("A hybrid pool's hit is pulled from a peer as one unit, every group byte-identical", "[integration][transfer]") {
-  Certs certs;
-  if (!certs.ok) return;
-  DaemonProcess a(HybridNodeConfig(certs, "node-a", {}, "node-b"));
-  DaemonProcess b(HybridNodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}}));
-  auto wa = Connect(a, "prefill");
-  auto wb = Connect(b, "decode");
-  HyPrefill(*wa, "p1", 1);
-  REQUIRE(HyCached(*wa, 1) == kHyBlocks * kHyBlock);
-
-  // B had nothing: the unit at 32 tokens comes from A (8 full blocks, the window blocks 6 and 7,
-  // past the start's window table, and the checkpoint), bit-exact, and counts as a hit.
-  auto [cached, exact] = HyPullStart(*wb, "d1", 1, "node-a");
-  CHECK(cached == kHyBlocks * kHyBlock);
-  CHECK(exact);
-  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"pulled\"}") == 1);
-  CHECK(Metric(a, "kvd_peer_offered_blocks_total") == kHyBlocks + 2 + 1);
-  CHECK(Metric(b, "kvd_peer_pulled_blocks_total") == kHyBlocks);
-  // The unit's bytes: 8 full blocks of 2 layers, 2 window blocks of 1, one state of 100 bytes.
-  CHECK(Metric(b, "kvd_peer_pulled_bytes_total") == kHyBlocks * 2 * kHyBlock * 16 + 2 * kHyBlock * 16 + 100);
-  CHECK(LeasesSettled(a) == 0);
-  // Published on B as a unit: a later start hits there locally, at the same length, same bytes.
-  CHECK(HyCached(*wb, 1) == kHyBlocks * kHyBlock);
-  auto [again, again_exact] = HyPullStart(*wb, "d2", 1, "");
-  CHECK(again == kHyBlocks * kHyBlock);
-  CHECK(again_exact);
-  CHECK(HyOwned(*wb) == 0);
-  // A peer without the prompt: nothing, the request computes.
-  auto [cold, cold_exact] = HyPullStart(*wb, "d3", 2, "node-a");
-  CHECK(cold == 0);
-  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"nothing\"}") == 1);
-
-  // A node whose window differs shares no unit: refused before any read, naming the group.
-  DaemonProcess c(HybridNodeConfig(certs, "node-b", {{"node-a", a.transfer_address()}}, "", /*window=*/7));
-  auto wc = Connect(c, "decode-c");
-  auto [other, other_exact] = HyPullStart(*wc, "d4", 1, "node-a");
-  CHECK(other == 0);
-  CHECK(HyCached(*wc, 1) == 0);
-  CHECK(HyOwned(*wc) == 0);
-  CHECK(Metric(c, "kvd_peer_pulls_total{outcome=\"geometry\"}") == 1);
-  CHECK(c.Log().find("differs in group \\'swa\\' (groups[1]) field window: 6 there, 7 here") != std::string::npos);
-  CHECK(LeasesSettled(a) == 0);
-}
-
-TEST_CASE("A hostile peer's hybrid unit is checked component by component: nothing cached, nothing leaked",
-          "[integration][transfer]") {
-  Certs certs;
-  if (!certs.ok) return;
-  DaemonProcess a(HybridNodeConfig(certs, "node-a", {}, "node-b"));
-  auto wa = Connect(a, "prefill");
-  HostilePeer hostile(PeerStub(certs, a, "node-a", "node-b"));
-  int port = 0;
-  std::unique_ptr<grpc::Server> server = ServePeer(certs, "evil", &hostile, &port);
-  REQUIRE(port > 0);
-  DaemonProcess b(HybridNodeConfig(certs, "node-b", {{"evil", absl::StrCat("127.0.0.1:", port)}}));
-  auto wb = Connect(b, "decode");
-  HyPrefill(*wa, "p", 1);
-
-  const std::vector<std::pair<HostilePeer::Mode, std::string>> modes = {
-      {HostilePeer::kDropLast, "bounds"},       {HostilePeer::kDepth, "bounds"},
-      {HostilePeer::kShortBlock, "bounds"},     {HostilePeer::kLongBlock, "bounds"},
-      {HostilePeer::kChecksum, "checksum"},     {HostilePeer::kFlipByte, "checksum"},
-      {HostilePeer::kSwap, "checksum"},         {HostilePeer::kReleaseFirst, "transfer"}};
-  int n = 0;
-  for (const auto& [mode, cause] : modes) {
-    INFO("mode " << mode << ", B's log: " << b.Log());
-    hostile.mode = mode;
-    auto [cached, exact] = HyPullStart(*wb, absl::StrCat("d", n++), 1, "evil");
-    CHECK(cached == 0);
-    CHECK(HyCached(*wb, 1) == 0);  // nothing partial cached: no block, window or checkpoint
-    CHECK(HyOwned(*wb) == 0);      // no unit left behind (the loose window units included)
-  }
-  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"bounds\"}") == 4);
-  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"checksum\"}") == 3);
-  CHECK(Metric(b, "kvd_peer_pulls_total{outcome=\"transfer\"}") == 1);
-  CHECK(b.Log().find("component at block") != std::string::npos);
-  CHECK(LeasesSettled(a) == 0);
-  // The lender let go of the unit mid-pull and may evict it: A's operator clears it; B still
-  // pulls nothing and stays at its local hit.
-  REQUIRE(wa->Gc().ok());
-  hostile.mode = 0;
-  CHECK(HyPullStart(*wb, "after-gc", 1, "evil").first == 0);
-  // Nothing wedged: the honest path pulls the unit at once.
-  HyPrefill(*wa, "p2", 1);
-  auto [cached, exact] = HyPullStart(*wb, "honest", 1, "evil");
-  CHECK(cached == kHyBlocks * kHyBlock);
-  CHECK(exact);
-  CHECK(HyOwned(*wb) == 0);
-  server->Shutdown();
 }
 
 }  // namespace
