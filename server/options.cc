@@ -371,19 +371,8 @@ absl::Status Options::Validate() const {
         absl::StrCat("log_level must be trace, debug, info, warn or error, not '", server.log_level, "'"));
   }
   for (const PoolGeometry& g : cache.pools) {
-    // Until the later steps of docs/hybrid.md land, these would move a hybrid pool's blocks as if
-    // every block held every layer: refused, naming the section. (Router events announce a hybrid
-    // pool's blocks with their group, docs/hybrid.md §2.9.)
-    if (g.hybrid()) {
-      // (Peers pull a hybrid pool's hits as units; G2/G3, flush and warm restart move whole
-      // units, docs/hybrid.md §2.9. G4 stores single blocks only.)
-      const char* section = tiers.remote.enabled() ? "tiers.redis_url" : nullptr;
-      if (section != nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "pool '", g.name, "' has KV groups; ", section, " (G4) does not serve pools with groups yet (docs/hybrid.md, "
-            "\"What works today\"; host_bytes and disk_dir do): remove ", section, " or the pool's groups"));
-      }
-    }
+    // (A hybrid pool's blocks move as whole units everywhere: peers, G2/G3, flush and warm restart,
+    // and G4, docs/hybrid.md §2.9.)
     if (g.allocator == PoolAllocator::kVmm && server.backend == "host") {
       return absl::InvalidArgumentError(absl::StrCat("pool '", g.name, "': allocator vmm is CUDA memory; it needs "
                                                      "backend cuda (or auto on a GPU node), not host"));

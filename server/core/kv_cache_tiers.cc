@@ -342,7 +342,8 @@ void KvCache::SetCheckpointDurable(const RequestId& id, uint64_t version, bool d
 int64_t KvCache::cached_blocks() const {
   absl::MutexLock lock(&mu_);
   int64_t n = 0;
-  for (const auto& pool : pools_) n += pool->num_cached;
+  // A hybrid pool's index holds its spine nodes; the other groups' cached blocks travel with them.
+  for (const auto& pool : pools_) n += pool->side.empty() ? pool->num_cached : pool->spine_group < 0 ? 0 : pool->CachedIn(pool->spine_group);
   return n;
 }
 

@@ -205,14 +205,16 @@ std::string RemoteTier::ValueDigest(const BlockKey& root_key, const BlockKey& ke
   return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(mac), len));
 }
 
-std::string RemoteTier::KeyName(const Namespace& ns, absl::string_view model_fingerprint, const BlockKey& key) const {
+std::string RemoteTier::KeyName(const Namespace& ns, absl::string_view model_fingerprint, const BlockKey& key,
+                                uint64_t unit_layout) const {
   const std::string salt =
       ns.cache_salt.empty() ? "-" : absl::StrFormat("%016x", XXH3_64bits(ns.cache_salt.data(), ns.cache_salt.size()));
   const std::string model =
       model_fingerprint.empty()
           ? ""
           : absl::StrFormat("@%016x", XXH3_64bits(model_fingerprint.data(), model_fingerprint.size()));
-  return absl::StrCat(options_.key_prefix, ":", ns.pool, model, ":", salt, ":", key.ToHex());
+  const std::string unit = unit_layout == 0 ? "" : absl::StrFormat("@u%016x", unit_layout);
+  return absl::StrCat(options_.key_prefix, ":", ns.pool, model, unit, ":", salt, ":", key.ToHex());
 }
 
 bool RemoteTier::available() const { return absl::ToUnixNanos(options_.clock->Now()) >= down_until_ns_.load(std::memory_order_relaxed); }
@@ -505,6 +507,42 @@ absl::Status RemoteTier::Fetch(const std::vector<std::string>& keys,
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<std::string>> RemoteTier::Heads(const std::vector<std::string>& keys, int64_t head_bytes,
+                                                           bool lookup) {
+  std::vector<std::string> heads(keys.size());
+  if (keys.empty()) return heads;
+  const std::string ttl_ms = std::to_string(absl::ToInt64Milliseconds(options_.ttl));
+  const std::string last = std::to_string(std::max<int64_t>(head_bytes, 1) - 1);
+  uint64_t run = 0;
+  bool contiguous = true;
+  KVD_RETURN_IF_ERROR(Exchange(
+      keys, 2,
+      [&](Connection& c, size_t i, int j) {
+        if (j == 0) {
+          c.Append({"GETRANGE", keys[i], "0", last});
+        } else {
+          c.Append({"PEXPIRE", keys[i], ttl_ms});
+        }
+      },
+      [&](size_t i, std::vector<Reply>& r) {
+        if (r[0]->type != REDIS_REPLY_STRING && r[0]->type != REDIS_REPLY_NIL) {
+          return absl::InternalError(absl::StrCat(
+              "GETRANGE: unexpected reply", r[0]->type == REDIS_REPLY_ERROR ? ": " : "",
+              r[0]->type == REDIS_REPLY_ERROR ? std::string(r[0]->str, r[0]->len) : ""));
+        }
+        if (r[0]->type == REDIS_REPLY_STRING) heads[i].assign(r[0]->str, r[0]->len);
+        contiguous &= !heads[i].empty();
+        run += contiguous ? 1 : 0;
+        return absl::OkStatus();
+      }));
+  absl::MutexLock lock(&mu_);
+  if (lookup) {
+    ++stats_.lookups;
+    stats_.hit_blocks += run;
+  }
+  return heads;
+}
+
 absl::StatusOr<std::vector<bool>> RemoteTier::Refresh(const std::vector<std::string>& keys) {
   std::vector<bool> present(keys.size(), false);
   if (keys.empty()) return present;
@@ -571,6 +609,11 @@ void RemoteTier::CountCorrupt() {
 void RemoteTier::CountUploadDropped(uint64_t n) {
   absl::MutexLock lock(&mu_);
   stats_.upload_dropped += n;
+}
+
+void RemoteTier::CountRefreshed(uint64_t n) {
+  absl::MutexLock lock(&mu_);
+  stats_.refreshed_blocks += n;
 }
 
 RemoteStats RemoteTier::Stats() const {

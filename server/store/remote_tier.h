@@ -4,7 +4,8 @@
 //
 // Keys: "<key_prefix>:<pool>:<salt tag>:<chained block key, 32 hex>", the salt tag being "-" or 16
 // hex digits of XXH3 of the tenant's cache_salt (the salt itself never leaves the node), so an
-// operator can list or drop one model's or one tenant's blocks by pattern. Values (remote_value.h):
+// operator can list or drop one model's or one tenant's blocks by pattern; a hybrid pool's units
+// name its layout tag after the pool (KeyName). Values (remote_value.h):
 // a G3 record header (pool, key, parent key, codec, lengths, checksum, layout tag, and instead of
 // the adapter, media, method, salt and tokens a ValueDigest of them, keyed by the cluster's secret)
 // followed by the stored bytes, the header authenticated with the payload (an HMAC under the
@@ -71,7 +72,11 @@ class RemoteTier {
   // cache salt's hash. A pool with a model fingerprint has "{pool}@{16 hex digits of its hash}"
   // (pool names hold no '@'), so that nodes serving other weights never meet on a key, not even to
   // renew each other's TTLs.
-  std::string KeyName(const Namespace& ns, absl::string_view model_fingerprint, const BlockKey& key) const;
+  // A hybrid pool's unit (docs/hybrid.md §2.9) passes its pool's LayoutTag as `unit_layout`:
+  // "{pool}[@{model}]@u{16 hex digits of the tag}", so that pools grouped otherwise (another
+  // window, other layers, another model) never share a key; 0 for a block.
+  std::string KeyName(const Namespace& ns, absl::string_view model_fingerprint, const BlockKey& key,
+                      uint64_t unit_layout = 0) const;
   // What a value carries instead of the namespace and tokens in clear: 64 hex digits of
   // HMAC-SHA256(secret, root key | key | parent key or 16 zero bytes | tokens, little-endian u32).
   std::string ValueDigest(const BlockKey& root_key, const BlockKey& key, const BlockKey* parent,
@@ -90,6 +95,13 @@ class RemoteTier {
   absl::Status Fetch(const std::vector<std::string>& keys,
                      const std::function<bool(size_t i, const absl::string_view* bytes)>& consume)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The first `head_bytes` bytes of each key's value, "" for a key absent: one pipelined round
+  // trip of GETRANGE, each with a PEXPIRE renewing the TTL of what is there. Units (whose parts a
+  // reader must know before it allocates) are looked up this way, and an upload reads what is
+  // stored before it replaces it. A `lookup` counts as one, the present run from the first as its
+  // hit blocks (an upload counts what it leaves in place: CountRefreshed).
+  absl::StatusOr<std::vector<std::string>> Heads(const std::vector<std::string>& keys, int64_t head_bytes,
+                                                 bool lookup) ABSL_LOCKS_EXCLUDED(mu_);
   // Renews the TTL of each key present (one round trip of PEXPIRE); true for those present, which
   // need no upload.
   absl::StatusOr<std::vector<bool>> Refresh(const std::vector<std::string>& keys) ABSL_LOCKS_EXCLUDED(mu_);
@@ -103,6 +115,7 @@ class RemoteTier {
   bool available() const;
   void CountCorrupt() ABSL_LOCKS_EXCLUDED(mu_);
   void CountUploadDropped(uint64_t n) ABSL_LOCKS_EXCLUDED(mu_);
+  void CountRefreshed(uint64_t n) ABSL_LOCKS_EXCLUDED(mu_);
   RemoteStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
   const RemoteTierOptions& options() const { return options_; }
   // The URL with any password masked, for logs and reports.

@@ -56,7 +56,8 @@ std::string Mac(absl::string_view secret, absl::string_view aad, absl::string_vi
 
 RecordHeader HeaderOf(const RemoteBlockIdentity& b) {
   RecordHeader h;
-  h.kind = RecordKind::kBlock;
+  h.kind = b.kind;
+  if (b.kind == RecordKind::kUnit) h.parts = b.parts;
   h.ns.pool = b.pool;
   h.key = b.key;
   h.has_parent = b.has_parent;
@@ -104,7 +105,10 @@ absl::Status OpenRemoteValue(absl::string_view value, const RemoteBlockIdentity&
   if (!decoded.ok()) return Refuse(decoded.status().message());
   const RecordHeader& h = *decoded;
   // Identity: everything the reader knows of its block must match.
-  if (h.kind != RecordKind::kBlock || !h.tokens.empty()) return Refuse("not a block record");
+  if (h.kind != want.kind || !h.tokens.empty()) {
+    return Refuse(want.kind == RecordKind::kUnit ? "not a unit record" : "not a block record");
+  }
+  if (want.kind == RecordKind::kUnit && h.parts != want.parts) return Refuse("unit parts differ");
   if (h.ns.pool != want.pool || h.key != want.key) return Refuse("pool or key differs");
   if (h.has_parent != want.has_parent || (want.has_parent && h.parent_key != want.parent_key)) {
     return Refuse("parent key differs");
@@ -137,7 +141,8 @@ absl::Status OpenRemoteValue(absl::string_view value, const RemoteBlockIdentity&
   // Lengths again after opening: exactly raw_length bytes land in `out`, never more, never fewer.
   const auto* src = reinterpret_cast<const uint8_t*>(payload.data());
   if (h.codec == Codec::kNone && static_cast<int64_t>(payload.size()) != want.raw_length) {
-    return Refuse("uncompressed payload is not one block long");
+    return Refuse(want.kind == RecordKind::kUnit ? "uncompressed payload is not one unit long"
+                                                 : "uncompressed payload is not one block long");
   }
   absl::Status s = Decompress(h.codec, absl::MakeConstSpan(src, payload.size()), out, want.raw_length);
   if (!s.ok()) return Refuse(s.message());

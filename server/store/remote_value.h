@@ -3,7 +3,8 @@
 // value that it did not check against its own request or that was not authenticated:
 //
 //   value  = EncodeRecordHeader(header) || stored bytes
-//   header : kind kBlock, ns.pool, key, parent key, codec, raw_length, stored_length, layout tag,
+//   header : kind kBlock (a hybrid unit: kUnit and its parts), ns.pool, key, parent key, codec,
+//            raw_length, stored_length, layout tag,
 //            checksum (XXH3 of the stored bytes), object_key:
 //              encrypted   "<digest>:<key id>"   stored = AES-256-GCM(compressed bytes)
 //              unencrypted "<digest>#<mac>"      stored = compressed bytes
@@ -24,12 +25,14 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "proto/vocab/block_key.h"
 #include "server/store/codec.h"
+#include "server/store/record_header.h"
 #include "server/store/value_cipher.h"
 
 namespace kvd {
@@ -42,14 +45,19 @@ struct RemoteValueKeys {
 };
 
 // A block as its reader knows it from its own request; a value is served only if it matches.
+// A hybrid pool's unit (docs/hybrid.md §2.9) is kind kUnit with its `parts`: the header names them
+// (authenticated with the rest), and the payload is the unit's record bytes (the spine block, then
+// each part's), raw_length long. A reader names the parts it allocated for; other parts are refused.
 struct RemoteBlockIdentity {
+  RecordKind kind = RecordKind::kBlock;
+  std::vector<UnitRecordPart> parts;  // kUnit only
   std::string pool;
   BlockKey key;
   bool has_parent = false;
   BlockKey parent_key;
   std::string digest;  // RemoteTier::ValueDigest of the block
   uint64_t layout_tag = 0;
-  int64_t raw_length = 0;  // the pool's block bytes
+  int64_t raw_length = 0;  // the pool's block bytes (a unit's: its record's)
 };
 
 // The value for `block` whose raw bytes compressed with `codec` are `stored` (codec kNone: the

@@ -194,6 +194,7 @@ void TierStore::OnEvict(const CachedBlockView& block, EvictReason reason) {
   // A hybrid unit (several components, perhaps several slots) is read into one buffer first.
   const bool unit = header.kind == RecordKind::kUnit;
   if (unit && raw_bytes < 0) return;  // a part the record cannot name: dropped
+  if (unit && remote_ != nullptr) QueueUnitUpload(block, header);  // G4: copied now, uploaded after
   const int r = static_cast<int>(reason);
   std::optional<std::vector<uint32_t>> slots;
   uint8_t* slot_bytes = nullptr;  // the claimed slot: this call's alone until installed

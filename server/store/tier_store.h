@@ -12,7 +12,8 @@
 //
 // G4 (optional, remote_tier.h): blocks published to G1 are uploaded to Redis by one uploader
 // thread (write-through); a promotion that runs past what G1-G3 hold asks G4 for the rest of the
-// prompt's chain on the reader thread.
+// prompt's chain on the reader thread. A hybrid pool's units go up whole as they leave G1 (one
+// value each, copied in OnEvict) and come back through InstallUnits like G2/G3's.
 //
 // The engine is reached through TierPort (server/core/tier_port.h) only.
 //
@@ -91,8 +92,8 @@ class TierStore final : public EvictionSink {
   // (TierPort::BeginInstall / FinishInstall) on a reader thread, then calls done() there; the
   // lookup that follows applies §2.6 to them. A run of records stops at the first missing, damaged
   // or foreign one, and (pools with a state group) at the deepest unit holding a checkpoint of
-  // every state group. False, without calling `done`, for a pool without groups or when no
-  // tier holds the next unit.
+  // every state group; G4 continues the run G2/G3 hold. False, without calling `done`, for a pool
+  // without groups or when no tier holds the next unit (with G4 up, Redis is asked first).
   bool InstallUnits(const RequestSpec& spec, std::function<void()> done) ABSL_LOCKS_EXCLUDED(mu_);
   bool hybrid(PoolId pool) const { return pools_[pool].hybrid(); }
 
@@ -236,6 +237,9 @@ class TierStore final : public EvictionSink {
   int64_t UnitRawLength(PoolId pool, absl::Span<const UnitRecordPart> parts) const;
   // A device block's record bytes (a hybrid unit: the spine block, then its parts), raw_length long.
   absl::Status ReadFromDevice(const CachedBlockView& v, uint8_t* out) const;
+  // A unit's record bytes into its installed blocks: `spine`, then each of `parts` in order.
+  absl::Status WriteUnitToDevice(PoolId pool, BlockIndex spine, absl::Span<const UnitComponent> parts,
+                                 const uint8_t* raw) const;
 
   // tier_store_remote.cc: G4.
   // Queues a block the cache just stored in G1 for upload (the cache's event listener).
@@ -245,6 +249,17 @@ class TierStore final : public EvictionSink {
   // verifying each record against the prompt; returns how many were written. Reader thread.
   int64_t FetchRemote(PoolId pool, const Namespace& ns, absl::Span<const Token> prompt,
                       absl::Span<const BlockKey> keys, int64_t from, absl::Span<const BlockIndex> targets);
+  // A hybrid unit leaving G1 (OnEvict): its record bytes are copied now and queued for upload.
+  void QueueUnitUpload(const CachedBlockView& v, const RecordHeader& header) ABSL_LOCKS_EXCLUDED(upload_mu_);
+  // The headers of the run of units G4 holds for keys[from..to) (one round trip reading each
+  // value's head), ending at the first absent or foreign one. Reader thread.
+  std::vector<RecordHeader> PeekRemoteUnits(PoolId pool, const Namespace& ns, absl::Span<const BlockKey> keys,
+                                            int64_t from, int64_t to);
+  // Fetches, verifies and writes units heads[i] (keys[from + i]) into install's unit at + i, in
+  // order, stopping at the first that fails; returns how many were written. Reader thread.
+  int64_t FetchRemoteUnits(PoolId pool, const Namespace& ns, absl::Span<const Token> prompt,
+                           absl::Span<const BlockKey> keys, int64_t from, absl::Span<const RecordHeader> heads,
+                           const TierPort::UnitInstall& install, size_t at);
 
   // tier_store_disk.cc: G3.
   void ScheduleSpillWriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -309,8 +324,13 @@ class TierStore final : public EvictionSink {
   struct Upload {
     CachedBlockRef ref;
     std::string name;  // its Redis key
+    // A hybrid unit: its record bytes, copied as it left G1, and what identifies it.
+    std::shared_ptr<const std::string> unit_raw;
+    RemoteBlockIdentity unit;
   };
   std::vector<Upload> upload_queue_ ABSL_GUARDED_BY(upload_mu_);
+  int64_t upload_unit_bytes_ ABSL_GUARDED_BY(upload_mu_) = 0;  // of the units queued
+  void UploadUnits(std::vector<Upload> batch);  // uploader thread (tier_store_remote.cc)
   bool upload_scheduled_ ABSL_GUARDED_BY(upload_mu_) = false;
 
   // Declared last: destroyed first, finishing queued work while everything above still lives.

@@ -11,6 +11,21 @@
 #include "spdlog/spdlog.h"
 
 namespace kvd {
+namespace {
+
+// With a state group a hit ends at a checkpoint, and a unit past the last one could only be
+// dropped again (U2): a run of units to install ends at the deepest one for which this holds.
+bool HasEveryState(const PoolGeometry& g, const RecordHeader& h) {
+  for (size_t s = 0; s < g.groups.size(); ++s) {
+    if (g.groups[s].kind != KvGroupKind::kState) continue;
+    if (std::none_of(h.parts.begin(), h.parts.end(), [&](const UnitRecordPart& p) { return p.group == s; })) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
 
 int64_t TierStore::UnitRawLength(PoolId pool, absl::Span<const UnitRecordPart> parts) const {
   const PoolGeometry& g = pools_[pool];
@@ -41,6 +56,18 @@ absl::Status TierStore::ReadFromDevice(const CachedBlockView& v, uint8_t* out) c
   return absl::OkStatus();
 }
 
+absl::Status TierStore::WriteUnitToDevice(PoolId pool, BlockIndex spine, absl::Span<const UnitComponent> parts,
+                                          const uint8_t* raw) const {
+  const PoolGeometry& g = pools_[pool];
+  KVD_RETURN_IF_ERROR(arena_->WriteBlock(pool, spine, raw));
+  int64_t at = g.GroupUnitBytes(spine_groups_[pool]) * g.num_shards;
+  for (const UnitComponent& c : parts) {
+    KVD_RETURN_IF_ERROR(arena_->WriteBlock(pool, c.index, raw + at));
+    at += g.GroupUnitBytes(c.group) * g.num_shards;
+  }
+  return absl::OkStatus();
+}
+
 bool TierStore::InstallUnits(const RequestSpec& spec, std::function<void()> done) {
   absl::StatusOr<PoolId> pool_or = PoolOf(spec.ns.pool);
   if (!pool_or.ok()) return false;
@@ -54,12 +81,10 @@ bool TierStore::InstallUnits(const RequestSpec& spec, std::function<void()> done
   absl::StatusOr<int64_t> first = cache_->SpineMatch(spec.ns, spec.prompt);
   if (!first.ok() || *first >= max_blocks) return false;
   const absl::Span<const Token> prompt = absl::MakeConstSpan(spec.prompt).first(static_cast<size_t>(len));
-  const std::vector<BlockKey> keys = ChainKeys(spec.ns, prompt, bt, max_blocks);
-  std::vector<int> state_groups;
-  for (size_t i = 0; i < g.groups.size(); ++i) {
-    if (g.groups[i].kind == KvGroupKind::kState) state_groups.push_back(static_cast<int>(i));
-  }
+  std::vector<BlockKey> keys = ChainKeys(spec.ns, prompt, bt, max_blocks);
   std::vector<ReadSource> sources;
+  int64_t local_end = *first;
+  bool ask_remote = false;
   {
     absl::MutexLock lock(&mu_);
     std::vector<std::pair<BlockKey, Entry*>> run;
@@ -74,48 +99,47 @@ bool TierStore::InstallUnits(const RequestSpec& spec, std::function<void()> done
       }
       run.emplace_back(keys[i], e);
     }
-    // With a state group a hit ends at a checkpoint, and a unit past the last one could only be
-    // dropped again (U2): the run ends at the deepest unit with a checkpoint of every state group.
-    const auto has_states = [&](const RecordHeader& h) {
-      for (int s : state_groups) {
-        if (std::none_of(h.parts.begin(), h.parts.end(), [&](const UnitRecordPart& p) { return p.group == s; })) {
-          return false;
-        }
-      }
-      return true;
-    };
-    while (!state_groups.empty() && !run.empty() && !has_states(run.back().second->header)) run.pop_back();
+    // G4 is asked for the units that follow the local run (skipped at once while it is failing);
+    // the run is then cut to its last checkpoint once G4's part is known, on the reader thread.
+    local_end = *first + static_cast<int64_t>(run.size());
+    ask_remote = remote_ != nullptr && remote_->available() && local_end < max_blocks;
+    if (!ask_remote) {
+      while (!run.empty() && !HasEveryState(g, run.back().second->header)) run.pop_back();
+    }
     for (auto& [key, e] : run) sources.push_back(PinForReadLocked(key, *e));
   }
-  if (sources.empty()) return false;
+  if (sources.empty() && !ask_remote) return false;
   readers_->Submit([this, pool, ns = spec.ns, prompt = std::vector<Token>(prompt.begin(), prompt.end()),
-                    first = *first, sources = std::move(sources), done = std::move(done)]() {
+                    first = *first, local_end, max_blocks, ask_remote, keys = std::move(keys),
+                    sources = std::move(sources), done = std::move(done)]() mutable {
     const PoolGeometry& geo = pools_[pool];
+    std::vector<RecordHeader> remote;  // G4's run after the local one
+    if (ask_remote) remote = PeekRemoteUnits(pool, ns, keys, local_end, max_blocks);
+    const auto header = [&](size_t i) -> const RecordHeader& {
+      return i < sources.size() ? sources[i].header : remote[i - sources.size()];
+    };
+    size_t run = sources.size() + remote.size();
+    while (run > 0 && !HasEveryState(geo, header(run - 1))) --run;
+    const size_t local = std::min(run, sources.size());
+    remote.resize(run - local);
     std::vector<std::vector<UnitComponent>> units;
-    for (const ReadSource& src : sources) {
+    for (size_t i = 0; i < run; ++i) {
       std::vector<UnitComponent> parts;
-      for (const UnitRecordPart& p : src.header.parts) parts.push_back(UnitComponent{p.group, 0, p.tail});
+      for (const UnitRecordPart& p : header(i).parts) parts.push_back(UnitComponent{p.group, 0, p.tail});
       units.push_back(std::move(parts));
     }
-    absl::StatusOr<TierPort::UnitInstall> install = cache_->BeginInstall(ns, prompt, first, std::move(units));
+    absl::StatusOr<TierPort::UnitInstall> install =
+        run == 0 ? absl::NotFoundError("no unit with every state group's checkpoint")
+                 : cache_->BeginInstall(ns, prompt, first, std::move(units));
     int64_t installed = 0;
     if (install.ok()) {
       std::vector<uint8_t> buf;
       int64_t written = 0;
-      for (size_t i = 0; i < sources.size(); ++i) {
+      for (size_t i = 0; i < local; ++i) {
         const ReadSource& src = sources[i];
         buf.resize(static_cast<size_t>(src.header.raw_length));
         absl::Status s = ReadRaw(src, buf.data());
-        int64_t at = 0;
-        if (s.ok()) {
-          s = arena_->WriteBlock(pool, install->spine[i], buf.data());
-          at += geo.GroupUnitBytes(spine_groups_[pool]) * geo.num_shards;
-        }
-        for (size_t j = 0; s.ok() && j < install->parts[i].size(); ++j) {
-          const UnitComponent& c = install->parts[i][j];
-          s = arena_->WriteBlock(pool, c.index, buf.data() + at);
-          at += geo.GroupUnitBytes(c.group) * geo.num_shards;
-        }
+        if (s.ok()) s = WriteUnitToDevice(pool, install->spine[i], install->parts[i], buf.data());
         if (!s.ok()) {
           spdlog::error("promotion of a unit: {}{}", std::string(s.message()),
                         absl::IsDataLoss(s) ? "; the unit is dropped" : "; the unit is kept");
@@ -124,6 +148,9 @@ bool TierStore::InstallUnits(const RequestSpec& spec, std::function<void()> done
         }
         ++written;
       }
+      if (written == static_cast<int64_t>(local) && !remote.empty()) {
+        written += FetchRemoteUnits(pool, ns, prompt, keys, local_end, remote, *install, local);
+      }
       installed = cache_->FinishInstall(ns, prompt, *std::move(install), written);
     }
     {
@@ -131,9 +158,12 @@ bool TierStore::InstallUnits(const RequestSpec& spec, std::function<void()> done
       for (const ReadSource& s : sources) UnpinLocked(s.key);
       if (installed > 0) {
         // Counted per unit by the tier it came from (the first `installed` of the run).
-        int64_t left = installed;
-        for (size_t i = 0; i < sources.size() && left > 0; ++i, --left) {
-          ++stats_.promotions[sources[i].segment_path.empty() ? 1 : 2];
+        for (int64_t i = 0; i < installed; ++i) {
+          if (static_cast<size_t>(i) >= local) {
+            ++stats_.remote_promotions;
+          } else {
+            ++stats_.promotions[sources[static_cast<size_t>(i)].segment_path.empty() ? 1 : 2];
+          }
         }
         stats_.promoted_tokens += installed * geo.block_tokens;
       }

@@ -90,9 +90,6 @@ TEST_CASE("Hybrid pool config errors exit 2 naming pools[i].groups[j].<field>", 
           "pools[0].groups[1].capacity_blocks: 10 cannot hold one request of max_model_len 64 tokens, which reserves 16");
   refused(with("      - {name: swa, kind: sliding_window, layers: [0], window: 6}\n", rec),
           "pools[0].groups[1].capacity_blocks: (unset) and the pool sets no capacity_bytes to split");
-  // What does not serve hybrid pools yet is refused at start, naming the section.
-  refused(HybridPool(), "pool 'hy' has KV groups; tiers.redis_url (G4) does not serve pools with groups yet",
-          {"--redis-url=redis://127.0.0.1:1"});
 }
 
 TEST_CASE("--print-config round-trips a hybrid pool, with the default split resolved", "[integration][hybrid]") {

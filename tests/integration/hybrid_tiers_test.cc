@@ -2,7 +2,7 @@
 // 6): a published unit (full blocks, the window's blocks, the state checkpoint) evicted by
 // pressure goes down to G2 as units and comes back as units, byte for byte per group; a flush and
 // a SIGKILL later the restarted daemon serves it from G3 at once; a corrupt unit on disk, and a
-// disk written under another grouping, serve nothing (never a wrong byte); G4 stays refused.
+// disk written under another grouping, serve nothing (never a wrong byte). G4: hybrid_remote_test.cc.
 #include <signal.h>
 
 #include <cstring>
