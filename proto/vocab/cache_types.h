@@ -166,6 +166,25 @@ struct CheckpointSnapshot {
   bool orphaned = false;           // its generation was interrupted
   uint64_t version = 0;            // names this content (TierPort::SetCheckpointDurable)
   bool durable = false;            // a tier said G3 holds this version
+  // A hybrid pool's (docs/hybrid.md §2.9): per KV group, the units the checkpoint holds besides
+  // `blocks` (the spine group's table, whose entry here stays empty): a window group's blocks from
+  // block position `first` on, a state group's `slot` (kNoSlot: none). Empty for other pools.
+  static constexpr BlockIndex kNoSlot = 0xFFFFFFFFu;
+  struct Group {
+    int64_t first = 0;
+    std::vector<BlockIndex> blocks;
+    BlockIndex slot = kNoSlot;
+  };
+  std::vector<Group> groups;
+  // Every unit it holds, in record order: `blocks`, then per group its blocks and its slot.
+  std::vector<BlockIndex> AllBlocks() const {
+    std::vector<BlockIndex> out = blocks;
+    for (const Group& g : groups) {
+      out.insert(out.end(), g.blocks.begin(), g.blocks.end());
+      if (g.slot != kNoSlot) out.push_back(g.slot);
+    }
+    return out;
+  }
 };
 
 struct SessionInfo {

@@ -17,6 +17,10 @@
 // grow. A resume is exact or refused: a block at or past the position's block that was published
 // since, or that a fence or pull may still write, is FAILED_PRECONDITION (the fence lifts; a
 // plain start then hits what was published).
+//
+// A flush writes an orphaned or live record whole (TierStore::FlushCheckpoints: every unit, one
+// checksum) and a warm restart brings it back (RestoreCheckpoint): fresh units of the same layout,
+// owned by the record and filled by the tier before anyone can resume it.
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -303,6 +307,52 @@ absl::StatusOr<AcquireResult> KvCache::ResumeGroupsLocked(Request& req, Checkpoi
   checkpoints_.erase(ckpt.id);  // destroys `ckpt`
   counters_.resumed++;
   return out;
+}
+
+std::vector<int64_t> KvCache::CheckpointUnitsLocked(PoolId pool_id, int64_t tokens) const {
+  const Pool& pool = *pools_[pool_id];
+  const PoolGeometry& geo = pool.geometry;
+  std::vector<int64_t> units(geo.groups.size(), 0);
+  for (int g = 0; g < static_cast<int>(geo.groups.size()); ++g) {
+    if (g == pool.spine_group) {
+      units[g] = geo.BlocksFor(tokens);
+    } else if (geo.groups[g].kind == KvGroupKind::kState) {
+      units[g] = 1;
+    } else {
+      const auto [lo, hi] = HeldRange(geo, g, tokens, tokens);  // as PlanGroupCheckpointLocked keeps
+      units[g] = hi - lo;
+    }
+  }
+  return units;
+}
+
+absl::Status KvCache::AllocateCheckpointUnitsLocked(PoolId pool_id, int64_t tokens, uint64_t serial,
+                                                    CheckpointRecord& rec) {
+  Pool& pool = *pools_[pool_id];
+  const PoolGeometry& geo = pool.geometry;
+  const std::vector<int64_t> units = CheckpointUnitsLocked(pool_id, tokens);
+  std::vector<std::vector<BlockIndex>> got(geo.groups.size());
+  for (int g = 0; g < static_cast<int>(geo.groups.size()); ++g) {
+    absl::StatusOr<std::vector<BlockIndex>> owned = AllocateOwnedLocked(pool_id, units[g], serial, nullptr, g);
+    if (!owned.ok()) {
+      for (auto it = got.rbegin(); it != got.rend(); ++it) UnrefTableLocked(pool_id, *it);
+      return owned.status();
+    }
+    got[g] = *std::move(owned);
+  }
+  rec.groups.assign(geo.groups.size(), CheckpointRecord::Group{});
+  for (int g = 0; g < static_cast<int>(geo.groups.size()); ++g) {
+    CheckpointRecord::Group& rg = rec.groups[g];
+    if (g == pool.spine_group) {
+      rec.blocks = std::move(got[g]);
+    } else if (geo.groups[g].kind == KvGroupKind::kState) {
+      rg.slot = got[g].front();
+    } else {
+      rg.first = HeldRange(geo, g, tokens, tokens).first;
+      rg.blocks = std::move(got[g]);
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvd

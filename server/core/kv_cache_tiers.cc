@@ -317,9 +317,13 @@ std::vector<CheckpointSnapshot> KvCache::SnapshotCheckpoints(bool pin) {
     s.orphaned = ckpt->orphaned;
     s.version = ckpt->version;
     s.durable = ckpt->durable;
+    for (const CheckpointRecord::Group& g : ckpt->groups) {
+      s.groups.push_back(CheckpointSnapshot::Group{
+          g.first, g.blocks, g.slot == HybridSpine::kNone ? CheckpointSnapshot::kNoSlot : g.slot});
+    }
     if (pin) {
       Pool& pool = *pools_[ckpt->pool];
-      for (BlockIndex b : ckpt->blocks) {
+      for (BlockIndex b : AllBlocksOf(*ckpt)) {
         RefLocked(ckpt->pool, b);
         ++pool.pins[b];
       }
@@ -355,7 +359,8 @@ int64_t KvCache::checkpoints_not_durable() const {
 absl::StatusOr<std::vector<BlockIndex>> KvCache::RestoreCheckpoint(const RequestId& id,
                                                                    const Namespace& ns,
                                                                    std::vector<Token> tokens,
-                                                                   std::string engine_state) {
+                                                                   std::string engine_state,
+                                                                   absl::Span<const int64_t> group_units) {
   absl::StatusOr<std::vector<BlockIndex>> result;
   {
     absl::MutexLock lock(&mu_);
@@ -370,11 +375,28 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::RestoreCheckpoint(const Request
       if (static_cast<int64_t>(engine_state.size()) > options_.max_engine_state_bytes) {
         return absl::InvalidArgumentError("checkpoint engine state exceeds max_engine_state_bytes");
       }
+      if (g.hybrid() == group_units.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat("group_units: ", group_units.size(), " groups for pool '",
+                                                       g.name, "', which has ", g.groups.size()));
+      }
       if (checkpoints_.contains(id) || requests_.contains(id)) {
         return absl::AlreadyExistsError(absl::StrCat("id '", id.value(), "' is in use"));
       }
+      const bool hybrid = g.hybrid();
       const int64_t n = g.BlocksFor(static_cast<int64_t>(tokens.size()));
-      const int64_t charge_bytes = ledger_.BytesOf(pool_id, n);
+      std::vector<int64_t> units;  // a hybrid pool's: per group
+      int64_t charged = n;
+      if (hybrid) {
+        units = CheckpointUnitsLocked(pool_id, static_cast<int64_t>(tokens.size()));
+        if (!std::equal(units.begin(), units.end(), group_units.begin(), group_units.end())) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "group_units: the record holds other units per group than a checkpoint at ", tokens.size(),
+              " tokens of pool '", g.name, "' does (another KV grouping)"));
+        }
+        charged = 0;
+        for (int64_t u : units) charged += u;
+      }
+      const int64_t charge_bytes = hybrid ? ledger_.BytesOfUnits(pool_id, units) : ledger_.BytesOf(pool_id, n);
       if (orphan_blocks_bytes_ + charge_bytes > options_.checkpoint_budget_bytes) {
         return absl::ResourceExhaustedError("the checkpoint budget has no room for it");
       }
@@ -383,15 +405,25 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::RestoreCheckpoint(const Request
       if (checkpoint_state_bytes_ + state_bytes > options_.checkpoint_state_bytes) {
         return absl::ResourceExhaustedError("checkpoint_state_bytes has no room for it");
       }
-      KVD_RETURN_IF_ERROR(ledger_.Reserve(pool_id, n));
+      KVD_RETURN_IF_ERROR(hybrid ? ledger_.ReserveUnits(pool_id, units) : ledger_.Reserve(pool_id, n));
       const uint64_t serial = next_serial_++;
-      // Written by the tier's copy before anyone can resume it; no worker writes an orphan's blocks.
-      absl::StatusOr<std::vector<BlockIndex>> blocks = AllocateOwnedLocked(pool_id, n, serial, /*writer=*/nullptr);
-      if (!blocks.ok()) {
-        ledger_.Unreserve(pool_id, n);
-        return blocks.status();
-      }
       auto rec = std::make_unique<CheckpointRecord>();
+      // Written by the tier's copy before anyone can resume it; no worker writes an orphan's blocks.
+      if (hybrid) {
+        if (absl::Status s = AllocateCheckpointUnitsLocked(pool_id, static_cast<int64_t>(tokens.size()), serial, *rec);
+            !s.ok()) {
+          ledger_.UnreserveUnits(pool_id, units);
+          return s;
+        }
+        rec->charged_units = units;
+      } else {
+        absl::StatusOr<std::vector<BlockIndex>> blocks = AllocateOwnedLocked(pool_id, n, serial, /*writer=*/nullptr);
+        if (!blocks.ok()) {
+          ledger_.Unreserve(pool_id, n);
+          return blocks.status();
+        }
+        rec->blocks = *std::move(blocks);
+      }
       rec->serial = serial;
       rec->version = next_serial_++;
       rec->durable = true;  // restored from G3
@@ -399,18 +431,18 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::RestoreCheckpoint(const Request
       rec->pool = pool_id;
       rec->ns = ns;
       rec->tokens = std::move(tokens);
-      rec->blocks = *blocks;
       rec->engine_state = std::move(engine_state);
       rec->state_bytes = state_bytes;
       ChargeCheckpointStateLocked(*rec, +1);
       rec->orphaned = true;
-      rec->charged_blocks = n;
+      rec->charged_blocks = charged;
       rec->expires_at = clock_->Now() + options_.checkpoint_ttl;
       orphans_.emplace(std::make_pair(rec->expires_at, rec->serial), id);
       orphan_blocks_bytes_ += charge_bytes;
+      std::vector<BlockIndex> all = AllBlocksOf(*rec);
       checkpoints_.emplace(id, std::move(rec));
       UpdatePressureLocked();
-      return blocks;
+      return all;
     }();
   }
   Deliver();

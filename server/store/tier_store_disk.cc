@@ -77,6 +77,25 @@ absl::Status MakeDirs(const std::string& dir) {
   return absl::OkStatus();
 }
 
+// A hybrid pool's checkpoint record (kCheckpoint of a pool with groups; docs/hybrid.md §2.9):
+// after the engine state, [u8 groups][u32 units, per group], then every unit's bytes, each its
+// group's unit across all shards, in CheckpointSnapshot::AllBlocks() order: the spine group's table,
+// then each other group in index order (a window's blocks before the position, a state group's
+// slot). The counts are under the record's one checksum; a restart checks them against what its
+// own pool's checkpoint at those tokens holds (TierPort::RestoreCheckpoint) before allocating.
+// The bytes of each unit in that order, for `units` per group.
+std::vector<int64_t> UnitBytesInOrder(const PoolGeometry& g, int spine, absl::Span<const int64_t> units) {
+  std::vector<int64_t> out;
+  const auto add = [&](int group) {
+    for (int64_t i = 0; i < units[group]; ++i) out.push_back(g.GroupUnitBytes(group) * g.num_shards);
+  };
+  add(spine);
+  for (int group = 0; group < static_cast<int>(g.groups.size()); ++group) {
+    if (group != spine) add(group);
+  }
+  return out;
+}
+
 }  // namespace
 
 absl::Status TierStore::Load(bool restore_checkpoints) {
@@ -329,8 +348,22 @@ absl::Status TierStore::CheckLoadedLocked(const RecordHeader& h) const {
       absl::StatusOr<PoolId> pool = PoolOf(h.ns.pool);
       if (!pool.ok()) return absl::FailedPreconditionError(absl::StrCat("no pool '", h.ns.pool, "'"));
       const PoolGeometry& g = pools_[*pool];
-      const int64_t most = static_cast<int64_t>(sizeof(uint32_t)) + cache_->max_engine_state_bytes() +
-                           g.BlocksFor(static_cast<int64_t>(h.tokens.size())) * g.block_bytes_all_shards();
+      const int64_t blocks = g.BlocksFor(static_cast<int64_t>(h.tokens.size()));
+      int64_t most = static_cast<int64_t>(sizeof(uint32_t)) + cache_->max_engine_state_bytes();
+      if (g.hybrid()) {
+        // Another grouping's record is never restored (LayoutTag covers the groups): counted
+        // incompatible, and left on disk for a restart under its own grouping.
+        if (h.layout_tag != layout_tags_[*pool]) {
+          return absl::FailedPreconditionError(DescribeTagMismatch(g, h.layout_tag));
+        }
+        most += 1;
+        for (int group = 0; group < static_cast<int>(g.groups.size()); ++group) {
+          const int64_t units = g.groups[group].kind == KvGroupKind::kState ? 1 : blocks;
+          most += static_cast<int64_t>(sizeof(uint32_t)) + units * g.GroupUnitBytes(group) * g.num_shards;
+        }
+      } else {
+        most += blocks * g.block_bytes_all_shards();
+      }
       if (h.raw_length > most) return absl::DataLossError("checkpoint length exceeds what its tokens need");
       return absl::OkStatus();
     }
@@ -351,13 +384,7 @@ void TierStore::FlushCheckpoints(FlushResult* result) {
   for (const CheckpointSnapshot& c : snaps) {
     const BlockKey key = CheckpointKey(c.id.value());
     live.insert(key);
-    // A hybrid pool's generation checkpoint holds units of every group (window blocks, a state
-    // slot), which this record's layout cannot carry: not written, so it stays counted in
-    // checkpoints_not_durable (docs/hybrid.md, "What works today").
-    if (pools_[c.pool].hybrid()) {
-      cache_->UnpinBlocks(c.pool, c.blocks);
-      continue;
-    }
+    const std::vector<BlockIndex> all = c.AllBlocks();  // pinned
     // The engine knows whether this version was written (a rewrite with the same tokens may carry
     // new engine state); the copy must still be here.
     bool durable = false;
@@ -370,16 +397,41 @@ void TierStore::FlushCheckpoints(FlushResult* result) {
     if (durable) {
       ++result->already_durable;
     } else if (result->error.empty()) {
-      const int64_t bb = pools_[c.pool].block_bytes_all_shards();
+      const PoolGeometry& g = pools_[c.pool];
       auto raw = std::make_shared<std::string>();
       const uint32_t es = static_cast<uint32_t>(c.engine_state.size());
       raw->append(reinterpret_cast<const char*>(&es), sizeof(es));
       raw->append(c.engine_state);
-      const size_t blocks_at = raw->size();
-      raw->resize(blocks_at + c.blocks.size() * static_cast<size_t>(bb));
+      std::vector<int64_t> sizes(c.blocks.size(), g.block_bytes_all_shards());
       absl::Status s;
-      for (size_t i = 0; i < c.blocks.size() && s.ok(); ++i) {
-        s = arena_->ReadBlock(c.pool, c.blocks[i], reinterpret_cast<uint8_t*>(raw->data() + blocks_at + i * bb));
+      if (g.hybrid()) {
+        const int spine = spine_groups_[c.pool];
+        std::vector<int64_t> units(g.groups.size(), 0);
+        if (spine < 0 || c.groups.size() != g.groups.size()) {
+          s = absl::InternalError(absl::StrCat("checkpoint '", c.id.value(), "' does not hold its pool's groups"));
+        } else {
+          units[spine] = static_cast<int64_t>(c.blocks.size());
+          for (size_t group = 0; group < c.groups.size(); ++group) {
+            if (static_cast<int>(group) == spine) continue;
+            units[group] = static_cast<int64_t>(c.groups[group].blocks.size()) +
+                           (c.groups[group].slot != CheckpointSnapshot::kNoSlot ? 1 : 0);
+          }
+        }
+        raw->push_back(static_cast<char>(units.size()));
+        for (int64_t u : units) {
+          const uint32_t n = static_cast<uint32_t>(u);
+          raw->append(reinterpret_cast<const char*>(&n), sizeof(n));
+        }
+        sizes = UnitBytesInOrder(g, std::max(spine, 0), units);
+      }
+      if (s.ok() && sizes.size() != all.size()) s = absl::InternalError("checkpoint units and layout disagree");
+      size_t offset = raw->size();
+      size_t end = offset;
+      for (int64_t size : sizes) end += static_cast<size_t>(size);
+      raw->resize(end);
+      for (size_t i = 0; i < all.size() && s.ok(); ++i) {
+        s = arena_->ReadBlock(c.pool, all[i], reinterpret_cast<uint8_t*>(raw->data() + offset));
+        offset += static_cast<size_t>(sizes[i]);
       }
       if (!s.ok()) {
         ++result->failed_blocks;
@@ -400,7 +452,7 @@ void TierStore::FlushCheckpoints(FlushResult* result) {
     } else {
       ++result->failed_blocks;
     }
-    cache_->UnpinBlocks(c.pool, c.blocks);
+    cache_->UnpinBlocks(c.pool, all);
   }
   if (!headers.empty()) {
     int64_t stored = 0;
@@ -458,17 +510,40 @@ void TierStore::RestoreCheckpoints() {
       uint32_t es = 0;
       if (raw.size() < sizeof(es)) return absl::DataLossError("truncated checkpoint record");
       std::memcpy(&es, raw.data(), sizeof(es));
-      const int64_t bb = pools_[pool].block_bytes_all_shards();
-      const int64_t nblocks = pools_[pool].BlocksFor(static_cast<int64_t>(src.header.tokens.size()));
-      if (static_cast<int64_t>(raw.size()) != static_cast<int64_t>(sizeof(es)) + es + nblocks * bb) {
+      const PoolGeometry& g = pools_[pool];
+      size_t at = sizeof(es) + static_cast<size_t>(es);
+      if (raw.size() < at) return absl::DataLossError("truncated checkpoint record");
+      std::vector<int64_t> units;  // a hybrid pool's, per group (the layout above UnitBytesInOrder)
+      std::vector<int64_t> sizes(static_cast<size_t>(g.BlocksFor(static_cast<int64_t>(src.header.tokens.size()))),
+                                 g.block_bytes_all_shards());
+      if (g.hybrid()) {
+        if (raw.size() < at + 1 || static_cast<uint8_t>(raw[at]) != g.groups.size() ||
+            raw.size() < at + 1 + g.groups.size() * sizeof(uint32_t)) {
+          return absl::DataLossError("checkpoint record's unit counts do not match its pool's groups");
+        }
+        ++at;
+        for (size_t group = 0; group < g.groups.size(); ++group, at += sizeof(uint32_t)) {
+          uint32_t n = 0;
+          std::memcpy(&n, raw.data() + at, sizeof(n));
+          units.push_back(n);
+        }
+        if (spine_groups_[pool] < 0) return absl::FailedPreconditionError("its pool has no spine group");
+        sizes = UnitBytesInOrder(g, spine_groups_[pool], units);
+      }
+      int64_t want = static_cast<int64_t>(at);
+      for (int64_t size : sizes) want += size;
+      if (static_cast<int64_t>(raw.size()) != want) {
         return absl::DataLossError("checkpoint record size does not match its tokens");
       }
       KVD_ASSIGN_OR_RETURN(std::vector<BlockIndex> blocks,
                            cache_->RestoreCheckpoint(RequestId(src.header.object_key), src.header.ns,
-                                                     src.header.tokens, raw.substr(sizeof(es), es)));
-      const char* bytes = raw.data() + sizeof(es) + es;
+                                                     src.header.tokens, raw.substr(sizeof(es), es), units));
+      if (blocks.size() != sizes.size()) {
+        return absl::InternalError("the restored checkpoint's units differ from its record's");
+      }
       for (size_t i = 0; i < blocks.size(); ++i) {
-        KVD_RETURN_IF_ERROR(arena_->WriteBlock(pool, blocks[i], reinterpret_cast<const uint8_t*>(bytes + i * bb)));
+        KVD_RETURN_IF_ERROR(arena_->WriteBlock(pool, blocks[i], reinterpret_cast<const uint8_t*>(raw.data() + at)));
+        at += static_cast<size_t>(sizes[i]);
       }
       return absl::OkStatus();
     }();

@@ -4,10 +4,15 @@
 // before the position, the state as the checkpoint slot); a preempt through a step does the same;
 // across --takeover the successor serves the same hit length and bytes and resumes a generation
 // live at the handoff once its fence lifts; a resume into another grouping is refused naming it,
-// and nothing is left owned or reserved at the end.
+// and nothing is left owned or reserved at the end. A flush writes checkpointed and preempted
+// generations whole; after a SIGKILL the restarted kvd resumes them exactly, a restart under
+// another window restores none, and a record with a flipped byte is never resumed.
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <set>
 
 #include <catch2/catch.hpp>
@@ -26,8 +31,8 @@ namespace {
 constexpr int kRec = 2;
 
 // Four layers: full attention in 1 and 3, a 6-token window in 0, recurrent state in 2 (k = 2);
-// and a plain pool "m" beside it (another grouping).
-std::string Config(const std::string& top = "") {
+// and a plain pool "m" beside it (another grouping). `window`: another window is another grouping.
+std::string Config(const std::string& top = "", int window = 6) {
   return absl::StrCat(top,
                       "pools:\n"
                       "  - name: hy\n"
@@ -38,7 +43,8 @@ std::string Config(const std::string& top = "") {
                       "    step_tokens: 8\n"
                       "    groups:\n"
                       "      - {name: full, kind: full, layers: [\"1-3/2\"], capacity_blocks: 40}\n"
-                      "      - {name: swa, kind: sliding_window, layers: [0], window: 6, capacity_blocks: 24}\n"
+                      "      - {name: swa, kind: sliding_window, layers: [0], window: ", window,
+                      ", capacity_blocks: 24}\n"
                       "      - {name: rec, kind: state, layers: [2], bytes_per_state: 100, checkpoint_every_blocks: 2, "
                       "capacity_slots: 8}\n"
                       "  - name: m\n"
@@ -369,6 +375,169 @@ TEST_CASE("A hybrid worker lost right after its checkpoint: resumed exactly, its
   // The lost worker re-attaches having quiesced: its fences lift; nothing stays owned or reserved.
   auto back = AttachByHand(*stub, "", getpid(), lost_id, /*quiesced=*/true);
   absl::SleepFor(absl::Milliseconds(200));
+  NothingHeld(**b);
+}
+
+}  // namespace
+}  // namespace kvd::testing
+
+namespace kvd::testing {
+namespace {
+
+std::string DiskConfig(const std::string& disk, int window = 6) {
+  return Config(absl::StrCat("tiers:\n  host_bytes: 65536\n  disk_dir: ", disk, "\n"), window);
+}
+
+v1::ReportResponse StubReport(const DaemonProcess& d) {
+  auto stub = v1::Kvd::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::ReportResponse r;
+  REQUIRE(stub->Report(&ctx, v1::ReportRequest(), &r).ok());
+  return r;
+}
+
+v1::FlushResponse StubFlush(const DaemonProcess& d) {
+  auto stub = v1::Kvd::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::FlushResponse r;
+  REQUIRE(stub->Flush(&ctx, v1::FlushRequest(), &r).ok());
+  return r;
+}
+
+// On a daemon with a disk tier: "gen" checkpointed with its state and ended interrupted, and
+// "pre" (first token 100) preempted through a step, every unit written (ReadsBack's patterns);
+// flushed durable, then the daemon is SIGKILLed. Returns what each wrote.
+std::pair<Written, Written> CheckpointFlushKill(const std::string& disk) {
+  DaemonProcess d(DiskConfig(disk));
+  auto a = client::Client::Connect({.target = d.target(), .step_credit_blocks = 0});
+  REQUIRE(a.ok());
+  Written w = Generate(**a, "gen", 1);
+  REQUIRE(w.req->Checkpoint(Range(1, 10), "engine", std::vector<StateCheckpoint>{{kRec, 10, w.state}}).ok());
+  REQUIRE(w.req->Release(/*completed=*/false).ok());
+  w.req.reset();
+
+  client::StepRequest r;
+  client::StepBatch batch;
+  batch.Start(&r, PoolRequest("pre", Range(100, 10), 8, "hy"));
+  auto started = (*a)->Step(batch);
+  REQUIRE((started.ok() && started->items[0].status.ok()));
+  batch.Clear();
+  batch.Grow(&r, 0, 8);  // 8 computed: the window's blocks up to 16 come
+  auto grown = (*a)->Step(batch);
+  REQUIRE((grown.ok() && grown->items[0].status.ok()));
+  Written p;
+  p.full = r.group_table("full")->blocks;
+  p.swa = r.group_table("swa")->blocks;
+  REQUIRE(r.group_table("swa")->first_block_position == 0);
+  REQUIRE(p.swa.size() == 3);
+  p.state = r.group_table("rec")->blocks[0];
+  for (int i = 0; i < 3; ++i) {
+    Write(**a, "full", p.full[i], 'f');
+    Write(**a, "swa", p.swa[i], 's');
+  }
+  Write(**a, "rec", p.state, 'r');
+  batch.Clear();
+  batch.Preempt(&r, Range(100, 10), "pre-engine", {{kRec, 10, p.state}});
+  auto preempted = (*a)->Step(batch);
+  REQUIRE((preempted.ok() && preempted->items[0].status.ok()));
+
+  CHECK(StubReport(d).tiers().pending_checkpoints() == 2);  // only in memory so far
+  const v1::FlushResponse f = StubFlush(d);
+  INFO(f.DebugString());
+  REQUIRE(f.durable());
+  CHECK(StubReport(d).tiers().pending_checkpoints() == 0);
+  d.Signal(SIGKILL);  // a crash: only what the flush made durable survives
+  (void)d.WaitExit(absl::Seconds(10));
+  return {std::move(w), std::move(p)};
+}
+
+// Resumes checkpoint `from` on `c`: whether it resumed (then its bytes are checked against `w`).
+bool ResumedExactly(client::Client& c, const std::string& id, Token first, const std::string& from,
+                    const Written& w, const std::string& engine_state) {
+  auto resumed = c.Start(Resume(id, Range(first, 10), from));
+  REQUIRE(resumed.ok());
+  const bool exact = (*resumed)->resumed();
+  if (exact) {
+    AcquireResult got;
+    got.resumed = true;
+    got.cached_tokens = (*resumed)->cached_tokens();
+    got.group_tables = (*resumed)->group_tables();
+    ReadsBack(c, got, w, absl::StrCat(from, " resumed after the restart"));
+    CHECK((*resumed)->engine_state() == engine_state);
+  } else {
+    CHECK((*resumed)->cached_tokens() == 0);
+  }
+  REQUIRE((*resumed)->End(0, {}, true).ok());
+  return exact;
+}
+
+TEST_CASE("Hybrid generation checkpoints survive a flush and a SIGKILL; another window restores none",
+          "[integration][hybrid][hybrid_checkpoint][tiers]") {
+  TempDir disk;
+  const auto [w, p] = CheckpointFlushKill(disk.path());
+  {
+    // Another window is another grouping: nothing restored, nothing leaked, the records kept.
+    DaemonProcess d(DiskConfig(disk.path(), 7));
+    const v1::ReportResponse r = StubReport(d);
+    CHECK(r.tiers().restored_checkpoints() == 0);
+    CHECK(r.tiers().incompatible() >= 2);
+    CHECK(r.orphaned_checkpoints() == 0);
+    auto b = client::Client::Connect({.target = d.target(), .step_credit_blocks = 0});
+    REQUIRE(b.ok());
+    CHECK_FALSE(ResumedExactly(**b, "gen-x", 1, "gen", w, "engine"));
+    NothingHeld(**b);
+    d.Signal(SIGKILL);
+    (void)d.WaitExit(absl::Seconds(10));
+  }
+  DaemonProcess d(DiskConfig(disk.path()));
+  const v1::ReportResponse r = StubReport(d);
+  CHECK(r.tiers().restored_checkpoints() == 2);
+  CHECK(r.orphaned_checkpoints() == 2);
+  CHECK(r.tiers().pending_checkpoints() == 0);  // restored from disk: durable as they are
+  auto b = client::Client::Connect({.target = d.target(), .step_credit_blocks = 0});
+  REQUIRE(b.ok());
+  CHECK(ResumedExactly(**b, "gen-b", 1, "gen", w, "engine"));
+  CHECK(ResumedExactly(**b, "pre-b", 100, "pre", p, "pre-engine"));
+  NothingHeld(**b);
+  // Both completed: the next flush deletes their records, so no restart brings them back.
+  REQUIRE(StubFlush(d).durable());
+  d.Signal(SIGKILL);
+  (void)d.WaitExit(absl::Seconds(10));
+  DaemonProcess again(DiskConfig(disk.path()));
+  CHECK(StubReport(again).tiers().restored_checkpoints() == 0);
+  CHECK(StubReport(again).orphaned_checkpoints() == 0);
+}
+
+TEST_CASE("A hybrid checkpoint record with a flipped byte on disk is never resumed",
+          "[integration][hybrid][hybrid_checkpoint][tiers]") {
+  TempDir disk;
+  const auto [w, p] = CheckpointFlushKill(disk.path());
+  // The flush wrote both checkpoints in one segment; flip a byte of its last payload (pre's state).
+  int flipped = 0;
+  for (const auto& e : std::filesystem::directory_iterator(disk.path())) {
+    if (e.path().filename().string().rfind("seg-", 0) != 0) continue;
+    const std::streamoff at = static_cast<std::streamoff>(std::filesystem::file_size(e.path())) - 10;
+    std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+    char c = 0;
+    f.seekg(at);
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x5a);
+    f.seekp(at);
+    f.write(&c, 1);
+    ++flipped;
+  }
+  REQUIRE(flipped == 1);
+  DaemonProcess d(DiskConfig(disk.path()));
+  auto b = client::Client::Connect({.target = d.target(), .step_credit_blocks = 0});
+  REQUIRE(b.ok());
+  const v1::ReportResponse r = StubReport(d);
+  INFO(d.Log());
+  CHECK(r.tiers().restored_checkpoints() + r.orphaned_checkpoints() <= 2);
+  // Whichever record holds the flipped byte fails its checksum; the other resumes exactly.
+  const bool gen = ResumedExactly(**b, "gen-b", 1, "gen", w, "engine");
+  const bool pre = ResumedExactly(**b, "pre-b", 100, "pre", p, "pre-engine");
+  CHECK(gen != pre);
+  CHECK(r.tiers().restored_checkpoints() == 1);
   NothingHeld(**b);
 }
 

@@ -525,5 +525,64 @@ TEST_CASE("randomized hybrid checkpoints, preempts, resumes, fences and handoffs
   CHECK(fenced > 0);
 }
 
+TEST_CASE("a hybrid checkpoint restored from G3 gets units of every group in record order and resumes exactly",
+          "[core][hybrid_checkpoint]") {
+  FakeClock clock;
+  auto cache = Cache(&clock, /*with_plain_pool=*/true);
+  const Namespace ns{.pool = "h"};
+  // What a checkpoint at 10 tokens holds: full [0, 3), swa [1, 3) (positions 5..9), one state slot.
+  const std::vector<int64_t> units = {3, 2, 1};
+  const auto unchanged = [&] {
+    RequireInvariants(*cache);
+    const CacheReport r = cache->Report();
+    for (int grp : {kFull, kSwa, kRec}) CHECK(G(r, grp).owned == 0);
+    CHECK(r.pools[0].reserved_blocks == 0);
+    CHECK(r.orphaned_checkpoints == 0);
+  };
+  // Refusals change nothing: no group counts for a hybrid pool, counts for a plain one, and
+  // counts of another grouping (a record written under a 5- or 9-token window holds others).
+  CHECK(cache->RestoreCheckpoint(RequestId("r"), ns, Seq(1, 10), "es", {}).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(cache->RestoreCheckpoint(RequestId("r"), Namespace{.pool = testing::SmallOptions().pools[0].name},
+                                 Seq(1, 10), "es", units)
+            .status()
+            .code() == absl::StatusCode::kInvalidArgument);
+  for (const std::vector<int64_t>& other : {std::vector<int64_t>{3, 3, 1}, std::vector<int64_t>{3, 2, 0},
+                                            std::vector<int64_t>{3, 2}}) {
+    const absl::Status s = cache->RestoreCheckpoint(RequestId("r"), ns, Seq(1, 10), "es", other).status();
+    CHECK((s.code() == absl::StatusCode::kFailedPrecondition || s.code() == absl::StatusCode::kInvalidArgument));
+    CHECK(absl::StrContains(s.message(), "group_units"));
+  }
+  unchanged();
+
+  auto restored = cache->RestoreCheckpoint(RequestId("r"), ns, Seq(1, 10), "es", units);
+  REQUIRE(restored.ok());
+  REQUIRE(restored->size() == 6);
+  RequireInvariants(*cache);
+  CacheReport r = cache->Report();
+  CHECK(G(r, kFull).owned == 3);
+  CHECK(G(r, kSwa).owned == 2);
+  CHECK(G(r, kRec).owned == 1);
+  CHECK(r.orphaned_checkpoints == 1);
+  CHECK(cache->checkpoints_not_durable() == 0);  // it came from G3
+  const PoolGeometry& geo = cache->pools()[0];
+  for (size_t i = 0; i < restored->size(); ++i) CHECK(geo.GroupOf((*restored)[i]) == (i < 3 ? kFull : i < 5 ? kSwa : kRec));
+  CHECK(cache->RestoreCheckpoint(RequestId("r"), ns, Seq(1, 10), "es", units).status().code() ==
+        absl::StatusCode::kAlreadyExists);
+
+  const AcquireResult rb = testing::Start(*cache, HSpec("b", Seq(1, 10), "w1", "r"));
+  RequireInvariants(*cache);
+  CHECK(rb.resumed);
+  CHECK(rb.cached_tokens == 10);
+  CHECK(rb.engine_state == "es");
+  CHECK(std::vector<BlockIndex>(rb.blocks.begin(), rb.blocks.begin() + 3) ==
+        std::vector<BlockIndex>(restored->begin(), restored->begin() + 3));
+  CHECK(rb.group_tables[kSwa].first_block_position == 1);
+  CHECK(rb.group_tables[kSwa].blocks == std::vector<BlockIndex>{(*restored)[3], (*restored)[4]});
+  CHECK(rb.group_tables[kRec].checkpoint_slot == static_cast<int64_t>((*restored)[5]));
+  REQUIRE(cache->End(RequestId("b"), 0, {}, true).ok());
+  unchanged();
+}
+
 }  // namespace
 }  // namespace kvd

@@ -1,7 +1,8 @@
 // The disk tier under damage and concurrency: a flush racing evictions, a lost or damaged
 // manifest, unreadable, truncated and corrupt segments, corrupt records found by prefetch. Each
 // case restarts a real TierStore on the damaged directory and checks what is served, what is kept
-// on disk, and what is quarantined.
+// on disk, and what is quarantined. A hybrid pool's generation checkpoint comes back whole after a
+// flush and a restart, never under another grouping, never damaged.
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "proto/vocab/step_types.h"
 #include "server/store/segment_file.h"
 #include "tests/unit/store/store_fixture.h"
 
@@ -275,6 +277,178 @@ TEST_CASE("A corrupt record found by prefetch is tombstoned: a restart does not 
   }
   Node node(Tiers(dir));
   REQUIRE(node.store->Stats().reloaded_records == 2);
+}
+
+
+// A hybrid pool (docs/hybrid.md §2.9): full (layers 0, 3), a `window`-token window (layer 1),
+// state every 2 blocks (layer 2).
+constexpr int kRec = 2;
+CacheOptions HybridOptions(int32_t window = 6) {
+  PoolGeometry g;
+  g.name = "m";
+  g.block_tokens = 4;
+  g.num_layers = 4;
+  g.bytes_per_token_per_layer = 8;
+  g.max_model_len = 64;
+  g.step_tokens = 8;
+  g.groups.push_back(KvGroup{.name = "full", .kind = KvGroupKind::kFull, .layers = {0, 3}, .capacity = 16});
+  g.groups.push_back(
+      KvGroup{.name = "swa", .kind = KvGroupKind::kSlidingWindow, .layers = {1}, .window = window, .capacity = 16});
+  g.groups.push_back(KvGroup{.name = "rec", .kind = KvGroupKind::kState, .layers = {2}, .bytes_per_state = 48,
+                             .checkpoint_every_blocks = 2, .checkpoint_at_end = false, .capacity = 6});
+  REQUIRE(g.ResolveGroups().ok());
+  CacheOptions o = testing::SmallOptions();
+  o.pools = {g};
+  return o;
+}
+
+// A unit's pattern: `seed` is its group and position's, so a unit restored elsewhere compares equal.
+std::vector<uint8_t> Bytes(const PoolGeometry& g, BlockIndex index, uint8_t seed) {
+  std::vector<uint8_t> v(static_cast<size_t>(g.GroupUnitBytes(g.GroupOf(index)) * g.num_shards));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<uint8_t>(seed * 37 + i * 3);
+  return v;
+}
+
+std::vector<uint8_t> Read(Node& node, BlockIndex index) {
+  const PoolGeometry& g = node.cache->pools()[0];
+  std::vector<uint8_t> v(static_cast<size_t>(g.GroupUnitBytes(g.GroupOf(index)) * g.num_shards));
+  REQUIRE(node.arena->ReadBlock(0, index, v.data()).ok());
+  return v;
+}
+
+// A generation of [1, 10] computed to 10 on the hybrid pool, every unit a checkpoint at 10 keeps
+// filled with a pattern of its group and position (full 0..2, swa 1..2, the state at 10), then
+// checkpointed with the state and ended interrupted (or, with `preempt`, preempted by a step).
+void CheckpointGeneration(Node& node, bool preempt) {
+  const PoolGeometry& g = node.cache->pools()[0];
+  RequestSpec a = Spec("gen", Seq(1, 10), 8);
+  a.owner = WorkerId("w0");
+  const AcquireResult ra = testing::Start(*node.cache, a);
+  const StepOpResult grown = testing::Grow(*node.cache, "gen", 0, 8);
+  REQUIRE(grown.status.ok());
+  testing::GroupView view{ra.group_tables[1].first_block_position, ra.group_tables[1].blocks};
+  view.Apply(grown.group_tables[1]);
+  const std::vector<BlockIndex>& swa = view.blocks;
+  REQUIRE(view.first == 0);
+  REQUIRE(swa.size() == 3);
+  for (int i = 0; i < 3; ++i) {
+    REQUIRE(node.arena->WriteBlock(0, ra.blocks[i], Bytes(g, ra.blocks[i], 40 + i).data()).ok());
+    REQUIRE(node.arena->WriteBlock(0, swa[i], Bytes(g, swa[i], 50 + i).data()).ok());
+  }
+  const BlockIndex running = ra.group_tables[kRec].blocks[0];
+  REQUIRE(node.arena->WriteBlock(0, running, Bytes(g, running, 60).data()).ok());
+  if (preempt) {
+    StepOp op;
+    op.kind = StepOpKind::kPreempt;
+    op.id = a.id;
+    op.token_ids = Seq(1, 10);
+    op.engine_state = "engine";
+    op.state_checkpoints = {{kRec, 10, running}};
+    std::vector<StepOp> ops;
+    ops.push_back(std::move(op));
+    REQUIRE(node.cache->Step(WorkerId("w0"), WorkerId("w0"), std::move(ops), {}, nullptr)[0].status.ok());
+  } else {
+    REQUIRE(node.cache->Checkpoint(a.id, Seq(1, 10), "engine", std::vector<StateCheckpoint>{{kRec, 10, running}}).ok());
+    REQUIRE(node.cache->Release(a.id, /*completed=*/false).ok());
+  }
+  REQUIRE(node.cache->CheckInvariantsForTesting().ok());
+}
+
+// Resumes "gen" as `id`: whether it resumed, and then every unit checked against its pattern.
+bool ResumesExactly(Node& node, const std::string& id) {
+  const PoolGeometry& g = node.cache->pools()[0];
+  RequestSpec b = Spec(id, Seq(1, 10), 8);
+  b.owner = WorkerId("w1");
+  b.resume_from = RequestId("gen");
+  const AcquireResult rb = testing::Start(*node.cache, b);
+  if (rb.resumed) {
+    CHECK(rb.cached_tokens == 10);
+    CHECK(rb.engine_state == "engine");
+    for (int i = 0; i < 3; ++i) CHECK(Read(node, rb.blocks[i]) == Bytes(g, rb.blocks[i], 40 + i));
+    // A computation at 10 reads positions 5..9: window blocks 1 and 2.
+    CHECK(rb.group_tables[1].first_block_position == 1);
+    for (int i = 0; i < 2; ++i) {
+      const BlockIndex w = rb.group_tables[1].blocks[i];
+      CHECK(Read(node, w) == Bytes(g, w, 51 + i));
+    }
+    REQUIRE(rb.group_tables[kRec].checkpoint_slot >= 0);
+    const BlockIndex slot = static_cast<BlockIndex>(rb.group_tables[kRec].checkpoint_slot);
+    CHECK(Read(node, slot) == Bytes(g, slot, 60));
+  }
+  REQUIRE(node.cache->Release(b.id, true).ok());
+  REQUIRE(node.cache->CheckInvariantsForTesting().ok());
+  const CacheReport r = node.cache->Report();
+  for (const PoolReport::Group& grp : r.pools[0].groups) CHECK(grp.owned == 0);
+  CHECK(r.pools[0].reserved_blocks == 0);
+  return rb.resumed;
+}
+
+TEST_CASE("A hybrid generation checkpoint is flushed whole and resumed exactly after a restart",
+          "[store][hybrid][hybrid_checkpoint]") {
+  const bool preempt = GENERATE(false, true);
+  INFO((preempt ? "preempted" : "checkpointed, then interrupted"));
+  const ScopedDir dir;
+  {
+    Node node(Tiers(dir), HybridOptions());
+    CheckpointGeneration(node, preempt);
+    CHECK(node.cache->checkpoints_not_durable() == 1);
+    auto f = node.store->Flush();
+    REQUIRE(f.ok());
+    REQUIRE(f->durable);
+    CHECK(node.cache->checkpoints_not_durable() == 0);
+    CHECK(node.store->Stats().pending_checkpoints == 0);
+    auto again = node.store->Flush();  // nothing changed: nothing written again
+    REQUIRE(again.ok());
+    CHECK(again->written_blocks == 0);
+  }
+  {
+    Node node(Tiers(dir), HybridOptions(5));  // another window: another grouping
+    CHECK(node.store->Stats().incompatible >= 1);
+    CHECK(node.store->Stats().restored_checkpoints == 0);
+    CHECK(node.cache->Report().orphaned_checkpoints == 0);
+    CHECK_FALSE(ResumesExactly(node, "other-grouping"));
+  }
+  {
+    Node node(Tiers(dir), HybridOptions());  // the record stayed for its own grouping
+    CHECK(node.store->Stats().restored_checkpoints == 1);
+    CHECK(node.cache->checkpoints_not_durable() == 0);
+    CHECK(ResumesExactly(node, "b"));
+  }
+}
+
+TEST_CASE("A hybrid checkpoint record with a flipped byte or cut short is never restored",
+          "[store][hybrid][hybrid_checkpoint]") {
+  const bool cut = GENERATE(false, true);
+  const ScopedDir dir;
+  {
+    Node node(Tiers(dir), HybridOptions());
+    CheckpointGeneration(node, /*preempt=*/false);
+    REQUIRE(node.store->Flush()->durable);
+  }
+  // The checkpoint is the only record: every segment's payload is its bytes.
+  int damaged = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path)) {
+    if (e.path().filename().string().rfind("seg-", 0) != 0) continue;
+    if (cut) {
+      std::filesystem::resize_file(e.path(), std::filesystem::file_size(e.path()) - 1);
+    } else {
+      // A byte of the last unit (the state slot), past the checksummed header section.
+      const std::streamoff at = static_cast<std::streamoff>(std::filesystem::file_size(e.path())) - 10;
+      std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(at);
+      char c = 0;
+      f.read(&c, 1);
+      c = static_cast<char>(c ^ 0x5a);
+      f.seekp(at);
+      f.write(&c, 1);
+    }
+    ++damaged;
+  }
+  REQUIRE(damaged == 1);
+  Node node(Tiers(dir), HybridOptions());
+  CHECK(node.store->Stats().restored_checkpoints == 0);
+  CHECK(node.cache->Report().orphaned_checkpoints == 0);
+  CHECK_FALSE(ResumesExactly(node, "b"));
 }
 
 }  // namespace
