@@ -222,8 +222,10 @@ class Request:
         s = StepRequest(self.id)
         s.pool_id, s.blocks, s.num_tokens, s.group_tables = self.pool_id, self.blocks, self.num_tokens, self.group_tables
         s.live, s.epoch = True, self._epoch
+        batch = StepBatch().grow(s, n, computed_tokens=computed_tokens)
+        batch.ask_credit = False  # a Request places nothing from credit: it asks for none
         try:
-            result = self._client.step(StepBatch().grow(s, n, computed_tokens=computed_tokens))[0]
+            result = self._client.step(batch)[0]
         except KvdError as e:
             if self._client._lost(e, self._epoch):
                 raise KvdRestarted(self.id) from None
@@ -339,6 +341,10 @@ class Client:
         self._lease_ttl_s = 10.0
         self._may_write_until = 0.0   # time.monotonic(); 0: the lease is lost
         self._write_epoch = 1         # the attachment that lease is for (set with it, under the lock)
+        # (_write_epoch, _may_write_until) as one tuple, replaced under the lock at every change of
+        # either: may_write() reads it without the lock (one attribute read is atomic), since an
+        # engine asks before every write.
+        self._lease = (1, 0.0)
         self._beats = {}              # heartbeat seq -> monotonic time sent
         self._next_seq = 1
         self._map = map_slabs
@@ -394,16 +400,17 @@ class Client:
         """Whether this process may write into kvd's memory now: it holds a lease kvd acknowledged
         less than half a lease ago. With `epoch` (a request's attachment), only for writes of that
         attachment: False for good once the client has re-attached since."""
-        with self._lease_lock:
-            if epoch is not None and epoch != self._write_epoch:
-                return False
-            return self._may_write_until != 0.0 and time.monotonic() < self._may_write_until
+        write_epoch, until = self._lease
+        if epoch is not None and epoch != write_epoch:
+            return False
+        return until != 0.0 and time.monotonic() < until
 
     def _lease_proven_at(self, sent):
         with self._lease_lock:
             until = sent + self._lease_ttl_s / 2
             if self._may_write_until != 0.0 and until > self._may_write_until:
                 self._may_write_until = until
+                self._lease = (self._write_epoch, until)
 
     def _on_ack(self, seq):
         with self._lease_lock:
@@ -418,6 +425,7 @@ class Client:
         engine's hook) before the client may re-attach."""
         with self._lease_lock:
             self._may_write_until = 0.0
+            self._lease = (self._write_epoch, 0.0)
             self._beats = {}
         try:
             self._await_writes()
@@ -440,6 +448,7 @@ class Client:
             with self._lease_lock:  # kvd renewed the lease no earlier than the hello's sending
                 self._write_epoch = epoch
                 self._may_write_until = sent + self._lease_ttl_s / 2
+                self._lease = (epoch, self._may_write_until)
             return attached
         except (grpc.RpcError, StopIteration) as e:
             self._outbox.put(None)
@@ -492,6 +501,7 @@ class Client:
             self._outbox.put(None)
             with self._lease_lock:
                 self._may_write_until = 0.0
+                self._lease = (self._write_epoch, 0.0)
             raise KvdError(grpc.StatusCode.FAILED_PRECONDITION,
                            "kvd came back with different pools or backend; connect anew")
         moved = False
@@ -848,9 +858,13 @@ class Client:
         if f._error is not None:
             raise f._error
 
-    def step_credit(self, pool):
-        """Credit blocks held now in `pool` (name or id)."""
-        return len(self._stepper.credit.get(self.pool(pool).id, []))
+    def step_credit(self, pool, group=None):
+        """Credit blocks held now in `pool` (name or id); on a hybrid pool, in KV group `group` (name
+        or index), or in all of them."""
+        p = self.pool(pool)
+        if isinstance(group, str):
+            group = [g.name for g in p.groups].index(p.group(group).name)
+        return self._stepper.credit_of(p, group)
 
     # --- the rest of the contract, typed ---------------------------------------------------------
 

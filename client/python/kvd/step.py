@@ -17,11 +17,16 @@ in req.group_tables (the kept one is the pool's now: cached and immutable).
 
 Growth covered by credit is placed at once (appended to req.blocks) and held back, one item per
 request; it goes out at the head of the next step that must (any other item, growth credit does not
-cover, or credit below half of what the client asks for). A step that fails as a whole is sent again
-with the same sequence number while the attachment lasts (kvd answers a repeat from its record).
-kvd never takes credit back: it asks (StepCredit.wanted), and the next step that goes out returns
-that many unplaced blocks by name. A step whose outcome stays unknown drops the credit list until
-an answer lists it again.
+cover, or credit below half of what the client asks for). Credit is per (pool, KV group): on a
+hybrid pool (docs/hybrid.md §2.4) each attention group has its own, and a grow is placed from it
+as kvd would apply it (every group's table drops the window blocks below the new first position and
+gains its blocks up to the horizon) once kvd's word on the request's computed tokens is known: the
+first grow after a start goes to kvd (it settles a hit's checkpoint slot), as does one a state group
+lacks a slot for; held hybrid grows go out one item each, naming their credit `{group, block}`.
+A step that fails as a whole is sent again with the same sequence number while the attachment
+lasts (kvd answers a repeat from its record). kvd never takes credit back: it asks
+(StepCredit.wanted, per group), and the next step that goes out returns that many unplaced blocks
+by name. A step whose outcome stays unknown drops the credit list until an answer lists it again.
 
 Publishes and ends given `hold_s` are held back the same way (their StepResult is `deferred`, OK
 for now, and filled in when the step carrying them is answered): they go out after the held
@@ -133,6 +138,34 @@ def _apply_group_grow(tables, result):
         t.first_block_position = d.first_block_position
 
 
+def _plan_group_grow(pool, req, n, c):
+    """A hybrid request's grow to `n` positions, `c` computed, as kvd applies it (docs/hybrid.md §2.4;
+    client/client_step.cc PlanGroupGrow): per group (new first block position, blocks dropped, blocks
+    appended). None when only kvd can apply it: a state group short of a slot (a hit's checkpoint
+    stands for its spare), or tables that do not match the pool's groups."""
+    if len(req.group_tables) != len(pool.groups):
+        return None
+    bt = pool.block_tokens
+    horizon = -(-min(n, c + pool.step_tokens) // bt)
+    plan = []
+    for g, t in zip(pool.groups, req.group_tables):
+        first = t.first_block_position
+        end = first + len(t.blocks)
+        if g.kind == "full":
+            lo, hi = 0, -(-n // bt)
+        elif g.kind == "sliding_window":
+            lo, hi = min(max(0, c - (g.window - 1)) // bt, horizon), horizon
+        elif g.kind == "chunked_local":
+            lo, hi = min((c // g.chunk) * g.chunk // bt, horizon), horizon
+        elif g.kind == "state" and len(t.blocks) >= 2:
+            lo, hi = first, end
+        else:
+            return None
+        lo = max(lo, first)
+        plan.append((lo, min(lo, end) - first, max(0, hi - max(end, lo))))
+    return plan
+
+
 class StepRequest:
     """A request driven by steps; the engine keeps it, steps update it."""
 
@@ -157,6 +190,9 @@ class StepRequest:
         self.live = False      # acquired and not ended
         self.error = None      # a KvdError kvd answered for growth placed earlier: End or preempt it
         self.epoch = 0
+        # Hybrid pools: the computed tokens kvd holds for the request since its last grow answer
+        # (-1: none since the start); a grow is placed from credit only once it is known.
+        self.reported_computed = -1
 
     def group_table(self, name):
         """The GroupTable of group `name`; None when the pool has no such group."""
@@ -188,6 +224,7 @@ class StepBatch:
         self.items = []
         self.computed_tokens = {}  # item index -> a grow's computed_tokens (hybrid pools)
         self.hold_s = {}  # item index -> how long a publish or end may be held back
+        self.ask_credit = True  # False: the step asks kvd for no block credit (Request.extend's)
 
     def start(self, req, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="", adapter="",
               max_wait_s=30.0, peer="", wait_in_flight_s=0.0):
@@ -204,10 +241,11 @@ class StepBatch:
         return self
 
     def grow(self, req, tokens, computed_tokens=0):
-        """`tokens` more positions. Hybrid pools: always a round trip (no credit there yet), and
-        `computed_tokens` is the engine's computed tokens after the step that just ran (0:
-        unchanged); kvd releases window blocks below computed - (W - 1), dropped from
-        req.group_tables. Ignored on pools without groups."""
+        """`tokens` more positions. Hybrid pools: `computed_tokens` is the engine's computed tokens
+        after the step that just ran (0: unchanged, which goes to kvd); window blocks below
+        computed - (W - 1) are dropped from req.group_tables. Placed from each attention group's
+        credit without a round trip once a grow of the request has been answered since its start
+        (and its computed tokens do not go back). Ignored on pools without groups."""
         self.items.append(("grow", req, tokens))
         if computed_tokens:
             self.computed_tokens[len(self.items) - 1] = computed_tokens
@@ -291,15 +329,70 @@ class Stepper:
         self.credit_blocks = credit_blocks
         self.epoch = None
         self.seq = 0
-        self.credit = {}     # pool id -> [block]
-        self.wanted = {}     # pool id -> blocks kvd asked back, returned by the next step
-        self.held = {}       # StepRequest -> [tokens, [credit blocks]] (insertion ordered)
+        # Credit is per (pool id, KV group index); a pool without groups is group 0.
+        self.credit = {}     # (pool, group) -> [block]
+        self.wanted = {}     # (pool, group) -> blocks kvd asked back, returned by the next step
+        # Growth placed on credit, in order: [req, tokens, [blocks], [group per block] (hybrid) or
+        # None, computed_tokens]. One entry per request on a pool without groups (_held_at), one
+        # per grow on a hybrid pool (each has its own window).
+        self.held = []
+        self._held_at = {}   # StepRequest -> its entry in `held` (pools without groups)
         self.ops = []        # publishes and ends held back: [kind, req, arg, StepResult, send by]
-        self.peak = {}       # pool id -> most blocks one step took
+        self.peak = {}       # (pool, group) -> most blocks one step took
         self.inflight = None  # the StepFuture whose answer has not been applied yet
 
-    def _want(self, pool_id):
-        return 0 if self.credit_blocks <= 0 else max(self.credit_blocks, 2 * self.peak.get(pool_id, 0))
+    def _want(self, key):
+        if self.credit_blocks <= 0:
+            return 0
+        want = max(self.credit_blocks, 2 * self.peak.get(key, 0))
+        pool = self._client.pool(key[0])
+        if pool.groups:  # kvd grants at most an eighth of a group: ask for no more, or credit looks low
+            want = min(want, max(1, pool.groups[key[1]].capacity // 8))
+        return want
+
+    @staticmethod
+    def _keys(pool):
+        """A pool's credit keys: group 0, or a hybrid pool's attention groups (state slots come
+        from kvd's answers)."""
+        if not pool.groups:
+            return ((pool.id, 0),)
+        return tuple((pool.id, k) for k, g in enumerate(pool.groups) if g.kind != "state")
+
+    def credit_of(self, pool, group=None):
+        """Credit blocks held in `pool` (a Pool): in KV group index `group`, or in all of them."""
+        if group is not None:
+            return len(self.credit.get((pool.id, group), ()))
+        return sum(len(self.credit.get(k, ())) for k in self._keys(pool))
+
+    def _place_group_grow(self, pool, req, tokens, computed, need):
+        """Places a hybrid grow from each group's credit as kvd would apply it and holds it back;
+        False (nothing changed) when kvd must apply it."""
+        n, c = req.num_tokens + tokens, computed
+        if req.reported_computed < 0 or not 0 < c <= n or c < req.reported_computed:
+            return False
+        plan = _plan_group_grow(pool, req, n, c)
+        if plan is None:
+            return False
+        for k, (_, _, add) in enumerate(plan):
+            if add:
+                need[(pool.id, k)] = need.get((pool.id, k), 0) + add
+        if any(add > len(self.credit.get((pool.id, k), ())) for k, (_, _, add) in enumerate(plan)):
+            return False
+        spine = next((k for k, g in enumerate(pool.groups) if g.kind == "full"), -1)  # `blocks`' group
+        blocks, groups = [], []
+        for k, (lo, drop, add) in enumerate(plan):
+            t = req.group_tables[k]
+            credit = self.credit.get((pool.id, k), [])
+            new = [credit.pop() for _ in range(add)]
+            t.blocks = t.blocks[drop:] + new
+            t.first_block_position = lo
+            blocks += new
+            groups += [k] * add
+            if k == spine:
+                req.blocks += new
+        self.held.append([req, tokens, blocks, groups, c])
+        req.num_tokens, req.reported_computed = n, c
+        return True
 
     def step(self, batch):
         f = self.submit(batch, overlap=False)
@@ -338,18 +431,17 @@ class Stepper:
             for _, req, _, out, _ in self.ops:
                 out.code, out.message, out.deferred = (grpc.StatusCode.ABORTED,
                                                        f"request {req.id!r} was lost with a kvd restart", False)
-            self.epoch, self.seq, self.credit, self.held, self.peak, self.ops = epoch, 0, {}, {}, {}, []
-            self.wanted = {}
+            self.epoch, self.seq, self.credit, self.held, self.peak, self.ops = epoch, 0, {}, [], {}, []
+            self.wanted, self._held_at = {}, {}
         results = [StepResult() for _ in batch.items]
         send = [False] * len(batch.items)
         must, publishes = False, False
         used, need = set(), {}
+        sent_reqs = set()  # requests with an item kvd applies in this step (their grows go with it)
         now = time.monotonic()
         for i, (kind, req, arg) in enumerate(batch.items):
             if kind == "start":
-                pool = c.pool(arg.admit.namespace.pool)
-                if not pool.groups:  # no credit on hybrid pools yet
-                    used.add(pool.id)
+                used.update(self._keys(c.pool(arg.admit.namespace.pool)))
                 send[i] = must = True
                 continue
             withdraw = req.waiting and kind in ("end", "preempt")
@@ -363,10 +455,10 @@ class Stepper:
                 continue
             if withdraw:
                 send[i] = must = True
+                sent_reqs.add(req)
                 continue
             pool = c.pool(req.pool_id)
-            if not pool.groups:
-                used.add(req.pool_id)
+            used.update(self._keys(pool))
             hold = batch.hold_s.get(i, 0.0)
             if hold > 0 and kind in ("publish", "end") and not pool.groups and not arg.state_checkpoints:
                 # Held back: the blocks stay the request's until the step that carries it (a
@@ -376,29 +468,43 @@ class Stepper:
                 if kind == "end":
                     req.live = False
                 continue
-            if kind != "grow" or pool.groups:  # a hybrid pool grants no credit yet
+            if kind != "grow":
                 send[i] = must = True
-                publishes |= kind not in ("end", "grow") or (
-                    kind == "end" and (arg.publish_blocks != 0 or len(arg.state_checkpoints) > 0))
+                sent_reqs.add(req)
+                publishes |= kind != "end" or arg.publish_blocks != 0 or len(arg.state_checkpoints) > 0
                 continue
             if arg < 0 or arg > pool.max_model_len - req.num_tokens:
                 send[i] = must = True  # kvd names what is wrong
+                sent_reqs.add(req)
                 continue
+            if pool.groups:
+                computed = batch.computed_tokens.get(i, 0)
+                if req in sent_reqs or not self._place_group_grow(pool, req, arg, computed, need):
+                    send[i] = must = True
+                    sent_reqs.add(req)
+                continue
+            key = (req.pool_id, 0)
             needed = max(0, _blocks_for(req.num_tokens + arg, pool.block_tokens) - len(req.blocks))
-            need[req.pool_id] = need.get(req.pool_id, 0) + needed
-            credit = self.credit.setdefault(req.pool_id, [])
+            need[key] = need.get(key, 0) + needed
+            credit = self.credit.setdefault(key, [])
             if needed > len(credit):
                 send[i] = must = True
+                sent_reqs.add(req)
                 continue
-            h = self.held.setdefault(req, [0, []])
-            h[0] += arg
+            h = self._held_at.get(req)
+            if h is None:
+                h = self._held_at[req] = [req, 0, [], None, 0]
+                self.held.append(h)
+            h[1] += arg
             for _ in range(needed):
                 b = credit.pop()
-                h[1].append(b)
+                h[2].append(b)
                 req.blocks.append(b)
             req.num_tokens += arg
         for p, n in need.items():
             self.peak[p] = max(self.peak.get(p, 0), n)
+        if not batch.ask_credit:
+            used = set()
         low = bool(self.wanted) or any(len(self.credit.get(p, [])) < self._want(p) // 2 for p in used)
         due = any(op[4] <= now for op in self.ops)
         if not must and not low and not due and not (force and (self.ops or self.held)):
@@ -407,10 +513,14 @@ class Stepper:
         step = kvd_pb2.StepRequest(worker_id=c.worker_id)
         self.seq += 1
         step.seq = self.seq
-        held = list(self.held.items())
-        self.held = {}
-        for req, (tokens, blocks) in held:
-            step.items.add(request_id=req.id, grow=kvd_pb2.StepGrow(tokens=tokens, credit_blocks=blocks))
+        held, self.held, self._held_at = self.held, [], {}
+        for req, tokens, blocks, groups, computed in held:
+            if groups is None:
+                grow = kvd_pb2.StepGrow(tokens=tokens, credit_blocks=blocks)
+            else:  # a hybrid pool's {group, block} entries, in the order placed
+                grow = kvd_pb2.StepGrow(tokens=tokens, computed_tokens=computed, credit=[
+                    kvd_pb2.CreditEntry(group=g, block=b) for g, b in zip(groups, blocks)])
+            step.items.add(request_id=req.id, grow=grow)
         ops, self.ops = self.ops, []
         for kind, req, arg, _, _ in ops:  # after the growth held before them, before this batch
             getattr(step.items.add(request_id=req.id), kind).CopyFrom(arg)
@@ -438,7 +548,7 @@ class Stepper:
                 continue
             mine = self.credit.setdefault(p, [])
             back = [mine.pop() for _ in range(min(owed, len(mine)))]  # off the list before it is sent
-            step.credit.add(pool=c.pool(p).name, blocks=self._want(p), returned=back)
+            step.credit.add(pool=c.pool(p[0]).name, group=p[1], blocks=self._want(p), returned=back)
         self.wanted = {}
         return results, {"client": c, "epoch": epoch, "step": step, "held": held, "ops": ops, "sent": sent,
                          "batch": batch}
@@ -473,8 +583,8 @@ class Stepper:
                 break
             except KvdError as e:
                 if e.code != grpc.StatusCode.UNAVAILABLE or c.epoch != epoch or attempt == 2:
-                    for req, _ in held:  # unknown whether kvd applied it: those requests are unusable
-                        req.error = e
+                    for h in held:  # unknown whether kvd applied it: those requests are unusable
+                        h[0].error = e
                     for _, req, _, out, _ in ops:  # and whether these were
                         out.code, out.message, out.deferred = e.code, e.details, False
                     self.credit, self.wanted = {}, {}  # and the credit is re-synced from the next answer
@@ -486,10 +596,10 @@ class Stepper:
 
     def _apply(self, results, pending, resp):
         epoch, held, ops, sent, batch = (pending[k] for k in ("epoch", "held", "ops", "sent", "batch"))
-        for k, (req, _) in enumerate(held):
+        for k, h in enumerate(held):
             r = resp.results[k]
             if r.code != 0:
-                req.error = KvdError(_code(r.code), r.message)
+                h[0].error = KvdError(_code(r.code), r.message)
         for k, (_, req, _, out, _) in enumerate(ops):  # the held items' outcomes, in place
             r = resp.results[len(held) + k]
             out.code, out.message, out.deferred = _code(r.code), r.message, False
@@ -516,7 +626,7 @@ class Stepper:
                     req.group_tables = [GroupTable.from_proto(t) for t in a.group_tables]
                     req.cached_tokens, req.resumed = a.cached_tokens, a.resumed
                     req.resumed_tokens, req.engine_state = list(a.resumed_tokens), a.engine_state
-                    req.live, req.error = True, None
+                    req.live, req.error, req.reported_computed = True, None, -1
             elif kind == "grow" and out.ok:
                 try:
                     _apply_group_grow(req.group_tables, r)
@@ -526,13 +636,16 @@ class Stepper:
                     continue
                 req.blocks += list(r.blocks)
                 req.num_tokens += arg
+                if req.group_tables:  # what kvd now holds as the request's computed tokens
+                    computed = batch.computed_tokens.get(i, 0)
+                    req.reported_computed = computed if computed > 0 else max(req.reported_computed, req.cached_tokens)
             elif kind in ("end", "preempt") and out.ok:
                 req.live = req.waiting = False
         self.credit = {}
         for cr in resp.credit:
-            self.credit[cr.pool_id] = list(cr.blocks)
+            self.credit[(cr.pool_id, cr.group)] = list(cr.blocks)
             if cr.wanted > 0:
-                self.wanted[cr.pool_id] = cr.wanted
+                self.wanted[(cr.pool_id, cr.group)] = cr.wanted
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
