@@ -125,6 +125,7 @@ class _Gen:
         self.kv = None
         self.t_submit = time.perf_counter()
         self.ttft = None
+        self.t_last = None           # when the last token was sampled (from t_submit)
 
 
 class BatchEngine:
@@ -168,8 +169,8 @@ class BatchEngine:
                 _, rid, prompt, max_new, salt = pending.popleft()
                 self.submit(rid, prompt, max_new, salt)
             if not (self.waiting or self.running or self.finished):
-                self.flush()  # idle: what is held back goes out now
-                time.sleep(max(0.0, pending[0][0] - now))
+                self.flush()  # idle: what is held back goes out now (a round trip on kvd)
+                time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))
                 continue
             self.step()
         self.flush()
@@ -222,8 +223,9 @@ class BatchEngine:
                         resume_from=g.rid if g.resume else "", max_wait_s=self.max_wait_s,
                         wait_in_flight_s=0.0 if g.resume else self.wait_in_flight_s)
             starting.append(g)
-        if self.overlap:
-            # In flight: meanwhile, every position whose blocks the request holds already.
+        if self.overlap and plan:
+            # In flight: meanwhile, every position whose blocks the request holds already. (With
+            # nothing planned, the plain call waits for the answer with less thread hand-off.)
             future = self.client.step_submit(batch)
             plan = [p for p in plan if not self._forward(p, None)]
             results = future.result()
@@ -287,6 +289,7 @@ class BatchEngine:
             g.digest.update(rows[-1])
             g.generated.append(self.model.sample(rows[-1]))
             if len(g.generated) >= g.max_new:
+                g.t_last = time.perf_counter() - g.t_submit
                 self.running.remove(g)
                 self.finished.append(g)
         return True
@@ -329,4 +332,5 @@ class BatchEngine:
         self.model.forget(g.kv)
         self.results[g.rid] = {"id": g.rid, "tokens": g.generated, "digest": g.digest.hexdigest(),
                                "cached_tokens": g.cached_tokens, "preemptions": g.preemptions, "ttft_s": g.ttft,
-                               "done_s": time.perf_counter() - g.t_submit, "prompt_tokens": len(g.prompt)}
+                               "done_s": time.perf_counter() - g.t_submit, "last_token_s": g.t_last,
+                               "prompt_tokens": len(g.prompt)}
