@@ -385,6 +385,12 @@ void TierStore::FlushCheckpoints(FlushResult* result) {
     const BlockKey key = CheckpointKey(c.id.value());
     live.insert(key);
     const std::vector<BlockIndex> all = c.AllBlocks();  // pinned
+    // A hybrid pool without a full group has no spine table to lay its record out from: its
+    // checkpoints are not written and stay counted in checkpoints_not_durable.
+    if (pools_[c.pool].hybrid() && spine_groups_[c.pool] < 0) {
+      cache_->UnpinBlocks(c.pool, all);
+      continue;
+    }
     // The engine knows whether this version was written (a rewrite with the same tokens may carry
     // new engine state); the copy must still be here.
     bool durable = false;
@@ -407,7 +413,7 @@ void TierStore::FlushCheckpoints(FlushResult* result) {
       if (g.hybrid()) {
         const int spine = spine_groups_[c.pool];
         std::vector<int64_t> units(g.groups.size(), 0);
-        if (spine < 0 || c.groups.size() != g.groups.size()) {
+        if (c.groups.size() != g.groups.size()) {
           s = absl::InternalError(absl::StrCat("checkpoint '", c.id.value(), "' does not hold its pool's groups"));
         } else {
           units[spine] = static_cast<int64_t>(c.blocks.size());
@@ -422,7 +428,7 @@ void TierStore::FlushCheckpoints(FlushResult* result) {
           const uint32_t n = static_cast<uint32_t>(u);
           raw->append(reinterpret_cast<const char*>(&n), sizeof(n));
         }
-        sizes = UnitBytesInOrder(g, std::max(spine, 0), units);
+        sizes = UnitBytesInOrder(g, spine, units);
       }
       if (s.ok() && sizes.size() != all.size()) s = absl::InternalError("checkpoint units and layout disagree");
       size_t offset = raw->size();
