@@ -5,7 +5,8 @@ computed - (W - 1) dropped as kvd's answer would), its tables equal step for ste
 decode with every grow a round trip (a client without credit), and kvd agrees with them when the
 held grows go out (every block published; nothing owned afterwards but the credit). Hostile: a grow
 naming another group's block, or window credit past the horizon, is refused INVALID_ARGUMENT
-naming the group, and nothing changes (counts, the credit kvd lists, the request's tables).
+naming the group, and nothing changes (counts, the credit kvd lists, the request's tables). A step
+kvd applied whose answer is lost: the credit is dropped until an answer lists it again.
 
 Usage: test_hybrid_credit.py KVD_BINARY
 """
@@ -16,6 +17,7 @@ import grpc
 
 from kvd import StepBatch, StepRequest
 from kvd.client import Client
+from kvd.errors import KvdError
 from kvd.v1 import kvd_pb2
 from kvd_testlib import HYBRID_GROUPS as GROUPS, Daemon, check, finish
 
@@ -88,6 +90,7 @@ def run(target):
         plain.step(StepBatch().end(r))
         left = counts(w)
         check(left == (w.step_credit("hy"),) * 2, f"nothing owned or reserved but the credit ({left})")
+        unknown_outcome(w)
     finally:
         plain.close()
         w.close()
@@ -127,6 +130,38 @@ def hostile(w, s):
     listed = {(x.pool_id, x.group): sorted(x.blocks) for x in resp.credit}
     check(listed.get((p.id, SWA)) == sorted(swa_credit), "the window credit kvd lists is unchanged")
     w._stepper.credit = {k: list(v) for k, v in {(p.id, FULL): full_credit, (p.id, SWA): swa_credit}.items()}
+
+
+def unknown_outcome(w):
+    """A step kvd applied but whose answer was lost: the requests with growth in it are unusable
+    (End only), the credit is dropped and nothing is placed from it until an answer lists it
+    again, which then equals what kvd holds for the worker."""
+    s = StepRequest("lost-answer")
+    w.step(StepBatch().start(s, pool="hy", prompt=list(range(200, 212)), max_new_tokens=20, cache_salt="c"))
+    w.step(StepBatch().grow(s, 1, computed_tokens=12))  # kvd's word: from here on credit
+    before = w.rpc_calls
+    w.step(StepBatch().grow(s, 4, computed_tokens=13))
+    check(w.rpc_calls == before and w._stepper.held, "a grow placed from credit, held")
+    real = w._rpc
+
+    def lost(method, req, timeout=30):
+        real(method, req, timeout)  # kvd applies it; the answer never arrives
+        raise KvdError(grpc.StatusCode.DEADLINE_EXCEEDED, "the answer was lost")
+
+    w._rpc = lost
+    try:
+        w.step(StepBatch().grow(s, 0))
+        check(False, "a step whose answer is lost fails as a whole")
+    except KvdError as e:
+        check(e.code == grpc.StatusCode.DEADLINE_EXCEEDED, f"a step whose answer is lost fails as a whole ({e.code})")
+    finally:
+        del w._rpc
+    check(w.step_credit("hy") == 0 and s.error is not None, "the credit is dropped; the request is End-only")
+    res = w.step(StepBatch().grow(s, 1, computed_tokens=17))
+    check(not res[0].ok and not w._stepper.held, f"its grows are refused with that error ({res[0].code})")
+    res = w.step(StepBatch().end(s))
+    check(res[0].ok and w.step_credit("hy") > 0, f"End goes out; the answer lists the credit again ({res[0].message})")
+    check(counts(w) == (w.step_credit("hy"),) * 2, f"the credit listed is what kvd holds for the worker ({counts(w)})")
 
 
 def main():
