@@ -2,13 +2,15 @@
 // a Unix socket: a unit pressure evicts from G1 goes up as one value and comes back whole into a
 // new node's G1 before the lookup, byte for byte per group and checkpoint; a value of another
 // grouping written under its key, a truncated value and a flipped byte serve nothing (counted as
-// corrupt), and the engine's checker and the store's gauges agree afterwards.
+// corrupt), encrypted units open only with the key, and the engine's checker and the store's
+// gauges agree afterwards.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 
 #include <catch2/catch.hpp>
 
@@ -224,6 +226,28 @@ TEST_CASE("A unit value of another grouping, truncated or with a flipped byte se
   REQUIRE(t->Store({{names[1], good[1]}}).ok());
   testing::Node node(RedisOnly(redis), Options());
   CHECK(Serve(node, "back") == 8);
+}
+
+TEST_CASE("Encrypted unit values come back whole; a node without the key serves none of them",
+          "[store][hybrid][remote]") {
+  Redis redis;
+  const testing::ScopedDir dir;
+  const std::string key_file = dir.path + "/keys";
+  {
+    std::ofstream out(key_file);
+    out << "k1 " << std::string(64, 'a') << "\n";
+  }
+  TierOptions sealed = RedisOnly(redis);
+  sealed.remote.encryption_key_file = key_file;
+  { testing::Node node(sealed, Options()); PublishAndEvict(node); }
+  {
+    testing::Node node(sealed, Options());
+    CHECK(Serve(node, "keyed") == 8);
+    CHECK(node.store->Stats().remote.corrupt == 0);
+  }
+  testing::Node plain(RedisOnly(redis), Options());
+  CHECK(Serve(plain, "plain") == 0);
+  CHECK(plain.store->Stats().remote.corrupt == 1);
 }
 
 }  // namespace
