@@ -8,7 +8,8 @@ every position it computed, and the hits happened where the pool's rules put the
 checkpoint, End's tail; fewer than k shared blocks: none). Negative controls, each on a hit:
 reading one window block too few, one too many, and a stale state (the checkpoint copy skipped)
 each change the logits at the first computed position. The same exactness after a preemption
-resumed on another worker, after a warm restart (flush to the disk tier, a new kvd reading it),
+resumed on another worker, after a warm restart (flush to the disk tier, a new kvd reading it; a
+generation preempted before the restart resumes after it),
 across a hot handoff (kvd --takeover; a request preempted before it resumes after it) and after
 a pull from a peer kvd (mutual TLS on loopback). A careless engine whose client closes
 mid-generation leaves nothing owned or reserved, and what it published is served exactly.
@@ -256,28 +257,39 @@ def handoff(kvd, tmp):
 
 
 def warm_restart(kvd, tmp):
-    """A's prefix flushed to the disk tier; kvd stopped and started again on the same disk_dir
-    (warm restart); B hits A's checkpoint at 16 promoted from disk, bit for bit."""
+    """A's prefix flushed to the disk tier with P preempted (its generation checkpoint: full and
+    window blocks and the state slot); kvd stopped and started again on the same disk_dir (warm
+    restart); B hits A's checkpoint at 16 promoted from disk and P resumes from its restored
+    checkpoint, both bit for bit."""
     disk = os.path.join(tmp, "disk")
     config = pool_yaml() + f"tiers:\n  host_bytes: 4194304\n  disk_dir: {disk}\n"
     d = Daemon(kvd, tmp, config, name="warm")
     try:
         with Client(d.target, expect=[expectation(CFG, "hy", K)]) as c:
-            eng = HybridBatchEngine(c, "hy", MODEL)
+            eng = HybridBatchEngine(c, "hy", MODEL, token_budget=12)
             eng.submit("A", A, MAX_NEW)
+            eng.submit("P", D, MAX_NEW, salt="warm")
+            eng.run(until=lambda e: any(g.rid == "P" and len(g.generated) == 2 for g in e.running))
+            eng.preempt("P")
+            parked = eng.waiting.pop()
             eng.run()
             check(c.flush().durable, "the flush is durable")
+            tiers = c.report().tiers
+            check(tiers.pending_checkpoints == 0, f"P's checkpoint is on disk ({tiers.pending_checkpoints} pending)")
     finally:
         d.stop()
     os.remove(os.path.join(tmp, "warm.ready"))
     d = Daemon(kvd, tmp, config, name="warm")
     try:
         with Client(d.target, expect=[expectation(CFG, "hy", K)]) as c:
-            eng = HybridBatchEngine(c, "hy", MODEL)
+            eng = HybridBatchEngine(c, "hy", MODEL, token_budget=12)
             eng.submit("B", B, MAX_NEW)
+            eng.waiting.append(parked)
             out = eng.run()
             check(out["B"]["cached_tokens"] == 16 and exact(out["B"], B),
                   f"after a warm restart B hits A's checkpoint at 16 from disk, bit for bit ({out['B']['cached_tokens']})")
+            check(out["P"]["preemptions"] == 1 and out["P"]["resumed_at"] == 16 and exact(out["P"], D),
+                  f"P, preempted at 16 before the restart, resumes there after it bit for bit ({out['P']['resumed_at']})")
     finally:
         d.stop()
 
