@@ -215,6 +215,9 @@ class KvCache final : public TierPort, public PeerPort {
                                            std::vector<std::vector<UnitComponent>> units) override ABSL_LOCKS_EXCLUDED(mu_);
   int64_t FinishInstall(const Namespace& ns, absl::Span<const Token> prompt, UnitInstall install,
                         int64_t written) override ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<int64_t> PeekInstalled(const Namespace& ns, absl::Span<const Token> prompt, int64_t first_depth,
+                                        absl::Span<const std::vector<UnitComponent>> units) const override
+      ABSL_LOCKS_EXCLUDED(mu_);
   void SetCheckpointDurable(const RequestId& id, uint64_t version, bool durable) override ABSL_LOCKS_EXCLUDED(mu_);
   int64_t checkpoints_not_durable() const override ABSL_LOCKS_EXCLUDED(mu_);
   int64_t cached_blocks() const override ABSL_LOCKS_EXCLUDED(mu_);

@@ -4,6 +4,7 @@
 // (BeginInstall / FinishInstall), which then runs §2.6 over G1 as for any hit, so what came back
 // serves only where every group can.
 #include <algorithm>
+#include <array>
 
 #include "absl/strings/str_cat.h"
 #include "proto/vocab/status_macros.h"
@@ -233,6 +234,109 @@ int64_t KvCache::FinishInstall(const Namespace& ns, absl::Span<const Token> prom
   }
   Deliver();
   return installed;
+}
+
+absl::StatusOr<int64_t> KvCache::PeekInstalled(const Namespace& ns, absl::Span<const Token> prompt,
+                                               int64_t first_depth,
+                                               absl::Span<const std::vector<UnitComponent>> units) const {
+  KVD_ASSIGN_OR_RETURN(PoolId id, FindPool(ns.pool));
+  const PoolGeometry& geo = pool_geometries_[id];
+  const int32_t bt = geo.block_tokens;
+  const int64_t len = std::min<int64_t>(static_cast<int64_t>(prompt.size()), geo.max_model_len);
+  if (len <= 0) return 0;
+  const absl::Span<const Token> capped = prompt.first(static_cast<size_t>(len));
+  const std::vector<BlockKey> keys = ChainKeys(ns, capped, bt, (len - 1) / bt);
+  const int num_groups = static_cast<int>(geo.groups.size());
+  const int64_t n = static_cast<int64_t>(units.size());
+  absl::MutexLock lock(&mu_);
+  const Pool& pool = *pools_[id];
+  if (pool.spine == nullptr) return 0;
+  const HybridSpine& spine = *pool.spine;
+  const int spine_group = spine.spine_group();
+  const std::vector<CachedBlock*> chain =
+      index_.Match(index_.FindRoot(ns), capped, bt, MaxHitBlocks(pool, len), keys);
+  HybridHit g1;
+  spine.Lookup(absl::Span<const CachedBlock* const>(chain.data(), chain.size()), &g1);
+  if (n == 0 || first_depth < 0 || static_cast<int64_t>(chain.size()) != first_depth ||
+      first_depth + n > MaxHitBlocks(pool, len)) {
+    return g1.depth * bt;
+  }
+  // BeginInstall reserves every unit: without room now the start would install nothing.
+  std::vector<int64_t> per_group(geo.groups.size(), 0);
+  per_group[spine_group] = n;
+  for (const std::vector<UnitComponent>& parts : units) {
+    for (const UnitComponent& p : parts) {
+      if (p.group < 0 || p.group >= num_groups || p.group == spine_group) return g1.depth * bt;
+      ++per_group[p.group];
+    }
+  }
+  if (!ledger_.CanReserveUnits(id, per_group)) return g1.depth * bt;
+  // has[(d - 1) * num_groups + g]: the node at depth d would hold group g's block or checkpoint.
+  const int64_t total = first_depth + n;
+  std::vector<uint8_t> has(static_cast<size_t>(total * num_groups), 0);
+  const auto at = [&](int64_t depth, int g) -> uint8_t& {
+    return has[static_cast<size_t>((depth - 1) * num_groups + g)];
+  };
+  for (int64_t d = 1; d <= first_depth; ++d) {
+    for (int g = 0; g < num_groups; ++g) {
+      at(d, g) = g == spine_group || spine.block(*chain[d - 1], g) != HybridSpine::kNone;  // block or slot
+    }
+  }
+  // FinishInstall: every unit's window blocks, then its checkpoints where §2.7 keeps them (their
+  // window is there, in G1 or in the run; a unit's own blocks never read a deeper one).
+  for (int64_t i = 0; i < n; ++i) {
+    at(first_depth + i + 1, spine_group) = 1;
+    for (const UnitComponent& p : units[i]) {
+      if (geo.groups[p.group].attention()) at(first_depth + i + 1, p.group) = 1;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t d = first_depth + i + 1;
+    for (const UnitComponent& p : units[i]) {
+      const KvGroup& group = geo.groups[p.group];
+      if (group.attention()) continue;
+      bool kept = d % group.checkpoint_every_blocks == 0 || (p.tail && group.checkpoint_at_end);
+      for (int h = 0; kept && h < num_groups; ++h) {
+        if (h == spine_group || !geo.groups[h].attention()) continue;
+        for (int64_t j = d - spine.WindowNeed(h, d); kept && j < d; ++j) kept = at(j + 1, h) != 0;
+      }
+      at(d, p.group) = kept;
+    }
+  }
+  // U2 from the run's deepest unit up: an unservable leaf goes, and its parent is a leaf next.
+  int64_t end = total;
+  while (end > first_depth) {
+    bool servable = true;
+    bool any_state = false;
+    for (int g = 0; g < num_groups && servable; ++g) {
+      if (geo.groups[g].kind != KvGroupKind::kState) continue;
+      any_state = true;
+      servable = at(end, g) != 0;
+    }
+    for (int g = 0; g < num_groups && servable; ++g) {
+      if (g == spine_group || geo.groups[g].kind == KvGroupKind::kState || at(end, g) != 0) continue;
+      servable = any_state && spine.WindowNeed(g, end) == 0;
+    }
+    if (servable) break;
+    --end;
+  }
+  // §2.6 over the combined chain n_1 .. n_end (HybridSpine::Lookup's pass).
+  std::array<int64_t, kMaxKvGroups> run{};
+  int64_t best = 0;
+  for (int64_t d = 1; d <= end; ++d) {
+    bool all = true;
+    for (int g = 0; g < num_groups; ++g) {
+      if (g == spine_group) continue;
+      if (geo.groups[g].kind == KvGroupKind::kState) {
+        all = all && at(d, g) != 0;
+      } else {
+        run[g] = at(d, g) != 0 ? run[g] + 1 : 0;
+        all = all && run[g] >= spine.WindowNeed(g, d);
+      }
+    }
+    if (all) best = d;
+  }
+  return std::max(best, g1.depth) * bt;
 }
 
 }  // namespace kvd

@@ -69,6 +69,15 @@ class TierPort {
                                                    std::vector<std::vector<UnitComponent>> units) = 0;
   virtual int64_t FinishInstall(const Namespace& ns, absl::Span<const Token> prompt, UnitInstall install,
                                 int64_t written) = 0;
+  // PeekInstalled: the tokens a start of `prompt` would hit once `units` (as for BeginInstall; their
+  // indices unused) were installed on G1's first `first_depth` nodes of its chain: §2.6 over G1's
+  // components for those nodes and the units' parts past them, each checkpoint counted only where
+  // FinishInstall would keep it and each unit only where U2 would (docs/hybrid.md §2.9). Holds
+  // nothing, reads no bytes. G1's own hit (as PeekPrefixLen) when G1's match is no longer
+  // `first_depth` or the budget could not reserve the units now; NOT_FOUND for an unknown pool.
+  virtual absl::StatusOr<int64_t> PeekInstalled(const Namespace& ns, absl::Span<const Token> prompt,
+                                                int64_t first_depth,
+                                                absl::Span<const std::vector<UnitComponent>> units) const = 0;
 
   // Peer transfer (server/transfer): pins the cached blocks of the longest cached prefix of
   // `tokens` in `ns`, from block `skip_blocks` on, at most `max_blocks` (0: all) and never the

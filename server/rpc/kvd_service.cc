@@ -536,8 +536,11 @@ grpc::ServerUnaryReactor* KvdService::PeekPrefixLen(grpc::CallbackServerContext*
                                                     const v1::PeekPrefixLenRequest* req,
                                                     v1::PeekPrefixLenResponse* resp) {
   return Unary(ctx, "PeekPrefixLen", [&]() -> absl::Status {
-    KVD_ASSIGN_OR_RETURN(int64_t n, cache_->PeekPrefixLen(FromProto(req->namespace_()),
-                                                          TokensFromProto(req->tokens())));
+    const Namespace ns = FromProto(req->namespace_());
+    const std::vector<Token> tokens = TokensFromProto(req->tokens());
+    KVD_ASSIGN_OR_RETURN(int64_t n, cache_->PeekPrefixLen(ns, tokens));
+    // A hybrid pool's units below G1 come back before a start's lookup: what they add counts too.
+    if (tiers_ != nullptr) n = std::max(n, tiers_->PeekUnits(ns, tokens));
     resp->set_cached_tokens(n);
     return absl::OkStatus();
   });

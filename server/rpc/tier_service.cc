@@ -101,18 +101,36 @@ grpc::ServerUnaryReactor* KvdService::Close(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* KvdService::Prefetch(grpc::CallbackServerContext* ctx,
                                                const v1::PrefetchRequest* req,
                                                v1::PrefetchResponse* resp) {
-  return Unary(ctx, "Prefetch", [&]() -> absl::Status {
-    KVD_RETURN_IF_ERROR(RequireTiers(false));
-    KVD_RETURN_IF_ERROR(CheckWorker(ctx, req->worker_id(), "").status());
-    if (req->tokens().empty()) return absl::InvalidArgumentError("tokens are required");
-    KVD_ASSIGN_OR_RETURN(PrefetchInfo info,
-                         tiers_->Prefetch(FromProto(req->namespace_()), TokensFromProto(req->tokens()),
-                                          WorkerId(req->worker_id())));
+  const auto start = std::chrono::steady_clock::now();
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  const auto answer = [resp](const PrefetchInfo& info) {
     resp->set_handle(info.handle);
     resp->set_found_blocks(info.found_blocks);
     resp->set_loading_blocks(info.loading_blocks);
-    return absl::OkStatus();
-  });
+  };
+  absl::Status s = Authorize(ctx, "Prefetch");
+  if (s.ok()) s = RequireTiers(false);
+  if (s.ok()) s = CheckWorker(ctx, req->worker_id(), "").status();
+  if (s.ok() && req->tokens().empty()) s = absl::InvalidArgumentError("tokens are required");
+  if (s.ok()) {
+    const Namespace ns = FromProto(req->namespace_());
+    const std::vector<Token> tokens = TokensFromProto(req->tokens());
+    const WorkerId owner(req->worker_id());
+    // A hybrid pool's units go up into G1 (off this thread); the answer waits for them.
+    absl::StatusOr<bool> units = tiers_->PrefetchUnits(ns, tokens, owner, [this, reactor, start, answer](PrefetchInfo info) {
+      answer(info);
+      FinishRpc(reactor, "Prefetch", start, absl::OkStatus());
+    });
+    if (units.ok() && *units) return reactor;
+    s = units.status();
+    if (s.ok()) {
+      absl::StatusOr<PrefetchInfo> info = tiers_->Prefetch(ns, tokens, owner);
+      s = info.status();
+      if (s.ok()) answer(*info);
+    }
+  }
+  FinishRpc(reactor, "Prefetch", start, s);
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* KvdService::ReleasePrefetch(grpc::CallbackServerContext* ctx,

@@ -95,6 +95,24 @@ class TierStore final : public EvictionSink {
   // every state group; G4 continues the run G2/G3 hold. False, without calling `done`, for a pool
   // without groups or when no tier holds the next unit (with G4 up, Redis is asked first).
   bool InstallUnits(const RequestSpec& spec, std::function<void()> done) ABSL_LOCKS_EXCLUDED(mu_);
+  // The tokens a start of `tokens` would hit once InstallUnits brought back the units G2/G3 hold
+  // (tier_store_peek.cc; TierPort::PeekInstalled over the records' headers, read in memory: no
+  // I/O, nothing pinned or touched); 0 for a pool without groups, an unknown pool, or when no tier
+  // holds the next unit (the device tier's answer is KvCache::PeekPrefixLen's). A record that fails
+  // its checksum when a start reads it serves nothing then, so that start hits less than this
+  // said; G4 is not asked (a peek does no I/O).
+  int64_t PeekUnits(const Namespace& ns, absl::Span<const Token> tokens) ABSL_LOCKS_EXCLUDED(mu_);
+  // Prefetch on a hybrid pool: brings the units InstallUnits would bring back for a start of
+  // `tokens` into G1 now, as cached, unreferenced units (evictable like any: nothing is held for
+  // the start), then calls done() on a reader thread, or inline when no tier holds the next unit
+  // (tier_store_peek.cc). Its PrefetchInfo: found_blocks how far G1's spine match of the prompt
+  // grew (the units installed and kept, unless G1 changed meanwhile), loading_blocks 0, and a
+  // handle that holds nothing but counts against max_prefetch_handles_per_worker until released
+  // (or its owner detaches). A unit that fails its checksum is dropped, never installed. False,
+  // without calling `done`, for a pool without groups (Prefetch serves it); RESOURCE_EXHAUSTED past
+  // the handle limit, NOT_FOUND for an unknown pool.
+  absl::StatusOr<bool> PrefetchUnits(const Namespace& ns, absl::Span<const Token> tokens, const WorkerId& owner,
+                                     std::function<void(PrefetchInfo)> done) ABSL_LOCKS_EXCLUDED(mu_);
   bool hybrid(PoolId pool) const { return pools_[pool].hybrid(); }
 
   // Starts bringing the saved blocks of `tokens` up to G2 and keeps them there until the handle
@@ -240,6 +258,14 @@ class TierStore final : public EvictionSink {
   // A unit's record bytes into its installed blocks: `spine`, then each of `parts` in order.
   absl::Status WriteUnitToDevice(PoolId pool, BlockIndex spine, absl::Span<const UnitComponent> parts,
                                  const uint8_t* raw) const;
+  // The run of unit records past G1's first `first` spine nodes of `prompt`'s chain (`keys`, up
+  // to max_blocks) that InstallUnits and PeekUnits read: it stops at the first missing, damaged or
+  // foreign record. Pins nothing. A run to install then ends at its deepest unit for which
+  // EndsAtEveryState holds (a checkpoint of every state group, or a pool without one).
+  std::vector<std::pair<BlockKey, Entry*>> UnitRunLocked(PoolId pool, absl::Span<const Token> prompt,
+                                                         absl::Span<const BlockKey> keys, int64_t first,
+                                                         int64_t max_blocks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool EndsAtEveryState(PoolId pool, const RecordHeader& h) const;
 
   // tier_store_remote.cc: G4.
   // Queues a block the cache just stored in G1 for upload (the cache's event listener).

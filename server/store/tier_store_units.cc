@@ -56,6 +56,29 @@ absl::Status TierStore::ReadFromDevice(const CachedBlockView& v, uint8_t* out) c
   return absl::OkStatus();
 }
 
+bool TierStore::EndsAtEveryState(PoolId pool, const RecordHeader& h) const { return HasEveryState(pools_[pool], h); }
+
+std::vector<std::pair<BlockKey, TierStore::Entry*>> TierStore::UnitRunLocked(PoolId pool,
+                                                                             absl::Span<const Token> prompt,
+                                                                             absl::Span<const BlockKey> keys,
+                                                                             int64_t first, int64_t max_blocks) {
+  const PoolGeometry& g = pools_[pool];
+  const int32_t bt = g.block_tokens;
+  std::vector<std::pair<BlockKey, Entry*>> run;
+  for (int64_t i = first; i < max_blocks; ++i) {
+    Entry* e = FindBlockLocked(keys[i], i > 0 ? keys[i - 1] : BlockKey{}, i > 0,
+                               prompt.subspan(static_cast<size_t>(i * bt), static_cast<size_t>(bt)));
+    // Another grouping, model or layout has another tag (LayoutTag covers the groups).
+    if (e == nullptr || !HasBytes(*e) || e->header.kind != RecordKind::kUnit ||
+        e->header.layout_tag != layout_tags_[pool] ||
+        e->header.raw_length != UnitRawLength(pool, e->header.parts)) {
+      break;
+    }
+    run.emplace_back(keys[i], e);
+  }
+  return run;
+}
+
 absl::Status TierStore::WriteUnitToDevice(PoolId pool, BlockIndex spine, absl::Span<const UnitComponent> parts,
                                           const uint8_t* raw) const {
   const PoolGeometry& g = pools_[pool];
@@ -87,18 +110,7 @@ bool TierStore::InstallUnits(const RequestSpec& spec, std::function<void()> done
   bool ask_remote = false;
   {
     absl::MutexLock lock(&mu_);
-    std::vector<std::pair<BlockKey, Entry*>> run;
-    for (int64_t i = *first; i < max_blocks; ++i) {
-      Entry* e = FindBlockLocked(keys[i], i > 0 ? keys[i - 1] : BlockKey{}, i > 0,
-                                 prompt.subspan(static_cast<size_t>(i * bt), static_cast<size_t>(bt)));
-      // Another grouping, model or layout has another tag (LayoutTag covers the groups).
-      if (e == nullptr || !HasBytes(*e) || e->header.kind != RecordKind::kUnit ||
-          e->header.layout_tag != layout_tags_[pool] ||
-          e->header.raw_length != UnitRawLength(pool, e->header.parts)) {
-        break;
-      }
-      run.emplace_back(keys[i], e);
-    }
+    std::vector<std::pair<BlockKey, Entry*>> run = UnitRunLocked(pool, prompt, keys, *first, max_blocks);
     // G4 is asked for the units that follow the local run (skipped at once while it is failing);
     // the run is then cut to its last checkpoint once G4's part is known, on the reader thread.
     local_end = *first + static_cast<int64_t>(run.size());

@@ -172,5 +172,83 @@ TEST_CASE("an acquire takes the window blocks its own evictions hold for the cop
   RequireInvariants(*cache);
 }
 
+namespace peek {
+
+// The unit list of a run: per unit, its window block (bit 0) and its checkpoint (bit 1).
+std::vector<std::vector<UnitComponent>> Units(const std::vector<int>& masks) {
+  std::vector<std::vector<UnitComponent>> units;
+  for (int m : masks) {
+    std::vector<UnitComponent> parts;
+    if (m & 1) parts.push_back(UnitComponent{kSwa});
+    if (m & 2) parts.push_back(UnitComponent{kRec});
+    units.push_back(std::move(parts));
+  }
+  return units;
+}
+
+// Peeks at `masks` on G1's match of `prompt`, installs them, starts: the start hits the peek.
+void PeekThenInstall(KvCache& cache, const std::vector<Token>& prompt, const std::vector<int>& masks) {
+  const Namespace ns{.pool = "h"};
+  const int64_t first = *cache.SpineMatch(ns, prompt);
+  const std::vector<std::vector<UnitComponent>> units = Units(masks);
+  const absl::StatusOr<int64_t> peek = cache.PeekInstalled(ns, prompt, first, units);
+  REQUIRE(peek.ok());
+  absl::StatusOr<TierPort::UnitInstall> install = cache.BeginInstall(ns, prompt, first, units);
+  REQUIRE(install.ok());
+  (void)cache.FinishInstall(ns, prompt, *std::move(install), static_cast<int64_t>(masks.size()));
+  RequireInvariants(cache);
+  const AcquireResult hit = testing::Start(cache, Spec("peeked", prompt, 0, "h"));
+  CHECK(hit.cached_tokens == *peek);
+  REQUIRE(cache.Release(RequestId("peeked"), true).ok());
+  RequireInvariants(cache);
+}
+
+}  // namespace peek
+
+TEST_CASE("a peek at units below G1 answers what the start after their install hits", "[spine][tiers][peek]") {
+  FakeClock clock;
+  const Namespace ns{.pool = "h"};
+  const std::vector<Token> prompt = Concat(Seq(1, 16), {999});  // 4 blocks may hit
+  // Every run of 3 units on an empty G1 (a checkpoint off the k = 2 grid, or without its window,
+  // is refused; a leaf left without one goes), and of 2 units past a published unit at depth 2.
+  for (int run = 0; run < 4 * 4 * 4; ++run) {
+    auto cache = testing::PoolCache(Geometry(16, 16, 6), &clock);
+    INFO("run " << run);
+    peek::PeekThenInstall(*cache, prompt, {run & 3, (run >> 2) & 3, (run >> 4) & 3});
+  }
+  for (int run = 0; run < 4 * 4; ++run) {
+    auto cache = testing::PoolCache(Geometry(16, 16, 6), &clock);
+    PublishUnit(*cache, "a", 1);
+    REQUIRE(*cache->SpineMatch(ns, prompt) == 2);
+    INFO("past G1, run " << run);
+    peek::PeekThenInstall(*cache, prompt, {run & 3, (run >> 2) & 3});
+  }
+  SECTION("known answers") {
+    auto cache = testing::PoolCache(Geometry(16, 16, 6), &clock);
+    CHECK(*cache->PeekInstalled(ns, prompt, 0, peek::Units({1, 3})) == 8);
+    CHECK(*cache->PeekInstalled(ns, prompt, 0, peek::Units({1, 3, 1, 3})) == 16);
+    CHECK(*cache->PeekInstalled(ns, prompt, 0, peek::Units({1, 2})) == 0);   // no window at 8
+    CHECK(*cache->PeekInstalled(ns, prompt, 0, peek::Units({0, 3})) == 0);   // W = 6 reads blocks 0 and 1
+    CHECK(*cache->PeekInstalled(ns, prompt, 0, peek::Units({1, 3, 0, 3})) == 8);
+    CHECK(*cache->PeekInstalled(ns, prompt, 0, peek::Units({1, 3, 1, 3, 3})) == 0);  // past the prompt: G1's
+    CHECK(*cache->PeekInstalled(ns, prompt, 1, peek::Units({1, 3})) == 0);  // G1's match is not 1
+    CHECK(absl::IsNotFound(cache->PeekInstalled(Namespace{.pool = "nope"}, prompt, 0, {}).status()));
+    // Another namespace's (salt's) G1 match is its own: nothing of this one's.
+    PublishUnit(*cache, "a", 1);
+    CHECK(*cache->PeekInstalled(ns, prompt, 2, peek::Units({1, 3})) == 16);
+    CHECK(*cache->PeekInstalled(Namespace{.pool = "h", .cache_salt = "other"}, prompt, 2, peek::Units({1, 3})) == 0);
+  }
+  SECTION("without room for the units the start would install nothing, and the peek says so") {
+    auto cache = testing::PoolCache(Geometry(16, 16, 6), &clock);
+    const RequestSpec big = Spec("big", Seq(1000, 63), 0, "h");  // reserves all 16 full blocks
+    (void)testing::Start(*cache, big);
+    CHECK(*cache->PeekInstalled(ns, prompt, 0, peek::Units({1, 3})) == 0);
+    CHECK(absl::IsResourceExhausted(cache->BeginInstall(ns, prompt, 0, peek::Units({1, 3})).status()));
+    REQUIRE(cache->Release(big.id, true).ok());
+    CHECK(*cache->PeekInstalled(ns, prompt, 0, peek::Units({1, 3})) == 8);
+    RequireInvariants(*cache);
+  }
+}
+
 }  // namespace
 }  // namespace kvd
