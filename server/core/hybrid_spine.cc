@@ -127,6 +127,13 @@ int64_t HybridSpine::WindowNeed(int g, int64_t depth) const {
   return 0;
 }
 
+bool HybridSpine::WindowAnchor(int g, int64_t position) const {
+  const Group& group = groups_[g];
+  if (group.kind != KvGroupKind::kSlidingWindow || group.window_blocks == 0) return false;
+  const int64_t spacing = kAnchorEvery * group.window_blocks;
+  return position % spacing >= spacing - group.window_blocks;
+}
+
 void HybridSpine::AttachBlock(const CachedBlock& node, int g, BlockIndex index) {
   Group& group = groups_[g];
   KVD_CHECK(g != spine_group_ && group.kind != KvGroupKind::kState);

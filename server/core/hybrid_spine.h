@@ -119,6 +119,14 @@ class HybridSpine {
   // Blocks of group g before depth d that a hit of depth d reads: full d; sliding_window
   // min(d, ceil((W - 1) / bt)); chunked_local (d * bt mod C) / bt; state 0.
   int64_t WindowNeed(int g, int64_t depth) const;
+  // Sliding window group g's anchor grid (docs/hybrid.md §2.8): the depths that are multiples of
+  // kAnchorEvery windows (ceil((W - 1) / bt) blocks each). True when a hit at an anchor reads block
+  // position `position` (0-based): its group keeps such a block like a chain end's, so that a hit
+  // inside a chain whose other interior window blocks went still lands at most one anchor spacing
+  // short of where it branches (as a k-grid does for state checkpoints), for 1/kAnchorEvery of
+  // the chain's window blocks. False for other groups (a chunked group's chunk starts need none).
+  static constexpr int64_t kAnchorEvery = 8;
+  bool WindowAnchor(int g, int64_t position) const;
 
   // --- Components. REQUIRES throughout: `node` is a cached node of this pool's spine group and
   // g is another group of the right kind.

@@ -56,8 +56,7 @@ void KvCache::RefLocked(PoolId pool_id, BlockIndex index, bool touch) {
   if (s.kind == BlockState::Kind::kCached && s.node == nullptr) {  // a hybrid pool's side block
     if (s.refs == 0) {
       cache_state::Pool::SideGroup& sg = pool.side[pool.allocator.GroupOf(index)];
-      sg.evictable.erase(sg.where[index]);
-      sg.where.erase(index);
+      sg.evictable.Erase(index);
       --pool.num_cached_unreferenced;
     }
   } else if (s.kind == BlockState::Kind::kCached) {
@@ -85,7 +84,7 @@ void KvCache::UnrefLocked(PoolId pool_id, BlockIndex index, bool touch) {
   ++pool.num_cached_unreferenced;
   if (s.node == nullptr) {  // a hybrid pool's side block: evictable by its group, oldest first
     cache_state::Pool::SideGroup& sg = pool.side[pool.allocator.GroupOf(index)];
-    sg.where[index] = sg.evictable.insert(sg.evictable.end(), index);
+    sg.evictable.Push(index);
     if (pool.spine != nullptr) AfterLastUnrefLocked(pool, index);
     return;
   }

@@ -325,12 +325,15 @@ absl::StatusOr<std::vector<GroupTable>> KvCache::GrowGroupsLocked(Request& req, 
       }
       UnrefLocked(req.pool, held[i]);  // unpublished: freed; published: cached, evictable
       // A block the window left before the window of a hit at the computed blocks' end is interior
-      // to the chain the request goes on to publish: its group evicts it before the blocks a hit at
-      // a chain's end reads (docs/hybrid.md §2.8). The others wait for the release's verdict.
+      // to the chain the request goes on to publish, unless the request's hit read it or a hit at
+      // an anchor would: its group evicts it first, before the blocks a hit at a chain's end reads
+      // (docs/hybrid.md §2.8). The others wait for the release's verdict.
+      const int64_t pos = req.groups[g].first + i;
       if (pool.spine != nullptr &&
           (geo.groups[g].kind == KvGroupKind::kSlidingWindow || geo.groups[g].kind == KvGroupKind::kChunkedLocal) &&
-          req.groups[g].first + i < c / geo.block_tokens - pool.spine->WindowNeed(g, c / geo.block_tokens)) {
-        pool.side[g].MakeOldest(held[i]);
+          pos >= req.cached_tokens / geo.block_tokens && !pool.spine->WindowAnchor(g, pos) &&
+          pos < c / geo.block_tokens - pool.spine->WindowNeed(g, c / geo.block_tokens)) {
+        pool.side[g].evictable.MakeInterior(held[i]);
       }
     }
     held.erase(held.begin(), held.begin() + p.drop);
@@ -482,8 +485,13 @@ absl::Status KvCache::CheckGroupsLocked() const {
             return fail("cached block ", b, " of group ", pool.geometry.groups[g].name,
                         g == pool.spine_group ? " has no index node" : " has an index node outside the spine group");
           }
-          if (s.node == nullptr && pool.side[g].where.contains(b) != (s.refs == 0)) {
+          if (s.node == nullptr && pool.side[g].evictable.contains(b) != (s.refs == 0)) {
             return fail("side block ", b, " of group ", pool.geometry.groups[g].name, ": evictable list membership wrong");
+          }
+          if (s.node == nullptr && pool.side[g].evictable.interior(b) &&
+              pool.geometry.groups[g].kind != KvGroupKind::kSlidingWindow &&
+              pool.geometry.groups[g].kind != KvGroupKind::kChunkedLocal) {
+            return fail("side block ", b, " of group ", pool.geometry.groups[g].name, " is interior but no window block");
           }
           if (s.node == nullptr && pool.spine != nullptr) {  // U1: a component of the node that holds it
             const CachedBlock* node = pool.component_node[b];
@@ -507,7 +515,7 @@ absl::Status KvCache::CheckGroupsLocked() const {
       if (free[g] != pool.allocator.num_free(g)) return fail("group ", name, " free count drifted");
       if (cached[g] != pool.CachedIn(g)) return fail("group ", name, " cached count drifted");
       if (evictable[g] != pool.EvictableIn(g)) return fail("group ", name, " evictable count drifted");
-      if (g != pool.spine_group && static_cast<int64_t>(pool.side[g].where.size()) != evictable[g]) {
+      if (g != pool.spine_group && pool.side[g].evictable.size() != evictable[g]) {
         return fail("group ", name, " evictable list drifted");
       }
       if (reserved[p][g] != ledger_.reserved_units(p, g)) {

@@ -120,7 +120,7 @@ void KvCache::PublishSideLocked(Request& req, absl::Span<const StateCheckpoint> 
     ++pool.num_cached_unreferenced;
     cache_state::Pool::SideGroup& sg = pool.side[g];
     ++sg.cached;
-    sg.where[c.slot] = sg.evictable.insert(sg.evictable.end(), c.slot);
+    sg.evictable.Push(c.slot);
     const CachedBlock& node = *chain[depth - 1];
     pool.component_node[c.slot] = const_cast<CachedBlock*>(&node);
     spine.AttachCheckpoint(node, g, c.slot, depth, tail);
@@ -138,20 +138,24 @@ void KvCache::ReorderReleasedWindowsLocked(const Request& req) {
   Pool& pool = *pools_[req.pool];
   if (pool.spine == nullptr) return;
   // The request's chain in the spine ends at its table's cached prefix: a hit there (the next turn
-  // continuing it) reads each window group's blocks before it; every earlier one is interior.
+  // continuing it) reads each window group's blocks before it; every earlier one is interior,
+  // unless the request's own hit read it (those stay hot, §2.8).
   int64_t leaf = 0;
   while (leaf < static_cast<int64_t>(req.table.size()) &&
          pool.blocks[req.table[leaf]].kind == BlockState::Kind::kCached) {
     ++leaf;
   }
+  const int64_t read_end = req.cached_tokens / pool.geometry.block_tokens;
   for (size_t g = 0; g < req.groups.size(); ++g) {
     const KvGroupKind kind = pool.geometry.groups[g].kind;
     if (kind != KvGroupKind::kSlidingWindow && kind != KvGroupKind::kChunkedLocal) continue;
     const int64_t keep_from = leaf - pool.spine->WindowNeed(static_cast<int>(g), leaf);
     const Request::Group& rg = req.groups[g];
-    // Shallow first, so that the deepest interior block is evicted first.
+    // Shallow first: the shallowest interior block is the oldest.
     for (size_t i = 0; i < rg.blocks.size() && rg.first + static_cast<int64_t>(i) < keep_from; ++i) {
-      pool.side[g].MakeOldest(rg.blocks[i]);
+      const int64_t pos = rg.first + static_cast<int64_t>(i);
+      if (pos < read_end || pool.spine->WindowAnchor(static_cast<int>(g), pos)) continue;
+      pool.side[g].evictable.MakeInterior(rg.blocks[i]);
     }
   }
 }
@@ -160,10 +164,8 @@ void KvCache::FreeComponentLocked(Pool& pool, BlockIndex index) {
   BlockState& s = pool.blocks[index];
   KVD_CHECK(s.kind == BlockState::Kind::kCached && s.refs == 0 && s.node == nullptr);
   cache_state::Pool::SideGroup& sg = pool.side[pool.allocator.GroupOf(index)];
-  auto it = sg.where.find(index);
-  KVD_CHECK(it != sg.where.end());
-  sg.evictable.erase(it->second);
-  sg.where.erase(it);
+  KVD_CHECK(sg.evictable.contains(index));
+  sg.evictable.Erase(index);
   --sg.cached;
   --pool.num_cached;
   --pool.num_cached_unreferenced;
@@ -204,10 +206,8 @@ void KvCache::CarryOutPlanLocked(Pool& pool, EvictReason reason) {
       BlockState& s = pool.blocks[index];
       KVD_CHECK(s.kind == BlockState::Kind::kCached && s.refs == 0 && s.node == nullptr);
       cache_state::Pool::SideGroup& sg = pool.side[pool.allocator.GroupOf(index)];
-      auto it = sg.where.find(index);
-      KVD_CHECK(it != sg.where.end());
-      sg.evictable.erase(it->second);
-      sg.where.erase(it);
+      KVD_CHECK(sg.evictable.contains(index));
+      sg.evictable.Erase(index);
       --sg.cached;
       --pool.num_cached;
       --pool.num_cached_unreferenced;
@@ -248,22 +248,23 @@ bool KvCache::EvictSideLocked(Pool& pool, int g) {
   const KvGroupKind kind = pool.geometry.groups[g].kind;
   if (kind == KvGroupKind::kState) {
     if (sg.evictable.empty()) return false;
-    spine.EvictCheckpoint(pool.component_node[sg.evictable.front()], g, refs, &pool.plan);
+    spine.EvictCheckpoint(pool.component_node[sg.evictable.hot().front()], g, refs, &pool.plan);
     CarryOutPlanLocked(pool, EvictReason::kCapacity);
     return true;
   }
-  // With a state group every evictable window block is read by a checkpoint (U4): none may go
-  // alone, so the walk is skipped (O(1) instead of a pass over the group's blocks).
-  const bool walk = kind == KvGroupKind::kFull || !spine.has_state_group();
-  for (auto it = walk ? sg.evictable.begin() : sg.evictable.end(); it != sg.evictable.end(); ++it) {  // oldest first
-    const BlockIndex b = *it;
-    CachedBlock* node = pool.component_node[b];
-    if (kind == KvGroupKind::kFull) {  // a further full group's block goes only with its node (U1)
+  if (kind == KvGroupKind::kFull) {  // a further full group's block goes only with its node (U1)
+    for (BlockIndex b : sg.evictable.hot()) {  // oldest first
+      CachedBlock* node = pool.component_node[b];
       if (node->num_children != 0 || refs.NodeReferenced(*node)) continue;
       EvictOneLocked(pool, node, EvictReason::kCapacity);
       return true;
     }
-    if (spine.window_cover(*node, g) > 0) continue;  // a checkpoint reads it (U3)
+  } else if (!spine.has_state_group() && !sg.evictable.empty()) {
+    // Without a state group no checkpoint reads a window block (U3): the queue's victim goes. With
+    // one, every evictable window block is read by a checkpoint (U4) and none may go alone, so
+    // pressure goes to the checkpoints below (O(1), no pass over the group's blocks).
+    const BlockIndex b = sg.evictable.Victim();
+    CachedBlock* node = pool.component_node[b];
     if (!spine.EvictWindowBlock(node, g, refs, &pool.plan)) {
       // A referenced leaf: U2 binds it once it is unreferenced (AfterLastUnrefLocked erases it then).
       pool.plan.components.push_back({node, g, spine.Tombstone(*node, g)});
@@ -275,7 +276,7 @@ bool KvCache::EvictSideLocked(Pool& pool, int g) {
   // references the window it reads): checkpoints go first, oldest first, then spine leaves.
   for (size_t h = 0; h < pool.side.size(); ++h) {
     if (pool.geometry.groups[h].kind != KvGroupKind::kState || pool.side[h].evictable.empty()) continue;
-    spine.EvictCheckpoint(pool.component_node[pool.side[h].evictable.front()], static_cast<int>(h), refs,
+    spine.EvictCheckpoint(pool.component_node[pool.side[h].evictable.hot().front()], static_cast<int>(h), refs,
                           &pool.plan);
     CarryOutPlanLocked(pool, EvictReason::kCapacity);
     return true;

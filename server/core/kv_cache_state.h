@@ -24,6 +24,7 @@
 #include "proto/vocab/pool_geometry.h"
 #include "server/core/prefix_index.h"
 #include "server/core/pressure_monitor.h"
+#include "server/core/side_queue.h"
 
 namespace kvd::cache_state {
 
@@ -50,19 +51,14 @@ struct Pool {
   // Published blocks of every other group (a window's blocks, a second full group's) are cached
   // with no index node (BlockState::node null) until the spine carries them as components: they
   // are counted in num_cached (and, unreferenced, num_cached_unreferenced) and per group in
-  // `side`, whose `evictable` list is what that group's allocation evicts, oldest first. Nothing
+  // `side`, whose `evictable` queue is what that group's allocation evicts, in its order. Nothing
   // references one again once its request let it go (hits are 0 on hybrid pools for now).
   struct SideGroup {
     int64_t cached = 0;
-    std::list<BlockIndex> evictable;
-    absl::flat_hash_map<BlockIndex, std::list<BlockIndex>::iterator> where;
-    // Window eviction order (docs/hybrid.md §2.8): a block no hit at its chain's end reads (an
-    // interior one) is put first in line, if it is evictable at all (freed or referenced: no-op).
-    // O(1).
-    void MakeOldest(BlockIndex index) {
-      auto it = where.find(index);
-      if (it != where.end()) evictable.splice(evictable.begin(), evictable, it->second);
-    }
+    // The group's evictable units in eviction order (docs/hybrid.md §2.8): unread interior window
+    // blocks first, oldest first (SideQueue::MakeInterior), then the rest by release age: window
+    // blocks at chain ends and anchors and those a hit read, checkpoints, further full blocks.
+    SideQueue evictable;
   };
   int spine_group = 0;
   std::vector<SideGroup> side;  // one per group of a hybrid pool; empty otherwise
@@ -102,10 +98,10 @@ struct Pool {
     if (side.empty()) return num_cached_unreferenced;
     if (g == spine_group) {
       int64_t others = 0;
-      for (const SideGroup& sg : side) others += static_cast<int64_t>(sg.evictable.size());
+      for (const SideGroup& sg : side) others += sg.evictable.size();
       return num_cached_unreferenced - others;
     }
-    return static_cast<int64_t>(side[g].evictable.size());
+    return side[g].evictable.size();
   }
   int64_t CachedIn(int g) const {
     if (side.empty()) return num_cached;

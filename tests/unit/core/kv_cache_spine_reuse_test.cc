@@ -201,7 +201,8 @@ PoolGeometry WindowOnly(int64_t swa_cap) {
 
 // Computes `prompt` as the bench's engine does: each step's blocks published before the grow
 // that reports them computed (and lets the window go), then End publishing every full block.
-void Compute(KvCache& cache, const RequestSpec& spec) {
+// Returns the tokens its hit served.
+int64_t Compute(KvCache& cache, const RequestSpec& spec) {
   const AcquireResult r = testing::Start(cache, spec);
   const int64_t n = static_cast<int64_t>(spec.prompt.size());
   for (int64_t c = r.cached_tokens; c < n;) {
@@ -213,6 +214,7 @@ void Compute(KvCache& cache, const RequestSpec& spec) {
   }
   REQUIRE(cache.End(spec.id, n / 4, {}, true).ok());
   RequireInvariants(cache);
+  return r.cached_tokens;
 }
 
 TEST_CASE("window pressure tombstones interior window blocks before those a chain end's hit reads", "[spine][reuse]") {
@@ -244,6 +246,67 @@ TEST_CASE("window pressure tombstones interior window blocks before those a chai
   CHECK(*cache->PeekPrefixLen(ns, Concat(Seq(5000, 24), {7})) == 24);
   for (int i = 0; i < 3; ++i) REQUIRE(cache->Release(RequestId(absl::StrCat("p", i)), true).ok());
   RequireInvariants(*cache);
+}
+
+// Starts `count` requests of fresh 25-token prompts and grows the first `grown` of them to 8
+// computed tokens: window blocks held while they run (2 each at the start, 4 once grown).
+void HoldWindows(KvCache& cache, int count, int grown) {
+  for (int i = 0; i < count; ++i) testing::Start(cache, Spec(absl::StrCat("p", i), Seq(10000 * (i + 1), 25), 0, "h"));
+  for (int i = 0; i < grown; ++i) REQUIRE(Grow(cache, absl::StrCat("p", i), 8).status.ok());
+  RequireInvariants(cache);
+}
+
+void ReleaseHeld(KvCache& cache, int count) {
+  for (int i = 0; i < count; ++i) REQUIRE(cache.Release(RequestId(absl::StrCat("p", i)), true).ok());
+  RequireInvariants(cache);
+}
+
+TEST_CASE("window blocks a hit read outlive unread interior ones; chain ends outlive both", "[spine][reuse]") {
+  FakeClock clock;
+  auto cache = testing::PoolCache(WindowOnly(/*swa_cap=*/12), &clock);
+  const Namespace ns{.pool = "h"};
+  // a: a chain of 6 blocks, interior window blocks at positions 0-3, its end's at 4 and 5.
+  Compute(*cache, Spec("a", Seq(1, 25), 0, "h"));
+  // c branches off a at 12 tokens: its hit reads a's interior window blocks at 1 and 2, and
+  // releases them at its first grow, together with nothing else; its own block at 3 becomes
+  // interior at its last grow, after them, and its end (4, 5) is released last.
+  const std::vector<Token> c_prompt = Concat(Seq(1, 12), Seq(9000, 13));
+  REQUIRE(Compute(*cache, Spec("c", c_prompt, 0, "h")) == 12);
+  REQUIRE(GroupReport(*cache, kSwa).cached == 9);  // a's 6, c's 3 (positions 3-5)
+  REQUIRE(*cache->PeekPrefixLen(ns, Concat(Seq(1, 12), {7})) == 12);
+  // Window pressure takes 3 of the 9: 3 free, then 2 + 2 blocks held at the start and 2 more once
+  // p0 grows. Unread interior blocks go first (a's at 0 and 3, c's at 3), oldest first; the blocks
+  // c's hit read stay, so a hit there still reads its window. Under "interior first, newest
+  // first" they would have been put first in line at c's grow (positions 1, 2 lie before c's
+  // window then), and that hit would fall back to 4 tokens.
+  HoldWindows(*cache, 2, 1);
+  CHECK(GroupReport(*cache, kSwa).cached == 6);
+  CHECK(*cache->PeekPrefixLen(ns, Concat(Seq(1, 12), {7})) == 12);
+  // Both chain ends still serve a continuation of their whole chain.
+  CHECK(*cache->PeekPrefixLen(ns, Concat(Seq(1, 24), {7})) == 24);
+  CHECK(*cache->PeekPrefixLen(ns, Concat(Concat(Seq(1, 12), Seq(9000, 12)), {7})) == 24);
+  ReleaseHeld(*cache, 2);
+}
+
+TEST_CASE("window blocks a hit at an anchor reads outlive the other interior ones", "[spine][reuse]") {
+  FakeClock clock;
+  // W = 6, 4-token blocks: a hit reads 2 window blocks, and anchors are every 8 windows, 16 blocks
+  // (64 tokens): a hit at 64 tokens reads positions 14 and 15.
+  REQUIRE(HybridSpine::kAnchorEvery == 8);
+  auto cache = testing::PoolCache(WindowOnly(/*swa_cap=*/24), &clock);
+  const Namespace ns{.pool = "h"};
+  // a: 19 blocks; its end's window blocks are at 17 and 18, its anchor's at 14 and 15, the other
+  // 15 are interior.
+  Compute(*cache, Spec("a", Seq(1, 77), 0, "h"));
+  REQUIRE(GroupReport(*cache, kSwa).cached == 19);
+  // Pressure takes 11: 5 free, 4 requests holding 4 blocks each. The interior ones go, shallowest
+  // first (0-10); under "interior first, newest first" the deepest went first (16, 15, 14, ...),
+  // the anchor's with them, and a branch at 64 tokens fell back to 24.
+  HoldWindows(*cache, 4, 4);
+  CHECK(GroupReport(*cache, kSwa).cached == 8);
+  CHECK(*cache->PeekPrefixLen(ns, Concat(Seq(1, 64), {7})) == 64);
+  CHECK(*cache->PeekPrefixLen(ns, Concat(Seq(1, 76), {7})) == 76);
+  ReleaseHeld(*cache, 4);
 }
 
 }  // namespace
