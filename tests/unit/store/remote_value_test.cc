@@ -134,5 +134,31 @@ TEST_CASE("A node with an encryption key refuses values stripped of their encryp
   REQUIRE(absl::IsDataLoss(OpenRemoteValue(sealed, Block(), RemoteValueKeys{}, &scratch, reinterpret_cast<uint8_t*>(out.data()))));
 }
 
+TEST_CASE("A hybrid unit's value names its parts, authenticated: other parts, or a block's value, are refused",
+          "[store][remote][hybrid]") {
+  RemoteBlockIdentity unit = Block();
+  unit.kind = RecordKind::kUnit;
+  unit.parts = {{1, false}, {2, true}};
+  const std::string raw = Compressible();
+  const std::string value = *SealRemoteValue(unit, Codec::kNone, raw, RemoteValueKeys{.secret = "s"});
+  std::string scratch;
+  std::string out(kRaw, '\0');
+  auto open = [&](const std::string& v, const RemoteBlockIdentity& want) {
+    return OpenRemoteValue(v, want, RemoteValueKeys{.secret = "s"}, &scratch, reinterpret_cast<uint8_t*>(out.data()));
+  };
+  REQUIRE(open(value, unit).ok());
+  CHECK(out == raw);
+  // A reader that allocated for other parts, or for a block, gets nothing.
+  RemoteBlockIdentity other = unit;
+  other.parts = {{1, false}, {2, false}};
+  CHECK(open(value, other).message() == "redis value: unit parts differ");
+  CHECK(open(value, Block()).message() == "redis value: not a block record");
+  const std::string block = *SealRemoteValue(Block(), Codec::kNone, raw, RemoteValueKeys{.secret = "s"});
+  CHECK(open(block, unit).message() == "redis value: not a unit record");
+  // Parts rewritten without the secret (the header's checksum made right) fail the MAC.
+  const std::string forged = Rewrite(value, [](RecordHeader& h, std::string&) { h.parts[1].tail = false; });
+  CHECK(open(forged, other).message() == "redis value: MAC mismatch");
+}
+
 }  // namespace
 }  // namespace kvd
