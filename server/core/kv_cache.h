@@ -225,6 +225,7 @@ class KvCache final : public TierPort, public PeerPort {
                                                             std::vector<Token> tokens, std::string engine_state,
                                                             absl::Span<const int64_t> group_units) override
       ABSL_LOCKS_EXCLUDED(mu_);
+  void DropRestoredCheckpoint(const RequestId& id) override ABSL_LOCKS_EXCLUDED(mu_);
   void EmitExternal(const std::vector<CacheEvent>& events) override ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- hot handoff (kv_cache_handoff.cc; the contracts are in cache_snapshot.h) ---
@@ -317,15 +318,15 @@ class KvCache final : public TierPort, public PeerPort {
   // tail a fence or a pull may still write (or that was published since): it resumes exactly only.
   absl::StatusOr<AcquireResult> ResumeGroupsLocked(Request& req, CheckpointRecord& ckpt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // kv_cache_handoff.cc: a hybrid pool's spine components across a hot handoff (cache_snapshot.h).
-  void ExportComponentsLocked(const Pool& pool, const CachedBlock& node, CacheSnapshot::Block* e) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A checkpoint restored from G3 (RestoreCheckpoint): the units per group one at `tokens` tokens
   // holds on `pool` (the spine's table, each window's blocks before the position, 1 per state
   // group), and their allocation into `rec` (blocks, groups), owned by `serial` and written by no
   // one; RESOURCE_EXHAUSTED, changing nothing, when a group has too few reclaimable units.
   std::vector<int64_t> CheckpointUnitsLocked(PoolId pool, int64_t tokens) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status AllocateCheckpointUnitsLocked(PoolId pool, int64_t tokens, uint64_t serial, CheckpointRecord& rec)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // kv_cache_handoff.cc: a hybrid pool's spine components across a hot handoff (cache_snapshot.h).
+  void ExportComponentsLocked(const Pool& pool, const CachedBlock& node, CacheSnapshot::Block* e) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // INVALID_ARGUMENT naming the field for components / checkpoint groups that do not fit this
   // configuration's groups (ranges, counts, a unit used twice). No lock: geometry only.

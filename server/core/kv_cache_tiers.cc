@@ -449,6 +449,17 @@ absl::StatusOr<std::vector<BlockIndex>> KvCache::RestoreCheckpoint(const Request
   return result;
 }
 
+void KvCache::DropRestoredCheckpoint(const RequestId& id) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = checkpoints_.find(id);
+    if (it == checkpoints_.end() || !it->second->orphaned) return;  // not restored, or resumed since
+    DropCheckpointLocked(id);
+    UpdatePressureLocked();
+  }
+  Deliver();
+}
+
 void KvCache::EmitExternal(const std::vector<CacheEvent>& events) {
   {
     absl::MutexLock lock(&mu_);

@@ -119,21 +119,24 @@ class TierPort {
   // blocks the caller then fills, charged to the checkpoint budget with a full TTL: NOT_FOUND
   // (pool), ALREADY_EXISTS (id), INVALID_ARGUMENT (no tokens, engine state too large, past
   // max_model_len), RESOURCE_EXHAUSTED (checkpoint budget or pool); changes nothing on error.
-  // EmitExternal records events that happened outside the device index (a reload), in order.
-  virtual absl::StatusOr<std::vector<BlockIndex>> RestoreCheckpoint(const RequestId& id, const Namespace& ns,
-                                                                    std::vector<Token> tokens,
-                                                                    std::string engine_state,
-                                                                    absl::Span<const int64_t> group_units) = 0;
-  virtual void EmitExternal(const std::vector<CacheEvent>& events) = 0;
-
-  // The index's events (write-through uploads). RemoveListenerAndWait removes a listener, then
-  // waits for a delivery in progress, so it never runs after this returns (for owners that free
-  // what it points to); never call it from a listener.
   // A hybrid pool's (docs/hybrid.md §2.9): `group_units` names, per group, the units the record
   // holds (the spine's table, a window's blocks before the position, 1 per state group), which must
   // be those a checkpoint at `tokens` holds on this pool (else FAILED_PRECONDITION); the blocks come
   // back in CheckpointSnapshot::AllBlocks() order and the state as each state group's slot. Empty
   // for other pools (INVALID_ARGUMENT when the two disagree).
+  // EmitExternal records events that happened outside the device index (a reload), in order.
+  virtual absl::StatusOr<std::vector<BlockIndex>> RestoreCheckpoint(const RequestId& id, const Namespace& ns,
+                                                                    std::vector<Token> tokens,
+                                                                    std::string engine_state,
+                                                                    absl::Span<const int64_t> group_units) = 0;
+  // Drops a checkpoint RestoreCheckpoint recreated whose bytes the caller could not write back, so
+  // that no resume reads a unit left unwritten. Nothing happens for an id not restored or resumed.
+  virtual void DropRestoredCheckpoint(const RequestId& id) = 0;
+  virtual void EmitExternal(const std::vector<CacheEvent>& events) = 0;
+
+  // The index's events (write-through uploads). RemoveListenerAndWait removes a listener, then
+  // waits for a delivery in progress, so it never runs after this returns (for owners that free
+  // what it points to); never call it from a listener.
   virtual int AddEventListener(EventListener fn) = 0;
   virtual void RemoveListenerAndWait(int handle) = 0;
 };

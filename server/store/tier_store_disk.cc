@@ -548,7 +548,12 @@ void TierStore::RestoreCheckpoints() {
         return absl::InternalError("the restored checkpoint's units differ from its record's");
       }
       for (size_t i = 0; i < blocks.size(); ++i) {
-        KVD_RETURN_IF_ERROR(arena_->WriteBlock(pool, blocks[i], reinterpret_cast<const uint8_t*>(raw.data() + at)));
+        if (absl::Status w = arena_->WriteBlock(pool, blocks[i], reinterpret_cast<const uint8_t*>(raw.data() + at));
+            !w.ok()) {
+          // A unit left unwritten must never be resumed: the checkpoint goes, its record stays on disk.
+          cache_->DropRestoredCheckpoint(RequestId(src.header.object_key));
+          return w;
+        }
         at += static_cast<size_t>(sizes[i]);
       }
       return absl::OkStatus();
