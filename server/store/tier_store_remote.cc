@@ -113,9 +113,12 @@ void TierStore::QueueUnitUpload(const CachedBlockView& v, const RecordHeader& he
 
 void TierStore::UploadUnits(std::vector<Upload> batch) {
   std::vector<std::string> names;
-  for (const Upload& u : batch) names.push_back(u.name);
-  absl::StatusOr<std::vector<std::string>> heads =
-      remote_->Heads(names, UnitHeadBytes(batch.front().unit.pool), /*lookup=*/false);
+  int64_t head_bytes = 0;
+  for (const Upload& u : batch) {
+    names.push_back(u.name);
+    head_bytes = std::max(head_bytes, UnitHeadBytes(u.unit.pool));
+  }
+  absl::StatusOr<std::vector<std::string>> heads = remote_->Heads(names, head_bytes, /*lookup=*/false);
   if (!heads.ok()) {
     remote_->CountUploadDropped(batch.size());
     return;
