@@ -5,7 +5,8 @@ worker killed while holding them has its blocks released unpublished (nothing ca
 nothing leaked); a step submitted with its round trip in flight (Client.step_submit) answers as
 Client.step does; and the reference batch engine gives the same tokens and digests synchronous,
 holding back, and overlapping its model with the round trip, with fewer round trips and nothing
-held after.
+held after; a step in flight when kvd dies under it fails with a KvdError, and so do the held items
+it carried.
 
 Usage: test_step_pipeline.py KVD_BINARY   (PYTHONPATH=<build>/python:<this dir>)
 """
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from kvd import Client, StepBatch, StepRequest
+from kvd import Client, KvdError, StepBatch, StepRequest
 from kvd.engine.batch import BatchEngine
 from kvd_testlib import SMALL_POOL, Daemon, check, finish
 
@@ -155,6 +156,32 @@ def main():
               f"round trips: sync {runs['sync'][1]}, held {runs['held'][1]}, overlap {runs['overlap'][1]}")
         with Client(daemon.target, map_slabs=False) as obs:
             idle(obs, "batch engine runs")
+
+        # --- a step in flight when kvd stops answering, then dies under it --------------------
+        dies = Daemon(kvd, tmp, SMALL_POOL, name="kvd-dies")
+        try:
+            with Client(dies.target, worker_name="dies", step_credit_blocks=0) as c:
+                x, y = StepRequest("x"), StepRequest("y")
+                check(c.step(StepBatch().start(x, "default", list(range(800, 809))))[0].ok, "x starts")
+                held = c.step(StepBatch().end(x, hold_s=30))[0]
+                dies.proc.send_signal(signal.SIGSTOP)
+                f = c.step_submit(StepBatch().start(y, "default", list(range(900, 909))))
+                time.sleep(0.05)
+                check(not f.done() and held.deferred, "kvd stopped: the step (with x's held end) stays in flight")
+                dies.proc.send_signal(signal.SIGKILL)
+                dies.proc.wait(timeout=15)
+                t = time.monotonic()
+                try:
+                    f.result()
+                    err = None
+                except KvdError as e:
+                    err = e
+                check(err is not None and f.done() and time.monotonic() - t < 10,
+                      f"kvd killed under it: result() fails with a KvdError ({err!r})")
+                check(not held.deferred and not held.ok and not y.live,
+                      f"the held end it carried failed with it ({held.code}), y never started")
+        finally:
+            dies.stop()
     finally:
         daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)
