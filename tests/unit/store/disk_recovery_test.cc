@@ -16,12 +16,17 @@
 #include "absl/time/clock.h"
 #include "proto/vocab/step_types.h"
 #include "server/store/segment_file.h"
+#include "tests/unit/store/hybrid_store_fixture.h"
 #include "tests/unit/store/store_fixture.h"
 
 namespace kvd {
 namespace {
 
+using testing::Bytes;
+using testing::HybridOptions;
+using testing::kRec;
 using testing::Node;
+using testing::Read;
 using testing::ScopedDir;
 using testing::Seq;
 using testing::Spec;
@@ -279,42 +284,6 @@ TEST_CASE("A corrupt record found by prefetch is tombstoned: a restart does not 
   REQUIRE(node.store->Stats().reloaded_records == 2);
 }
 
-
-// A hybrid pool (docs/hybrid.md §2.9): full (layers 0, 3), a `window`-token window (layer 1),
-// state every 2 blocks (layer 2).
-constexpr int kRec = 2;
-CacheOptions HybridOptions(int32_t window = 6) {
-  PoolGeometry g;
-  g.name = "m";
-  g.block_tokens = 4;
-  g.num_layers = 4;
-  g.bytes_per_token_per_layer = 8;
-  g.max_model_len = 64;
-  g.step_tokens = 8;
-  g.groups.push_back(KvGroup{.name = "full", .kind = KvGroupKind::kFull, .layers = {0, 3}, .capacity = 16});
-  g.groups.push_back(
-      KvGroup{.name = "swa", .kind = KvGroupKind::kSlidingWindow, .layers = {1}, .window = window, .capacity = 16});
-  g.groups.push_back(KvGroup{.name = "rec", .kind = KvGroupKind::kState, .layers = {2}, .bytes_per_state = 48,
-                             .checkpoint_every_blocks = 2, .checkpoint_at_end = false, .capacity = 6});
-  REQUIRE(g.ResolveGroups().ok());
-  CacheOptions o = testing::SmallOptions();
-  o.pools = {g};
-  return o;
-}
-
-// A unit's pattern: `seed` is its group and position's, so a unit restored elsewhere compares equal.
-std::vector<uint8_t> Bytes(const PoolGeometry& g, BlockIndex index, uint8_t seed) {
-  std::vector<uint8_t> v(static_cast<size_t>(g.GroupUnitBytes(g.GroupOf(index)) * g.num_shards));
-  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<uint8_t>(seed * 37 + i * 3);
-  return v;
-}
-
-std::vector<uint8_t> Read(Node& node, BlockIndex index) {
-  const PoolGeometry& g = node.cache->pools()[0];
-  std::vector<uint8_t> v(static_cast<size_t>(g.GroupUnitBytes(g.GroupOf(index)) * g.num_shards));
-  REQUIRE(node.arena->ReadBlock(0, index, v.data()).ok());
-  return v;
-}
 
 // A generation of [1, 10] computed to 10 on the hybrid pool, every unit a checkpoint at 10 keeps
 // filled with a pattern of its group and position (full 0..2, swa 1..2, the state at 10), then

@@ -14,19 +14,18 @@
 
 #include <catch2/catch.hpp>
 
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "server/store/remote_tier.h"
+#include "tests/unit/store/hybrid_store_fixture.h"
 #include "tests/unit/store/store_fixture.h"
 
 namespace kvd {
 namespace {
 
-using testing::Concat;
+using testing::HybridOptions;
 using testing::Seq;
+using testing::Serve;
 using testing::Spec;
-
-constexpr int kRec = 2;
 
 // A redis-server without persistence listening on a Unix socket only, in a temporary directory.
 class Redis {
@@ -59,27 +58,6 @@ class Redis {
   pid_t pid_ = -1;
 };
 
-// full (layers 0, 3), a `window`-token window (layer 1), state every 2 blocks (layer 2): the pool
-// of tier_store_units_test.cc, with room for one 63-token request only, so that one evicts the rest.
-CacheOptions Options(int32_t window = 6) {
-  PoolGeometry g;
-  g.name = "m";
-  g.block_tokens = 4;
-  g.num_layers = 4;
-  g.bytes_per_token_per_layer = 8;
-  g.max_model_len = 64;
-  g.step_tokens = 8;
-  g.groups.push_back(KvGroup{.name = "full", .kind = KvGroupKind::kFull, .layers = {0, 3}, .capacity = 16});
-  g.groups.push_back(
-      KvGroup{.name = "swa", .kind = KvGroupKind::kSlidingWindow, .layers = {1}, .window = window, .capacity = 16});
-  g.groups.push_back(KvGroup{.name = "rec", .kind = KvGroupKind::kState, .layers = {2}, .bytes_per_state = 48,
-                             .checkpoint_every_blocks = 2, .checkpoint_at_end = false, .capacity = 6});
-  REQUIRE(g.ResolveGroups().ok());
-  CacheOptions o = testing::SmallOptions();
-  o.pools = {g};
-  return o;
-}
-
 TierOptions RedisOnly(const Redis& redis) {
   TierOptions t;
   t.remote.url = redis.url();
@@ -87,66 +65,15 @@ TierOptions RedisOnly(const Redis& redis) {
   return t;
 }
 
-std::vector<uint8_t> Bytes(const PoolGeometry& g, BlockIndex index, uint8_t seed) {
-  std::vector<uint8_t> v(static_cast<size_t>(g.GroupUnitBytes(g.GroupOf(index)) * g.num_shards));
-  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<uint8_t>(seed * 37 + i * 3);
-  return v;
-}
-
-std::vector<uint8_t> Read(testing::Node& node, BlockIndex index) {
-  const PoolGeometry& g = node.cache->pools()[0];
-  std::vector<uint8_t> v(static_cast<size_t>(g.GroupUnitBytes(g.GroupOf(index)) * g.num_shards));
-  REQUIRE(node.arena->ReadBlock(0, index, v.data()).ok());
-  return v;
-}
-
 // Publishes [1, 9) with the window blocks and the state at 8, then a 63-token request takes every
 // full block: both units leave G1 and go up to Redis. Waits until the uploads are done.
 void PublishAndEvict(testing::Node& node) {
-  const PoolGeometry& g = node.cache->pools()[0];
-  const RequestSpec a = Spec("a", Seq(1, 9));
-  const AcquireResult ra = testing::Start(*node.cache, a);
-  const BlockIndex slot = ra.group_tables[kRec].blocks[1];
-  for (int i = 0; i < 2; ++i) {
-    REQUIRE(node.arena->WriteBlock(0, ra.blocks[i], Bytes(g, ra.blocks[i], 10 + i).data()).ok());
-    const BlockIndex w = ra.group_tables[1].blocks[i];
-    REQUIRE(node.arena->WriteBlock(0, w, Bytes(g, w, 20 + i).data()).ok());
-  }
-  REQUIRE(node.arena->WriteBlock(0, slot, Bytes(g, slot, 30).data()).ok());
-  auto p = node.cache->Publish(a.id, absl::MakeConstSpan(a.prompt).first(8), {ra.blocks[0], ra.blocks[1]},
-                               std::vector<StateCheckpoint>{{kRec, 8, slot}});
-  REQUIRE(p.ok());
-  REQUIRE(p->checkpoint_outcomes == std::vector<CheckpointOutcome>{CheckpointOutcome::kKept});
-  REQUIRE(node.cache->Release(a.id, true).ok());
+  testing::PublishUnit(node);
   const RequestSpec fill = Spec("fill", Seq(1000, 63));
   testing::Start(*node.cache, fill);
   REQUIRE(node.cache->Release(fill.id, true).ok());
   for (int i = 0; i < 400 && node.store->Stats().remote.uploaded_blocks < 2; ++i) absl::SleepFor(absl::Milliseconds(10));
   REQUIRE(node.store->Stats().remote.uploaded_blocks == 2);
-}
-
-// Brings the tiers' units back, then starts a prompt sharing the 8 tokens: the hit, checked unit
-// by unit against PublishAndEvict's patterns (seeds by position, not by index).
-int64_t Serve(testing::Node& node, const std::string& id) {
-  const PoolGeometry& g = node.cache->pools()[0];
-  const RequestSpec s = Spec(id, Concat(Seq(1, 8), Seq(500, 5)));
-  absl::Notification done;
-  if (node.store->InstallUnits(s, [&] { done.Notify(); })) done.WaitForNotification();
-  const AcquireResult r = testing::Start(*node.cache, s);
-  if (r.cached_tokens == 8) {
-    for (int i = 0; i < 2; ++i) {
-      CHECK(Read(node, r.blocks[i]) == Bytes(g, r.blocks[i], 10 + i));
-      CHECK(Read(node, r.group_tables[1].blocks[i]) == Bytes(g, r.group_tables[1].blocks[i], 20 + i));
-    }
-    const BlockIndex ckpt = static_cast<BlockIndex>(r.group_tables[kRec].checkpoint_slot);
-    CHECK(Read(node, ckpt) == Bytes(g, ckpt, 30));
-  } else {
-    CHECK(r.group_tables[kRec].checkpoint_slot == -1);
-  }
-  REQUIRE(node.cache->Release(s.id, true).ok());
-  REQUIRE(node.cache->CheckInvariantsForTesting().ok());
-  node.CheckStats();
-  return r.cached_tokens;
 }
 
 // The Redis keys of the two units of [1, 9) in a pool of `o`'s grouping.
@@ -171,19 +98,19 @@ TEST_CASE("Hybrid units go up to Redis whole as pressure evicts them and come ba
           "[store][hybrid][remote]") {
   Redis redis;
   {
-    testing::Node node(RedisOnly(redis), Options());
+    testing::Node node(RedisOnly(redis), HybridOptions());
     PublishAndEvict(node);
     // G1 lost them and no other tier holds them: Redis serves them back to the same node.
     CHECK(Serve(node, "same") == 8);
     CHECK(node.store->Stats().remote_promotions == 2);
   }
-  testing::Node node(RedisOnly(redis), Options());
+  testing::Node node(RedisOnly(redis), HybridOptions());
   CHECK(Serve(node, "new") == 8);
   const TierStats s = node.store->Stats();
   CHECK(s.remote_promotions == 2);
   CHECK(s.remote.corrupt == 0);
   // Another grouping (a 5-token window) has other keys: it finds nothing, and nothing is refused.
-  testing::Node other(RedisOnly(redis), Options(5));
+  testing::Node other(RedisOnly(redis), HybridOptions(5));
   CHECK(Serve(other, "other") == 0);
   CHECK(other.store->Stats().remote.corrupt == 0);
 }
@@ -195,15 +122,15 @@ TEST_CASE("A unit value of another grouping, truncated or with a flipped byte se
   ro.url = redis.url();
   auto t = *RemoteTier::Open(ro);
   // Units of a 5-token-window pool, and of the pool itself.
-  { testing::Node five(RedisOnly(redis), Options(5)); PublishAndEvict(five); }
-  { testing::Node six(RedisOnly(redis), Options()); PublishAndEvict(six); }
-  const std::vector<std::string> names = UnitNames(*t, Options());
+  { testing::Node five(RedisOnly(redis), HybridOptions(5)); PublishAndEvict(five); }
+  { testing::Node six(RedisOnly(redis), HybridOptions()); PublishAndEvict(six); }
+  const std::vector<std::string> names = UnitNames(*t, HybridOptions());
   const std::vector<std::string> good = Values(*t, names);
-  const std::vector<std::string> foreign = Values(*t, UnitNames(*t, Options(5)));
+  const std::vector<std::string> foreign = Values(*t, UnitNames(*t, HybridOptions(5)));
   const auto serve_with = [&](const std::string& what, const std::string& second) {
     INFO(what);
     REQUIRE(t->Store({{names[0], good[0]}, {names[1], second}}).ok());
-    testing::Node node(RedisOnly(redis), Options());
+    testing::Node node(RedisOnly(redis), HybridOptions());
     // The first unit has no checkpoint: without the second, nothing is a hit (and nothing stays).
     CHECK(Serve(node, "x") == 0);
     CHECK(node.store->Stats().remote.corrupt == 1);
@@ -224,7 +151,7 @@ TEST_CASE("A unit value of another grouping, truncated or with a flipped byte se
   serve_with("a unit's parts altered", forged);
   // Put back, the value serves again.
   REQUIRE(t->Store({{names[1], good[1]}}).ok());
-  testing::Node node(RedisOnly(redis), Options());
+  testing::Node node(RedisOnly(redis), HybridOptions());
   CHECK(Serve(node, "back") == 8);
 }
 
@@ -239,13 +166,13 @@ TEST_CASE("Encrypted unit values come back whole; a node without the key serves 
   }
   TierOptions sealed = RedisOnly(redis);
   sealed.remote.encryption_key_file = key_file;
-  { testing::Node node(sealed, Options()); PublishAndEvict(node); }
+  { testing::Node node(sealed, HybridOptions()); PublishAndEvict(node); }
   {
-    testing::Node node(sealed, Options());
+    testing::Node node(sealed, HybridOptions());
     CHECK(Serve(node, "keyed") == 8);
     CHECK(node.store->Stats().remote.corrupt == 0);
   }
-  testing::Node plain(RedisOnly(redis), Options());
+  testing::Node plain(RedisOnly(redis), HybridOptions());
   CHECK(Serve(plain, "plain") == 0);
   CHECK(plain.store->Stats().remote.corrupt == 1);
 }

@@ -8,95 +8,19 @@
 #include <catch2/catch.hpp>
 
 #include "absl/synchronization/notification.h"
+#include "tests/unit/store/hybrid_store_fixture.h"
 #include "tests/unit/store/store_fixture.h"
 
 namespace kvd {
 namespace {
 
 using testing::Concat;
+using testing::HybridGeometry;
+using testing::HybridOptions;
+using testing::PublishUnit;
 using testing::Seq;
+using testing::Serve;
 using testing::Spec;
-
-constexpr int kRec = 2;
-
-// full (layers 0, 3), a 6-token window (layer 1), state every 2 blocks (layer 2).
-PoolGeometry Hybrid(int32_t window = 6) {
-  PoolGeometry g;
-  g.name = "m";
-  g.block_tokens = 4;
-  g.num_layers = 4;
-  g.bytes_per_token_per_layer = 8;
-  g.max_model_len = 64;
-  g.step_tokens = 8;
-  g.groups.push_back(KvGroup{.name = "full", .kind = KvGroupKind::kFull, .layers = {0, 3}, .capacity = 16});
-  g.groups.push_back(
-      KvGroup{.name = "swa", .kind = KvGroupKind::kSlidingWindow, .layers = {1}, .window = window, .capacity = 16});
-  g.groups.push_back(KvGroup{.name = "rec", .kind = KvGroupKind::kState, .layers = {2}, .bytes_per_state = 48,
-                             .checkpoint_every_blocks = 2, .checkpoint_at_end = false, .capacity = 6});
-  REQUIRE(g.ResolveGroups().ok());
-  return g;
-}
-
-CacheOptions Options(int32_t window = 6) {
-  CacheOptions o = testing::SmallOptions();
-  o.pools = {Hybrid(window)};
-  return o;
-}
-
-std::vector<uint8_t> Bytes(const PoolGeometry& g, BlockIndex index, uint8_t seed) {
-  std::vector<uint8_t> v(static_cast<size_t>(g.GroupUnitBytes(g.GroupOf(index)) * g.num_shards));
-  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<uint8_t>(seed * 37 + i * 3);
-  return v;
-}
-
-std::vector<uint8_t> Read(testing::Node& node, BlockIndex index) {
-  const PoolGeometry& g = node.cache->pools()[0];
-  std::vector<uint8_t> v(static_cast<size_t>(g.GroupUnitBytes(g.GroupOf(index)) * g.num_shards));
-  REQUIRE(node.arena->ReadBlock(0, index, v.data()).ok());
-  return v;
-}
-
-// Publishes [1, 9) with the window blocks and the state at 8, every unit filled with its pattern.
-void PublishUnit(testing::Node& node) {
-  const PoolGeometry& g = node.cache->pools()[0];
-  const RequestSpec a = Spec("a", Seq(1, 9));
-  const AcquireResult ra = testing::Start(*node.cache, a);
-  const BlockIndex slot = ra.group_tables[kRec].blocks[1];
-  for (int i = 0; i < 2; ++i) {
-    REQUIRE(node.arena->WriteBlock(0, ra.blocks[i], Bytes(g, ra.blocks[i], 10 + i).data()).ok());
-    const BlockIndex w = ra.group_tables[1].blocks[i];
-    REQUIRE(node.arena->WriteBlock(0, w, Bytes(g, w, 20 + i).data()).ok());
-  }
-  REQUIRE(node.arena->WriteBlock(0, slot, Bytes(g, slot, 30).data()).ok());
-  auto p = node.cache->Publish(a.id, absl::MakeConstSpan(a.prompt).first(8), {ra.blocks[0], ra.blocks[1]},
-                               std::vector<StateCheckpoint>{{kRec, 8, slot}});
-  REQUIRE(p.ok());
-  REQUIRE(p->checkpoint_outcomes == std::vector<CheckpointOutcome>{CheckpointOutcome::kKept});
-  REQUIRE(node.cache->Release(a.id, true).ok());
-}
-
-// Brings the tiers' units back, then starts `prompt`: the hit, checked unit by unit against the
-// patterns PublishUnit wrote (seeds by position, not by index).
-int64_t Serve(testing::Node& node, const std::string& id) {
-  const PoolGeometry& g = node.cache->pools()[0];
-  const RequestSpec s = Spec(id, Concat(Seq(1, 8), Seq(500, 5)));
-  absl::Notification done;
-  if (node.store->InstallUnits(s, [&] { done.Notify(); })) done.WaitForNotification();
-  const AcquireResult r = testing::Start(*node.cache, s);
-  if (r.cached_tokens == 8) {
-    for (int i = 0; i < 2; ++i) {
-      // Bytes() depends on the index only through its group's size: the seed is the position's.
-      CHECK(Read(node, r.blocks[i]) == Bytes(g, r.blocks[i], 10 + i));
-      CHECK(Read(node, r.group_tables[1].blocks[i]) == Bytes(g, r.group_tables[1].blocks[i], 20 + i));
-    }
-    const BlockIndex ckpt = static_cast<BlockIndex>(r.group_tables[kRec].checkpoint_slot);
-    CHECK(Read(node, ckpt) == Bytes(g, ckpt, 30));
-  }
-  REQUIRE(node.cache->Release(s.id, true).ok());
-  REQUIRE(node.cache->CheckInvariantsForTesting().ok());
-  node.CheckStats();
-  return r.cached_tokens;
-}
 
 TEST_CASE("Unit records round-trip their parts; block records are unchanged; garbage is DATA_LOSS",
           "[store][hybrid]") {
@@ -128,17 +52,17 @@ TEST_CASE("Unit records round-trip their parts; block records are unchanged; gar
   absl::string_view b(bad);
   CHECK(DecodeRecordHeader(&b).status().code() == absl::StatusCode::kDataLoss);
   // Another grouping never shares a tag; a pool without groups keeps its own.
-  CHECK(LayoutTag(Hybrid(6)) != LayoutTag(Hybrid(5)));
-  PoolGeometry plain = Hybrid();
+  CHECK(LayoutTag(HybridGeometry(6)) != LayoutTag(HybridGeometry(5)));
+  PoolGeometry plain = HybridGeometry();
   plain.groups.clear();
-  CHECK(LayoutTag(plain) != LayoutTag(Hybrid()));
+  CHECK(LayoutTag(plain) != LayoutTag(HybridGeometry()));
 }
 
 TEST_CASE("A hybrid unit survives a flush and a restart whole; one cut short on disk is never served",
           "[store][hybrid]") {
   const testing::ScopedDir dir;
   {
-    testing::Node node(testing::Tiers(dir), Options());
+    testing::Node node(testing::Tiers(dir), HybridOptions());
     PublishUnit(node);
     auto f = node.store->Flush();
     REQUIRE(f.ok());
@@ -146,13 +70,13 @@ TEST_CASE("A hybrid unit survives a flush and a restart whole; one cut short on 
     CHECK(f->written_blocks == 2);  // two units: the checkpoint and window blocks travel with them
   }
   {
-    testing::Node node(testing::Tiers(dir), Options());
+    testing::Node node(testing::Tiers(dir), HybridOptions());
     CHECK(node.store->Stats().reloaded_records == 2);
     CHECK(Serve(node, "b") == 8);
     CHECK(node.store->Stats().promotions[2] == 2);
   }
   {
-    testing::Node node(testing::Tiers(dir), Options(5));  // another window: another grouping
+    testing::Node node(testing::Tiers(dir), HybridOptions(5));  // another window: another grouping
     CHECK(node.store->Stats().incompatible == 2);
     CHECK(Serve(node, "c") == 0);
   }
@@ -162,7 +86,7 @@ TEST_CASE("A hybrid unit survives a flush and a restart whole; one cut short on 
       std::filesystem::resize_file(e.path(), std::filesystem::file_size(e.path()) - 1);
     }
   }
-  testing::Node node(testing::Tiers(dir), Options());
+  testing::Node node(testing::Tiers(dir), HybridOptions());
   CHECK(Serve(node, "d") == 0);
   const TierStats s = node.store->Stats();
   // Load skips a record whose payload runs past the end, or the read fails its checksum.
@@ -188,7 +112,7 @@ TEST_CASE("Peek sees a hybrid pool's units on disk; prefetch brings them into G1
           "[store][hybrid][peek]") {
   const testing::ScopedDir dir;
   {
-    testing::Node node(testing::Tiers(dir), Options());
+    testing::Node node(testing::Tiers(dir), HybridOptions());
     PublishUnit(node);
     auto f = node.store->Flush();
     REQUIRE(f.ok());
@@ -196,7 +120,7 @@ TEST_CASE("Peek sees a hybrid pool's units on disk; prefetch brings them into G1
   }
   TierOptions tiers = testing::Tiers(dir);
   tiers.max_prefetch_handles_per_worker = 2;
-  testing::Node node(std::move(tiers), Options());
+  testing::Node node(std::move(tiers), HybridOptions());
   const Namespace ns{.pool = "m"};
   const Namespace other{.pool = "m", .cache_salt = "tenant-b"};
   const std::vector<Token> prompt = Concat(Seq(1, 8), Seq(500, 5));
@@ -241,7 +165,7 @@ TEST_CASE("Peek sees a hybrid pool's units on disk; prefetch brings them into G1
 TEST_CASE("A hybrid prefetch of a unit damaged on disk installs nothing and drops it", "[store][hybrid][peek]") {
   const testing::ScopedDir dir;
   {
-    testing::Node node(testing::Tiers(dir), Options());
+    testing::Node node(testing::Tiers(dir), HybridOptions());
     PublishUnit(node);
     REQUIRE(node.store->Flush().ok());
   }
@@ -256,7 +180,7 @@ TEST_CASE("A hybrid prefetch of a unit damaged on disk installs nothing and drop
     last = static_cast<char>(last ^ 0x5a);
     f.write(&last, 1);
   }
-  testing::Node node(testing::Tiers(dir), Options());
+  testing::Node node(testing::Tiers(dir), HybridOptions());
   const Namespace ns{.pool = "m"};
   const std::vector<Token> prompt = Concat(Seq(1, 8), Seq(500, 5));
   CHECK(node.store->PeekUnits(ns, prompt) == 8);  // headers are intact: the damage shows when read
@@ -278,7 +202,7 @@ TEST_CASE("Hybrid prefetches racing evictions and a restart leave nothing owned,
   const Namespace ns{.pool = "m"};
   const std::vector<Token> prompt = Concat(Seq(1, 8), Seq(500, 5));
   {
-    testing::Node node(tiers, Options());
+    testing::Node node(tiers, HybridOptions());
     PublishUnit(node);
     // Each round: a start that needs 15 of the 16 full blocks evicts the unit to G2; a prefetch
     // brings it back on a reader thread while the next such start races it for the blocks.
@@ -320,7 +244,7 @@ TEST_CASE("Hybrid prefetches racing evictions and a restart leave nothing owned,
     // A prefetch left running when the node goes down (a restart): finished or dropped, never half.
     (void)node.store->PrefetchUnits(ns, prompt, WorkerId("w"), [](PrefetchInfo) {});
   }
-  testing::Node node(tiers, Options());
+  testing::Node node(tiers, HybridOptions());
   REQUIRE(node.cache->CheckInvariantsForTesting().ok());
   const int64_t peek = std::max(*node.cache->PeekPrefixLen(ns, prompt), node.store->PeekUnits(ns, prompt));
   CHECK(Serve(node, "restarted") == peek);
