@@ -16,123 +16,20 @@
 #include "client/client.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "tests/integration/harness.h"
+#include "tests/integration/hybrid_fixture.h"
 
 namespace kvd::testing {
 namespace {
 
-constexpr int kRec = 2;  // the state group's index
-
-// Full attention in layers 1 and 3, a 6-token window in 0, recurrent state in 2 (k = 2 blocks of 4
-// tokens). 32 full blocks: two 63-token requests take all of them.
+// HybridTierConfig's pool (window 6) over a host tier and a disk tier in `disk`.
 std::string Config(const std::string& disk) {
-  return absl::StrCat(
-      "pools:\n"
-      "  - name: hy\n"
-      "    block_tokens: 4\n"
-      "    num_layers: 4\n"
-      "    bytes_per_token_per_layer: 16\n"
-      "    max_model_len: 64\n"
-      "    step_tokens: 8\n"
-      "    groups:\n"
-      "      - {name: full, kind: full, layers: [\"1-3/2\"], capacity_blocks: 32}\n"
-      "      - {name: swa, kind: sliding_window, layers: [0], window: 6, capacity_blocks: 24}\n"
-      "      - {name: rec, kind: state, layers: [2], bytes_per_state: 100, checkpoint_every_blocks: 2, "
-      "capacity_slots: 6}\n"
-      "tiers:\n"
-      "  host_bytes: 65536\n"
-      "  disk_dir: ",
-      disk, "\n");
+  return HybridTierConfig(absl::StrCat("  host_bytes: 65536\n  disk_dir: ", disk, "\n"));
 }
-
-std::vector<Token> Concat(std::vector<Token> a, const std::vector<Token>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-// Every layer of `unit` of `group`, concatenated.
-std::string UnitBytes(const client::PoolView& pool, const std::string& group, int64_t unit) {
-  auto view = client::GroupKv(pool, group);
-  REQUIRE(view.ok());
-  const int64_t local = view->Local(unit);
-  REQUIRE(local >= 0);
-  std::string out;
-  for (int32_t j = 0; j < static_cast<int32_t>(view->layers.size()); ++j) {
-    out.append(reinterpret_cast<const char*>(view->Unit(j, local)), static_cast<size_t>(view->layer_unit_bytes));
-  }
-  return out;
-}
-
-void Fill(const client::PoolView& pool, const std::string& group, int64_t unit, uint32_t seed) {
-  auto view = client::GroupKv(pool, group);
-  REQUIRE(view.ok());
-  const int64_t local = view->Local(unit);
-  REQUIRE(local >= 0);
-  for (int32_t j = 0; j < static_cast<int32_t>(view->layers.size()); ++j) {
-    uint8_t* p = view->Unit(j, local);
-    for (int64_t i = 0; i < view->layer_unit_bytes; ++i) p[i] = static_cast<uint8_t>(seed * 131 + j * 17 + i * 7);
-  }
-}
-
-// What a hit at 8 tokens reads: full and window blocks 0 and 1, and the state at 8.
-struct Unit8 {
-  std::string full[2], swa[2], rec;
-};
 
 const Namespace kNs{.pool = "hy"};
 const Namespace kOtherTenant{.pool = "hy", .cache_salt = "tenant-b"};
 // Shares the published 8 tokens: 3 blocks may hit, the unit at 8 holds the checkpoint.
 const std::vector<Token> kPrompt = Concat(Range(1, 8), Range(500, 9));
-
-Unit8 PublishEight(client::Client& c) {
-  auto pool = c.FindPool("hy");
-  REQUIRE(pool.ok());
-  auto req = c.Start(PoolRequest("writer", Concat(Range(1, 8), Range(100, 9)), 0, "hy"));
-  REQUIRE(req.ok());
-  client::KvRequest& r = **req;
-  const GroupTable full = *r.group_table("full");
-  const GroupTable swa = *r.group_table("swa");
-  const BlockIndex spare = r.group_table("rec")->blocks[1];
-  Unit8 u;
-  for (int i = 0; i < 2; ++i) {
-    Fill(**pool, "full", full.blocks[i], 40 + i);
-    Fill(**pool, "swa", swa.blocks[i], 50 + i);
-    u.full[i] = UnitBytes(**pool, "full", full.blocks[i]);
-    u.swa[i] = UnitBytes(**pool, "swa", swa.blocks[i]);
-  }
-  Fill(**pool, "rec", spare, 60);
-  u.rec = UnitBytes(**pool, "rec", spare);
-  absl::StatusOr<PublishResult> published = r.Publish(Range(1, 8), std::vector<StateCheckpoint>{{kRec, 8, spare}});
-  REQUIRE(published.ok());
-  REQUIRE(published->checkpoint_outcomes == std::vector<CheckpointOutcome>{CheckpointOutcome::kKept});
-  REQUIRE(r.Release(true).ok());
-  return u;
-}
-
-// Starts kPrompt; REQUIREs a hit of 0, or of 8 whose every group reads `u`'s bytes. Returns the hit.
-int64_t ReadBack(client::Client& c, const std::string& id, const Unit8& u) {
-  auto pool = c.FindPool("hy");
-  REQUIRE(pool.ok());
-  auto req = c.Start(PoolRequest(id, kPrompt, 0, "hy"));
-  REQUIRE(req.ok());
-  client::KvRequest& r = **req;
-  const int64_t hit = r.cached_tokens();
-  REQUIRE((hit == 0 || hit == 8));
-  if (hit == 8) {
-    const GroupTable* full = r.group_table("full");
-    const GroupTable* swa = r.group_table("swa");
-    const GroupTable* rec = r.group_table("rec");
-    REQUIRE((full != nullptr && swa != nullptr && rec != nullptr));
-    REQUIRE(swa->blocks.size() >= 2);
-    for (int i = 0; i < 2; ++i) {
-      CHECK(UnitBytes(**pool, "full", full->blocks[i]) == u.full[i]);
-      CHECK(UnitBytes(**pool, "swa", swa->blocks[i]) == u.swa[i]);
-    }
-    REQUIRE(rec->checkpoint_slot >= 0);
-    CHECK(UnitBytes(**pool, "rec", rec->checkpoint_slot) == u.rec);
-  }
-  REQUIRE(r.Release(true).ok());
-  return hit;
-}
 
 // Two 63-token requests take every full block: whatever G1 caches goes down to G2.
 void EvictAll(client::Client& c, const std::string& tag) {
@@ -140,14 +37,6 @@ void EvictAll(client::Client& c, const std::string& tag) {
   auto f2 = c.Start(PoolRequest(tag + "-2", Range(2000, 63), 0, "hy"));
   if (f1.ok()) REQUIRE((*f1)->Release(true).ok());
   if (f2.ok()) REQUIRE((*f2)->Release(true).ok());
-}
-
-v1::ReportResponse Report(const DaemonProcess& d) {
-  auto stub = v1::Kvd::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  v1::ReportResponse r;
-  REQUIRE(stub->Report(&ctx, v1::ReportRequest(), &r).ok());
-  return r;
 }
 
 int64_t Promotions(const DaemonProcess& d, const std::string& tier) {
@@ -180,7 +69,7 @@ TEST_CASE("Hybrid units in G2 and G3: peek answers the next start's hit, prefetc
     DaemonProcess d(Config(disk.path()));
     auto c = client::Client::Connect({.target = d.target()});
     REQUIRE(c.ok());
-    u = PublishEight(**c);
+    u = PublishEight(**c, 40);
     EvictAll(**c, "fill");
     CHECK(Promotions(d, "host") == 0);
     // G1 holds nothing of the prompt; G2 holds both units: the peek is the start's hit.

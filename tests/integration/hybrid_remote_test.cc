@@ -16,96 +16,22 @@
 #include "server/store/record_header.h"
 #include "server/store/remote_tier.h"
 #include "tests/integration/harness.h"
+#include "tests/integration/hybrid_fixture.h"
 #include "tests/integration/remote_fixture.h"
 
 namespace kvd::testing {
 namespace {
 
-constexpr int kRec = 2;  // the state group's index
-
-// hybrid_tiers_test.cc's pool (full attention in layers 1 and 3, a `window`-token window in 0, state
-// in 2 every 2 blocks of 4 tokens; 32 full blocks: two 63-token requests take all) with G4 alone.
+// HybridTierConfig's pool with the Redis tier (G4) alone.
 std::string HybridConfig(const std::string& redis_url, int window = 6) {
-  return absl::StrCat(
-      "pools:\n"
-      "  - name: hy\n"
-      "    block_tokens: 4\n"
-      "    num_layers: 4\n"
-      "    bytes_per_token_per_layer: 16\n"
-      "    max_model_len: 64\n"
-      "    step_tokens: 8\n"
-      "    groups:\n"
-      "      - {name: full, kind: full, layers: [\"1-3/2\"], capacity_blocks: 32}\n"
-      "      - {name: swa, kind: sliding_window, layers: [0], window: ",
-      window,
-      ", capacity_blocks: 24}\n"
-      "      - {name: rec, kind: state, layers: [2], bytes_per_state: 100, checkpoint_every_blocks: 2, "
-      "capacity_slots: 6}\n"
-      "tiers:\n"
-      "  codec: lz4\n"
-      "  redis_url: ",
-      redis_url, "\n  redis_retry_after_s: 0.2\n");
+  return HybridTierConfig(absl::StrCat("  codec: lz4\n  redis_url: ", redis_url, "\n  redis_retry_after_s: 0.2\n"),
+                          window);
 }
-
-std::vector<Token> Concat(std::vector<Token> a, const std::vector<Token>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
-std::string UnitBytes(const client::PoolView& pool, const std::string& group, int64_t unit) {
-  auto view = client::GroupKv(pool, group);
-  REQUIRE(view.ok());
-  const int64_t local = view->Local(unit);
-  REQUIRE(local >= 0);
-  std::string out;
-  for (int32_t j = 0; j < static_cast<int32_t>(view->layers.size()); ++j) {
-    out.append(reinterpret_cast<const char*>(view->Unit(j, local)), static_cast<size_t>(view->layer_unit_bytes));
-  }
-  return out;
-}
-
-void Fill(const client::PoolView& pool, const std::string& group, int64_t unit, uint32_t seed) {
-  auto view = client::GroupKv(pool, group);
-  REQUIRE(view.ok());
-  const int64_t local = view->Local(unit);
-  REQUIRE(local >= 0);
-  for (int32_t j = 0; j < static_cast<int32_t>(view->layers.size()); ++j) {
-    uint8_t* p = view->Unit(j, local);
-    for (int64_t i = 0; i < view->layer_unit_bytes; ++i) p[i] = static_cast<uint8_t>(seed * 131 + j * 17 + i * 7);
-  }
-}
-
-// What a hit at 8 tokens must read, per group: full and window blocks 0 and 1, the state at 8.
-struct Unit8 {
-  std::string full[2], swa[2], rec;
-};
 
 // Publishes [1, 9) with every group's bytes and the state at 8; then two 63-token requests take
 // every full block, so both units leave G1 and go up to Redis (waits for the two uploads).
 Unit8 PublishAndEvict(const DaemonProcess& d, client::Client& c, int64_t uploaded_before = 0) {
-  auto pool = c.FindPool("hy");
-  REQUIRE(pool.ok());
-  Unit8 u;
-  {
-    auto req = c.Start(PoolRequest("writer", Concat(Range(1, 8), Range(100, 9)), 0, "hy"));
-    REQUIRE(req.ok());
-    client::KvRequest& r = **req;
-    const GroupTable full = *r.group_table("full");
-    const GroupTable swa = *r.group_table("swa");
-    const BlockIndex spare = r.group_table("rec")->blocks[1];
-    for (int i = 0; i < 2; ++i) {
-      Fill(**pool, "full", full.blocks[i], 10 + i);
-      Fill(**pool, "swa", swa.blocks[i], 20 + i);
-      u.full[i] = UnitBytes(**pool, "full", full.blocks[i]);
-      u.swa[i] = UnitBytes(**pool, "swa", swa.blocks[i]);
-    }
-    Fill(**pool, "rec", spare, 30);
-    u.rec = UnitBytes(**pool, "rec", spare);
-    absl::StatusOr<PublishResult> published = r.Publish(Range(1, 8), std::vector<StateCheckpoint>{{kRec, 8, spare}});
-    REQUIRE(published.ok());
-    REQUIRE(published->checkpoint_outcomes == std::vector<CheckpointOutcome>{CheckpointOutcome::kKept});
-    REQUIRE(r.Release(true).ok());
-  }
+  const Unit8 u = PublishEight(c);
   auto f1 = c.Start(PoolRequest("fill1", Range(1000, 63), 0, "hy"));
   auto f2 = c.Start(PoolRequest("fill2", Range(2000, 63), 0, "hy"));
   REQUIRE((f1.ok() && f2.ok()));
@@ -115,43 +41,10 @@ Unit8 PublishAndEvict(const DaemonProcess& d, client::Client& c, int64_t uploade
   return u;
 }
 
-v1::ReportResponse Report(const DaemonProcess& d) {
-  auto stub = v1::Kvd::NewStub(grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  v1::ReportResponse r;
-  REQUIRE(stub->Report(&ctx, v1::ReportRequest(), &r).ok());
-  return r;
-}
-
 // Starts a request sharing the 8 tokens; REQUIREs a hit of 0 or of 8 whose every group reads the
 // bytes `u` holds (never a wrong byte), and that nothing stays owned once it ends; returns the hit.
 int64_t ReadBack(const DaemonProcess& d, client::Client& c, const std::string& id, const Unit8& u) {
-  auto pool = c.FindPool("hy");
-  REQUIRE(pool.ok());
-  int64_t hit = 0;
-  {
-    auto req = c.Start(PoolRequest(id, Concat(Range(1, 8), Range(500, 9)), 0, "hy"));
-    REQUIRE(req.ok());
-    client::KvRequest& r = **req;
-    hit = r.cached_tokens();
-    REQUIRE((hit == 0 || hit == 8));
-    if (hit == 8) {
-      const GroupTable* full = r.group_table("full");
-      const GroupTable* swa = r.group_table("swa");
-      const GroupTable* rec = r.group_table("rec");
-      REQUIRE((full != nullptr && swa != nullptr && rec != nullptr));
-      REQUIRE(swa->first_block_position == 0);
-      for (int i = 0; i < 2; ++i) {
-        CHECK(UnitBytes(**pool, "full", full->blocks[i]) == u.full[i]);
-        CHECK(UnitBytes(**pool, "swa", swa->blocks[i]) == u.swa[i]);
-      }
-      REQUIRE(rec->checkpoint_slot >= 0);
-      CHECK(UnitBytes(**pool, "rec", rec->checkpoint_slot) == u.rec);
-    } else {
-      CHECK(r.group_table("rec")->checkpoint_slot == -1);
-    }
-    REQUIRE(r.Release(true).ok());
-  }
+  const int64_t hit = testing::ReadBack(c, id, u);
   const v1::ReportResponse report = Report(d);
   REQUIRE(report.pools_size() == 1);
   CHECK(report.pools(0).owned_blocks() == 0);
