@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 
 M = (1 << 64) - 1
@@ -63,6 +64,21 @@ class Daemon:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=15)
+
+
+def serve_and_run(kvd, config_yaml, run, what="kvd serves a hybrid pool"):
+    """Starts kvd with `config_yaml` in a temporary directory, checks it serves (`what`), calls
+    run(target) and stops it; returns finish()'s exit code (main()'s return)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Daemon(kvd, tmp, config_yaml)
+        check(d.started, what)
+        if not d.started:
+            return finish()
+        try:
+            run(d.target)
+        finally:
+            d.stop()
+    return finish()
 
 
 def run_worker(worker, target, request_id, prompt_range, timeout=60):

@@ -11,7 +11,6 @@ kvd applied whose answer is lost: the credit is dropped until an answer lists it
 Usage: test_hybrid_credit.py KVD_BINARY
 """
 import sys
-import tempfile
 
 import grpc
 
@@ -19,7 +18,7 @@ from kvd import StepBatch, StepRequest
 from kvd.client import Client
 from kvd.errors import KvdError
 from kvd.v1 import kvd_pb2
-from kvd_testlib import HYBRID_GROUPS as GROUPS, Daemon, check, finish
+from kvd_testlib import HYBRID_GROUPS as GROUPS, check, serve_and_run
 
 # kvd_testlib's HYBRID_POOL with room for credit: kvd grants a worker at most an eighth of a group
 # (full: 32 blocks, swa: 16).
@@ -165,17 +164,7 @@ def unknown_outcome(w):
 
 
 def main():
-    kvd = sys.argv[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        d = Daemon(kvd, tmp, POOL)
-        check(d.started, "kvd serves a hybrid pool")
-        if not d.started:
-            return finish()
-        try:
-            run(d.target)
-        finally:
-            d.stop()
-    return finish()
+    return serve_and_run(sys.argv[1], POOL, run)
 
 
 if __name__ == "__main__":

@@ -10,28 +10,17 @@ reports refused changing nothing, and the same through StepBatch.
 Usage: test_hybrid_pool.py KVD_BINARY
 """
 import sys
-import tempfile
 
 import grpc
 
 from kvd import StepBatch, StepRequest
 from kvd.client import Client
 from kvd.errors import KvdError
-from kvd_testlib import HYBRID_GROUPS as GROUPS, HYBRID_POOL, Daemon, check, finish
+from kvd_testlib import HYBRID_GROUPS as GROUPS, HYBRID_POOL, check, serve_and_run
 
 
 def main():
-    kvd = sys.argv[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        d = Daemon(kvd, tmp, HYBRID_POOL)
-        check(d.started, "kvd serves a hybrid pool")
-        if not d.started:
-            return finish()
-        try:
-            run(d.target)
-        finally:
-            d.stop()
-    return finish()
+    return serve_and_run(sys.argv[1], HYBRID_POOL, run)
 
 
 def refused(target, expect):

@@ -9,26 +9,15 @@ checkpoints with the state bytes b wrote.
 Usage: test_hybrid_reuse.py KVD_BINARY
 """
 import sys
-import tempfile
 import time
 
 from kvd import StepBatch, StepRequest
 from kvd.client import Client
-from kvd_testlib import HYBRID_GROUPS as GROUPS, HYBRID_POOL, Daemon, check, finish
+from kvd_testlib import HYBRID_GROUPS as GROUPS, HYBRID_POOL, check, serve_and_run
 
 
 def main():
-    kvd = sys.argv[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        d = Daemon(kvd, tmp, HYBRID_POOL)
-        check(d.started, "kvd serves a hybrid pool")
-        if not d.started:
-            return finish()
-        try:
-            run(d.target)
-        finally:
-            d.stop()
-    return finish()
+    return serve_and_run(sys.argv[1], HYBRID_POOL, run)
 
 
 def counts(c):
