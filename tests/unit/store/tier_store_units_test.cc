@@ -22,6 +22,13 @@ using testing::Seq;
 using testing::Serve;
 using testing::Spec;
 
+// A node over the disk tier in `dir` publishes PublishUnit's unit and flushes it; the flush's answer.
+absl::StatusOr<FlushResult> PublishFlushed(const std::string& dir) {
+  testing::Node node(testing::Tiers(dir), HybridOptions());
+  PublishUnit(node);
+  return node.store->Flush();
+}
+
 TEST_CASE("Unit records round-trip their parts; block records are unchanged; garbage is DATA_LOSS",
           "[store][hybrid]") {
   RecordHeader h;
@@ -62,9 +69,7 @@ TEST_CASE("A hybrid unit survives a flush and a restart whole; one cut short on 
           "[store][hybrid]") {
   const testing::ScopedDir dir;
   {
-    testing::Node node(testing::Tiers(dir), HybridOptions());
-    PublishUnit(node);
-    auto f = node.store->Flush();
+    absl::StatusOr<FlushResult> f = PublishFlushed(dir);
     REQUIRE(f.ok());
     REQUIRE(f->durable);
     CHECK(f->written_blocks == 2);  // two units: the checkpoint and window blocks travel with them
@@ -112,9 +117,7 @@ TEST_CASE("Peek sees a hybrid pool's units on disk; prefetch brings them into G1
           "[store][hybrid][peek]") {
   const testing::ScopedDir dir;
   {
-    testing::Node node(testing::Tiers(dir), HybridOptions());
-    PublishUnit(node);
-    auto f = node.store->Flush();
+    absl::StatusOr<FlushResult> f = PublishFlushed(dir);
     REQUIRE(f.ok());
     REQUIRE(f->durable);
   }
@@ -164,11 +167,7 @@ TEST_CASE("Peek sees a hybrid pool's units on disk; prefetch brings them into G1
 
 TEST_CASE("A hybrid prefetch of a unit damaged on disk installs nothing and drops it", "[store][hybrid][peek]") {
   const testing::ScopedDir dir;
-  {
-    testing::Node node(testing::Tiers(dir), HybridOptions());
-    PublishUnit(node);
-    REQUIRE(node.store->Flush().ok());
-  }
+  REQUIRE(PublishFlushed(dir).ok());
   // Flip the last payload byte of every segment: the unit stored last fails its checksum when read.
   for (const auto& e : std::filesystem::directory_iterator(dir.path)) {
     if (e.path().filename().string().rfind("seg-", 0) != 0) continue;
