@@ -277,6 +277,8 @@ class TierStore final : public EvictionSink {
                       absl::Span<const BlockKey> keys, int64_t from, absl::Span<const BlockIndex> targets);
   // A hybrid unit leaving G1 (OnEvict): its record bytes are copied now and queued for upload.
   void QueueUnitUpload(const CachedBlockView& v, const RecordHeader& header) ABSL_LOCKS_EXCLUDED(upload_mu_);
+  // What identifies cached block `v`'s value in G4 (a block's; a unit's caller adds kind and parts).
+  RemoteBlockIdentity RemoteIdentityOf(const CachedBlockView& v, int64_t raw_length) const;
   // The headers of the run of units G4 holds for keys[from..to) (one round trip reading each
   // value's head), ending at the first absent or foreign one. Reader thread.
   std::vector<RecordHeader> PeekRemoteUnits(PoolId pool, const Namespace& ns, absl::Span<const BlockKey> keys,

@@ -44,6 +44,19 @@ bool Covers(absl::string_view head, const RemoteBlockIdentity& unit) {
 
 }  // namespace
 
+RemoteBlockIdentity TierStore::RemoteIdentityOf(const CachedBlockView& v, int64_t raw_length) const {
+  // A shared server sees the pool and key only; what identifies the block (adapter, media,
+  // method, salt, parent, tokens) travels as a keyed digest.
+  return RemoteBlockIdentity{
+      .pool = v.ns->pool,
+      .key = v.key,
+      .has_parent = v.has_parent,
+      .parent_key = v.parent_key,
+      .digest = remote_->ValueDigest(v.root_key, v.key, v.has_parent ? &v.parent_key : nullptr, v.tokens),
+      .layout_tag = layout_tags_[v.pool],
+      .raw_length = raw_length};
+}
+
 void TierStore::QueueUpload(const CacheEvent& e) {
   if (e.kind != CacheEventKind::kStored || !e.medium.empty()) return;  // only blocks new in G1
   absl::StatusOr<PoolId> pool = PoolOf(e.pool);
@@ -92,16 +105,9 @@ void TierStore::QueueUnitUpload(const CachedBlockView& v, const RecordHeader& he
   Upload upload{.ref = CachedBlockRef{v.pool, v.index, v.key},
                 .name = remote_->KeyName(*v.ns, pools_[v.pool].model_fingerprint, v.key, layout_tags_[v.pool]),
                 .unit_raw = std::move(raw),
-                .unit = RemoteBlockIdentity{
-                    .kind = RecordKind::kUnit,
-                    .parts = header.parts,
-                    .pool = v.ns->pool,
-                    .key = v.key,
-                    .has_parent = v.has_parent,
-                    .parent_key = v.parent_key,
-                    .digest = remote_->ValueDigest(v.root_key, v.key, v.has_parent ? &v.parent_key : nullptr, v.tokens),
-                    .layout_tag = layout_tags_[v.pool],
-                    .raw_length = header.raw_length}};
+                .unit = RemoteIdentityOf(v, header.raw_length)};
+  upload.unit.kind = RecordKind::kUnit;
+  upload.unit.parts = header.parts;
   {
     absl::MutexLock lock(&upload_mu_);
     upload_queue_.push_back(std::move(upload));
@@ -193,16 +199,7 @@ void TierStore::UploadQueued() {
     cache_->VisitCached(refs, [&](const CachedBlockView& v) {
       std::string raw(static_cast<size_t>(pools_[v.pool].block_bytes_all_shards()), '\0');
       if (!arena_->ReadBlock(v.pool, v.index, reinterpret_cast<uint8_t*>(raw.data())).ok()) return;
-      // A shared server sees the pool and key only; what identifies the block (adapter, media,
-      // method, salt, parent, tokens) travels as a keyed digest.
-      ids.push_back(RemoteBlockIdentity{
-          .pool = v.ns->pool,
-          .key = v.key,
-          .has_parent = v.has_parent,
-          .parent_key = v.parent_key,
-          .digest = remote_->ValueDigest(v.root_key, v.key, v.has_parent ? &v.parent_key : nullptr, v.tokens),
-          .layout_tag = layout_tags_[v.pool],
-          .raw_length = static_cast<int64_t>(raw.size())});
+      ids.push_back(RemoteIdentityOf(v, static_cast<int64_t>(raw.size())));
       keys.push_back(name_of[v.key]);
       raws.push_back(std::move(raw));
     });
