@@ -110,6 +110,8 @@ struct GroupKvView {
 absl::StatusOr<GroupKvView> GroupKv(const PoolView& pool, absl::string_view group, uint32_t shard = 0);
 
 class EventWatcher;
+class StepFuture;
+struct PendingStep;
 
 class Client {
  public:
@@ -234,6 +236,13 @@ class Client {
   // retries with the same sequence number, or a refused step); each item's own outcome is in
   // the answer. One step at a time per client.
   absl::StatusOr<StepAnswer> Step(StepBatch& batch);
+  // Step with its round trip left in flight, for an engine that computes meanwhile: growth the
+  // credit covers is placed before it returns (req->blocks has its blocks), the rest of the batch
+  // goes out on a client thread, and StepFuture::Get applies kvd's answer (starts, growth past the
+  // credit, ends) on the caller's thread. Until Get, the engine must not touch the requests of
+  // the batch's other items, nor the batch, and the client takes no other step or FlushSteps
+  // (FAILED_PRECONDITION). The future must not outlive the client.
+  absl::StatusOr<std::unique_ptr<StepFuture>> StepSubmit(StepBatch& batch);
   // Tells kvd now of the credit-covered growth the client holds back, if any.
   absl::Status FlushSteps();
   // Credit blocks held now in `pool`: how many, and which.
@@ -257,6 +266,26 @@ class Client {
 };
 
 // A live WatchEvents stream. Next() blocks until a batch arrives or the stream ends.
+// A step in flight (Client::StepSubmit). Dropping it untaken takes the answer (and waits for it).
+class StepFuture {
+ public:
+  ~StepFuture();
+  StepFuture(const StepFuture&) = delete;
+  StepFuture& operator=(const StepFuture&) = delete;
+  // Waits for kvd's answer and applies it: what Client::Step would have returned. Once.
+  absl::StatusOr<StepAnswer> Get();
+  // Whether Get would not wait.
+  bool ready() const;
+
+ private:
+  friend class Client;
+  StepFuture(Client::Impl* im, std::unique_ptr<PendingStep> pending);
+  Client::Impl* im_;
+  std::unique_ptr<PendingStep> pending_;
+  bool ready_ = false;  // nothing went out: the answer is in pending_
+  bool taken_ = false;
+};
+
 class EventWatcher {
  public:
   struct Batch {

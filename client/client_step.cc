@@ -272,15 +272,30 @@ void DropCredit(Client::Impl& im) ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
   im.steps.wanted.clear();
 }
 
+absl::Status SubmittedNotTaken() {
+  return absl::FailedPreconditionError("a submitted step's answer has not been taken (StepFuture::Get)");
+}
+
 }  // namespace
 
 void Client::Impl::Report() {
   absl::MutexLock lock(&steps.mu);
   for (;;) {
     steps.mu.Await(absl::Condition(
-        +[](StepState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->stop_reporter || s->report != nullptr; },
+        +[](StepState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+          return s->stop_reporter || s->report != nullptr || s->submit != nullptr;
+        },
         &steps));
     if (steps.stop_reporter) return;
+    if (steps.submit != nullptr) {  // a submitted step: its answer is the engine's to apply (StepFuture::Get)
+      const v1::StepRequest* req = std::exchange(steps.submit, nullptr);
+      const int64_t epoch = steps.submit_epoch;
+      steps.mu.Unlock();
+      absl::StatusOr<v1::StepResponse> resp = SendStep(*this, *req, epoch, absl::Seconds(30));
+      steps.mu.Lock();
+      steps.submit_answer = std::move(resp);
+      continue;
+    }
     std::unique_ptr<v1::StepRequest> req = std::move(steps.report);
     std::vector<StepState::HeldGrowth> items = std::exchange(steps.reported, {});
     const int64_t epoch = steps.epoch;
@@ -303,9 +318,15 @@ void Client::Impl::Report() {
   }
 }
 
-absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
-  Impl& im = *impl_;
-  absl::MutexLock lock(&im.steps.mu);
+namespace {
+
+// The first half of a step, with im.steps.mu held: credit-covered growth placed, the answer of
+// every item that needs no round trip filled in, and the request to send built (held growth
+// first, then the batch) with its credit asks. False when nothing needs a round trip (a report may
+// have been queued for the reporter); an error when the writes a publish names failed.
+absl::StatusOr<bool> PrepareStep(Client& client, Client::Impl& im, StepBatch& batch, PendingStep* p)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
+  p->batch = &batch;
   // What the reporter learned reaches the engine's requests on the engine's thread.
   auto take_errors = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
     for (auto& [req, status] : im.steps.report_errors) req->error = std::move(status);
@@ -316,7 +337,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
     take_errors();
   };
   take_errors();
-  const int64_t epoch = im.Epoch();
+  const int64_t epoch = p->epoch = im.Epoch();
   if (epoch != im.steps.epoch) {  // a new attachment: credit and held growth went with the old one
     wait_report();
     im.steps.epoch = epoch;
@@ -327,9 +348,9 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
     im.steps.peak_need.clear();
     im.steps.wanted.clear();
   }
-  const std::vector<PoolView>& views = pools();
+  const std::vector<PoolView>& views = client.pools();
   const auto& items = batch.items();
-  StepAnswer answer;
+  StepAnswer& answer = p->answer;
   answer.items.resize(items.size());
   std::vector<bool> send(items.size(), false);
   bool must_send = false, publishes = false;
@@ -348,7 +369,7 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
     const StepBatch::Item& item = items[i];
     StepRequest* r = item.req;
     if (item.kind == StepBatch::Kind::kStart) {
-      absl::StatusOr<const PoolView*> pool = FindPool(item.spec.ns.pool);
+      absl::StatusOr<const PoolView*> pool = client.FindPool(item.spec.ns.pool);
       if (!pool.ok()) {
         answer.items[i].status = pool.status();
         continue;
@@ -497,16 +518,16 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
       im.steps.reporting = true;
       if (!im.steps.reporter.joinable()) im.steps.reporter = std::thread([&im] { im.Report(); });
     }
-    return answer;
+    return false;
   }
 
   // The step the engine waits for: held growth first (in the order it happened), then the batch.
   wait_report();
-  v1::StepRequest req;
+  v1::StepRequest& req = p->req;
   req.set_worker_id(im.Worker().value());
   req.set_seq(++im.steps.seq);
-  std::vector<StepState::HeldGrowth> sent_held = TakeHeld(im, &req);
-  std::vector<size_t> sent_item;  // proto item sent_held.size() + k -> batch item
+  p->sent_held = TakeHeld(im, &req);
+  std::vector<size_t>& sent_item = p->sent_item;  // proto item sent_held.size() + k -> batch item
   for (size_t i = 0; i < items.size(); ++i) {
     if (!send[i]) continue;
     const StepBatch::Item& item = items[i];
@@ -552,12 +573,23 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
   // Host-synchronized publish: the bytes a publish or checkpoint names are in memory first.
   if (publishes) {
     if (absl::Status s = im.AwaitWrites(); !s.ok()) {
-      for (const StepState::HeldGrowth& h : sent_held) h.req->error = s;  // never told: unusable
+      for (const StepState::HeldGrowth& h : p->sent_held) h.req->error = s;  // never told: unusable
       return s;
     }
   }
   add_credit(&req);
-  absl::StatusOr<v1::StepResponse> resp = SendStep(im, req, epoch, absl::Seconds(30));
+  return true;
+}
+
+// The second half, with im.steps.mu held: kvd's answer to the request PrepareStep built (or why
+// there is none) applied to the credit, the held growth it carried and the batch's requests.
+absl::StatusOr<StepAnswer> FinishStep(Client::Impl& im, PendingStep& p, absl::StatusOr<v1::StepResponse> resp)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(im.steps.mu) {
+  const std::vector<StepState::HeldGrowth>& sent_held = p.sent_held;
+  const std::vector<size_t>& sent_item = p.sent_item;
+  const auto& items = p.batch->items();
+  const int64_t epoch = p.epoch;
+  StepAnswer& answer = p.answer;
   if (!resp.ok()) {
     // Unknown whether kvd applied it: the requests its held growth named can no longer be
     // trusted, and the credit is re-synced from the next answer.
@@ -650,7 +682,72 @@ absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
         break;
     }
   }
-  return answer;
+  return std::move(answer);
+}
+
+}  // namespace
+
+absl::StatusOr<StepAnswer> Client::Step(StepBatch& batch) {
+  Impl& im = *impl_;
+  absl::MutexLock lock(&im.steps.mu);
+  if (im.steps.submitted) return SubmittedNotTaken();
+  PendingStep p;
+  absl::StatusOr<bool> send = PrepareStep(*this, im, batch, &p);
+  if (!send.ok()) return send.status();
+  if (!*send) return std::move(p.answer);
+  return FinishStep(im, p, SendStep(im, p.req, p.epoch, absl::Seconds(30)));  // sent with mu held: in seq order
+}
+
+absl::StatusOr<std::unique_ptr<StepFuture>> Client::StepSubmit(StepBatch& batch) {
+  Impl& im = *impl_;
+  absl::MutexLock lock(&im.steps.mu);
+  if (im.steps.submitted) return SubmittedNotTaken();
+  std::unique_ptr<StepFuture> f(new StepFuture(&im, std::make_unique<PendingStep>()));
+  absl::StatusOr<bool> send = PrepareStep(*this, im, batch, f->pending_.get());
+  if (!send.ok()) return send.status();
+  if (!*send) {
+    f->ready_ = true;
+    return f;
+  }
+  // The reporter sends it (no report is in flight: PrepareStep waited for it), and nothing else
+  // goes out until the engine has taken its answer.
+  im.steps.submitted = true;
+  im.steps.submit = &f->pending_->req;
+  im.steps.submit_epoch = f->pending_->epoch;
+  im.steps.submit_answer.reset();
+  if (!im.steps.reporter.joinable()) im.steps.reporter = std::thread([&im] { im.Report(); });
+  return f;
+}
+
+StepFuture::StepFuture(Client::Impl* im, std::unique_ptr<PendingStep> pending) : im_(im), pending_(std::move(pending)) {}
+
+StepFuture::~StepFuture() {
+  if (!taken_) (void)Get();  // the credit and the requests stay whole even when nobody looks
+}
+
+bool StepFuture::ready() const {
+  if (ready_ || taken_) return true;
+  absl::MutexLock lock(&im_->steps.mu);
+  return im_->steps.submit_answer.has_value();
+}
+
+absl::StatusOr<StepAnswer> StepFuture::Get() {
+  if (taken_) return absl::FailedPreconditionError("this step's answer was taken already");
+  taken_ = true;
+  if (ready_) return std::move(pending_->answer);
+  StepState& steps = im_->steps;
+  absl::MutexLock lock(&steps.mu);
+  steps.mu.Await(absl::Condition(
+      +[](StepState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->stop_reporter || s->submit_answer.has_value(); },
+      &steps));
+  steps.submitted = false;
+  if (!steps.submit_answer.has_value()) {
+    steps.submit = nullptr;
+    return absl::CancelledError("the client closed with the step in flight");
+  }
+  absl::StatusOr<v1::StepResponse> resp = std::move(*steps.submit_answer);
+  steps.submit_answer.reset();
+  return FinishStep(*im_, *pending_, std::move(resp));
 }
 
 }  // namespace kvd::client

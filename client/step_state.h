@@ -3,11 +3,15 @@
 // mu guards the sequence number, the credit and the growth held back (all of the attachment
 // `epoch`), and the reporter: a thread that tells kvd of held growth and refills credit while the
 // engine computes. A step the engine waits for is sent with mu held and no report in flight
-// (steps apply in seq order).
+// (steps apply in seq order). A submitted step (Client::StepSubmit) is sent by the reporter
+// thread too, after any report; nothing else goes out until the engine takes its answer
+// (StepFuture::Get), which applies it on the engine's thread. Never held across a round trip
+// except the one of a step the engine waits for.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string_view>
 #include <thread>
 #include <utility>
@@ -16,6 +20,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "client/step.h"
 #include "kvd/v1/kvd.pb.h"
@@ -58,7 +63,24 @@ struct StepState {
   std::unique_ptr<v1::StepRequest> report ABSL_GUARDED_BY(mu);  // queued for the reporter
   std::vector<HeldGrowth> reported ABSL_GUARDED_BY(mu);         // the held growth it carries
   std::vector<std::pair<StepRequest*, absl::Status>> report_errors ABSL_GUARDED_BY(mu);  // refused growth
+  // A submitted step: queued for the reporter (`submit`, owned by its StepFuture), then its answer;
+  // `submitted` from StepSubmit until StepFuture::Get took the answer.
+  bool submitted ABSL_GUARDED_BY(mu) = false;
+  const v1::StepRequest* submit ABSL_GUARDED_BY(mu) = nullptr;
+  int64_t submit_epoch ABSL_GUARDED_BY(mu) = 0;
+  std::optional<absl::StatusOr<v1::StepResponse>> submit_answer ABSL_GUARDED_BY(mu);
   std::thread reporter;
+};
+
+// A step between its two halves (client_step.cc): what PrepareStep decided and built, for
+// FinishStep to apply kvd's answer to.
+struct PendingStep {
+  StepBatch* batch = nullptr;
+  int64_t epoch = 0;
+  StepAnswer answer;
+  v1::StepRequest req;
+  std::vector<StepState::HeldGrowth> sent_held;  // its first items
+  std::vector<size_t> sent_item;                 // item sent_held.size() + k -> batch item
 };
 
 }  // namespace kvd::client
