@@ -18,11 +18,12 @@ kvd_packages=(
 # subscriber, a real redis-server for the shared tier, PyTorch (CPU) for the engine proof, strace
 # for the unit's syscall filter, venv/pip/setuptools to install the Python client as users do, and
 # debhelper and build-essential (which dpkg-buildpackage requires of every build) to build the
-# .deb packages (scripts/build-packages.sh).
+# .deb packages (scripts/build-packages.sh), and pybind11 with the Python headers for kvd._native
+# (the C++ step path for Python engines, client/python/native).
 kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd strace prometheus clang
                    python3-zmq python3-msgpack python3-cbor2 python3-numpy redis-server python3-torch
                    python3-venv python3-pip python3-setuptools python3-wheel debhelper build-essential
-                   iproute2 openssl ucx-utils)
+                   iproute2 openssl ucx-utils pybind11-dev python3-dev)
 # Commands the deploy checks run (kubectl renders the kustomize overlays; node and npm validate
 # them against the API schemas), as "command:Debian package": installed only when the command is
 # missing, since a kubectl or node from another repository conflicts with Debian's package.

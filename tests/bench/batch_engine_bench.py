@@ -66,14 +66,26 @@ def fanout(n, context, own, max_new):
 
 
 class DelayedModel:
-    """The PatternModel taking 1 / tps seconds per position it computes (a prefill delay)."""
+    """The PatternModel taking 1 / tps seconds per position it computes (a prefill delay), as a
+    device's queue would: the work accrues on a timeline and each call sleeps until its work is
+    done, so what one sleep overshoots (the kernel's timer slack, ~50-100 us here) is taken off
+    the next instead of adding up call after call. `--model-delay per-call` is the older stand-in:
+    one sleep of the nominal time per call, every overshoot added (what the tables before
+    kvd-reuse-2 item 6's fourth pass measured)."""
 
-    def __init__(self, tps):
+    def __init__(self, tps, per_call=False):
         from kvd.engine.batch import PatternModel
-        self.inner, self.tps = PatternModel(), tps
+        self.inner, self.tps, self.per_call = PatternModel(), tps, per_call
+        self.done_at = 0.0  # when the work queued so far is done
 
     def forward(self, kv, tokens, start, end):
-        time.sleep((end - start) / self.tps)
+        if self.per_call:
+            time.sleep((end - start) / self.tps)
+        else:
+            self.done_at = max(self.done_at, time.perf_counter()) + (end - start) / self.tps
+            left = self.done_at - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
         return self.inner.forward(kv, tokens, start, end)
 
     def forget(self, kv):
@@ -95,10 +107,14 @@ def child(args):
         client = LocalBlocks(block_tokens=BLOCK, num_layers=2, bytes_per_token_per_layer=16,
                              capacity_blocks=args.capacity_blocks, max_model_len=1024, chains=args.chains)
         wait = {}
+    elif args.client == "native":
+        from kvd.native import NativeClient
+        client = NativeClient(args.target, worker_name="bench")
+        wait = {"wait_in_flight_s": args.wait_in_flight} if args.wait_in_flight > 0 else {}
     else:
         client = Client(args.target, worker_name="bench")
         wait = {"wait_in_flight_s": args.wait_in_flight} if args.wait_in_flight > 0 else {}
-    model = DelayedModel(args.prefill_tps) if args.prefill_tps > 0 else None
+    model = DelayedModel(args.prefill_tps, args.model_delay == "per-call") if args.prefill_tps > 0 else None
     e = BatchEngine(client, max_running=args.max_running, chunk=64, token_budget=512, hold_s=args.hold_s,
                     overlap=not args.no_overlap, model=model, **wait)
     res = e.run(arrivals)
@@ -107,7 +123,7 @@ def child(args):
     return 0
 
 
-def run_mode(args, tmp, mode, salt, max_running, reqs):
+def run_mode(args, tmp, mode, salt, max_running, reqs, client="python"):
     daemon = None
     target, cap = "local", args.capacity_blocks // args.workers
     if mode == "kvd":
@@ -125,7 +141,8 @@ def run_mode(args, tmp, mode, salt, max_running, reqs):
         procs = [subprocess.Popen([sys.executable, __file__, "--child-work", p, "--target", target,
                                    "--capacity-blocks", str(cap), "--max-running", str(max_running),
                                    "--hold-s", str(args.hold_s), "--prefill-tps", str(args.prefill_tps),
-                                   "--wait-in-flight", str(args.wait_in_flight), "--chains", args.chains]
+                                   "--wait-in-flight", str(args.wait_in_flight), "--chains", args.chains,
+                                   "--client", client, "--model-delay", args.model_delay]
                                   + (["--no-overlap"] if args.no_overlap else [])
                                   + (["--salt"] if salt else []), stdout=subprocess.PIPE, text=True) for p in files]
         results, prefill, path = [], 0, {"steps": 0, "rpc_calls": 0, "rpc_s": 0.0}
@@ -157,6 +174,25 @@ def run_mode(args, tmp, mode, salt, max_running, reqs):
             "tpot_end_p50_ms": statistics.median(tpot_end) * 1e3 if tpot_end else 0.0, "prefill_computed": prefill,
             "cached_tokens": sum(r["cached_tokens"] or 0 for r in results), "elapsed_s": elapsed,
             "last_first_token_ms": max((r["ttft_s"] or 0 for r in results), default=0) * 1e3, **path}
+
+
+def median_rows(runs):
+    """One row per (max running, reuse, mode): each figure's median over the repeated runs; prints
+    the noise floor (in-process, odd runs against even runs)."""
+    rows = []
+    for key in dict.fromkeys((r["max_running"], r["reuse"], r["mode"]) for r in runs):
+        same = [r for r in runs if (r["max_running"], r["reuse"], r["mode"]) == key]
+        row = dict(same[0])
+        for k, v in same[0].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("max_running", "rep"):
+                row[k] = statistics.median(r[k] for r in same)
+        rows.append(row)
+        if key[2] == "in-process" and len(same) >= 2:
+            odd, even = same[1::2], same[0::2]
+            print(f"noise floor, max running {key[0]}, reuse {key[1]}: in-process odd/even runs: TPOT p50 "
+                  f"{statistics.median(r['tpot_p50_ms'] for r in odd) / statistics.median(r['tpot_p50_ms'] for r in even):.3f}, "
+                  f"TTFT p50 {statistics.median(r['ttft_p50_ms'] for r in odd) / statistics.median(r['ttft_p50_ms'] for r in even):.3f}")
+    return rows
 
 
 def plot(rows, path):
@@ -218,6 +254,15 @@ def main():
     ap.add_argument("--fanout", type=int, default=0)
     ap.add_argument("--fanout-context", type=int, default=512)
     ap.add_argument("--fanout-own", type=int, default=32)
+    # kvd's step path in the workers: "python" (kvd.Client, gRPC Python), "native" (kvd.native,
+    # the C++ client under pybind11); "python,native" runs both beside the in-process baseline.
+    ap.add_argument("--clients", default="python")
+    ap.add_argument("--model-delay", choices=("queued", "per-call"), default="queued")
+    ap.add_argument("--client", default="python", help=argparse.SUPPRESS)  # a worker's
+    # Runs every row's modes this many times, interleaved, and reports each figure's median over
+    # the runs, the ratios of those medians, and the noise floor: the in-process baseline's
+    # median over its odd runs against its even runs (single runs scatter by up to +-30 % in TPOT).
+    ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
     if args.child_work:
         return child(args)
@@ -227,12 +272,17 @@ def main():
     else:
         reqs = load(args.trace, args.requests, args.scale, args.max_prompt, args.max_new, args.time_scale)
     rows = []
+    kvd_modes = [{"python": "kvd", "native": "kvd-native"}[c] for c in args.clients.split(",")]
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for b in (int(x) for x in args.batches.split(",")):
-            for salt in (True, False):
-                for mode in ("kvd", "in-process"):  # interleaved
-                    rows.append(run_mode(args, tmp, "kvd" if mode == "kvd" else "local", salt, b, reqs))
-                    rows[-1]["mode"] = mode
+        for rep in range(args.repeat):
+            for b in (int(x) for x in args.batches.split(",")):
+                for salt in (True, False):
+                    for mode in kvd_modes + ["in-process"]:  # interleaved
+                        client = "native" if mode == "kvd-native" else "python"
+                        runs.append(run_mode(args, tmp, "local" if mode == "in-process" else "kvd", salt, b, reqs, client))
+                        runs[-1].update(mode=mode, rep=rep)
+    rows = median_rows(runs) if args.repeat > 1 else runs
     print("| max running | reuse | mode | throughput (tok/s) | TTFT p50 (ms) | TPOT p50 (ms) | prompt tokens computed |"
           " tokens reused | last first token (ms) |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -240,10 +290,10 @@ def main():
               f" {r['ttft_p50_ms']:.1f} | {r['tpot_p50_ms']:.2f} | {r['prefill_computed']} | {r['cached_tokens']} |"
               f" {r['last_first_token_ms']:.0f} |")
     for b in sorted({r["max_running"] for r in rows}):
-        for reuse in (False, True):
-            k = next(r for r in rows if r["max_running"] == b and r["reuse"] == reuse and r["mode"] == "kvd")
+        for reuse, kmode in ((x, m) for x in (False, True) for m in kvd_modes):
+            k = next(r for r in rows if r["max_running"] == b and r["reuse"] == reuse and r["mode"] == kmode)
             l = next(r for r in rows if r["max_running"] == b and r["reuse"] == reuse and r["mode"] == "in-process")
-            print(f"max running {b}, reuse {reuse}: throughput kvd/in-process {k['throughput_tok_s'] / l['throughput_tok_s']:.3f}, "
+            print(f"max running {b}, reuse {reuse}: throughput {kmode}/in-process {k['throughput_tok_s'] / l['throughput_tok_s']:.3f}, "
                   f"TPOT p50 {k['tpot_p50_ms'] / max(l['tpot_p50_ms'], 1e-9):.3f} (to the end "
                   f"{k['tpot_end_p50_ms'] / max(l['tpot_end_p50_ms'], 1e-9):.3f}), TTFT p50 {k['ttft_p50_ms'] / max(l['ttft_p50_ms'], 1e-9):.3f}, "
                   f"prefill computed {k['prefill_computed']} vs {l['prefill_computed']}; kvd's step path: "
