@@ -735,19 +735,19 @@ absl::StatusOr<StepAnswer> StepFuture::Get() {
   if (taken_) return absl::FailedPreconditionError("this step's answer was taken already");
   taken_ = true;
   if (ready_) return std::move(pending_->answer);
-  StepState& steps = im_->steps;
-  absl::MutexLock lock(&steps.mu);
-  steps.mu.Await(absl::Condition(
+  Client::Impl& im = *im_;
+  absl::MutexLock lock(&im.steps.mu);
+  im.steps.mu.Await(absl::Condition(
       +[](StepState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->stop_reporter || s->submit_answer.has_value(); },
-      &steps));
-  steps.submitted = false;
-  if (!steps.submit_answer.has_value()) {
-    steps.submit = nullptr;
+      &im.steps));
+  im.steps.submitted = false;
+  if (!im.steps.submit_answer.has_value()) {
+    im.steps.submit = nullptr;
     return absl::CancelledError("the client closed with the step in flight");
   }
-  absl::StatusOr<v1::StepResponse> resp = std::move(*steps.submit_answer);
-  steps.submit_answer.reset();
-  return FinishStep(*im_, *pending_, std::move(resp));
+  absl::StatusOr<v1::StepResponse> resp = std::move(*im.steps.submit_answer);
+  im.steps.submit_answer.reset();
+  return FinishStep(im, *pending_, std::move(resp));
 }
 
 }  // namespace kvd::client

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test run on a clean checkout: install what is missing, build, run every test.
 # With KVD_SANITIZE=1 (as CI runs it), also builds the tests with AddressSanitizer and
-# UndefinedBehaviorSanitizer in build-asan/ and runs them there, then the core, store and events
+# UndefinedBehaviorSanitizer in build-asan/ and runs them there (all but the static and packaging
+# checks, labelled nosan, which run no instrumented code and ran in the first pass), then the core, store and events
 # tests under ThreadSanitizer against an Abseil built from Debian's source with TSan
 # (scripts/tsan.sh, build-tsan/), then runs each libFuzzer target for KVD_FUZZ_SECONDS (default
 # 60) over its seed corpus (scripts/fuzz.sh).
@@ -38,7 +39,7 @@ if [ "${KVD_SANITIZE:-0}" = 1 ]; then
     "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined" "$@"
   (cd "$KVD_ROOT/build-asan" &&
      ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-     ctest --output-on-failure -j "$KVD_JOBS" --timeout 900)
+     ctest --output-on-failure -j "$KVD_JOBS" --timeout 900 --label-exclude nosan)
 fi
 if [ "${KVD_SANITIZE:-0}" = 1 ]; then
   bash "$KVD_ROOT/scripts/tsan.sh"
