@@ -3,10 +3,14 @@
 // applied at Get, equal to what Step gives; a second step meanwhile is refused and changes
 // nothing; a kvd that stops answering and is killed under a step in flight fails Get without
 // hanging, and the held growth that step carried makes its request unusable.
+#include <dirent.h>
 #include <signal.h>
+
+#include <fstream>
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "tests/integration/harness.h"
 
@@ -21,6 +25,31 @@ std::unique_ptr<Client> Connect(const DaemonProcess& d) {
   INFO(c.status().ToString());
   REQUIRE(c.ok());
   return std::move(*c);
+}
+
+// SIGSTOPs the daemon and waits until every thread of it is stopped: kill() only queues the signal,
+// and a thread running on another CPU may still answer a call sent right after it.
+void StopDaemon(DaemonProcess& d) {
+  d.Signal(SIGSTOP);
+  const std::string tasks = absl::StrCat("/proc/", d.pid(), "/task");
+  for (const absl::Time deadline = absl::Now() + absl::Seconds(5); absl::Now() < deadline;
+       absl::SleepFor(absl::Milliseconds(1))) {
+    bool all = true;
+    DIR* dir = opendir(tasks.c_str());
+    REQUIRE(dir != nullptr);
+    while (dirent* e = readdir(dir)) {
+      if (e->d_name[0] == '.') continue;
+      std::ifstream stat(absl::StrCat(tasks, "/", e->d_name, "/stat"));
+      std::string line;
+      std::getline(stat, line);
+      const size_t paren = line.rfind(')');
+      const char state = paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : 'T';
+      all &= state == 'T' || state == 't';
+    }
+    closedir(dir);
+    if (all) return;
+  }
+  FAIL("kvd did not stop within 5 s");
 }
 
 RequestSpec Spec(const std::string& id, int tokens) {
@@ -126,7 +155,7 @@ TEST_CASE("kvd stopped, then killed, under a submitted step: Get fails, no hang,
   client::StepBatch step;
   step.Grow(&a, 1);  // on credit: held, carried by the next step that goes out
   step.Start(&b, Spec("b", 4));
-  d.Signal(SIGSTOP);
+  StopDaemon(d);
   auto f = c->StepSubmit(step);
   REQUIRE(f.ok());
   absl::SleepFor(absl::Milliseconds(300));

@@ -66,6 +66,26 @@ class Daemon:
         self.proc.wait(timeout=15)
 
 
+def stop_process(pid, timeout=5.0):
+    """SIGSTOPs `pid` and returns once every one of its threads is stopped (/proc says T): kill()
+    only queues the signal, and a thread running on another CPU may still answer a call sent
+    right after it."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.001)
+    raise RuntimeError(f"process {pid} did not stop within {timeout} s")
+
+
 def serve_and_run(kvd, config_yaml, run, what="kvd serves a hybrid pool"):
     """Starts kvd with `config_yaml` in a temporary directory, checks it serves (`what`), calls
     run(target) and stops it; returns finish()'s exit code (main()'s return)."""

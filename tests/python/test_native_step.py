@@ -22,7 +22,7 @@ from kvd.engine.batch import BatchEngine
 from kvd.errors import KvdError
 from kvd.native import NativeClient
 from kvd.step import StepBatch, StepRequest
-from kvd_testlib import Daemon, check, finish
+from kvd_testlib import Daemon, check, finish, stop_process
 from test_batch_engine import cold, pool_config, prompts, same
 
 
@@ -124,7 +124,7 @@ def hostile_cases(kvd, tmp):
 
         # kvd stopped under a step in flight: the step stays in flight; killed: it fails, no hang.
         late = StepRequest("late")
-        os.kill(d.proc.pid, signal.SIGSTOP)
+        stop_process(d.proc.pid)
         f = c.step_submit(StepBatch().grow(a, 1).start(late, pool="default", prompt=list(range(4))))
         time.sleep(0.3)
         check(not f.done(), "native: a step to a stopped kvd stays in flight")

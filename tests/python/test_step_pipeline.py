@@ -20,7 +20,7 @@ import time
 
 from kvd import Client, KvdError, StepBatch, StepRequest
 from kvd.engine.batch import BatchEngine
-from kvd_testlib import SMALL_POOL, Daemon, check, finish
+from kvd_testlib import SMALL_POOL, Daemon, check, finish, stop_process
 
 BT = 4
 
@@ -164,7 +164,7 @@ def main():
                 x, y = StepRequest("x"), StepRequest("y")
                 check(c.step(StepBatch().start(x, "default", list(range(800, 809))))[0].ok, "x starts")
                 held = c.step(StepBatch().end(x, hold_s=30))[0]
-                dies.proc.send_signal(signal.SIGSTOP)
+                stop_process(dies.proc.pid)
                 f = c.step_submit(StepBatch().start(y, "default", list(range(900, 909))))
                 time.sleep(0.05)
                 check(not f.done() and held.deferred, "kvd stopped: the step (with x's held end) stays in flight")
