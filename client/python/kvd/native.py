@@ -159,7 +159,7 @@ class NativeClient:
                 return self._send(batch.items, batch.computed_tokens, wait)
             f = self._send([(k, r, a) for k, r, a, _ in held] + list(batch.items),
                            {len(held) + i: c for i, c in batch.computed_tokens.items()}, wait)
-            return _Merged(f, [None] * len(batch.items), held)
+            return self._track(_Merged(f, [None] * len(batch.items), held))
         slots, rest, computed = [], [], {}
         for i, (kind, req, arg) in enumerate(batch.items):
             if holdable[i]:
@@ -171,7 +171,14 @@ class NativeClient:
                 computed[len(rest)] = batch.computed_tokens[i]
             slots.append(None)
             rest.append((kind, req, arg))
-        return _Merged(self._send(rest, computed, wait), slots)
+        return self._track(_Merged(self._send(rest, computed, wait), slots))
+
+    def _track(self, merged):
+        """A step still in flight is taken through its merged results, so that the held items it
+        carries get their outcomes whoever takes it."""
+        if self._inflight is not None:
+            self._inflight = merged
+        return merged
 
     def _send(self, items, computed_tokens, wait=False):
         """Hands `items` ((kind, StepRequest, arg)) to the C++ client; a NativeStepFuture (`wait`:
