@@ -53,6 +53,18 @@ def same(res, ref, what):
     check(not bad and len(res) == len(ref), f"{what}: every generation equals its cold run ({len(bad)} differ)")
 
 
+def preemption(target, runner, label=""):
+    """Room for two requests: the head of the queue waits, the youngest running one is
+    checkpointed and released, and resumes later from its checkpoint; every generation equals its
+    cold run. `runner(target, work, **kw)` runs a BatchEngine and returns its results first."""
+    work = prompts(4, seed=5, shared=4, unique=12)
+    ref = cold(target, work, max_new=16)
+    res = runner(target, work, max_new=16, max_running=4, chunk=4, preempt_after=2)[0]
+    pre = sum(r["preemptions"] for r in res.values())
+    check(pre > 0, f"{label}requests were preempted ({pre})")
+    same(res, ref, f"{label}through preemption and resume")
+
+
 def child(target, seed):
     res, _ = run(target, prompts(6, seed=seed), max_running=6, chunk=8)
     print(json.dumps(res))
@@ -103,16 +115,9 @@ def main():
         finally:
             d.stop()
 
-        # Preemption: room for two requests; the head of the queue waits, the youngest running one
-        # is checkpointed and released, and resumes later from its checkpoint.
         d = Daemon(kvd, tmp, pool_config(24), name="c")
         try:
-            work = prompts(4, seed=5, shared=4, unique=12)
-            ref = cold(d.target, work, max_new=16)
-            res, e = run(d.target, work, max_new=16, max_running=4, chunk=4, preempt_after=2)
-            pre = sum(r["preemptions"] for r in res.values())
-            check(pre > 0, f"requests were preempted ({pre})")
-            same(res, ref, "through preemption and resume")
+            preemption(d.target, run)
             with Client(d.target, map_slabs=False) as o:
                 rep = o.report()
                 check(rep.live_requests == 0 and rep.reserved_bytes == 0, "nothing held after")

@@ -23,7 +23,7 @@ from kvd.errors import KvdError
 from kvd.native import NativeClient
 from kvd.step import StepBatch, StepRequest
 from kvd_testlib import Daemon, check, finish, stop_process
-from test_batch_engine import cold, pool_config, prompts, same
+from test_batch_engine import cold, pool_config, preemption, prompts, same
 
 
 def run_native(target, work, max_new=10, **kw):
@@ -72,12 +72,7 @@ def engine_cases(kvd, tmp):
 
     d = Daemon(kvd, tmp, pool_config(24), name="c")
     try:
-        work = prompts(4, seed=5, shared=4, unique=12)
-        ref = cold(d.target, work, max_new=16)
-        res, _, _ = run_native(d.target, work, max_new=16, max_running=4, chunk=4, preempt_after=2)
-        pre = sum(r["preemptions"] for r in res.values())
-        check(pre > 0, f"native: requests were preempted ({pre})")
-        same(res, ref, "native: through preemption and resume")
+        preemption(d.target, run_native, "native: ")
         rep = idle(d.target)
         check(rep.live_requests == 0 and rep.reserved_bytes == 0, "native: nothing held after preemption")
     finally:
