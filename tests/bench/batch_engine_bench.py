@@ -107,11 +107,9 @@ def child(args):
         client = LocalBlocks(block_tokens=BLOCK, num_layers=2, bytes_per_token_per_layer=16,
                              capacity_blocks=args.capacity_blocks, max_model_len=1024, chains=args.chains)
         wait = {}
-    elif args.client == "native":
-        from kvd.native import NativeClient
-        client = NativeClient(args.target, worker_name="bench")
-        wait = {"wait_in_flight_s": args.wait_in_flight} if args.wait_in_flight > 0 else {}
     else:
+        if args.client == "native":
+            from kvd.native import NativeClient as Client
         client = Client(args.target, worker_name="bench")
         wait = {"wait_in_flight_s": args.wait_in_flight} if args.wait_in_flight > 0 else {}
     model = DelayedModel(args.prefill_tps, args.model_delay == "per-call") if args.prefill_tps > 0 else None

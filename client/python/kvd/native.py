@@ -36,18 +36,26 @@ except ImportError as e:  # built with kvd when pybind11-dev is installed (clien
                       "pybind11-dev is installed (scripts/setup.sh installs it for the tests)") from e
 from .client import Pool
 from .errors import KvdError
-from .step import GroupTable, InFlight, StepResult
+from .step import IN_FLIGHT_WAITS, GroupTable, InFlight, StepResult, status_code
 from .v1 import kvd_pb2
 
 _KINDS = {"start": 0, "grow": 1, "publish": 2, "checkpoint": 3, "end": 4, "preempt": 5}
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def _error(e):
-    """kvd._native's ValueError "code:message" as a KvdError."""
-    code, _, message = str(e).partition(":")
-    return KvdError(_CODES.get(int(code), grpc.StatusCode.UNKNOWN) if code.isdigit() else grpc.StatusCode.INVALID_ARGUMENT,
-                    message if code.isdigit() else str(e))
+def _call(fn, *args):
+    """fn(*args) on the binding; its ValueError "code:message" raised as a KvdError."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        code, _, message = str(e).partition(":")
+        if not code.isdigit():
+            code, message = grpc.StatusCode.INVALID_ARGUMENT.value[0], str(e)
+        raise KvdError(status_code(int(code)), message) from None
+
+
+def _items(held):
+    """Held (kind, req, arg, StepResult) entries as the items they send."""
+    return [(kind, req, arg) for kind, req, arg, _ in held]
 
 
 def _in_flight(t):
@@ -102,10 +110,7 @@ class NativeClient:
     `step_credit_blocks` of block credit per pool it steps in."""
 
     def __init__(self, target, worker_name="python-native", step_credit_blocks=128):
-        try:
-            self._native = _native.Client(target, worker_name, step_credit_blocks)
-        except ValueError as e:
-            raise _error(e) from None
+        self._native = _call(_native.Client, target, worker_name, step_credit_blocks)
         self.rpc_calls = 0  # steps that made a round trip
         self.rpc_seconds = 0.0  # time spent taking their answers (waiting included)
         self._inflight = None
@@ -157,7 +162,7 @@ class NativeClient:
             held, self._held = self._held, []
             if not held:
                 return self._send(batch.items, batch.computed_tokens, wait)
-            f = self._send([(k, r, a) for k, r, a, _ in held] + list(batch.items),
+            f = self._send(_items(held) + list(batch.items),
                            {len(held) + i: c for i, c in batch.computed_tokens.items()}, wait)
             return self._track(_Merged(f, [None] * len(batch.items), held))
         slots, rest, computed = [], [], {}
@@ -198,17 +203,12 @@ class NativeClient:
         if wait:
             t0 = time.perf_counter()
             try:
-                sent, answers = self._native.step(native_items)
-            except ValueError as e:
-                raise _error(e) from None
+                sent, answers = _call(self._native.step, native_items)
             finally:
                 self.rpc_seconds += time.perf_counter() - t0
             self.rpc_calls += sent
             return NativeStepFuture(self, items, self._results(items, answers))
-        try:
-            sent = self._native.submit(native_items)
-        except ValueError as e:
-            raise _error(e) from None
+        sent = _call(self._native.submit, native_items)
         if not sent:
             return NativeStepFuture(self, items, self._finish(items))
         self.rpc_calls += 1
@@ -222,9 +222,7 @@ class NativeClient:
         self._inflight = None
         t0 = time.perf_counter()
         try:
-            answers = self._native.result()
-        except ValueError as e:
-            raise _error(e) from None
+            answers = _call(self._native.result)
         finally:
             self.rpc_seconds += time.perf_counter() - t0
         return self._results(items, answers)
@@ -235,7 +233,7 @@ class NativeClient:
         for (kind, req, _), a in zip(items, answers):
             code, message, waiting, kept, cached, dups, no_parent, outcomes, fresh, in_flight = a
             self._sync(req)
-            results.append(StepResult(_CODES.get(code, grpc.StatusCode.UNKNOWN), message, waiting, kept, cached, dups,
+            results.append(StepResult(status_code(code), message, waiting, kept, cached, dups,
                                       no_parent, outcomes, fresh, _in_flight(in_flight)))
         return results
 
@@ -252,8 +250,8 @@ class NativeClient:
             req.blocks += blocks
         req._native_blocks = len(req.blocks)
         req.in_flight = _in_flight(in_flight)
-        req.in_flight_wait = ("not_waited", "published", "released", "timed_out")[wait] if 0 <= wait < 4 else "not_waited"
-        req.error = None if code == 0 else KvdError(_CODES.get(code, grpc.StatusCode.UNKNOWN), message)
+        req.in_flight_wait = IN_FLIGHT_WAITS.get(wait, "not_waited")
+        req.error = None if code == 0 else KvdError(status_code(code), message)
         if tables:
             req.group_tables = [GroupTable(*t) for t in tables]
 
@@ -264,11 +262,8 @@ class NativeClient:
             self._inflight.result()
         if self._held:
             held, self._held = self._held, []
-            _Merged(self._send([(k, r, a) for k, r, a, _ in held], {}), [], held).result()
-        try:
-            self._native.flush()
-        except ValueError as e:
-            raise _error(e) from None
+            _Merged(self._send(_items(held), {}), [], held).result()
+        _call(self._native.flush)
 
     def step_credit(self, pool, group=0):
         """Credit blocks held now in `pool` (name or id), in KV group index `group`."""

@@ -599,16 +599,16 @@ class Stepper:
         for k, h in enumerate(held):
             r = resp.results[k]
             if r.code != 0:
-                h[0].error = KvdError(_code(r.code), r.message)
+                h[0].error = KvdError(status_code(r.code), r.message)
         for k, (_, req, _, out, _) in enumerate(ops):  # the held items' outcomes, in place
             r = resp.results[len(held) + k]
-            out.code, out.message, out.deferred = _code(r.code), r.message, False
+            out.code, out.message, out.deferred = status_code(r.code), r.message, False
             out.kept, out.already_cached, out.duplicates, out.no_parent = r.kept, r.already_cached, r.duplicates, r.no_parent
         base = len(held) + len(ops)
         for k, i in enumerate(sent):
             r = resp.results[base + k]
             kind, req, arg = batch.items[i]
-            out = StepResult(_code(r.code), r.message, r.waiting, r.kept, r.already_cached, r.duplicates, r.no_parent,
+            out = StepResult(status_code(r.code), r.message, r.waiting, r.kept, r.already_cached, r.duplicates, r.no_parent,
                              r.checkpoint_outcomes, r.fresh_slots,
                              InFlight.from_proto(r) or (InFlight.from_proto(r.acquired) if kind == "start" else None))
             results[i] = out
@@ -651,5 +651,6 @@ class Stepper:
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def _code(value):
+def status_code(value):
+    """The grpc.StatusCode of a status's integer value (UNKNOWN for one grpc does not name)."""
     return _CODES.get(value, grpc.StatusCode.UNKNOWN)

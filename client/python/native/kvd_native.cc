@@ -140,7 +140,7 @@ class NativeClient {
   // Sends a step (items: (kind, Request, a, b)); placed growth is in the requests when it
   // returns. False when nothing went out (result() answers at once).
   bool Submit(const py::list& items) {
-    if (inflight_ != nullptr || batch_ != nullptr) throw py::value_error("9:a submitted step's answer has not been taken");
+    RequireNoneInFlight();
     py::list keep;  // the Requests the batch points at stay alive until its answer is taken
     std::unique_ptr<StepBatch> batch = Build(items, &keep);
     absl::StatusOr<std::unique_ptr<StepFuture>> f;
@@ -159,7 +159,7 @@ class NativeClient {
   // The step made here and answered (Client::Step: no hand-off to the reporter thread), for an
   // engine with nothing to compute meanwhile: (whether a round trip was made, the result tuples).
   py::tuple Step(const py::list& items) {
-    if (inflight_ != nullptr || batch_ != nullptr) throw py::value_error("9:a submitted step's answer has not been taken");
+    RequireNoneInFlight();
     py::list keep;
     std::unique_ptr<StepBatch> batch = Build(items, &keep);
     absl::StatusOr<StepAnswer> answer;
@@ -172,6 +172,10 @@ class NativeClient {
   }
 
  private:
+  void RequireNoneInFlight() const {
+    if (inflight_ != nullptr) throw py::value_error("9:a submitted step's answer has not been taken");
+  }
+
   // The C++ batch of `items`, each Request appended to `keep`. ValueError (nothing built) for an
   // item that does not parse or is of no known kind.
   std::unique_ptr<StepBatch> Build(const py::list& items, py::list* keep) {
