@@ -57,6 +57,9 @@ for l in "$out"/lib/*.so*; do patchelf --set-rpath '$ORIGIN' "$l"; done
 # Python: the client with its generated stubs (for machines that have grpcio and protobuf), and
 # the stub-free check that run.sh uses (PyTorch and the driver's libcuda only).
 cp -r "$KVD_BUILD_DIR/python/kvd" "$out/python/"
+# kvd._native (the pybind11 step binding, ~30 MiB with debug info) stays out: it links this
+# machine's gRPC and Python, which the device machine does not have, and no bundle step uses it.
+rm -f "$out"/python/kvd/_native*.so
 cp "$KVD_ROOT/tests/gpu/torch_slab_check.py" "$KVD_ROOT/tests/python/kvd_testlib.py" "$out/python/"
 # The hybrid_model step: the reference hybrid model's test, run on the CUDA backend.
 cp "$KVD_ROOT/tests/gpu/hybrid_gpu_check.py" "$KVD_ROOT/tests/python/test_hybrid_engine.py" "$out/python/"
