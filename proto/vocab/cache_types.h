@@ -94,7 +94,14 @@ struct AcquireResult {
   // The lookup stopped at blocks another request of the namespace is computing now (this one
   // computes them too; a start may wait for them first: KvCache::InFlightAhead).
   std::optional<InFlightInfo> in_flight;
+  // Acquire(id, OnInFlight::kDefer) found `in_flight` and acquired nothing: no table, the request
+  // only admitted (the caller gives the reservation back and waits, holding nothing).
+  bool deferred = false;
 };
+
+// What an Acquire does when its lookup stops at blocks another live request of the namespace is
+// computing: compute them too (and learn who computes them), or acquire nothing (`deferred`).
+enum class OnInFlight { kCompute, kDefer };
 
 // A state group's checkpoint a publish offers (docs/hybrid.md §2.7): `slot`, one of the request's
 // own slots of state group `group`, holds the state at exactly `position_tokens`.

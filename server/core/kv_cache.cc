@@ -367,7 +367,7 @@ absl::StatusOr<AdmitResult> KvCache::Fits(const RequestSpec& spec) const {
   return DecideLocked(spec, pool);
 }
 
-absl::StatusOr<AcquireResult> KvCache::Acquire(const RequestId& id) {
+absl::StatusOr<AcquireResult> KvCache::Acquire(const RequestId& id, OnInFlight on_in_flight) {
   absl::StatusOr<AcquireResult> result;
   {
     absl::MutexLock lock(&mu_);
@@ -386,13 +386,23 @@ absl::StatusOr<AcquireResult> KvCache::Acquire(const RequestId& id) {
         if (it != checkpoints_.end() && it->second->orphaned) ckpt = it->second.get();
       }
       const bool hybrid = pools_[r.pool]->geometry.hybrid();
-      result = ckpt != nullptr ? (hybrid ? ResumeGroupsLocked(r, *ckpt) : ResumeLocked(r, *ckpt))
+      std::optional<InFlightInfo> ahead;
+      if (on_in_flight == OnInFlight::kDefer) ahead = InFlightAheadLocked(r);
+      if (ahead.has_value()) {
+        AcquireResult deferred;
+        deferred.pool = r.pool;
+        deferred.deferred = true;
+        deferred.in_flight = std::move(ahead);
+        result = std::move(deferred);
+      } else {
+        result = ckpt != nullptr ? (hybrid ? ResumeGroupsLocked(r, *ckpt) : ResumeLocked(r, *ckpt))
                : hybrid        ? AcquireGroupsLocked(r)
                                : AcquirePrefixLocked(r);
-      if (result.ok()) {
-        r.acquired = true;
-        NoteAcquiredLocked(r, *result);  // what it found in flight; then it holds its own
-        UpdatePressureLocked();
+        if (result.ok()) {
+          r.acquired = true;
+          NoteAcquiredLocked(r, *result);  // what it found in flight; then it holds its own
+          UpdatePressureLocked();
+        }
       }
     }
   }

@@ -85,7 +85,13 @@ class KvCache final : public TierPort, public PeerPort {
   absl::StatusOr<AdmitResult> Fits(const RequestSpec& spec) const ABSL_LOCKS_EXCLUDED(mu_);
   // All or nothing. NOT_FOUND (not admitted), FAILED_PRECONDITION (already acquired; resume of a
   // checkpoint in another namespace or one that does not continue the prompt).
-  absl::StatusOr<AcquireResult> Acquire(const RequestId& id) ABSL_LOCKS_EXCLUDED(mu_);
+  // kDefer (a start that asked to wait for blocks in flight): when the lookup stops at blocks
+  // another live request of the namespace computes, nothing is acquired and the result is
+  // `deferred`, naming them. Decided under the one lock that also acquires, so of two starts of a
+  // new prefix admitted together exactly the first computes it (InFlightAhead alone cannot say
+  // that: the acquire comes after it, in another lock section).
+  absl::StatusOr<AcquireResult> Acquire(const RequestId& id, OnInFlight on_in_flight = OnInFlight::kCompute)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Grows the request by `additional_tokens` positions; returns the blocks appended to its table.
   // OUT_OF_RANGE past max_model_len; RESOURCE_EXHAUSTED past the reservation and the budget.
   absl::StatusOr<std::vector<BlockIndex>> Extend(const RequestId& id, int64_t additional)
@@ -571,6 +577,9 @@ class KvCache final : public TierPort, public PeerPort {
   // Blocks of `prompt` the namespace's index matches (a hybrid pool's spine match).
   int64_t MatchedBlocksLocked(const Pool& pool, const Namespace& ns, absl::Span<const Token> prompt,
                               absl::Span<const BlockKey> keys) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a start of `req` (admitted, not acquired) would find in flight past its match now;
+  // nullopt for a resume and on a hybrid pool without a full group (they enter nothing).
+  std::optional<InFlightInfo> InFlightAheadLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After `req`'s Acquire (not a resume): `out.in_flight` is what it found in flight past its
   // match, then it holds its own prompt blocks from there (those nobody else holds).
   void NoteAcquiredLocked(Request& req, AcquireResult& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -49,6 +49,13 @@ int64_t KvCache::MatchedBlocksLocked(const Pool& pool, const Namespace& ns, absl
   return static_cast<int64_t>(chain.size());
 }
 
+std::optional<InFlightInfo> KvCache::InFlightAheadLocked(const Request& req) const {
+  if (!req.spec.resume_from.empty()) return std::nullopt;
+  const Pool& pool = *pools_[req.pool];
+  if (pool.geometry.hybrid() && pool.spine == nullptr) return std::nullopt;
+  return InFlightInfoLocked(req.spec.ns, req.keys, MatchedBlocksLocked(pool, req.spec.ns, req.spec.prompt, req.keys));
+}
+
 absl::StatusOr<std::optional<InFlightInfo>> KvCache::InFlightAhead(const Namespace& ns,
                                                                    absl::Span<const Token> prompt) const {
   KVD_ASSIGN_OR_RETURN(PoolId id, FindPool(ns.pool));

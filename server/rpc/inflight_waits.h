@@ -2,7 +2,9 @@
 // computing (StartRequest.wait_for_in_flight_ms; docs/architecture.md, "Prefixes in flight").
 //
 // A start that asks to wait and whose next blocks are in flight (KvCache::InFlightAhead) waits
-// here before admission, holding nothing: no reservation, no block, no in-flight entry. So no
+// here before admission, or after an acquire that deferred to them (KvCache::Acquire,
+// OnInFlight::kDefer, its admission given back first), holding nothing: no reservation, no block,
+// no in-flight entry. So no
 // request ever waits on a waiting one (a waiter computes nothing another could wait for), nor on
 // itself, and no chain of waits can close into a cycle. A wait ends when the computing request no
 // longer holds any of the blocks it found (KvCache::InFlightHeld): published (then the start's

@@ -58,21 +58,19 @@ absl::Status KvdService::CheckInflightWait(int64_t wait_ms) const {
   return absl::OkStatus();
 }
 
-bool KvdService::WaitInFlight(const RequestSpec& spec, int64_t wait_ms, absl::Time deadline,
-                              std::function<absl::Status()> cancelled,
-                              const std::function<void(const v1::InFlight&)>& seen,
-                              std::function<void(absl::StatusOr<InflightWaits::Outcome>, absl::Duration)> then) {
-  if (wait_ms <= 0 || !spec.resume_from.empty()) return false;
+std::optional<InFlightInfo> KvdService::InFlightToWait(const RequestSpec& spec, int64_t wait_ms) const {
+  if (wait_ms <= 0 || !spec.resume_from.empty()) return std::nullopt;
   absl::StatusOr<std::optional<InFlightInfo>> ahead = cache_->InFlightAhead(spec.ns, spec.prompt);
-  if (!ahead.ok() || !ahead->has_value()) return false;  // a bad spec fails in Admit, as without a wait
+  if (!ahead.ok() || !ahead->has_value()) return std::nullopt;  // a bad spec fails in Admit, as without a wait
   // Never a wait on its own id: Admit refuses a live id at once (ALREADY_EXISTS), as without a wait.
-  if ((*ahead)->request_id == spec.id) return false;
-  v1::InFlight found;
-  ToProto(**ahead, &found);
-  seen(found);
-  inflight_->Wait(spec.limit_key(), std::move(**ahead), spec.ns, spec.prompt,
+  if ((*ahead)->request_id == spec.id) return std::nullopt;
+  return std::move(*ahead);
+}
+
+void KvdService::WaitFor(const RequestSpec& spec, InFlightInfo found, int64_t wait_ms, absl::Time deadline,
+                         std::function<absl::Status()> cancelled, InFlightThen then) {
+  inflight_->Wait(spec.limit_key(), std::move(found), spec.ns, spec.prompt,
                   std::min(deadline, absl::Now() + absl::Milliseconds(wait_ms)), std::move(cancelled), std::move(then));
-  return true;
 }
 
 absl::StatusOr<KvdService::Caller> KvdService::Identify(const std::string& grpc_peer) const {
@@ -266,18 +264,20 @@ absl::Status KvdService::CheckPeer(const std::string& peer) const {
 }
 
 void KvdService::AcquireThen(const RequestId& id, v1::AcquireResponse* resp,
-                             std::function<void(absl::Status)> done, const std::string& peer, bool units_in_g1) {
+                             std::function<void(absl::Status)> done, const std::string& peer,
+                             std::function<void(InFlightInfo)> defer, bool units_in_g1) {
   if (tiers_ != nullptr && !units_in_g1) {
     // A hybrid pool's units below G1 come back as whole units before the lookup, which then
     // serves them by docs/hybrid.md §2.6 as any cached unit (off this thread; the answer waits).
     absl::StatusOr<RequestSpec> spec = cache_->SpecOf(id);
     if (spec.ok() && spec->resume_from.empty() &&
-        tiers_->InstallUnits(*spec, [this, id, resp, done, peer]() { AcquireThen(id, resp, done, peer, true); })) {
+        tiers_->InstallUnits(*spec, [this, id, resp, done, peer, defer]() { AcquireThen(id, resp, done, peer, defer, true); })) {
       return;
     }
   }
-  absl::StatusOr<AcquireResult> r = cache_->Acquire(id);
+  absl::StatusOr<AcquireResult> r = cache_->Acquire(id, defer ? OnInFlight::kDefer : OnInFlight::kCompute);
   if (!r.ok()) return done(r.status());
+  if (r->deferred) return defer(std::move(*r->in_flight));
   for (const WorkerId& w : r->publishers) {
     if (std::string e = workers_->EventHandle(w); !e.empty()) r->publisher_events.push_back(std::move(e));
   }
@@ -350,6 +350,18 @@ grpc::ServerUnaryReactor* KvdService::Acquire(grpc::CallbackServerContext* ctx,
   return reactor;
 }
 
+struct KvdService::StartCall {
+  grpc::CallbackServerContext* ctx;
+  grpc::ServerUnaryReactor* reactor;
+  v1::StartResponse* resp;
+  std::chrono::steady_clock::time_point start;
+  absl::Time deadline;
+  RequestSpec spec;
+  std::string key;  // the caller
+  std::string peer;
+  int64_t wait_ms = 0;
+};
+
 grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, const v1::StartRequest* req,
                                             v1::StartResponse* resp) {
   const auto start = std::chrono::steady_clock::now();
@@ -380,34 +392,81 @@ grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, co
   if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
     deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
   }
-  const RequestId id = spec.id;
-  const WorkerId worker = spec.owner;
-  std::string pool = spec.ns.pool;
-  auto admit = std::make_shared<std::function<void(RequestSpec)>>();
-  *admit = [this, ctx, reactor, resp, start, deadline, id, worker, pool = std::move(pool), key = caller->key,
-            peer = req->peer()](RequestSpec spec) {
+  const int64_t wait_ms = req->wait_for_in_flight_ms();
+  auto call = std::make_shared<StartCall>(
+      StartCall{ctx, reactor, resp, start, deadline, std::move(spec), caller->key, req->peer(), wait_ms});
+  // Blocks in flight first (docs/architecture.md, "Prefixes in flight"): the start waits holding
+  // nothing, then queues for admission as any start. One that found none may still find some at
+  // its acquire (a start of the same prefix admitted with it acquired first): it waits then.
+  const bool may_defer = wait_ms > 0 && call->spec.resume_from.empty();
+  if (std::optional<InFlightInfo> found = InFlightToWait(call->spec, wait_ms)) {
+    StartWait(std::move(call), std::move(*found));
+  } else {
+    StartAdmit(std::move(call), may_defer);
+  }
+  return reactor;
+}
+
+void KvdService::StartWait(std::shared_ptr<StartCall> call, InFlightInfo found) {
+  ToProto(found, call->resp->mutable_in_flight());
+  const RequestSpec& spec = call->spec;
+  WaitFor(
+      spec, std::move(found), call->wait_ms, call->deadline,
+      [this, call]() -> absl::Status {
+        if (call->ctx->IsCancelled()) return absl::CancelledError("the caller gave up waiting");
+        if (!workers_->Check(call->spec.owner, call->key).ok()) {
+          return absl::FailedPreconditionError(absl::StrCat("worker ", call->spec.owner.value(), " detached while request '",
+                                                            call->spec.id.value(), "' waited for blocks in flight"));
+        }
+        return absl::OkStatus();
+      },
+      [this, call](absl::StatusOr<InflightWaits::Outcome> outcome, absl::Duration waited) {
+        v1::StartResponse* resp = call->resp;
+        resp->set_in_flight_waited_us(resp->in_flight_waited_us() + absl::ToInt64Microseconds(waited));
+        if (!outcome.ok()) return FinishRpc(call->reactor, "Start", call->start, outcome.status());
+        resp->set_in_flight_wait(static_cast<v1::InFlightWait>(*outcome));
+        StartAdmit(call, /*may_defer=*/false);
+      });
+}
+
+void KvdService::StartAdmit(std::shared_ptr<StartCall> call, bool may_defer) {
+  const RequestId id = call->spec.id;
+  const WorkerId worker = call->spec.owner;
   admission_->Admit(
-      std::move(spec), deadline, [ctx] { return ctx->IsCancelled(); },
-      [this, reactor, resp, start, id, worker, pool, key, peer](
-          absl::StatusOr<AdmitResult> admitted, absl::Duration waited) {
-        resp->set_waited(waited > absl::ZeroDuration());
-        resp->set_waited_us(absl::ToInt64Microseconds(waited));
+      call->spec, call->deadline, [ctx = call->ctx] { return ctx->IsCancelled(); },
+      [this, call, id, worker, may_defer](absl::StatusOr<AdmitResult> admitted, absl::Duration waited) {
+        v1::StartResponse* resp = call->resp;
+        grpc::ServerUnaryReactor* reactor = call->reactor;
+        const auto start = call->start;
+        resp->set_waited(resp->waited() || waited > absl::ZeroDuration());
+        resp->set_waited_us(resp->waited_us() + absl::ToInt64Microseconds(waited));
         // Per request (not per poll): how long it waited, and how the wait ended.
         // Labels name configured pools only: a request's made-up pool name must not mint series.
-        if (cache_->FindPool(pool).ok()) {
-          metrics_->ObserveAdmissionWait(pool, admitted.ok() ? "admitted" : absl::StatusCodeToString(admitted.status().code()),
+        if (cache_->FindPool(call->spec.ns.pool).ok()) {
+          metrics_->ObserveAdmissionWait(call->spec.ns.pool,
+                                         admitted.ok() ? "admitted" : absl::StatusCodeToString(admitted.status().code()),
                                          absl::ToDoubleSeconds(waited));
         }
         if (!admitted.ok()) return FinishRpc(reactor, "Start", start, admitted.status());
         // The worker may have detached while it waited; its requests were released then, but
         // not this one, admitted after: give it back.
-        if (absl::Status attached = workers_->Check(worker, key); !attached.ok()) {
+        if (absl::Status attached = workers_->Check(worker, call->key); !attached.ok()) {
           (void)cache_->Release(id, /*completed=*/false);
           admission_->Poke();
           return FinishRpc(reactor, "Start", start,
                            absl::FailedPreconditionError(absl::StrCat(
                                "worker ", worker.value(), " detached while request '", id.value(),
                                "' waited for admission")));
+        }
+        std::function<void(InFlightInfo)> defer;
+        if (may_defer) {
+          defer = [this, call, id](InFlightInfo found) {
+            // Another start of this prefix acquired first: the reservation goes back (a waiter
+            // holds nothing), and it waits as if it had found them before admission.
+            (void)cache_->Release(id, /*completed=*/false);
+            admission_->Poke();
+            StartWait(call, std::move(found));
+          };
         }
         AcquireThen(
             id, resp->mutable_acquired(),
@@ -418,30 +477,8 @@ grpc::ServerUnaryReactor* KvdService::Start(grpc::CallbackServerContext* ctx, co
               }
               FinishRpc(reactor, "Start", start, s);
             },
-            peer);
+            call->peer, std::move(defer));
       });
-  };
-  // Blocks in flight first (docs/architecture.md, "Prefixes in flight"): the start waits holding
-  // nothing, then queues for admission as any start.
-  const bool waits = WaitInFlight(
-      spec, req->wait_for_in_flight_ms(), deadline,
-      [this, ctx, worker, id, key = caller->key]() -> absl::Status {
-        if (ctx->IsCancelled()) return absl::CancelledError("the caller gave up waiting");
-        if (!workers_->Check(worker, key).ok()) {
-          return absl::FailedPreconditionError(absl::StrCat("worker ", worker.value(), " detached while request '",
-                                                            id.value(), "' waited for blocks in flight"));
-        }
-        return absl::OkStatus();
-      },
-      [resp](const v1::InFlight& found) { *resp->mutable_in_flight() = found; },
-      [this, admit, reactor, resp, start, spec](absl::StatusOr<InflightWaits::Outcome> outcome, absl::Duration waited) {
-        resp->set_in_flight_waited_us(absl::ToInt64Microseconds(waited));
-        if (!outcome.ok()) return FinishRpc(reactor, "Start", start, outcome.status());
-        resp->set_in_flight_wait(static_cast<v1::InFlightWait>(*outcome));
-        (*admit)(spec);
-      });
-  if (!waits) (*admit)(std::move(spec));
-  return reactor;
 }
 
 grpc::ServerUnaryReactor* KvdService::End(grpc::CallbackServerContext* ctx, const v1::EndRequest* req,

@@ -205,21 +205,33 @@ class KvdService final : public v1::Kvd::CallbackService {
   // Acquire, with promotion from lower tiers, then a pull from `peer` (empty: none); fills `resp`
   // and calls `done` exactly once, maybe on another thread (a promotion's or a pull's). On a
   // hybrid pool the tiers' units come back into G1 first (TierStore::InstallUnits), then this
-  // runs again with `units_in_g1`.
+  // runs again with `units_in_g1`. `defer` set (a start that asked to wait for blocks in flight
+  // and has not waited): when the lookup stops at blocks another live request of the namespace
+  // computes, nothing is acquired and `defer` runs with them in place of `done`; the request is
+  // still admitted (KvCache::Acquire, OnInFlight::kDefer).
   void AcquireThen(const RequestId& id, v1::AcquireResponse* resp, std::function<void(absl::Status)> done,
-                   const std::string& peer = "", bool units_in_g1 = false);
+                   const std::string& peer = "", std::function<void(InFlightInfo)> defer = nullptr,
+                   bool units_in_g1 = false);
   // After promotion: the pull from `peer`, then done(OK) (a failed pull leaves `resp` as it was).
   void PullThen(const RequestId& id, const std::string& peer, v1::AcquireResponse* resp,
                 std::function<void(absl::Status)> done);
-  // Start's and step start's wait for blocks in flight (StartRequest.wait_for_in_flight_ms), before
-  // admission: INVALID_ARGUMENT for a bad bound. When the start asks to wait and its next blocks
-  // are in flight, `seen` is told them (before any answer), `then` runs once the wait ends (maybe
-  // on kvd-inflight's thread) and true is returned; else false and nothing runs. `cancelled`: the
-  // caller's wish.
+  // Start's and step start's wait for blocks in flight (StartRequest.wait_for_in_flight_ms;
+  // docs/architecture.md, "Prefixes in flight"). CheckInflightWait: INVALID_ARGUMENT for a bad
+  // bound. InFlightToWait: before admission, the blocks in flight a start asking to wait for
+  // `wait_ms` would wait for (nullopt: none, or no wait asked, or a resume). WaitFor: waits for
+  // `found` (InFlightToWait's, or a deferred Acquire's) holding nothing; `then` runs once it ends,
+  // maybe on kvd-inflight's thread. `cancelled`: the caller's wish.
+  using InFlightThen = std::function<void(absl::StatusOr<InflightWaits::Outcome>, absl::Duration)>;
   absl::Status CheckInflightWait(int64_t wait_ms) const;
-  bool WaitInFlight(const RequestSpec& spec, int64_t wait_ms, absl::Time deadline,
-                    std::function<absl::Status()> cancelled, const std::function<void(const v1::InFlight&)>& seen,
-                    std::function<void(absl::StatusOr<InflightWaits::Outcome>, absl::Duration)> then);
+  std::optional<InFlightInfo> InFlightToWait(const RequestSpec& spec, int64_t wait_ms) const;
+  void WaitFor(const RequestSpec& spec, InFlightInfo found, int64_t wait_ms, absl::Time deadline,
+               std::function<absl::Status()> cancelled, InFlightThen then);
+  // One unary Start through its phases: the wait for blocks in flight, admission, acquire. An
+  // acquire that finds blocks in flight it did not wait for (another start of the prefix was
+  // admitted and acquired first) gives its admission back and waits: at most once per Start.
+  struct StartCall;
+  void StartWait(std::shared_ptr<StartCall> call, InFlightInfo found);
+  void StartAdmit(std::shared_ptr<StartCall> call, bool may_defer);
   // OK for no peer or a configured one; Start's and step start's check before admission.
   absl::Status CheckPeer(const std::string& peer) const;
   static constexpr absl::Duration kDefaultStartWait = absl::Seconds(30);
@@ -239,6 +251,10 @@ class KvdService final : public v1::Kvd::CallbackService {
   absl::Status CheckStep(const v1::StepRequest& req) const;
   void StartStepItem(const std::shared_ptr<StepLog>& log, const WorkerId& worker, const Caller& caller,
                      const v1::StepItem& item, v1::StepResult* result, std::function<void()> done);
+  // A step start's admission (answer kept in `park` for the step that sends it again), and its
+  // wait for blocks in flight, then admission.
+  void ParkAdmit(std::shared_ptr<ParkedStart> park);
+  void ParkWait(std::shared_ptr<ParkedStart> park, InFlightInfo found);
 
   // The worker is attached by this caller and, when `request_id` is set, holds that request.
   // Returns the caller.

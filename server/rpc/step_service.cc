@@ -32,10 +32,19 @@ struct KvdService::ParkedStart {
   bool withdrawn ABSL_GUARDED_BY(mu) = false;  // ended in a step, or its worker is gone
   std::atomic<bool> cancelled{false};          // `withdrawn`, as the admission queue reads it
   v1::StartRequest start;  // as first sent, without its ids and waits: a resend must match it
-  // Its wait for blocks in flight, before admission (StartRequest.wait_for_in_flight_ms): what it
-  // found, and how the wait ended (0 while it waits, or when it did not).
+  // Its wait for blocks in flight, before admission or after a deferred acquire
+  // (StartRequest.wait_for_in_flight_ms): what it found, and how the wait ended (0 while it
+  // waits, or when it did not).
   v1::InFlight in_flight ABSL_GUARDED_BY(mu);
   int in_flight_wait ABSL_GUARDED_BY(mu) = 0;
+  // Set once at the first send, read-only after: what admission and a wait need.
+  RequestSpec spec;
+  std::string key;  // the caller
+  absl::Time deadline;
+  int64_t wait_ms = 0;
+  // Its acquire may still defer to blocks in flight (it asked to wait and has not waited). Read
+  // and written only by the worker's steps, which run one at a time.
+  bool may_defer = false;
 };
 
 struct KvdService::StepLog {
@@ -399,70 +408,22 @@ void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const Worker
         "' is waiting with another start; end it in a step to withdraw it, then start it anew")));
   }
   if (park == nullptr) {
-    RequestSpec spec = SpecFromProto(sr.admit());
-    spec.id = id;
-    spec.owner = worker;
-    spec.principal = WorkerId(caller.key);
     park = std::make_shared<ParkedStart>();
     park->start = Comparable(sr);
-    const absl::Time deadline =
-        absl::Now() + (sr.max_wait_ms() > 0 ? absl::Milliseconds(sr.max_wait_ms()) : kDefaultStartWait);
-    auto admit = [this, park, worker, key = caller.key, id, deadline](RequestSpec spec) {
-    admission_->Admit(
-        std::move(spec), deadline, [park] { return park->cancelled.load(); },
-        [this, park, worker, key, id](absl::StatusOr<AdmitResult> admitted, absl::Duration) {
-          // Admitted after it was withdrawn or its worker went: the reservation goes back. Decided
-          // under park->mu, where a withdrawal marks it: exactly one of the two gives it back.
-          const bool worker_gone = !workers_->Check(worker, key).ok();
-          bool give_back = false;
-          {
-            absl::MutexLock lock(&park->mu);
-            if (admitted.ok() && (park->withdrawn || worker_gone)) {
-              give_back = true;
-              admitted = absl::FailedPreconditionError(
-                  absl::StrCat("request '", id.value(), "' was withdrawn or its worker detached while it waited"));
-            }
-            park->answered = true;
-            park->result = std::move(admitted);
-          }
-          if (give_back) {
-            (void)cache_->Release(id, /*completed=*/false);
-            admission_->Poke();
-          }
-        });
-    };
+    park->spec = SpecFromProto(sr.admit());
+    park->spec.id = id;
+    park->spec.owner = worker;
+    park->spec.principal = WorkerId(caller.key);
+    park->key = caller.key;
+    park->deadline = absl::Now() + (sr.max_wait_ms() > 0 ? absl::Milliseconds(sr.max_wait_ms()) : kDefaultStartWait);
+    park->wait_ms = sr.wait_for_in_flight_ms();
+    park->may_defer = park->wait_ms > 0 && park->spec.resume_from.empty();
     // Blocks in flight first: the start waits holding nothing (parked, answered `waiting` with
     // what it waits for), then queues for admission.
-    v1::InFlight seen;
-    const bool waits = WaitInFlight(
-        spec, sr.wait_for_in_flight_ms(), deadline,
-        [this, park, worker, key = caller.key, id]() -> absl::Status {
-          if (park->cancelled.load()) return absl::CancelledError("withdrawn in a step");
-          if (!workers_->Check(worker, key).ok()) {
-            return absl::FailedPreconditionError(absl::StrCat("worker ", worker.value(), " detached while request '",
-                                                              id.value(), "' waited for blocks in flight"));
-          }
-          return absl::OkStatus();
-        },
-        [&seen](const v1::InFlight& found) { seen = found; },
-        [park, admit, spec](absl::StatusOr<InflightWaits::Outcome> outcome, absl::Duration) {
-          if (!outcome.ok()) {
-            absl::MutexLock lock(&park->mu);
-            park->answered = true;
-            park->result = outcome.status();
-            return;
-          }
-          {
-            absl::MutexLock lock(&park->mu);
-            park->in_flight_wait = static_cast<int>(*outcome);
-          }
-          admit(spec);
-        });
-    if (waits) {
-      absl::MutexLock lock(&park->mu);
-      if (park->in_flight_wait == 0 && !park->answered) park->in_flight = seen;
+    if (std::optional<InFlightInfo> found = InFlightToWait(park->spec, park->wait_ms)) {
+      ParkWait(park, std::move(*found));
     } else {
-      admit(std::move(spec));
+      ParkAdmit(park);
     }
   }
   absl::StatusOr<AdmitResult> admitted;
@@ -487,17 +448,101 @@ void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const Worker
     log->parked.erase(item.request_id());
   }
   if (!admitted.ok()) return fail(admitted.status());
+  auto finish = std::make_shared<std::function<void()>>(std::move(done));
+  std::function<void(InFlightInfo)> defer;
+  if (park->may_defer) {
+    defer = [this, log, park, id, result, finish](InFlightInfo found) {
+      // Another start of this prefix acquired first: the reservation goes back (a waiter holds
+      // nothing), and it parks again, waiting as if it had found them before admission; a later
+      // step sends it again.
+      (void)cache_->Release(id, /*completed=*/false);
+      admission_->Poke();
+      {
+        absl::MutexLock lock(&park->mu);
+        park->answered = false;
+      }
+      {
+        absl::MutexLock lock(&log->mu);
+        log->parked[id.value()] = park;
+      }
+      ParkWait(park, std::move(found));
+      {
+        absl::MutexLock lock(&park->mu);
+        if (park->in_flight_wait == 0) *result->mutable_in_flight() = park->in_flight;
+        result->set_in_flight_wait(static_cast<v1::InFlightWait>(park->in_flight_wait));
+      }
+      result->set_waiting(true);
+      (*finish)();
+    };
+  }
   AcquireThen(
       id, result->mutable_acquired(),
-      [this, id, result, done = std::move(done)](absl::Status s) {
+      [this, id, result, finish](absl::Status s) {
         if (!s.ok()) {  // admitted but not acquired: the reservation goes back
           (void)cache_->Release(id, /*completed=*/false);
           admission_->Poke();
           SetStatus(s, result);
         }
-        done();
+        (*finish)();
       },
-      sr.peer());
+      sr.peer(), std::move(defer));
+}
+
+void KvdService::ParkAdmit(std::shared_ptr<ParkedStart> park) {
+  admission_->Admit(
+      park->spec, park->deadline, [park] { return park->cancelled.load(); },
+      [this, park](absl::StatusOr<AdmitResult> admitted, absl::Duration) {
+        const RequestId& id = park->spec.id;
+        // Admitted after it was withdrawn or its worker went: the reservation goes back. Decided
+        // under park->mu, where a withdrawal marks it: exactly one of the two gives it back.
+        const bool worker_gone = !workers_->Check(park->spec.owner, park->key).ok();
+        bool give_back = false;
+        {
+          absl::MutexLock lock(&park->mu);
+          if (admitted.ok() && (park->withdrawn || worker_gone)) {
+            give_back = true;
+            admitted = absl::FailedPreconditionError(
+                absl::StrCat("request '", id.value(), "' was withdrawn or its worker detached while it waited"));
+          }
+          park->answered = true;
+          park->result = std::move(admitted);
+        }
+        if (give_back) {
+          (void)cache_->Release(id, /*completed=*/false);
+          admission_->Poke();
+        }
+      });
+}
+
+void KvdService::ParkWait(std::shared_ptr<ParkedStart> park, InFlightInfo found) {
+  park->may_defer = false;  // waited once: its acquire computes what it then finds in flight
+  {
+    absl::MutexLock lock(&park->mu);
+    ToProto(found, &park->in_flight);
+    park->in_flight_wait = 0;
+  }
+  WaitFor(
+      park->spec, std::move(found), park->wait_ms, park->deadline,
+      [this, park]() -> absl::Status {
+        if (park->cancelled.load()) return absl::CancelledError("withdrawn in a step");
+        if (!workers_->Check(park->spec.owner, park->key).ok()) {
+          return absl::FailedPreconditionError(absl::StrCat("worker ", park->spec.owner.value(), " detached while request '",
+                                                            park->spec.id.value(), "' waited for blocks in flight"));
+        }
+        return absl::OkStatus();
+      },
+      [this, park](absl::StatusOr<InflightWaits::Outcome> outcome, absl::Duration) {
+        {
+          absl::MutexLock lock(&park->mu);
+          if (!outcome.ok()) {
+            park->answered = true;
+            park->result = outcome.status();
+            return;
+          }
+          park->in_flight_wait = static_cast<int>(*outcome);
+        }
+        ParkAdmit(park);
+      });
 }
 
 }  // namespace kvd

@@ -5,7 +5,9 @@ and may wait for them. Waited for and published: a hit, nothing computed twice. 
 request ends without publishing, is preempted, or its worker is SIGKILLed: the waiter is answered
 and computes them itself. A waiter whose worker dies, a wait that times out, two workers each
 waiting on the other's blocks, a tenant probing another's prompt, bad bounds: answered, nothing
-leaked, nothing wedged. Outcomes are asserted, never wall times (bounds are generous).
+leaked, nothing wedged. Two starts of a new prefix admitted together: the one that acquires
+second waits for the first's blocks (the acquire decides). Outcomes are asserted, never wall
+times (bounds are generous).
 
 Usage: test_inflight.py KVD_BINARY   (PYTHONPATH=<build>/python:<this dir>)
 """
@@ -88,6 +90,66 @@ def spawn(code, target, rid, p):
     proc = subprocess.Popen([sys.executable, "-c", code, target, rid, ",".join(map(str, p))],
                             stdout=subprocess.PIPE, text=True)
     return proc
+
+
+def simultaneous_starts(daemon):
+    """Unary starts and step starts, each pair queued for admission behind a full budget."""
+    with Client(daemon.target, worker_name="q-a", step_credit_blocks=0) as a, \
+            Client(daemon.target, worker_name="q-b", step_credit_blocks=0) as b:
+        for how in ("start", "step"):
+            shared = list(range(11000 + (0 if how == "start" else 100), 11016 + (0 if how == "start" else 100)))
+            # 64 blocks: 50 + 10 reserved leave 4, less than one 21-token start's 6 blocks.
+            big = a.request(f"{how}-fill-1", "default", [1, 2, 3, 4], max_new_tokens=196)
+            small = a.request(f"{how}-fill-2", "default", [5, 6, 7, 8], max_new_tokens=36)
+            p1, p2 = prompt(shared, 100), prompt(shared, 200)
+            if how == "start":
+                t1, box1 = start_in_thread(a, f"{how}-1", p1, wait_in_flight_s=20, wait_s=20)
+                check(wait_until(lambda: a.report().admission_waiting == 1), f"{how}: the first queues for admission")
+                t2, box2 = start_in_thread(b, f"{how}-2", p2, wait_in_flight_s=20, wait_s=20)
+                check(wait_until(lambda: a.report().admission_waiting == 2), f"{how}: the second queues behind it")
+                small.release()
+                check(wait_until(lambda: "req" in box1 or "req" in box2 or "error" in box1 or "error" in box2),
+                      f"{how}: one is answered once there is room")
+                first, fprompt, lbox, lthread = ((box1.get("req"), p1, box2, t2) if "req" in box1
+                                               else (box2.get("req"), p2, box1, t1))
+                check(first is not None and first.cached_tokens == 0 and first.in_flight is None,
+                      f"{how}: the first computes the prefix ({box1.get('error') or box2.get('error')})")
+                check(wait_until(lambda: a.report().in_flight_waiting == 1) and not lbox,
+                      f"{how}: the other, admitted with it, waits for its blocks instead of computing them")
+                if first is not None:
+                    first.publish(fprompt)
+                lthread.join(20)
+                second = lbox.get("req")
+                check(second is not None and second.cached_tokens == 16 and second.in_flight_wait == "published"
+                      and second.in_flight_seen is not None and second.in_flight_seen.request_id == first.id,
+                      f"{how}: then hits what the first published "
+                      f"({lbox.get('error') or (second.cached_tokens, second.in_flight_wait, second.in_flight_seen)})")
+                for r in (first, second):
+                    if r is not None:
+                        end = r.end(publish_blocks=5)
+                        check(end.duplicates == 0, f"{how}: {r.id} computed nothing twice ({end})")
+            else:
+                s1, s2 = StepRequest(f"{how}-1"), StepRequest(f"{how}-2")
+                r1 = a.step(StepBatch().start(s1, "default", p1, wait_in_flight_s=20))[0]
+                r2 = b.step(StepBatch().start(s2, "default", p2, wait_in_flight_s=20))[0]
+                check(r1.waiting and r2.waiting and s1.in_flight is None and s2.in_flight is None,
+                      f"{how}: both wait for admission, nothing in flight yet")
+                small.release()
+                check(wait_until(lambda: not a.step(StepBatch().start(s1, "default", p1, wait_in_flight_s=20))[0].waiting)
+                      and s1.live and s1.cached_tokens == 0, f"{how}: the first sent again acquires and computes")
+                r2 = b.step(StepBatch().start(s2, "default", p2, wait_in_flight_s=20))[0]
+                check(r2.ok and r2.waiting and s2.in_flight is not None and s2.in_flight.request_id == s1.id
+                      and not s2.live, f"{how}: the second, admitted with it, waits for its blocks ({s2.in_flight})")
+                check(a.report().in_flight_waiting == 1 and a.report().live_requests == 2,
+                      f"{how}: holding nothing while it waits (only the first and the filler are live)")
+                check(a.step(StepBatch().publish(s1, p1, 5))[0].ok, f"{how}: the first publishes")
+                ok = wait_until(lambda: not b.step(StepBatch().start(s2, "default", p2, wait_in_flight_s=20))[0].waiting)
+                check(ok and s2.live and s2.cached_tokens == 16 and s2.in_flight_wait == "published",
+                      f"{how}: then hits them ({s2.cached_tokens}, {s2.in_flight_wait})")
+                for w, req in ((a, s1), (b, s2)):
+                    check(w.step(StepBatch().end(req, publish_blocks=0))[0].ok, f"{how}: {req.id} ends")
+            big.release()
+            idle(a, f"{how}: simultaneous starts")
 
 
 def main():
@@ -227,6 +289,16 @@ def main():
             for w, req in ((a, a1), (a, a2), (b, b1), (b, b2)):
                 check(w.step(StepBatch().end(req, publish_blocks=0))[0].ok, f"{req.id} ends")
             idle(a, "mutual waits")
+
+            # --- two starts of a new prefix admitted together: the second's acquire waits ---------
+            # Both queue for admission, so both find nothing in flight before it; admitted in one
+            # pass, the first to acquire computes the prefix and the other, which asked to wait,
+            # gives its admission back and waits for it then (the check is in the acquire).
+            small = Daemon(kvd, tmp, SMALL_POOL, name="small")
+            try:
+                simultaneous_starts(small)
+            finally:
+                small.stop()
 
             # --- another tenant never learns of it ----------------------------------------------
             shared = list(range(8000, 8016))

@@ -112,6 +112,50 @@ TEST_CASE("A request that starts without waiting learns it and holds none of tho
   REQUIRE(cache->inflight_blocks() == 0);
 }
 
+TEST_CASE("Two starts admitted together: the later acquire defers, acquiring nothing", "[core][inflight]") {
+  FakeClock clock;
+  auto cache = MakeCache(SmallOptions(), &clock);
+  const RequestSpec a = Spec("a", Concat(kShared, Seq(100, 5)));
+  const RequestSpec b = Spec("b", Concat(kShared, Seq(200, 5)));
+  // Both admitted before either acquires: InFlightAhead finds nothing for either.
+  REQUIRE(cache->Admit(a).ok());
+  REQUIRE(cache->Admit(b).ok());
+  REQUIRE_FALSE((*cache->InFlightAhead(b.ns, b.prompt)).has_value());
+  const absl::StatusOr<AcquireResult> ra = cache->Acquire(a.id, OnInFlight::kDefer);
+  REQUIRE(ra.ok());
+  REQUIRE_FALSE(ra->deferred);  // nothing in flight ahead of the first: it computes
+  const CacheReport before = cache->Report();
+  const absl::StatusOr<AcquireResult> rb = cache->Acquire(b.id, OnInFlight::kDefer);
+  REQUIRE(rb.ok());
+  REQUIRE(rb->deferred);
+  REQUIRE(rb->blocks.empty());
+  REQUIRE(rb->in_flight.has_value());
+  REQUIRE(rb->in_flight->request_id == RequestId("a"));
+  REQUIRE(rb->in_flight->blocks == 4);
+  // Nothing changed: b holds no block and no in-flight entry, and is still only admitted.
+  REQUIRE(cache->Report().pools[0].owned_blocks == before.pools[0].owned_blocks);
+  REQUIRE(cache->inflight_blocks() == 5);
+  RequireInvariants(*cache);
+  // Once a published them, b's deferring acquire hits them; a plain acquire never defers.
+  REQUIRE(PublishAll(*cache, a, a.prompt, *ra).kept == 5);
+  const absl::StatusOr<AcquireResult> rb2 = cache->Acquire(b.id, OnInFlight::kDefer);
+  REQUIRE(rb2.ok());
+  REQUIRE_FALSE(rb2->deferred);
+  REQUIRE(rb2->cached_tokens == 16);
+  const RequestSpec c = Spec("c", Concat(Seq(300, 16), Seq(400, 5)));
+  const RequestSpec d = Spec("d", Concat(Seq(300, 16), Seq(500, 5)));
+  Start(*cache, c);
+  REQUIRE(cache->Admit(d).ok());
+  const absl::StatusOr<AcquireResult> rd = cache->Acquire(d.id);
+  REQUIRE(rd.ok());
+  REQUIRE_FALSE(rd->deferred);
+  REQUIRE(rd->in_flight.has_value());  // it computes them too, told who else does
+  RequireInvariants(*cache);
+  for (const RequestSpec* s : {&a, &b, &c, &d}) REQUIRE(cache->Release(s->id, false).ok());
+  REQUIRE(cache->inflight_blocks() == 0);
+  RequireInvariants(*cache);
+}
+
 TEST_CASE("Every end of the computing request lets its blocks go", "[core][inflight]") {
   FakeClock clock;
   auto cache = MakeCache(SmallOptions(), &clock);
