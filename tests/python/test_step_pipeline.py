@@ -5,8 +5,10 @@ worker killed while holding them has its blocks released unpublished (nothing ca
 nothing leaked); a step submitted with its round trip in flight (Client.step_submit) answers as
 Client.step does; and the reference batch engine gives the same tokens and digests synchronous,
 holding back, and overlapping its model with the round trip, with fewer round trips and nothing
-held after; a step in flight when kvd dies under it fails with a KvdError, and so do the held items
-it carried.
+held after, and carrying a step's unanswered starts across engine steps; growth on credit is
+placed while a step is in flight (kvd stopped) and kvd's answer does not hand those blocks out
+again; a step in flight when kvd dies under it fails with a KvdError, and so do the held items it
+carried.
 
 Usage: test_step_pipeline.py KVD_BINARY   (PYTHONPATH=<build>/python:<this dir>)
 """
@@ -63,14 +65,39 @@ def prompts(n, shared=12, seed=0):
             for i in range(n)}
 
 
-def engine_run(target, work, **kw):
+class LateAnswers:
+    """A Client whose submitted steps say they are not answered for their first `polls` done()
+    calls: an engine sees a round trip longer than its model's step, whatever this machine's
+    timing (the client's own state, a step in flight, is real)."""
+
+    def __init__(self, client, polls=4):
+        self._client, self._polls = client, polls
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def step_submit(self, batch):
+        f = self._client.step_submit(batch)
+        late = {"left": self._polls}
+
+        class Late:
+            def done(self):
+                late["left"] -= 1
+                return late["left"] < 0 and f.done()
+
+            def result(self):
+                return f.result()
+        return Late()
+
+
+def engine_run(target, work, late=False, **kw):
     with Client(target, worker_name="pipeline", step_credit_blocks=16) as c:
-        e = BatchEngine(c, max_running=4, chunk=8, token_budget=24, **kw)
+        e = BatchEngine(LateAnswers(c) if late else c, max_running=4, chunk=8, token_budget=24, **kw)
         for rid, p in work.items():
             e.submit(rid, p, max_new=9)
         before = c.rpc_calls
         res = e.run()
-        return res, c.rpc_calls - before
+        return res, c.rpc_calls - before, e.carried_steps
 
 
 def main():
@@ -123,6 +150,31 @@ def main():
             c.step(StepBatch().end(e2))
             idle(obs, "held items and steps in flight", c.step_credit("default"))
 
+            # --- steps placed on credit while one is in flight --------------------------------
+            # kvd is stopped: the start's step cannot be answered, yet growth on credit is placed
+            # at once; kvd's answer then lists the credit as it was, less what was placed meanwhile.
+            h1, h2 = StepRequest("h1"), StepRequest("h2")
+            c.step(StepBatch().start(h1, "default", list(range(600, 609))))
+            calls = c.rpc_calls
+            stop_process(daemon.proc.pid)
+            try:
+                f = c.step_submit(StepBatch().start(h2, "default", list(range(650, 659))))
+                grown = [c.step(StepBatch().grow(h1, 4))[0] for _ in range(3)]
+                check(all(g.ok for g in grown) and h1.num_tokens == 21 and not f.done() and c.rpc_calls == calls + 1,
+                      f"kvd stopped: growth on credit placed while a start's step is in flight ({h1.num_tokens} tokens)")
+            finally:
+                os.kill(daemon.proc.pid, signal.SIGCONT)
+            check(f.result()[0].ok and h2.live, "the start is answered once kvd runs again")
+            held_blocks = list(h1.blocks)
+            free_credit = c._stepper.credit.get((h1.pool_id, 0), [])
+            check(len(set(held_blocks)) == len(held_blocks) and not set(free_credit) & set(held_blocks),
+                  "no credit block is both placed and free after the answer")
+            r = c.step(StepBatch().grow(h1, 40).grow(h2, 40))  # past the credit: goes out with the held growth
+            check(all(x.ok for x in r) and len(set(h1.blocks) | set(h2.blocks)) == len(h1.blocks) + len(h2.blocks),
+                  f"kvd takes the growth placed meanwhile as sent ({[x.message for x in r]})")
+            c.step(StepBatch().end(h1).end(h2))
+            idle(obs, "growth placed while a step is in flight", c.step_credit("default"))
+
             # --- a worker killed while holding a publish and an end ---------------------------
             killed = list(range(500, 513))
             p = subprocess.Popen([sys.executable, "-c", HOLDER, daemon.target, ",".join(map(str, killed))],
@@ -146,6 +198,15 @@ def main():
                 (("sync", {"hold_s": 0.0, "overlap": False}), ("held", {"hold_s": 30.0, "overlap": False}),
                  ("overlap", {"hold_s": 30.0, "overlap": True}))}
         ref = runs["sync"][0]
+        # Late answers, on prompts nobody cached (so requests end apart and later ones start while
+        # others run): the engine decodes while a step's starts are unanswered.
+        cold = prompts(10, seed=1)
+        late, _, carried = engine_run(daemon.target, cold, hold_s=30.0, overlap=True, late=True)
+        late_ref = engine_run(daemon.target, cold, hold_s=0.0, overlap=False)[0]
+        bad = [rid for rid in cold if late[rid]["tokens"] != late_ref[rid]["tokens"] or late[rid]["digest"] != late_ref[rid]["digest"]]
+        check(carried > 0 and len(late) == len(cold) and not bad,
+              f"late answers: {carried} engine steps ran while starts were unanswered; the same tokens and "
+              f"digests as sync ({len(bad)} differ)")
         for label in ("held", "overlap"):
             res = runs[label][0]
             bad = [rid for rid in work if res[rid]["tokens"] != ref[rid]["tokens"] or res[rid]["digest"] != ref[rid]["digest"]]

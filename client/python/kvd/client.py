@@ -293,6 +293,9 @@ class Request:
 class Client:
     """Attaches to kvd (with a background heartbeat), lists pools and maps host slabs once."""
 
+    # A step that needs no round trip is placed while a submitted one is in flight (kvd.step).
+    steps_while_in_flight = True
+
     def __init__(self, target=None, worker_name="python", map_slabs=True, heartbeat_s=1.0, cuda_runtime=None,
                  expect=(), on_remap=None, connect_timeout_s=5.0, step_credit_blocks=128, on_lease_lost=None,
                  no_async_writes=False):
@@ -844,8 +847,9 @@ class Client:
         """Client.step with the round trip left in flight: a kvd.step.StepFuture whose result() is
         the list Client.step returns. What needs no round trip is placed before it returns (growth
         on credit: req.blocks has its blocks), so the engine may compute into blocks it owns while
-        kvd answers; the rest (starts, growth past the credit) is known once result() returns. The
-        next step of this client waits for this one's answer first."""
+        kvd answers; the rest (starts, growth past the credit) is known once result() returns. A
+        later step that needs no round trip is placed at once, this one still in flight; the first
+        that must go out waits for this one's answer first."""
         with self._step_lock:
             return self._stepper.submit(batch)
 

@@ -38,6 +38,10 @@ request's. Not on hybrid pools, nor with state checkpoints (their answer changes
 Client.step_submit sends a step without waiting (grpc's future API) and returns a StepFuture:
 the engine computes into the blocks it already owns (growth on credit is placed before it
 returns) while the round trip is in flight, then takes result() (starts, growth past the credit).
+Steps after it that need no round trip (growth the credit covers, publishes and ends held back)
+are placed while it is still in flight, so an engine can run decode steps while kvd answers its
+starts; the first step that must go out waits for its answer first. kvd's answer lists the credit
+as it was when the step was built: blocks placed since are taken off that list.
 """
 import time
 
@@ -404,9 +408,7 @@ class Stepper:
         """Places what needs no round trip and sends the rest; a StepFuture. `overlap`: the RPC is
         started and left in flight (grpc's future API); otherwise it is made here. `force`: send
         held items even when nothing else must go."""
-        if self.inflight is not None:
-            self._settle(self.inflight)
-        results, pending = self._prepare(batch, force)
+        results, pending = self._prepare(batch, force)  # settles the step in flight if this one goes out
         f = StepFuture(self, results, pending)
         if pending is None:
             return f
@@ -507,8 +509,15 @@ class Stepper:
             used = set()
         low = bool(self.wanted) or any(len(self.credit.get(p, [])) < self._want(p) // 2 for p in used)
         due = any(op[4] <= now for op in self.ops)
-        if not must and not low and not due and not (force and (self.ops or self.held)):
+        # Low credit alone does not wait for a step in flight: that step asked for credit already.
+        if not must and not due and not (force and (self.ops or self.held)) and (not low or self.inflight is not None):
             return results, None
+        if self.inflight is not None:
+            # This one goes out: the one in flight is answered first (the sequence number and the
+            # credit follow from it; what was placed meanwhile stays placed, see _apply).
+            self._settle(self.inflight)
+            if c.epoch != epoch:
+                raise KvdRestarted(f"step {self.seq}")
 
         step = kvd_pb2.StepRequest(worker_id=c.worker_id)
         self.seq += 1
@@ -641,9 +650,16 @@ class Stepper:
                     req.reported_computed = computed if computed > 0 else max(req.reported_computed, req.cached_tokens)
             elif kind in ("end", "preempt") and out.ok:
                 req.live = req.waiting = False
+        # kvd's list of the credit held, less what was placed on credit since this step was built
+        # (growth held in self.held: kvd learns of it with the next step that goes out).
+        placed = {}
+        for req, _, blocks, groups, _ in self.held:
+            for j, b in enumerate(blocks):
+                placed.setdefault((req.pool_id, 0 if groups is None else groups[j]), set()).add(b)
         self.credit = {}
         for cr in resp.credit:
-            self.credit[(cr.pool_id, cr.group)] = list(cr.blocks)
+            gone = placed.get((cr.pool_id, cr.group), ())
+            self.credit[(cr.pool_id, cr.group)] = [b for b in cr.blocks if b not in gone]
             if cr.wanted > 0:
                 self.wanted[(cr.pool_id, cr.group)] = cr.wanted
 

@@ -133,10 +133,12 @@ class BatchEngine:
     `waiting` for admission), the youngest running request is preempted to make room (0: never).
     `wait_in_flight_s`: how long a start may be deferred while its prefix is in flight (0: never).
     `hold_s`: how long an end or publish may be held back for a step that goes out anyway (0: sent
-    with its own step). `overlap`: run the model while the step's round trip is in flight."""
+    with its own step). `overlap`: run the model while the step's round trip is in flight.
+    `carry`: a step whose starts kvd has not answered by the time the model ran stays in flight
+    while later steps decode the running requests on credit (no new start meanwhile)."""
 
     def __init__(self, client, pool="default", model=None, token_budget=256, max_running=32, chunk=64,
-                 max_wait_s=30.0, preempt_after=0, wait_in_flight_s=0.0, hold_s=0.05, overlap=True):
+                 max_wait_s=30.0, preempt_after=0, wait_in_flight_s=0.0, hold_s=0.05, overlap=True, carry=True):
         self.client, self.pool = client, pool
         self.model = model or PatternModel()
         self.token_budget, self.max_running, self.chunk = token_budget, max_running, chunk
@@ -153,6 +155,11 @@ class BatchEngine:
         self.deferred_in_flight = 0  # start answers deferred for a prefix in flight
         self.hold_s = hold_s
         self.overlap = overlap and hasattr(client, "step_submit")
+        # Carry a step's starts across engine steps (its round trip in flight while the running
+        # requests decode on credit): needs a client that places steps while one is in flight.
+        self.carry = self.overlap and carry and getattr(client, "steps_while_in_flight", False)
+        self.carried = None  # (future, batch, ending, starting) of the step whose starts are unanswered
+        self.carried_steps = 0  # engine steps that ran while a step's starts were unanswered
         self.held = []  # (kind, rid, StepResult) of publishes and ends held back, not yet answered
 
     def submit(self, rid, prompt, max_new=8, salt=""):
@@ -163,12 +170,12 @@ class BatchEngine:
         max_new, salt) in time order, submitted when their time comes (idle until then)."""
         pending = collections.deque(arrivals or ())
         t0 = time.perf_counter()
-        while pending or self.waiting or self.running or self.finished:
+        while pending or self.waiting or self.running or self.finished or self.carried:
             now = time.perf_counter() - t0
             while pending and pending[0][0] <= now:
                 _, rid, prompt, max_new, salt = pending.popleft()
                 self.submit(rid, prompt, max_new, salt)
-            if not (self.waiting or self.running or self.finished):
+            if not (self.waiting or self.running or self.finished or self.carried):
                 self.flush()  # idle: what is held back goes out now (a round trip on kvd)
                 time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - t0)))
                 continue
@@ -193,6 +200,10 @@ class BatchEngine:
 
     def step(self):
         self.steps += 1
+        self.carried_steps += self.carried is not None
+        if self.carried is not None and (not self.running or self.carried[0].done()):
+            self._absorb(*self.carried)  # answered, or nothing else to run: take it now
+            self.carried = None
         bt = self.block_tokens
         batch = StepBatch()
         ending, self.finished = self.finished, []
@@ -217,7 +228,9 @@ class BatchEngine:
             plan.append((g, g.computed, g.computed + n, n == 1 and g.computed >= len(g.prompt)))
             budget -= n
         starting = []
-        while self.waiting and len(self.running) + len(starting) < self.max_running:
+        # New starts wait while carried ones are unanswered (one step with starts in flight).
+        starts_open = self.carried is None
+        while starts_open and self.waiting and len(self.running) + len(starting) < self.max_running:
             g = self.waiting.popleft()
             batch.start(g.req, pool=self.pool, prompt=g.prompt, max_new_tokens=g.max_new, cache_salt=g.salt,
                         resume_from=g.rid if g.resume else "", max_wait_s=self.max_wait_s,
@@ -227,10 +240,27 @@ class BatchEngine:
             # In flight: meanwhile, every position whose blocks the request holds already. (With
             # nothing planned, the plain call waits for the answer with less thread hand-off.)
             future = self.client.step_submit(batch)
+            if self.carried is not None and self.carried[0].done():
+                self._absorb(*self.carried)  # this step went out: the carried one was answered first
+                self.carried = None
             plan = [p for p in plan if not self._forward(p, None)]
-            results = future.result()
+            if self.carry and starting and not plan and not future.done():
+                # Everything planned ran: the starts' answer can wait for a later step.
+                self.carried = (future, batch, ending, starting)
+            else:
+                self._absorb(None, batch, ending, starting, future.result(), plan, counts=starts_open)
         else:
-            results = self.client.step(batch)
+            self._absorb(None, batch, ending, starting, self.client.step(batch), plan, counts=starts_open)
+        # After every position planned ran (a preemption replaces the request's StepRequest).
+        if self.preempt_after and self.head_waited >= self.preempt_after and self.running:
+            self._preempt(self.running[-1])
+            self.head_waited = 0
+
+    def _absorb(self, future, batch, ending, starting, results=None, plan=(), counts=True):
+        """Takes a step's answer: held items, ends, starts, then the planned positions left.
+        `counts`: the step could start requests (it does not count toward preempt_after else)."""
+        if results is None:
+            results = future.result()
         for k, (kind, req, _) in enumerate(batch.items):
             if kind in ("publish", "end") and results[k].deferred:
                 self.held.append((kind, req.id, results[k]))
@@ -256,13 +286,11 @@ class BatchEngine:
                 self._started(g)
         self.waiting.extendleft(reversed(head))
         # Only a wait for room makes preemption worth it (a prefix in flight comes by itself).
-        self.head_waited = self.head_waited + 1 if admission_waits else 0
+        if counts:
+            self.head_waited = self.head_waited + 1 if admission_waits else 0
         # The model: every scheduled position (left), each from the KV before it.
         for p in plan:
             self._forward(p, by_item)
-        if self.preempt_after and self.head_waited >= self.preempt_after and self.running:
-            self._preempt(self.running[-1])
-            self.head_waited = 0
 
     def _forward(self, p, by_item):
         """Runs planned positions [start, end) of g. by_item None (the step in flight): only when
