@@ -114,8 +114,7 @@ def child(args):
         wait = {"wait_in_flight_s": args.wait_in_flight} if args.wait_in_flight > 0 else {}
     model = DelayedModel(args.prefill_tps, args.model_delay == "per-call") if args.prefill_tps > 0 else None
     e = BatchEngine(client, max_running=args.max_running, chunk=64, token_budget=512, hold_s=args.hold_s,
-                    overlap=not args.no_overlap, model=model, carry=args.client != "python-nocarry",
-                    start_ahead=not args.no_start_ahead, **wait)
+                    overlap=not args.no_overlap, model=model, carry=args.client != "python-nocarry", **wait)
     res = e.run(arrivals)
     print(json.dumps({"results": list(res.values()), "prefill_tokens": e.prefill_tokens, "steps": e.steps,
                       "rpc_calls": client.rpc_calls, "rpc_s": getattr(client, "rpc_seconds", 0.0)}))
@@ -143,7 +142,6 @@ def run_mode(args, tmp, mode, salt, max_running, reqs, client="python"):
                                    "--wait-in-flight", str(args.wait_in_flight), "--chains", args.chains,
                                    "--client", client, "--model-delay", args.model_delay]
                                   + (["--no-overlap"] if args.no_overlap else [])
-                                  + (["--no-start-ahead"] if args.no_start_ahead else [])
                                   + (["--salt"] if salt else []), stdout=subprocess.PIPE, text=True) for p in files]
         results, prefill, path = [], 0, {"steps": 0, "rpc_calls": 0, "rpc_s": 0.0}
         for p in procs:
@@ -248,8 +246,6 @@ def main():
     # model run while the step is in flight; --hold-s 0 --no-overlap is the synchronous path.
     ap.add_argument("--hold-s", type=float, default=0.05)
     ap.add_argument("--no-overlap", action="store_true")
-    # BatchEngine(start_ahead=False): a finishing request's slot is started the step after.
-    ap.add_argument("--no-start-ahead", action="store_true")
     ap.add_argument("--prefill-tps", type=float, default=0.0)
     ap.add_argument("--wait-in-flight", type=float, default=0.0)
     ap.add_argument("--chains", choices=("continue", "stop"), default="continue")

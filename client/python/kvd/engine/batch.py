@@ -135,13 +135,10 @@ class BatchEngine:
     `hold_s`: how long an end or publish may be held back for a step that goes out anyway (0: sent
     with its own step). `overlap`: run the model while the step's round trip is in flight.
     `carry`: a step whose starts kvd has not answered by the time the model ran stays in flight
-    while later steps decode the running requests on credit (no new start meanwhile).
-    `start_ahead`: a request sampling its last token in a step frees its slot for a start in that
-    same step (max_running is then exceeded by those for one step)."""
+    while later steps decode the running requests on credit (no new start meanwhile)."""
 
     def __init__(self, client, pool="default", model=None, token_budget=256, max_running=32, chunk=64,
-                 max_wait_s=30.0, preempt_after=0, wait_in_flight_s=0.0, hold_s=0.05, overlap=True, carry=True,
-                 start_ahead=True):
+                 max_wait_s=30.0, preempt_after=0, wait_in_flight_s=0.0, hold_s=0.05, overlap=True, carry=True):
         self.client, self.pool = client, pool
         self.model = model or PatternModel()
         self.token_budget, self.max_running, self.chunk = token_budget, max_running, chunk
@@ -163,7 +160,6 @@ class BatchEngine:
         self.carry = self.overlap and carry and getattr(client, "steps_while_in_flight", False)
         self.carried = None  # (future, batch, ending, starting) of the step whose starts are unanswered
         self.carried_steps = 0  # engine steps that ran while a step's starts were unanswered
-        self.start_ahead = start_ahead
         self.held = []  # (kind, rid, StepResult) of publishes and ends held back, not yet answered
 
     def submit(self, rid, prompt, max_new=8, salt=""):
@@ -234,10 +230,7 @@ class BatchEngine:
         starting = []
         # New starts wait while carried ones are unanswered (one step with starts in flight).
         starts_open = self.carried is None
-        # With start_ahead, a request that samples its last token in this step leaves its slot now:
-        # the start that takes it is answered while the model runs, and prefills next step.
-        leaving = sum(1 for g, _, _, grew in plan if grew and len(g.generated) + 1 >= g.max_new) if self.start_ahead else 0
-        while starts_open and self.waiting and len(self.running) - leaving + len(starting) < self.max_running:
+        while starts_open and self.waiting and len(self.running) + len(starting) < self.max_running:
             g = self.waiting.popleft()
             batch.start(g.req, pool=self.pool, prompt=g.prompt, max_new_tokens=g.max_new, cache_salt=g.salt,
                         resume_from=g.rid if g.resume else "", max_wait_s=self.max_wait_s,
