@@ -137,6 +137,9 @@ def simultaneous_starts(daemon):
                 small.release()
                 check(wait_until(lambda: not a.step(StepBatch().start(s1, "default", p1, wait_in_flight_s=20))[0].waiting)
                       and s1.live and s1.cached_tokens == 0, f"{how}: the first sent again acquires and computes")
+                # Sent again until kvd's admission pass has reached it too (answered while it queues).
+                wait_until(lambda: b.step(StepBatch().start(s2, "default", p2, wait_in_flight_s=20))[0].ok
+                           and (s2.in_flight is not None or not s2.waiting))
                 r2 = b.step(StepBatch().start(s2, "default", p2, wait_in_flight_s=20))[0]
                 check(r2.ok and r2.waiting and s2.in_flight is not None and s2.in_flight.request_id == s1.id
                       and not s2.live, f"{how}: the second, admitted with it, waits for its blocks ({s2.in_flight})")
