@@ -440,7 +440,8 @@ void KvdService::StartAdmit(std::shared_ptr<StartCall> call, bool may_defer) {
         const auto start = call->start;
         resp->set_waited(resp->waited() || waited > absl::ZeroDuration());
         resp->set_waited_us(resp->waited_us() + absl::ToInt64Microseconds(waited));
-        // Per request (not per poll): how long it waited, and how the wait ended.
+        // Per admission (not per poll; a start that deferred to blocks in flight is admitted
+        // twice): how long it waited, and how the wait ended.
         // Labels name configured pools only: a request's made-up pool name must not mint series.
         if (cache_->FindPool(call->spec.ns.pool).ok()) {
           metrics_->ObserveAdmissionWait(call->spec.ns.pool,

@@ -244,6 +244,8 @@ class KvdService final : public v1::Kvd::CallbackService {
   // gets it back), whether a step is being applied, and the starts waiting in the admission queue.
   struct ParkedStart;
   struct StepLog;
+  static void Withdraw(ParkedStart& park);
+  static void Park(StepLog& log, const std::string& id, const std::shared_ptr<ParkedStart>& park);
   static constexpr int kMaxStepItems = 16384;
   std::shared_ptr<StepLog> StepLogOf(const WorkerId& worker);
   void ForgetSteps(const WorkerId& worker);  // its worker is gone: parked starts withdrawn

@@ -61,7 +61,29 @@ struct KvdService::StepLog {
   std::vector<Waiter> waiters ABSL_GUARDED_BY(mu);
   v1::StepResponse last ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<std::string, std::shared_ptr<ParkedStart>> parked ABSL_GUARDED_BY(mu);
+  bool forgotten ABSL_GUARDED_BY(mu) = false;  // its worker is gone (ForgetSteps): nothing parks here
 };
+
+// A start leaves the admission queue and any wait for blocks in flight (both poll `cancelled`);
+// one admitted meanwhile gives its reservation back (the admission callback decides under mu).
+void KvdService::Withdraw(ParkedStart& park) {
+  absl::MutexLock lock(&park.mu);
+  park.withdrawn = true;
+  park.cancelled = true;
+}
+
+// Parks `park` under `id` until a later step sends it again; withdrawn instead when the worker's
+// steps were forgotten (its worker gone) while it was being answered, maybe on another thread.
+void KvdService::Park(StepLog& log, const std::string& id, const std::shared_ptr<ParkedStart>& park) {
+  {
+    absl::MutexLock lock(&log.mu);
+    if (!log.forgotten) {
+      log.parked[id] = park;
+      return;
+    }
+  }
+  Withdraw(*park);
+}
 
 namespace {
 
@@ -169,12 +191,9 @@ void KvdService::ForgetSteps(const WorkerId& worker) {
   {
     absl::MutexLock lock(&log->mu);
     parked = std::exchange(log->parked, {});
+    log->forgotten = true;
   }
-  for (auto& [id, park] : parked) {  // the queue drops them; one admitted meanwhile goes back
-    absl::MutexLock lock(&park->mu);
-    park->withdrawn = true;
-    park->cancelled = true;
-  }
+  for (auto& [id, park] : parked) Withdraw(*park);  // the queue drops them; one admitted meanwhile goes back
 }
 
 absl::Status KvdService::CheckStep(const v1::StepRequest& req) const {
@@ -432,14 +451,15 @@ void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const Worker
     absl::MutexLock lock(&park->mu);
     answered = park->answered;
     if (answered) admitted = park->result;
-    if (park->in_flight_wait == 0 && park->in_flight.blocks() > 0) *result->mutable_in_flight() = park->in_flight;
+    if (!answered && park->in_flight_wait == 0 && park->in_flight.blocks() > 0) {
+      *result->mutable_in_flight() = park->in_flight;  // what it waits for
+    }
     result->set_in_flight_wait(static_cast<v1::InFlightWait>(park->in_flight_wait));
   }
   if (!answered) {
     // Not answered yet: it keeps its place (in the queue, or its wait for blocks in flight)
     // until a later step sends it again.
-    absl::MutexLock lock(&log->mu);
-    log->parked[item.request_id()] = park;
+    Park(*log, item.request_id(), park);
     result->set_waiting(true);
     return done();
   }
@@ -461,14 +481,11 @@ void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const Worker
         absl::MutexLock lock(&park->mu);
         park->answered = false;
       }
-      {
-        absl::MutexLock lock(&log->mu);
-        log->parked[id.value()] = park;
-      }
+      Park(*log, id.value(), park);
       ParkWait(park, std::move(found));
       {
         absl::MutexLock lock(&park->mu);
-        if (park->in_flight_wait == 0) *result->mutable_in_flight() = park->in_flight;
+        if (!park->answered && park->in_flight_wait == 0) *result->mutable_in_flight() = park->in_flight;
         result->set_in_flight_wait(static_cast<v1::InFlightWait>(park->in_flight_wait));
       }
       result->set_waiting(true);
