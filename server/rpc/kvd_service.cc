@@ -67,10 +67,19 @@ std::optional<InFlightInfo> KvdService::InFlightToWait(const RequestSpec& spec, 
   return std::move(*ahead);
 }
 
-void KvdService::WaitFor(const RequestSpec& spec, InFlightInfo found, int64_t wait_ms, absl::Time deadline,
-                         std::function<absl::Status()> cancelled, InFlightThen then) {
+void KvdService::WaitFor(const RequestSpec& spec, const std::string& key, InFlightInfo found, int64_t wait_ms,
+                         absl::Time deadline, std::function<absl::Status()> cancelled, InFlightThen then) {
+  auto still_wanted = [this, owner = spec.owner, id = spec.id, key, cancelled = std::move(cancelled)]() -> absl::Status {
+    KVD_RETURN_IF_ERROR(cancelled());
+    if (!workers_->Check(owner, key).ok()) {
+      return absl::FailedPreconditionError(absl::StrCat("worker ", owner.value(), " detached while request '",
+                                                        id.value(), "' waited for blocks in flight"));
+    }
+    return absl::OkStatus();
+  };
   inflight_->Wait(spec.limit_key(), std::move(found), spec.ns, spec.prompt,
-                  std::min(deadline, absl::Now() + absl::Milliseconds(wait_ms)), std::move(cancelled), std::move(then));
+                  std::min(deadline, absl::Now() + absl::Milliseconds(wait_ms)), std::move(still_wanted),
+                  std::move(then));
 }
 
 absl::StatusOr<KvdService::Caller> KvdService::Identify(const std::string& grpc_peer) const {
@@ -411,14 +420,9 @@ void KvdService::StartWait(std::shared_ptr<StartCall> call, InFlightInfo found) 
   ToProto(found, call->resp->mutable_in_flight());
   const RequestSpec& spec = call->spec;
   WaitFor(
-      spec, std::move(found), call->wait_ms, call->deadline,
-      [this, call]() -> absl::Status {
-        if (call->ctx->IsCancelled()) return absl::CancelledError("the caller gave up waiting");
-        if (!workers_->Check(call->spec.owner, call->key).ok()) {
-          return absl::FailedPreconditionError(absl::StrCat("worker ", call->spec.owner.value(), " detached while request '",
-                                                            call->spec.id.value(), "' waited for blocks in flight"));
-        }
-        return absl::OkStatus();
+      spec, call->key, std::move(found), call->wait_ms, call->deadline,
+      [ctx = call->ctx]() -> absl::Status {
+        return ctx->IsCancelled() ? absl::CancelledError("the caller gave up waiting") : absl::OkStatus();
       },
       [this, call](absl::StatusOr<InflightWaits::Outcome> outcome, absl::Duration waited) {
         v1::StartResponse* resp = call->resp;

@@ -220,12 +220,13 @@ class KvdService final : public v1::Kvd::CallbackService {
   // bound. InFlightToWait: before admission, the blocks in flight a start asking to wait for
   // `wait_ms` would wait for (nullopt: none, or no wait asked, or a resume). WaitFor: waits for
   // `found` (InFlightToWait's, or a deferred Acquire's) holding nothing; `then` runs once it ends,
-  // maybe on kvd-inflight's thread. `cancelled`: the caller's wish.
+  // maybe on kvd-inflight's thread. It ends early when `cancelled` (the caller's wish) says so, or
+  // FAILED_PRECONDITION once the worker (`spec.owner`, attached by `key`) detached.
   using InFlightThen = std::function<void(absl::StatusOr<InflightWaits::Outcome>, absl::Duration)>;
   absl::Status CheckInflightWait(int64_t wait_ms) const;
   std::optional<InFlightInfo> InFlightToWait(const RequestSpec& spec, int64_t wait_ms) const;
-  void WaitFor(const RequestSpec& spec, InFlightInfo found, int64_t wait_ms, absl::Time deadline,
-               std::function<absl::Status()> cancelled, InFlightThen then);
+  void WaitFor(const RequestSpec& spec, const std::string& key, InFlightInfo found, int64_t wait_ms,
+               absl::Time deadline, std::function<absl::Status()> cancelled, InFlightThen then);
   // One unary Start through its phases: the wait for blocks in flight, admission, acquire. An
   // acquire that finds blocks in flight it did not wait for (another start of the prefix was
   // admitted and acquired first) gives its admission back and waits: at most once per Start.

@@ -539,14 +539,9 @@ void KvdService::ParkWait(std::shared_ptr<ParkedStart> park, InFlightInfo found)
     park->in_flight_wait = 0;
   }
   WaitFor(
-      park->spec, std::move(found), park->wait_ms, park->deadline,
-      [this, park]() -> absl::Status {
-        if (park->cancelled.load()) return absl::CancelledError("withdrawn in a step");
-        if (!workers_->Check(park->spec.owner, park->key).ok()) {
-          return absl::FailedPreconditionError(absl::StrCat("worker ", park->spec.owner.value(), " detached while request '",
-                                                            park->spec.id.value(), "' waited for blocks in flight"));
-        }
-        return absl::OkStatus();
+      park->spec, park->key, std::move(found), park->wait_ms, park->deadline,
+      [park]() -> absl::Status {
+        return park->cancelled.load() ? absl::CancelledError("withdrawn in a step") : absl::OkStatus();
       },
       [this, park](absl::StatusOr<InflightWaits::Outcome> outcome, absl::Duration) {
         {
