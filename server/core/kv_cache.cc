@@ -387,7 +387,9 @@ absl::StatusOr<AcquireResult> KvCache::Acquire(const RequestId& id, OnInFlight o
       }
       const bool hybrid = pools_[r.pool]->geometry.hybrid();
       std::optional<InFlightInfo> ahead;
-      if (on_in_flight == OnInFlight::kDefer) ahead = InFlightAheadLocked(r);
+      if (on_in_flight == OnInFlight::kDefer && r.spec.resume_from.empty()) {  // a resume enters nothing
+        ahead = InFlightAheadLocked(*pools_[r.pool], r.spec.ns, r.spec.prompt, r.keys);
+      }
       if (ahead.has_value()) {
         AcquireResult deferred;
         deferred.pool = r.pool;

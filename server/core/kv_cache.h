@@ -577,9 +577,11 @@ class KvCache final : public TierPort, public PeerPort {
   // Blocks of `prompt` the namespace's index matches (a hybrid pool's spine match).
   int64_t MatchedBlocksLocked(const Pool& pool, const Namespace& ns, absl::Span<const Token> prompt,
                               absl::Span<const BlockKey> keys) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // What a start of `req` (admitted, not acquired) would find in flight past its match now;
-  // nullopt for a resume and on a hybrid pool without a full group (they enter nothing).
-  std::optional<InFlightInfo> InFlightAheadLocked(const Request& req) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What a start of `prompt` (chain keys `keys`) would find in flight past its match now; nullopt
+  // on a hybrid pool without a full group (it enters nothing). InFlightAhead's and Acquire's.
+  std::optional<InFlightInfo> InFlightAheadLocked(const Pool& pool, const Namespace& ns, absl::Span<const Token> prompt,
+                                                  absl::Span<const BlockKey> keys) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After `req`'s Acquire (not a resume): `out.in_flight` is what it found in flight past its
   // match, then it holds its own prompt blocks from there (those nobody else holds).
   void NoteAcquiredLocked(Request& req, AcquireResult& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -49,11 +49,11 @@ int64_t KvCache::MatchedBlocksLocked(const Pool& pool, const Namespace& ns, absl
   return static_cast<int64_t>(chain.size());
 }
 
-std::optional<InFlightInfo> KvCache::InFlightAheadLocked(const Request& req) const {
-  if (!req.spec.resume_from.empty()) return std::nullopt;
-  const Pool& pool = *pools_[req.pool];
-  if (pool.geometry.hybrid() && pool.spine == nullptr) return std::nullopt;
-  return InFlightInfoLocked(req.spec.ns, req.keys, MatchedBlocksLocked(pool, req.spec.ns, req.spec.prompt, req.keys));
+std::optional<InFlightInfo> KvCache::InFlightAheadLocked(const Pool& pool, const Namespace& ns,
+                                                         absl::Span<const Token> prompt,
+                                                         absl::Span<const BlockKey> keys) const {
+  if (pool.geometry.hybrid() && pool.spine == nullptr) return std::nullopt;  // it enters nothing
+  return InFlightInfoLocked(ns, keys, MatchedBlocksLocked(pool, ns, prompt, keys));
 }
 
 absl::StatusOr<std::optional<InFlightInfo>> KvCache::InFlightAhead(const Namespace& ns,
@@ -63,9 +63,7 @@ absl::StatusOr<std::optional<InFlightInfo>> KvCache::InFlightAhead(const Namespa
   const std::vector<BlockKey> keys = ChainKeys(
       ns, prompt, geo.block_tokens, std::min<int64_t>(static_cast<int64_t>(prompt.size()), geo.max_model_len) / geo.block_tokens);
   absl::MutexLock lock(&mu_);
-  const Pool& pool = *pools_[id];
-  if (geo.hybrid() && pool.spine == nullptr) return std::optional<InFlightInfo>();
-  return InFlightInfoLocked(ns, keys, MatchedBlocksLocked(pool, ns, prompt, keys));
+  return InFlightAheadLocked(*pools_[id], ns, prompt, keys);
 }
 
 bool KvCache::InFlightHeld(const InFlightInfo& info) const {

@@ -201,9 +201,7 @@ class BatchEngine:
     def step(self):
         self.steps += 1
         self.carried_steps += self.carried is not None
-        if self.carried is not None and (not self.running or self.carried[0].done()):
-            self._absorb(*self.carried)  # answered, or nothing else to run: take it now
-            self.carried = None
+        self._take_carried(wait=not self.running)  # answered, or nothing else to run: take it now
         bt = self.block_tokens
         batch = StepBatch()
         ending, self.finished = self.finished, []
@@ -240,9 +238,7 @@ class BatchEngine:
             # In flight: meanwhile, every position whose blocks the request holds already. (With
             # nothing planned, the plain call waits for the answer with less thread hand-off.)
             future = self.client.step_submit(batch)
-            if self.carried is not None and self.carried[0].done():
-                self._absorb(*self.carried)  # this step went out: the carried one was answered first
-                self.carried = None
+            self._take_carried()  # when this step went out, the carried one was answered first
             plan = [p for p in plan if not self._forward(p, None)]
             if self.carry and starting and not plan and not future.done():
                 # Everything planned ran: the starts' answer can wait for a later step.
@@ -255,6 +251,12 @@ class BatchEngine:
         if self.preempt_after and self.head_waited >= self.preempt_after and self.running:
             self._preempt(self.running[-1])
             self.head_waited = 0
+
+    def _take_carried(self, wait=False):
+        """Absorbs the carried step once it is answered (at once with `wait`)."""
+        if self.carried is not None and (wait or self.carried[0].done()):
+            carried, self.carried = self.carried, None
+            self._absorb(*carried)
 
     def _absorb(self, future, batch, ending, starting, results=None, plan=(), counts=True):
         """Takes a step's answer: held items, ends, starts, then the planned positions left.
