@@ -193,6 +193,24 @@ def median_rows(runs):
     return rows
 
 
+def ratio_interval(runs, b, reuse, kmode, key, n=2000, seed=1):
+    """The ratio of medians kvd / in-process for one figure, with a 90 % bootstrap interval:
+    the repetitions are resampled in pairs (a kvd run and the in-process run beside it), so the
+    interval says how far the ratio could move with other draws of the same noise."""
+    import random
+    pairs = []
+    for rep in sorted({r["rep"] for r in runs}):
+        k = [r[key] for r in runs if (r["max_running"], r["reuse"], r["mode"], r["rep"]) == (b, reuse, kmode, rep)]
+        l = [r[key] for r in runs if (r["max_running"], r["reuse"], r["mode"], r["rep"]) == (b, reuse, "in-process", rep)]
+        if k and l:
+            pairs.append((k[0], l[0]))
+    def ratio(ps):
+        return statistics.median(p[0] for p in ps) / max(statistics.median(p[1] for p in ps), 1e-9)
+    rng = random.Random(seed)
+    boot = sorted(ratio([rng.choice(pairs) for _ in pairs]) for _ in range(n))
+    return ratio(pairs), boot[int(0.05 * n)], boot[int(0.95 * n) - 1]
+
+
 def plot(rows, path):
     """A small SVG: TTFT p50 and throughput over max_running, kvd against in-process, with reuse."""
     sel = [r for r in rows if r["reuse"]]
@@ -262,6 +280,7 @@ def main():
     # the runs, the ratios of those medians, and the noise floor: the in-process baseline's
     # median over its odd runs against its even runs (single runs scatter by up to +-30 % in TPOT).
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--runs-out", help="writes every run's figures as JSON (for analysis after)")
     args = ap.parse_args()
     if args.child_work:
         return child(args)
@@ -299,6 +318,18 @@ def main():
                   f"prefill computed {k['prefill_computed']} vs {l['prefill_computed']}; kvd's step path: "
                   f"{k['rpc_calls'] / max(k['steps'], 1):.2f} round trips a step, "
                   f"{k['rpc_s'] * 1e6 / max(k['steps'], 1):.0f} us a step waited on them")
+    if args.repeat >= 4:
+        print("\nRatios of medians kvd / in-process with 90 % bootstrap intervals over the paired runs:")
+        for b in sorted({r["max_running"] for r in rows}):
+            for reuse, kmode in ((x, m) for x in (False, True) for m in kvd_modes):
+                parts = []
+                for key, name in (("throughput_tok_s", "throughput"), ("tpot_p50_ms", "TPOT p50"), ("ttft_p50_ms", "TTFT p50")):
+                    r, lo, hi = ratio_interval(runs, b, reuse, kmode, key)
+                    parts.append(f"{name} {r:.3f} [{lo:.3f}, {hi:.3f}]")
+                print(f"max running {b}, reuse {reuse}, {kmode}: " + ", ".join(parts))
+    if args.runs_out:
+        with open(args.runs_out, "w") as f:
+            json.dump(runs, f)
     if args.plot:
         plot(rows, args.plot)
     return 0
