@@ -82,6 +82,49 @@ def racing_calls(kvd, tmp, daemon):
     return daemon
 
 
+def racing_steps(kvd, tmp, daemon):
+    """Overlapped steps (step_submit, the round trip left in flight) started and ended in a loop
+    on another thread while kvd is SIGKILLed and restarted under them: every failure is
+    KvdRestarted or a KvdError, never anything else (a call racing the re-attach can meet a
+    closed channel) and never a hang; and steps are answered again on the new daemon."""
+    from kvd.step import StepBatch, StepRequest
+    errors, done, ok = [], threading.Event(), [0, 0]  # [steps answered, after the last restart]
+    restarted = threading.Event()
+    with Client(daemon.target, worker_name="py-step-race", step_credit_blocks=4) as c:
+
+        def loop():
+            i = 0
+            while not done.is_set():
+                i += 1
+                req = StepRequest(f"srace-{i}")
+                try:
+                    f = c.step_submit(StepBatch().start(req, "default", list(range(100, 109)), max_new_tokens=4))
+                    if f.result()[0].ok:
+                        c.step(StepBatch().grow(req, 1).end(req, completed=False))
+                        ok[0] += 1
+                        ok[1] += restarted.is_set()
+                except (KvdRestarted, KvdError):
+                    time.sleep(0.01)
+                except Exception as e:  # noqa: BLE001 - the point of the test
+                    errors.append(repr(e))
+
+        t = threading.Thread(target=loop)
+        t.start()
+        for _ in range(3):
+            time.sleep(0.3)
+            daemon = restart(kvd, tmp, daemon)
+        restarted.set()
+        deadline = time.monotonic() + 10
+        while ok[1] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        done.set()
+        t.join(timeout=30)
+        check(not t.is_alive() and not errors,
+              f"overlapped steps racing 3 restarts fail only as KvdRestarted/KvdError ({errors[:3]})")
+        check(ok[1] >= 3, f"overlapped steps are answered again after the restarts ({ok[0]} in all, {ok[1]} after)")
+    return daemon
+
+
 def lease(kvd, tmp):
     """The lease as the client proves it: kvd's acks keep may_write() true past half a lease; when
     kvd goes away the client quiesces (fences, then on_lease_lost) before it re-attaches."""
@@ -181,6 +224,7 @@ def main():
     remaps = []
     try:
         daemon = racing_calls(kvd, tmp, daemon)
+        daemon = racing_steps(kvd, tmp, daemon)
         with Client(daemon.target, worker_name="py-ride", on_remap=lambda: remaps.append(1)) as c:
             for i in range(5):
                 live = c.request(f"live-{i}", pool="default", prompt=list(range(22)))
