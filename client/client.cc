@@ -39,6 +39,58 @@
 
 namespace kvd::client {
 
+absl::Status Client::Impl::Dial(absl::Duration timeout) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a fresh connection, not a shared one
+  auto channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout))) {
+    return absl::UnavailableError(absl::StrCat("cannot reach kvd at ", options.target));
+  }
+  absl::MutexLock lock(&stub_mu);
+  stub_ = v1::Kvd::NewStub(channel);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Attached> Client::Impl::OpenStream(
+    std::unique_ptr<grpc::ClientContext>* ctx,
+    std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>>* stream) {
+  *ctx = std::make_unique<grpc::ClientContext>();
+  {
+    absl::MutexLock lock(&stream_mu);
+    if (stop.HasBeenNotified()) return absl::CancelledError("the client is closing");
+    opening_ctx = ctx->get();
+  }
+  *stream = stub()->Attach(ctx->get());
+  v1::AttachResponse resp;
+  const int64_t sent = SteadyNs();
+  const bool answered = (*stream)->Write(hello) && (*stream)->Read(&resp) && resp.has_attached();
+  {
+    absl::MutexLock lock(&stream_mu);
+    opening_ctx = nullptr;
+  }
+  if (!answered) {
+    grpc::Status s = (*stream)->Finish();
+    return s.ok() ? absl::UnavailableError("kvd closed the attach stream") : FromGrpcStatus(s);
+  }
+  hello_sent_ns = sent;
+  return resp.attached();
+}
+
+absl::StatusOr<std::unique_ptr<SlabMaps>> Client::Impl::ListAndMap(const v1::Attached& a) {
+  KVD_ASSIGN_OR_RETURN(v1::ListPoolsResponse listed,
+                       Call<v1::ListPoolsResponse>([&](grpc::ClientContext* ctx, v1::ListPoolsResponse* r) {
+                         return stub()->ListPools(ctx, v1::ListPoolsRequest(), r);
+                       }));
+  if (options.map_slabs && a.backend() == "cuda") {
+    // Opening a CUDA IPC handle is expensive: when kvd kept the same memory, keep the mapping.
+    absl::MutexLock lock(&mu);
+    if (maps != nullptr && maps->identities() == SlabMaps::CudaIdentities(listed, options.shard)) {
+      return SlabMaps::Open(listed, nullptr, options.shard);  // geometry only: memory kept
+    }
+  }
+  return SlabMaps::Open(listed, options.map_slabs ? &a : nullptr, options.shard);
+}
 
 void Client::Impl::Supervise() {
   struct Done {

@@ -45,18 +45,7 @@ struct Client::Impl {
     return stub_;
   }
   // A new channel and stub, used once kvd answers within `timeout` (UNAVAILABLE otherwise).
-  absl::Status Dial(absl::Duration timeout) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(64 << 20);
-    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a fresh connection, not a shared one
-    auto channel = grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
-    if (!channel->WaitForConnected(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(timeout))) {
-      return absl::UnavailableError(absl::StrCat("cannot reach kvd at ", options.target));
-    }
-    absl::MutexLock lock(&stub_mu);
-    stub_ = v1::Kvd::NewStub(channel);
-    return absl::OkStatus();
-  }
+  absl::Status Dial(absl::Duration timeout);
   v1::AttachRequest hello;  // sent again at every re-attach (previous_worker_id, quiesced updated)
   int64_t hello_sent_ns = 0;  // of the attachment last opened (supervisor or Connect only)
   std::string backend;
@@ -239,43 +228,10 @@ struct Client::Impl {
   // Opens an attach stream and sends the hello; the Attached reply, or why not.
   absl::StatusOr<v1::Attached> OpenStream(
       std::unique_ptr<grpc::ClientContext>* ctx,
-      std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>>* stream) {
-    *ctx = std::make_unique<grpc::ClientContext>();
-    {
-      absl::MutexLock lock(&stream_mu);
-      if (stop.HasBeenNotified()) return absl::CancelledError("the client is closing");
-      opening_ctx = ctx->get();
-    }
-    *stream = stub()->Attach(ctx->get());
-    v1::AttachResponse resp;
-    const int64_t sent = SteadyNs();
-    const bool answered = (*stream)->Write(hello) && (*stream)->Read(&resp) && resp.has_attached();
-    {
-      absl::MutexLock lock(&stream_mu);
-      opening_ctx = nullptr;
-    }
-    if (!answered) {
-      grpc::Status s = (*stream)->Finish();
-      return s.ok() ? absl::UnavailableError("kvd closed the attach stream") : FromGrpcStatus(s);
-    }
-    hello_sent_ns = sent;
-    return resp.attached();
-  }
+      std::unique_ptr<grpc::ClientReaderWriter<v1::AttachRequest, v1::AttachResponse>>* stream);
 
-  absl::StatusOr<std::unique_ptr<SlabMaps>> ListAndMap(const v1::Attached& a) {
-    KVD_ASSIGN_OR_RETURN(v1::ListPoolsResponse listed,
-                         Call<v1::ListPoolsResponse>([&](grpc::ClientContext* ctx, v1::ListPoolsResponse* r) {
-                           return stub()->ListPools(ctx, v1::ListPoolsRequest(), r);
-                         }));
-    if (options.map_slabs && a.backend() == "cuda") {
-      // Opening a CUDA IPC handle is expensive: when kvd kept the same memory, keep the mapping.
-      absl::MutexLock lock(&mu);
-      if (maps != nullptr && maps->identities() == SlabMaps::CudaIdentities(listed, options.shard)) {
-        return SlabMaps::Open(listed, nullptr, options.shard);  // geometry only: memory kept
-      }
-    }
-    return SlabMaps::Open(listed, options.map_slabs ? &a : nullptr, options.shard);
-  }
+  // kvd's pools, mapped (their geometry only when kvd kept the CUDA memory this process maps).
+  absl::StatusOr<std::unique_ptr<SlabMaps>> ListAndMap(const v1::Attached& a);
 
   void Heartbeat() {
     while (!stop.WaitForNotificationWithTimeout(options.heartbeat_period)) {
