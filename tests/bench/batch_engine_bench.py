@@ -30,6 +30,7 @@ first token. For example (one engine, 8 x (512 + 32) tokens at 20,000 tokens/s):
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -197,7 +198,6 @@ def ratio_interval(runs, b, reuse, kmode, key, n=2000, seed=1):
     """The ratio of medians kvd / in-process for one figure, with a 90 % bootstrap interval:
     the repetitions are resampled in pairs (a kvd run and the in-process run beside it), so the
     interval says how far the ratio could move with other draws of the same noise."""
-    import random
     pairs = []
     for rep in sorted({r["rep"] for r in runs}):
         k = [r[key] for r in runs if (r["max_running"], r["reuse"], r["mode"], r["rep"]) == (b, reuse, kmode, rep)]
