@@ -37,13 +37,45 @@ def write(c, r, prompt):
             view[(pos % pool.block_tokens) * n:(pos % pool.block_tokens + 1) * n] = slot_bytes(prompt[pos], pos, layer, n)
 
 
+def race_restarts(kvd, tmp, daemon, attempt, settled=lambda: True):
+    """Calls attempt(i, restarted) for i = 1, 2, ... on another thread while kvd is SIGKILLed and
+    restarted three times under it (`restarted`, an Event, is set after the third), then until
+    settled() (10 s at most). Returns (daemon, failures): what attempt raised other than
+    KvdRestarted or KvdError, plus a line if the thread did not end."""
+    errors, done, restarted = [], threading.Event(), threading.Event()
+
+    def loop():
+        i = 0
+        while not done.is_set():
+            i += 1
+            try:
+                attempt(i, restarted)
+            except (KvdRestarted, KvdError):
+                time.sleep(0.01)
+            except Exception as e:  # noqa: BLE001 - the point of the tests
+                errors.append(repr(e))
+
+    t = threading.Thread(target=loop)
+    t.start()
+    for _ in range(3):
+        time.sleep(0.3)
+        daemon = restart(kvd, tmp, daemon)
+    restarted.set()
+    deadline = time.monotonic() + 10
+    time.sleep(0.5)
+    while not settled() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    done.set()
+    t.join(timeout=30)
+    return daemon, errors + (["the racing thread did not end"] if t.is_alive() else [])
+
+
 def racing_calls(kvd, tmp, daemon):
     """Requests started and extended in a loop on another thread while kvd is SIGKILLed and
     restarted under them: every failure is KvdRestarted or a KvdError, never anything else (a
     call racing the re-attach once raised ValueError from a closed channel). And a KV tensor taken
     before a restart stays usable after the remap and after close(): its mapping is kept while
     the tensor lives."""
-    errors, done = [], threading.Event()
     try:
         import torch  # noqa: F401
         have_torch = True
@@ -52,27 +84,12 @@ def racing_calls(kvd, tmp, daemon):
     with Client(daemon.target, worker_name="py-race") as c:
         tensor = c.kv_tensor("default", dtype=torch.uint8, inner_shape=(16,)) if have_torch else None
 
-        def loop():
-            i = 0
-            while not done.is_set():
-                i += 1
-                try:
-                    with c.request(f"race-{i}", pool="default", prompt=list(range(9)), wait_s=5) as r:
-                        r.extend(1)
-                except (KvdRestarted, KvdError):
-                    pass
-                except Exception as e:  # noqa: BLE001 - the point of the test
-                    errors.append(repr(e))
+        def attempt(i, _):
+            with c.request(f"race-{i}", pool="default", prompt=list(range(9)), wait_s=5) as r:
+                r.extend(1)
 
-        t = threading.Thread(target=loop)
-        t.start()
-        for _ in range(3):
-            time.sleep(0.3)
-            daemon = restart(kvd, tmp, daemon)
-        time.sleep(0.5)
-        done.set()
-        t.join(timeout=30)
-        check(not t.is_alive() and not errors, f"calls racing 3 restarts fail only as KvdRestarted/KvdError ({errors[:3]})")
+        daemon, errors = race_restarts(kvd, tmp, daemon, attempt)
+        check(not errors, f"calls racing 3 restarts fail only as KvdRestarted/KvdError ({errors[:3]})")
         if tensor is not None:
             tensor[0, 0, 0, :] = 7  # the old mapping: kept alive by the tensor, not unmapped
             check(int(tensor[0, 0, 0, 0]) == 7, "a KV tensor from before a remap is still mapped")
@@ -88,40 +105,21 @@ def racing_steps(kvd, tmp, daemon):
     KvdRestarted or a KvdError, never anything else (a call racing the re-attach can meet a
     closed channel) and never a hang; and steps are answered again on the new daemon."""
     from kvd.step import StepBatch, StepRequest
-    errors, done, ok = [], threading.Event(), [0, 0]  # [steps answered, after the last restart]
-    restarted = threading.Event()
+    answered = [0, 0]  # steps answered: in all, started after the last restart
     with Client(daemon.target, worker_name="py-step-race", step_credit_blocks=4) as c:
 
-        def loop():
-            i = 0
-            while not done.is_set():
-                i += 1
-                req = StepRequest(f"srace-{i}")
-                try:
-                    f = c.step_submit(StepBatch().start(req, "default", list(range(100, 109)), max_new_tokens=4))
-                    if f.result()[0].ok:
-                        c.step(StepBatch().grow(req, 1).end(req, completed=False))
-                        ok[0] += 1
-                        ok[1] += restarted.is_set()
-                except (KvdRestarted, KvdError):
-                    time.sleep(0.01)
-                except Exception as e:  # noqa: BLE001 - the point of the test
-                    errors.append(repr(e))
+        def attempt(i, restarted):
+            req = StepRequest(f"srace-{i}")
+            after = restarted.is_set()
+            if c.step_submit(StepBatch().start(req, "default", list(range(100, 109)), max_new_tokens=4)).result()[0].ok:
+                c.step(StepBatch().grow(req, 1).end(req, completed=False))
+                answered[0] += 1
+                answered[1] += after
 
-        t = threading.Thread(target=loop)
-        t.start()
-        for _ in range(3):
-            time.sleep(0.3)
-            daemon = restart(kvd, tmp, daemon)
-        restarted.set()
-        deadline = time.monotonic() + 10
-        while ok[1] < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        done.set()
-        t.join(timeout=30)
-        check(not t.is_alive() and not errors,
-              f"overlapped steps racing 3 restarts fail only as KvdRestarted/KvdError ({errors[:3]})")
-        check(ok[1] >= 3, f"overlapped steps are answered again after the restarts ({ok[0]} in all, {ok[1]} after)")
+        daemon, errors = race_restarts(kvd, tmp, daemon, attempt, settled=lambda: answered[1] >= 3)
+        check(not errors, f"overlapped steps racing 3 restarts fail only as KvdRestarted/KvdError ({errors[:3]})")
+        check(answered[1] >= 3,
+              f"overlapped steps are answered again after the restarts ({answered[0]} in all, {answered[1]} after)")
     return daemon
 
 
