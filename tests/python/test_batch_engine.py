@@ -63,6 +63,14 @@ def preemption(target, runner, label=""):
     pre = sum(r["preemptions"] for r in res.values())
     check(pre > 0, f"{label}requests were preempted ({pre})")
     same(res, ref, f"{label}through preemption and resume")
+    # Again on the warm cache: a request whose prompt block another published first holds its own
+    # copy on its reservation, and a decode grow then finds the budget full. The engine preempts
+    # it (it used to fail the run) and it resumes.
+    for k in range(3):
+        again = {f"{rid}-again{k}": p for rid, p in work.items()}
+        res = runner(target, again, max_new=16, max_running=4, chunk=4, preempt_after=2)[0]
+        same({rid.rsplit("-again", 1)[0]: r for rid, r in res.items()}, ref,
+             f"{label}through preemption and resume, warm cache, run {k + 1}")
 
 
 def child(target, seed):

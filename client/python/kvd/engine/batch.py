@@ -306,6 +306,12 @@ class BatchEngine:
                 r = by_item[id(g.req)]
                 if not r.ok:
                     g.tokens.pop()
+                    if r.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        # The pool cannot grow it now (its reservation also pays for its own
+                        # copies of blocks another request published first): preempted, it
+                        # resumes from its checkpoint with a reservation of its own again.
+                        self._preempt(g)
+                        return True
                     raise RuntimeError(f"{g.rid}: grow failed: {r.code} {r.message}")
         g.kv.table = g.req.blocks
         rows = self.model.forward(g.kv, g.tokens, start, end)
@@ -330,6 +336,10 @@ class BatchEngine:
             g.cached_tokens = req.cached_tokens
         g.kv = KvIo(self.client, self.pool, req.blocks, req.epoch)
         g.computed = req.cached_tokens
+        if g.resume and not req.resumed:
+            # kvd no longer holds its checkpoint (evicted under pressure): it starts over from
+            # whatever prefix is cached, and samples again what it had sampled.
+            g.tokens, g.generated, g.digest = list(g.prompt), [], hashlib.sha256()
         if req.resumed:
             # Positions with KV, then the token sampled next (engine_state).
             g.tokens = list(req.resumed_tokens)
@@ -350,6 +360,7 @@ class BatchEngine:
         else:  # nothing sampled yet: start over
             batch.preempt(g.req)
             g.tokens, g.generated, g.digest = list(g.prompt), [], hashlib.sha256()
+            g.resume = False
         r = self.client.step(batch)[0]
         if not r.ok:
             raise RuntimeError(f"{g.rid}: preempt failed: {r.code} {r.message}")
