@@ -391,6 +391,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
     return absl::UnavailableError(absl::StrCat("cannot listen on ", so.listen));
   }
   if (d->peers_ != nullptr) d->peers_->Start(d->server_.get());
+  // Step lanes once the service's access is set (workers attach over gRPC first).
+  d->side_->set_lane_handler([svc = d->service_.get()](int fd, const PeerCredentials& peer, const std::string& worker,
+                                                       const std::atomic<bool>& stop) {
+    svc->ServeStepLane(fd, peer, worker, stop);
+  });
   if (unix_socket) {
     // Only the daemon's user and group may connect; the side socket also checks SO_PEERCRED.
     ::chmod(so.listen.substr(7).c_str(), 0660);
@@ -547,6 +552,7 @@ Daemon::~Daemon() {
   if (!stop_reaper_.HasBeenNotified()) stop_reaper_.Notify();
   if (reaper_.joinable()) reaper_.join();
   peers_.reset();  // stop accepting first
+  side_.reset();   // and cut the step lanes, which call into the service and the metrics
   if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   // Promotions, object reads and flushes finish RPCs from the store's threads: let them finish
   // while the server lives (Shutdown has stopped new calls).
@@ -554,7 +560,6 @@ Daemon::~Daemon() {
   transfer_.reset();  // pulls finish their RPCs, peers' leases are released
   server_.reset();
   metrics_.reset();        // the exposer reads the tiers, the events publisher and the cache
-  side_.reset();
   router_events_.reset();  // stops listening to the cache
   if (tiers_ != nullptr) {
     mover_.reset();

@@ -92,10 +92,15 @@ absl::StatusOr<KvdService::Caller> KvdService::Identify(const std::string& grpc_
   }
   std::optional<PeerCredentials> peer = peers_->PeerOf(grpc_peer);
   if (!peer.has_value()) return absl::PermissionDeniedError("kvd cannot tell who is calling");
-  if (policy_ != nullptr) KVD_RETURN_IF_ERROR(policy_->Check(*peer));
-  caller.key = absl::StrCat("pid:", peer->pid);
-  caller.creds = *peer;
-  caller.role = peer->uid == 0 || peer->uid == ::geteuid() ? Role::kOperator : Role::kWorker;
+  return IdentifyPeer(*peer);
+}
+
+absl::StatusOr<KvdService::Caller> KvdService::IdentifyPeer(const PeerCredentials& peer) const {
+  if (policy_ != nullptr) KVD_RETURN_IF_ERROR(policy_->Check(peer));
+  Caller caller;
+  caller.key = absl::StrCat("pid:", peer.pid);
+  caller.creds = peer;
+  caller.role = peer.uid == 0 || peer.uid == ::geteuid() ? Role::kOperator : Role::kWorker;
   return caller;
 }
 
@@ -112,11 +117,15 @@ absl::Status KvdService::Authorize(const grpc::CallbackServerContext* ctx, absl:
 absl::StatusOr<KvdService::Caller> KvdService::CheckWorker(const grpc::CallbackServerContext* ctx,
                                                           const std::string& worker_id,
                                                           const std::string& request_id) const {
-  KVD_RETURN_IF_ERROR(RequireId("worker_id", worker_id));
   KVD_ASSIGN_OR_RETURN(Caller caller, Identify(ctx));
-  KVD_RETURN_IF_ERROR(workers_->Check(WorkerId(worker_id), caller.key));
+  KVD_RETURN_IF_ERROR(CheckWorker(caller, worker_id));
   if (!request_id.empty()) KVD_RETURN_IF_ERROR(cache_->CheckOwner(RequestId(request_id), WorkerId(worker_id)));
   return caller;
+}
+
+absl::Status KvdService::CheckWorker(const Caller& caller, const std::string& worker_id) const {
+  KVD_RETURN_IF_ERROR(RequireId("worker_id", worker_id));
+  return workers_->Check(WorkerId(worker_id), caller.key);
 }
 
 void KvdService::StartDraining(bool final) {

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/core/clock.h"
 #include "spdlog/spdlog.h"
@@ -49,7 +50,13 @@ SlabSideChannel::~SlabSideChannel() {
   if (!released_) ::unlink(path_.c_str());
 }
 
+void SlabSideChannel::set_lane_handler(LaneHandler handler) {
+  absl::MutexLock lock(&mu_);
+  lane_handler_ = std::move(handler);
+}
+
 UniqueFd SlabSideChannel::Release() {
+  stopping_ = true;
   const char b = 'x';
   (void)!::write(wake_write_.get(), &b, 1);
   if (thread_.joinable()) thread_.join();
@@ -63,7 +70,7 @@ absl::Duration SlabSideChannel::ExpireConnections() {
   absl::Duration next = absl::InfiniteDuration();
   absl::MutexLock lock(&mu_);
   for (auto& c : connections_) {
-    if (c->done || c->expired) continue;
+    if (c->done || c->expired || c->lane) continue;
     if (now >= c->deadline) {
       c->expired = true;
       ::shutdown(c->fd.get(), SHUT_RDWR);  // ends the blocked send or receive of its thread
@@ -120,7 +127,8 @@ void SlabSideChannel::Loop() {
     bool busy = false;
     {
       absl::MutexLock lock(&mu_);
-      busy = connections_.size() >= static_cast<size_t>(kMaxConnections);
+      busy = std::count_if(connections_.begin(), connections_.end(), [](const auto& c) { return !c->lane; }) >=
+             kMaxConnections;
     }
     if (busy) {  // only this thread adds connections: the count cannot grow meanwhile
       const timeval brief{0, 100'000};
@@ -134,7 +142,7 @@ void SlabSideChannel::Loop() {
     c->deadline = SystemClock::Get()->Now() + kConnectionDeadline;
     Connection* raw = c.get();
     c->thread = std::thread([this, raw] {
-      Serve(raw->fd.get());
+      Serve(raw);
       absl::MutexLock lock(&mu_);
       if (raw->expired) {
         spdlog::warn("side socket: a peer did not finish within {}s; its connection was closed",
@@ -146,7 +154,8 @@ void SlabSideChannel::Loop() {
   }
 }
 
-void SlabSideChannel::Serve(int conn) {
+void SlabSideChannel::Serve(Connection* c) {
+  const int conn = c->fd.get();
   auto refuse = [conn](const absl::Status& why) {
     spdlog::warn("side socket: refused a peer: {}", why.ToString());
     (void)SendMessage(conn, absl::StrCat("ERR ", why.message()), {});
@@ -164,6 +173,20 @@ void SlabSideChannel::Serve(int conn) {
   }
   auto token = ReceiveMessage(conn, /*max_payload=*/256, /*max_fds=*/0);
   if (!token.ok()) return refuse(token.status());
+  if (absl::StartsWith(token->payload, "STEP ")) {
+    LaneHandler handler;
+    {
+      absl::MutexLock lock(&mu_);
+      const int64_t lanes = std::count_if(connections_.begin(), connections_.end(), [](const auto& o) { return o->lane; });
+      if (lanes >= kMaxLanes) {
+        return refuse(absl::ResourceExhaustedError(absl::StrCat("busy: ", kMaxLanes, " step lanes are open")));
+      }
+      if (lane_handler_ == nullptr) return refuse(absl::UnavailableError("kvd serves no step lanes yet"));
+      handler = lane_handler_;
+      c->lane = true;  // from here on no deadline cuts it
+    }
+    return handler(conn, *peer, token->payload.substr(5), stopping_);
+  }
   absl::Status redeemed = registry_->RedeemToken(token->payload, *peer, allow_listed);
   if (!redeemed.ok()) return refuse(redeemed);
   const auto& slabs = arena_->slabs();

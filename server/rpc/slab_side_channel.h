@@ -6,6 +6,11 @@
 // "OK <n>", then n messages "<pool> <shard> <size_bytes>" each carrying one fd; or "ERR <reason>"
 // and closes.
 //
+// A worker may instead open a step lane: its first message is "STEP <worker_id>", and the
+// connection is handed to the lane handler (KvdService::ServeStepLane) for as long as the worker
+// keeps it open. Lanes have no deadline and count against kMaxLanes, not kMaxConnections;
+// Release cuts them (a successor serves new ones).
+//
 // Threads: one accept thread, and one short-lived thread per connection, so a silent or slow
 // peer delays no one else. Each connection has a deadline (kConnectionDeadline from accept, for
 // the whole exchange, however the peer drips its bytes); the accept thread shuts down the socket
@@ -14,6 +19,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <list>
 #include <memory>
 #include <string>
@@ -34,6 +40,10 @@ class SlabSideChannel {
  public:
   static constexpr absl::Duration kConnectionDeadline = absl::Seconds(5);
   static constexpr int kMaxConnections = 64;
+  static constexpr int kMaxLanes = 512;
+  // Serves one step lane on `fd` until it closes or `stop` is set (KvdService::ServeStepLane).
+  using LaneHandler = std::function<void(int fd, const PeerCredentials& peer, const std::string& worker_id,
+                                         const std::atomic<bool>& stop)>;
 
   // Listens on `path` (mode 0660), or on `adopted` when given: a listening socket already bound
   // there, handed over by the previous kvd (server/handoff.h). `arena`, `registry` and `policy`
@@ -48,6 +58,9 @@ class SlabSideChannel {
   // Stops serving (connections in progress are cut) and returns the listening socket, which stays
   // bound: connections queue there until its new owner accepts them. The file is left in place.
   UniqueFd Release();
+  // Serves step lanes with `handler` from now on (before: a lane's hello is refused). The handler
+  // and what it calls must outlive this channel's Release or destruction.
+  void set_lane_handler(LaneHandler handler) ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& path() const { return path_; }
 
  private:
@@ -58,10 +71,11 @@ class SlabSideChannel {
     absl::Time deadline;
     bool expired = false;  // its socket was shut down at the deadline
     bool done = false;     // Serve returned; the thread may be joined
+    bool lane = false;     // a step lane: no deadline, counted against kMaxLanes
     std::thread thread;
   };
   void Loop();
-  void Serve(int conn);
+  void Serve(Connection* conn) ABSL_LOCKS_EXCLUDED(mu_);
   // Shuts down connections past their deadline; returns the time to the next deadline.
   absl::Duration ExpireConnections() ABSL_LOCKS_EXCLUDED(mu_);
   // Joins the threads of finished connections (all of them with `all`, after shutting them down).
@@ -78,6 +92,8 @@ class SlabSideChannel {
   std::list<std::unique_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
   // Release() gave the socket away, or it was adopted: its file is not this channel's to remove.
   bool released_ = false;
+  LaneHandler lane_handler_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> stopping_{false};  // Release: lanes return
   std::thread thread_;  // declared last: started once everything above exists
 };
 

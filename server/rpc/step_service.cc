@@ -50,9 +50,8 @@ struct KvdService::ParkedStart {
 struct KvdService::StepLog {
   // A retry of the step being applied: answered with its answer once it is done.
   struct Waiter {
-    grpc::ServerUnaryReactor* reactor;
     v1::StepResponse* resp;
-    std::chrono::steady_clock::time_point start;
+    StepDone done;
   };
   absl::Mutex mu;
   uint64_t last_seq ABSL_GUARDED_BY(mu) = 0;
@@ -234,14 +233,27 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   absl::StatusOr<Caller> caller = [&]() -> absl::StatusOr<Caller> {
     KVD_RETURN_IF_ERROR(Authorize(ctx, "Step"));
+    return Identify(ctx);
+  }();
+  RunStep(std::move(caller), *req, resp,
+          [this, reactor, start](const absl::Status& s) { FinishRpc(reactor, "Step", start, s); });
+  return reactor;
+}
+
+void KvdService::RunStep(absl::StatusOr<Caller> who, const v1::StepRequest& step, v1::StepResponse* resp,
+                         StepDone done) {
+  const v1::StepRequest* req = &step;
+  absl::StatusOr<Caller> caller = [&]() -> absl::StatusOr<Caller> {
+    KVD_RETURN_IF_ERROR(who.status());
     absl::Status checked = CheckStep(*req);
     if (absl::IsNotFound(checked)) return absl::InvalidArgumentError(checked.message());
     KVD_RETURN_IF_ERROR(checked);
-    return CheckWorker(ctx, req->worker_id(), "");
+    KVD_RETURN_IF_ERROR(CheckWorker(*who, req->worker_id()));
+    return std::move(who);
   }();
   if (!caller.ok()) {
-    FinishRpc(reactor, "Step", start, caller.status());
-    return reactor;
+    done(caller.status());
+    return;
   }
   const WorkerId worker(req->worker_id());
   const WorkerId principal(caller->key);
@@ -252,8 +264,8 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
     if (log->busy && req->seq() == log->busy_seq) {
       // A retry of the step being applied (its first attempt's connection broke, or timed out):
       // it gets that step's answer once it is done, never a refusal of a step kvd then applies.
-      log->waiters.push_back(StepLog::Waiter{reactor, resp, start});
-      return reactor;
+      log->waiters.push_back(StepLog::Waiter{resp, std::move(done)});
+      return;
     } else if (log->busy) {
       refused = absl::FailedPreconditionError(absl::StrCat(
           "step ", req->seq(), " arrived while step ", log->busy_seq, " of worker ", worker.value(),
@@ -269,8 +281,8 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
       log->busy_seq = req->seq();
     }
     if (!refused.ok() || resp->replayed()) {
-      FinishRpc(reactor, "Step", start, refused);
-      return reactor;
+      done(refused);
+      return;
     }
   }
 
@@ -349,7 +361,7 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
     for (size_t k = 0; k < results.size(); ++k) ResultToProto(results[k], resp->mutable_results(op_items[k]));
     if (frees) admission_->Poke();
   }
-  auto finish = [this, reactor, resp, start, log, worker, principal, key = caller->key, wants = std::move(wants),
+  auto finish = [this, done = std::move(done), resp, log, worker, principal, key = caller->key, wants = std::move(wants),
                  credit_now, held]() {
     if (!credit_now) {
       // After the starts, which may have waited past the worker's detach: what is granted to a
@@ -381,13 +393,13 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
     for (const StepLog::Waiter& w : waiters) {
       *w.resp = *resp;
       w.resp->set_replayed(true);
-      FinishRpc(w.reactor, "Step", w.start, absl::OkStatus());
+      w.done(absl::OkStatus());
     }
-    FinishRpc(reactor, "Step", start, absl::OkStatus());
+    done(absl::OkStatus());
   };
   if (starts.empty()) {
     finish();
-    return reactor;
+    return;
   }
   auto pending = std::make_shared<std::atomic<int>>(static_cast<int>(starts.size()) + 1);
   auto one_done = [pending, finish = std::move(finish)]() {
@@ -395,7 +407,6 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
   };
   for (int i : starts) StartStepItem(log, worker, *caller, req->items(i), resp->mutable_results(i), one_done);
   one_done();
-  return reactor;
 }
 
 void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const WorkerId& worker, const Caller& caller,

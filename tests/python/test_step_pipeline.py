@@ -90,8 +90,8 @@ class LateAnswers:
         return Late()
 
 
-def engine_run(target, work, late=False, **kw):
-    with Client(target, worker_name="pipeline", step_credit_blocks=16) as c:
+def engine_run(target, work, late=False, step_lane=True, **kw):
+    with Client(target, worker_name="pipeline", step_credit_blocks=16, step_lane=step_lane) as c:
         e = BatchEngine(LateAnswers(c) if late else c, max_running=4, chunk=8, token_budget=24, **kw)
         for rid, p in work.items():
             e.submit(rid, p, max_new=9)
@@ -196,7 +196,8 @@ def main():
         work = prompts(10)
         runs = {label: engine_run(daemon.target, work, **kw) for label, kw in
                 (("sync", {"hold_s": 0.0, "overlap": False}), ("held", {"hold_s": 30.0, "overlap": False}),
-                 ("overlap", {"hold_s": 30.0, "overlap": True}))}
+                 ("overlap", {"hold_s": 30.0, "overlap": True}),
+                 ("overlap over gRPC", {"hold_s": 30.0, "overlap": True, "step_lane": False}))}
         ref = runs["sync"][0]
         # Late answers, on prompts nobody cached (so requests end apart and later ones start while
         # others run): the engine decodes while a step's starts are unanswered.
@@ -207,7 +208,7 @@ def main():
         check(carried > 0 and len(late) == len(cold) and not bad,
               f"late answers: {carried} engine steps ran while starts were unanswered; the same tokens and "
               f"digests as sync ({len(bad)} differ)")
-        for label in ("held", "overlap"):
+        for label in ("held", "overlap", "overlap over gRPC"):
             res = runs[label][0]
             bad = [rid for rid in work if res[rid]["tokens"] != ref[rid]["tokens"] or res[rid]["digest"] != ref[rid]["digest"]]
             check(len(res) == len(work) and not bad, f"batch engine {label}: the same tokens and digests as sync ({len(bad)} differ)")

@@ -298,7 +298,7 @@ class Client:
 
     def __init__(self, target=None, worker_name="python", map_slabs=True, heartbeat_s=1.0, cuda_runtime=None,
                  expect=(), on_remap=None, connect_timeout_s=5.0, step_credit_blocks=128, on_lease_lost=None,
-                 no_async_writes=False):
+                 no_async_writes=False, step_lane=True):
         """`target`: kvd's address; None means default_target() ($KVD_TARGET, else kvd's default
         socket for this user).
 
@@ -319,6 +319,8 @@ class Client:
         KvdUnavailable (a KvdError) when nothing answers at `target` within connect_timeout_s.
 
         `step_credit_blocks`: block credit asked for per pool used in steps (kvd.step; 0: none).
+        `step_lane`: steps go over a lane on kvd's side socket (docs/api.md, "The step lane"), by
+        gRPC where kvd opens none; False: always by gRPC.
 
         Leases (docs/security.md, "Leases and fencing"): every heartbeat carries a sequence number
         and kvd acknowledges it once it renewed the lease; `may_write()` is True until half a lease
@@ -352,6 +354,8 @@ class Client:
         self._next_seq = 1
         self._map = map_slabs
         self._stepper = Stepper(self, step_credit_blocks)
+        self.step_lane = step_lane
+        self.side_socket = ""  # this attachment's side socket (slab fds, the step lane)
         self._step_lock = threading.Lock()
         self._cuda_runtime = cuda_runtime
         self._on_remap = on_remap
@@ -392,6 +396,7 @@ class Client:
         self.pools = [Pool(p) for p in self._rpc("ListPools", kvd_pb2.ListPoolsRequest()).pools]
         self._identities = []
         self._side = (attached.side_socket, attached.slab_token)  # for VMM slab fds (CUDA)
+        self.side_socket = attached.side_socket
         if map_slabs and self.backend == "host":
             self._identities = self._map_slabs(self.pools, attached.side_socket, attached.slab_token)
         elif map_slabs and self.backend == "cuda":
@@ -507,6 +512,7 @@ class Client:
                 self._lease = (self._write_epoch, 0.0)
             raise KvdError(grpc.StatusCode.FAILED_PRECONDITION,
                            "kvd came back with different pools or backend; connect anew")
+        self.side_socket = attached.side_socket
         moved = False
         if self._map and self.backend == "host":
             identities = self._map_slabs(pools, attached.side_socket, attached.slab_token)
@@ -937,6 +943,8 @@ class Client:
                 self.step_flush()
             except KvdError:
                 pass
+        with self._step_lock:
+            self._stepper.close_lane()
         if not self._closed.is_set():
             self._closed.set()
             self._outbox.put(None)

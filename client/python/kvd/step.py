@@ -43,6 +43,9 @@ are placed while it is still in flight, so an engine can run decode steps while 
 starts; the first step that must go out waits for its answer first. kvd's answer lists the credit
 as it was when the step was built: blocks placed since are taken off that list.
 """
+import select
+import socket
+import struct
 import time
 
 import grpc
@@ -324,6 +327,83 @@ class StepFuture:
         return self._results
 
 
+LANE_MAX_FRAME = 4 << 20  # kvd's limit for one step on a lane (server/rpc/step_lane.cc); larger go by gRPC
+
+
+class StepLane:
+    """A worker's steps over one connection of kvd's side socket (docs/api.md, "The step lane"):
+    a 4-byte little-endian length and a StepRequest out; a length, a 4-byte status code and the
+    StepResponse (or the status message) back. One step at a time, as on gRPC; kvd applies it as
+    Step does, so the same seq sent again over gRPC after a broken lane gets the same answer."""
+
+    def __init__(self, path, worker_id, epoch, timeout_s=30.0):
+        self.epoch, self.worker_id, self.broken = epoch, worker_id, False
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(timeout_s)
+            self.sock.connect(path)
+            hello = f"STEP {worker_id}".encode()
+            self.sock.sendall(struct.pack("=I", len(hello)) + hello)
+            (n,) = struct.unpack("=I", self._read(4))
+            greeting = self._read(n)
+            if greeting != b"OK":
+                raise KvdError(grpc.StatusCode.UNAVAILABLE, "kvd refused a step lane: " + greeting.decode(errors="replace"))
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def _read(self, n):
+        out = bytearray()
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            if not chunk:
+                raise ConnectionResetError("kvd closed the step lane")
+            out += chunk
+        return bytes(out)
+
+    def send(self, data):
+        """Sends one serialized StepRequest; the _LaneCall that takes its answer."""
+        self.sock.sendall(struct.pack("<I", len(data)) + data)
+        return _LaneCall(self)
+
+    def close(self):
+        self.broken = True
+        self.sock.close()
+
+
+class _LaneCall:
+    """A step sent on a lane: done() and result() as grpc's future has them."""
+
+    def __init__(self, lane):
+        self._lane = lane
+
+    def done(self):
+        if self._lane.broken:
+            return True
+        try:
+            return bool(select.select([self._lane.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
+    def result(self):
+        lane = self._lane
+        try:
+            (n,) = struct.unpack("<I", lane._read(4))
+            body = lane._read(n)
+        except socket.timeout:
+            lane.close()
+            raise KvdError(grpc.StatusCode.DEADLINE_EXCEEDED, "kvd did not answer a step on its lane in time") from None
+        except (OSError, ValueError) as e:  # kvd went away, or handed over: the step may be applied
+            lane.close()
+            raise KvdError(grpc.StatusCode.UNAVAILABLE, f"step lane closed: {e}") from None
+        (code,) = struct.unpack("<I", body[:4])
+        if code != 0:
+            raise KvdError(status_code(code), body[4:].decode(errors="replace"))
+        resp = kvd_pb2.StepResponse()
+        resp.ParseFromString(body[4:])
+        return resp
+
+
 class Stepper:
     """The client's step state: sequence number, credit per pool, growth, publishes and ends held
     back, the step in flight."""
@@ -344,7 +424,8 @@ class Stepper:
         self.ops = []        # publishes and ends held back: [kind, req, arg, StepResult, send by]
         self.peak = {}       # (pool, group) -> most blocks one step took
         self.inflight = None  # the StepFuture whose answer has not been applied yet
-
+        self.lane = None      # the StepLane of this attachment, once opened
+        self.lane_refused = None  # (epoch, why) when kvd would not open one: steps go by gRPC
     def _want(self, key):
         if self.credit_blocks <= 0:
             return 0
@@ -414,6 +495,10 @@ class Stepper:
             return f
         if overlap:
             c = pending["client"]
+            f._call = self._lane_send(c, pending["epoch"], pending["step"])
+            if f._call is not None:
+                self.inflight = f
+                return f
             try:
                 f._call = c._stub.Step.future(pending["step"], timeout=30)
                 c.rpc_calls += 1
@@ -574,9 +659,42 @@ class Stepper:
         except KvdError as e:
             f._error = e
 
+    def _lane_send(self, c, epoch, step):
+        """Sends `step` on this attachment's lane (opened the first time); the call, or None when
+        it goes by gRPC (no lane, kvd refused one, the step is larger than a lane takes, or the
+        lane broke while sending: kvd dropped the partial frame)."""
+        if not c.step_lane or (self.lane_refused is not None and self.lane_refused[0] == epoch):
+            return None
+        if self.lane is not None and (self.lane.broken or self.lane.epoch != epoch or self.lane.worker_id != step.worker_id):
+            self.lane.close()
+            self.lane = None
+        data = step.SerializeToString()
+        if len(data) > LANE_MAX_FRAME:
+            return None
+        if self.lane is None:
+            try:
+                self.lane = StepLane(c.side_socket, step.worker_id, epoch)
+            except (OSError, KvdError) as e:
+                self.lane_refused = (epoch, str(e))
+                return None
+        try:
+            call = self.lane.send(data)
+        except OSError:
+            self.lane.close()
+            return None
+        c.rpc_calls += 1
+        return call
+
+    def close_lane(self):
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None
+
     def _exchange(self, pending, call):
         c, epoch, step, held, ops = (pending[k] for k in ("client", "epoch", "step", "held", "ops"))
         resp = None
+        if call is None:
+            call = self._lane_send(c, epoch, step)
         for attempt in range(3):
             try:
                 if call is not None and attempt == 0:

@@ -1,0 +1,141 @@
+// KvdService::ServeStepLane: a worker's steps over one connection of the side socket, without
+// gRPC's per-call cost (docs/api.md, "The step lane").
+//
+// Frames, each way: a 4-byte little-endian length, then that many bytes. A request frame holds a
+// StepRequest; an answer frame holds a 4-byte little-endian status code, then the StepResponse
+// (code 0) or the status message. One step at a time: the next frame is read once the answer
+// to this one is written. A step is applied exactly as Step applies it (RunStep), so a worker may
+// send the same seq again over gRPC after the lane broke and gets the same answer.
+//
+// Threads: this runs on the side socket's thread for this connection. RunStep may answer on
+// another thread (a start's admission); the answer is handed over in a CallState that either side
+// may be the last to hold, so the lane can stop (handoff, shutdown) while a start still waits.
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/base/internal/endian.h"
+#include "absl/strings/str_cat.h"
+#include "gpu/fd_passing.h"
+#include "server/obs/log_safe.h"
+#include "server/rpc/kvd_service.h"
+#include "spdlog/spdlog.h"
+
+namespace kvd {
+namespace {
+
+constexpr uint32_t kMaxLaneFrame = 4u << 20;  // larger steps go over gRPC (the client knows)
+
+// Reads exactly `n` bytes; false at EOF, on an error or a shut-down socket.
+bool ReadFull(int fd, char* out, size_t n) {
+  while (n > 0) {
+    const ssize_t r = ::read(fd, out, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    out += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+bool WriteFull(int fd, const char* data, size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::send(fd, data, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    data += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+bool WriteAnswer(int fd, const absl::Status& status, const v1::StepResponse* resp) {
+  std::string body;
+  if (status.ok()) {
+    if (!resp->SerializeToString(&body)) body.clear();
+  } else {
+    body = std::string(status.message());
+  }
+  std::string frame(8, '\0');
+  absl::little_endian::Store32(frame.data(), static_cast<uint32_t>(body.size() + 4));
+  absl::little_endian::Store32(frame.data() + 4, static_cast<uint32_t>(status.code()));
+  frame += body;
+  return WriteFull(fd, frame.data(), frame.size());
+}
+
+// One step's request and answer, shared by the lane's thread and RunStep's `done`.
+struct CallState {
+  v1::StepRequest req;
+  v1::StepResponse resp;
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+};
+
+}  // namespace
+
+void KvdService::ServeStepLane(int fd, const PeerCredentials& peer, const std::string& worker_id,
+                               const std::atomic<bool>& stop) {
+  absl::StatusOr<Caller> caller = IdentifyPeer(peer);
+  absl::Status opened = caller.ok() ? CheckWorker(*caller, worker_id) : caller.status();
+  if (!opened.ok()) {
+    spdlog::warn("side socket: refused a step lane: {}", LogSafe(opened.ToString(), 512));
+    (void)SendMessage(fd, absl::StrCat("ERR ", opened.message()), {});
+    return;
+  }
+  if (!SendMessage(fd, "OK", {}).ok()) return;
+  int64_t steps = 0;
+  while (!stop.load()) {
+    char head[4];
+    if (!ReadFull(fd, head, sizeof(head))) break;
+    const auto start = std::chrono::steady_clock::now();
+    const uint32_t len = absl::little_endian::Load32(head);
+    if (len > kMaxLaneFrame) {  // the stream cannot be trusted past a length kvd will not read
+      (void)WriteAnswer(fd, absl::ResourceExhaustedError(absl::StrCat(
+                                "step lane: a frame of ", len, " bytes; at most ", kMaxLaneFrame,
+                                " (send larger steps over gRPC); the lane is closed")),
+                        nullptr);
+      break;
+    }
+    auto call = std::make_shared<CallState>();
+    std::string body(len, '\0');
+    if (!ReadFull(fd, body.data(), len)) break;
+    absl::Status refused;
+    if (!call->req.ParseFromString(body)) {
+      refused = absl::InvalidArgumentError(absl::StrCat("step lane: a frame of ", len, " bytes is not a StepRequest"));
+    } else if (call->req.worker_id() != worker_id) {
+      refused = absl::InvalidArgumentError(absl::StrCat("step lane of worker ", LogSafe(worker_id, 256),
+                                                        ": a step names worker '",
+                                                        LogSafe(call->req.worker_id(), 256), "'"));
+    }
+    if (!refused.ok()) {
+      metrics_->ObserveRpc("Step", refused.code(), 0);
+      if (!WriteAnswer(fd, refused, nullptr)) break;
+      continue;
+    }
+    RunStep(caller, call->req, &call->resp, [call](const absl::Status& s) {
+      absl::MutexLock lock(&call->mu);
+      call->status = s;
+      call->done = true;
+    });
+    absl::Status status;
+    {
+      absl::MutexLock lock(&call->mu);
+      while (!call->done && !stop.load()) {
+        call->mu.AwaitWithTimeout(absl::Condition(&call->done), kLaneStopCheck);
+      }
+      if (!call->done) break;  // stopping: the answer, when it comes, goes nowhere
+      status = call->status;
+    }
+    metrics_->ObserveRpc("Step", status.code(),
+                         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (!status.ok()) spdlog::debug("Step (lane) -> {}", LogSafe(status.ToString(), 512));
+    if (!WriteAnswer(fd, status, &call->resp)) break;
+    ++steps;
+  }
+  spdlog::debug("step lane of worker {} (pid {}) closed after {} steps", LogSafe(worker_id, 256), peer.pid, steps);
+}
+
+}  // namespace kvd
