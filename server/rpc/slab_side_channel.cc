@@ -177,13 +177,21 @@ void SlabSideChannel::Serve(Connection* c) {
     LaneHandler handler;
     {
       absl::MutexLock lock(&mu_);
-      const int64_t lanes = std::count_if(connections_.begin(), connections_.end(), [](const auto& o) { return o->lane; });
-      if (lanes >= kMaxLanes) {
-        return refuse(absl::ResourceExhaustedError(absl::StrCat("busy: ", kMaxLanes, " step lanes are open")));
+      int64_t lanes = 0, mine = 0;
+      for (const auto& o : connections_) {  // open ones (a closed lane may wait to be reaped)
+        const bool open_lane = o->lane && !o->done;
+        lanes += open_lane;
+        mine += open_lane && o->lane_pid == peer->pid;
+      }
+      if (lanes >= kMaxLanes || mine >= kMaxLanesPerProcess) {
+        return refuse(absl::ResourceExhaustedError(
+            lanes >= kMaxLanes ? absl::StrCat("busy: ", kMaxLanes, " step lanes are open")
+                               : absl::StrCat("busy: pid ", peer->pid, " has ", kMaxLanesPerProcess, " step lanes open")));
       }
       if (lane_handler_ == nullptr) return refuse(absl::UnavailableError("kvd serves no step lanes yet"));
       handler = lane_handler_;
       c->lane = true;  // from here on no deadline cuts it
+      c->lane_pid = peer->pid;
     }
     return handler(conn, *peer, token->payload.substr(5), stopping_);
   }

@@ -8,8 +8,8 @@
 //
 // A worker may instead open a step lane: its first message is "STEP <worker_id>", and the
 // connection is handed to the lane handler (KvdService::ServeStepLane) for as long as the worker
-// keeps it open. Lanes have no deadline and count against kMaxLanes, not kMaxConnections;
-// Release cuts them (a successor serves new ones).
+// keeps it open. Lanes have no deadline and count against kMaxLanes (kMaxLanesPerProcess from one
+// process), not kMaxConnections; Release cuts them (a successor serves new ones).
 //
 // Threads: one accept thread, and one short-lived thread per connection, so a silent or slow
 // peer delays no one else. Each connection has a deadline (kConnectionDeadline from accept, for
@@ -41,6 +41,7 @@ class SlabSideChannel {
   static constexpr absl::Duration kConnectionDeadline = absl::Seconds(5);
   static constexpr int kMaxConnections = 64;
   static constexpr int kMaxLanes = 512;
+  static constexpr int kMaxLanesPerProcess = 16;  // one process cannot take every lane
   // Serves one step lane on `fd` until it closes or `stop` is set (KvdService::ServeStepLane).
   using LaneHandler = std::function<void(int fd, const PeerCredentials& peer, const std::string& worker_id,
                                          const std::atomic<bool>& stop)>;
@@ -72,6 +73,7 @@ class SlabSideChannel {
     bool expired = false;  // its socket was shut down at the deadline
     bool done = false;     // Serve returned; the thread may be joined
     bool lane = false;     // a step lane: no deadline, counted against kMaxLanes
+    pid_t lane_pid = 0;    // the process that opened it
     std::thread thread;
   };
   void Loop();

@@ -111,7 +111,8 @@ def child(args):
     else:
         if args.client == "native":
             from kvd.native import NativeClient as Client
-        client = Client(args.target, worker_name="bench")
+        client = Client(args.target, worker_name="bench") if args.client == "native" else \
+            Client(args.target, worker_name="bench", step_lane=args.client != "python-grpc")
         wait = {"wait_in_flight_s": args.wait_in_flight} if args.wait_in_flight > 0 else {}
     model = DelayedModel(args.prefill_tps, args.model_delay == "per-call") if args.prefill_tps > 0 else None
     e = BatchEngine(client, max_running=args.max_running, chunk=64, token_budget=512, hold_s=args.hold_s,
@@ -270,8 +271,9 @@ def main():
     ap.add_argument("--fanout", type=int, default=0)
     ap.add_argument("--fanout-context", type=int, default=512)
     ap.add_argument("--fanout-own", type=int, default=32)
-    # kvd's step path in the workers: "python" (kvd.Client, gRPC Python), "python-nocarry" (the
-    # same, BatchEngine(carry=False): every step's starts answered within it), "native" (kvd.native,
+    # kvd's step path in the workers: "python" (kvd.Client, steps on the step lane), "python-grpc"
+    # (the same, steps over gRPC), "python-nocarry" (BatchEngine(carry=False): every step's starts
+    # answered within it), "native" (kvd.native,
     # the C++ client under pybind11); "python,native" runs both beside the in-process baseline.
     ap.add_argument("--clients", default="python")
     ap.add_argument("--model-delay", choices=("queued", "per-call"), default="queued")
@@ -290,7 +292,8 @@ def main():
     else:
         reqs = load(args.trace, args.requests, args.scale, args.max_prompt, args.max_new, args.time_scale)
     rows = []
-    kvd_modes = [{"python": "kvd", "python-nocarry": "kvd-nocarry", "native": "kvd-native"}[c]
+    kvd_modes = [{"python": "kvd", "python-grpc": "kvd-grpc", "python-nocarry": "kvd-nocarry",
+                  "native": "kvd-native"}[c]
                  for c in args.clients.split(",")]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -298,7 +301,8 @@ def main():
             for b in (int(x) for x in args.batches.split(",")):
                 for salt in (True, False):
                     for mode in kvd_modes + ["in-process"]:  # interleaved
-                        client = {"kvd-native": "native", "kvd-nocarry": "python-nocarry"}.get(mode, "python")
+                        client = {"kvd-native": "native", "kvd-nocarry": "python-nocarry",
+                                  "kvd-grpc": "python-grpc"}.get(mode, "python")
                         runs.append(run_mode(args, tmp, "local" if mode == "in-process" else "kvd", salt, b, reqs, client))
                         runs[-1].update(mode=mode, rep=rep)
     rows = median_rows(runs) if args.repeat > 1 else runs

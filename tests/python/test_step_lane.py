@@ -5,8 +5,9 @@ drive it, on the raw socket: a hello for another process's worker or for no work
 frame that is not a StepRequest, or a step naming another worker, is answered INVALID_ARGUMENT and
 the lane goes on; a length past the limit is answered RESOURCE_EXHAUSTED and the lane closed; a
 frame cut off mid-way changes nothing; a step applied on a lane that closed before its answer is
-answered (replayed) when the same seq comes over gRPC; more lanes than the side socket serves
-handshakes at once do not lock new workers out of their slabs. Afterwards nothing is leaked.
+answered (replayed) when the same seq comes over gRPC; one process opens at most 16 lanes; more
+lanes than the side socket serves handshakes at once do not lock new workers out of their slabs.
+Afterwards nothing is leaked.
 
 Usage: test_step_lane.py KVD_BINARY   (PYTHONPATH=<build>/python:<this dir>)
 """
@@ -28,6 +29,26 @@ import sys, time
 from kvd import Client
 c = Client(sys.argv[1], worker_name="other")
 print(c.worker_id, flush=True)
+time.sleep(60)
+"""
+
+
+# A process that attaches and opens step lanes until kvd refuses one; prints how many, waits.
+HOG = """
+import socket, struct, sys, time
+from kvd import Client
+c = Client(sys.argv[1], worker_name="hog")
+lanes = []
+while len(lanes) < 40:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(c.side_socket)
+    h = f"STEP {c.worker_id}".encode()
+    s.sendall(struct.pack("=I", len(h)) + h)
+    n = struct.unpack("=I", s.recv(4))[0]
+    if s.recv(n) != b"OK":
+        break
+    lanes.append(s)
+print(len(lanes), flush=True)
 time.sleep(60)
 """
 
@@ -169,17 +190,30 @@ def run(daemon, obs):
         c._stepper.seq = seq + 1
         check(c._stub.Step(end, timeout=10).results[0].code == 0, "and it ends")
 
-        # --- more lanes than handshakes at once -----------------------------------------------
-        lanes = [hello(path, me)[0] for _ in range(70)]
+        # --- lanes per process, and more lanes than handshakes at once -------------------------
+        mine, greeting = [], "OK"
+        while greeting == "OK" and len(mine) < 40:
+            x, greeting = hello(path, me)
+            mine.append(x)
+        check(len(mine) == 16 and "busy" in greeting,
+              f"one process opens 16 lanes (its client's among them), then is refused ({greeting})")
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG, daemon.target], stdout=subprocess.PIPE, text=True)
+                for _ in range(4)]
         try:
+            opened = [int(h.stdout.readline() or 0) for h in hogs]
             with Client(daemon.target, worker_name="late") as late:
                 ok = all(m is not None for p in late.pools for m in p.maps)
                 r = StepRequest("late")
                 late.step(StepBatch().start(r, "default", list(range(500, 509))))
                 late.step(StepBatch().end(r))
-            check(ok and r.cached_tokens == 0, "with 70 lanes open, a new worker still maps its slabs and steps")
+            check(opened == [16] * 4 and ok and r.cached_tokens == 0,
+                  f"with {sum(opened) + 16} lanes open ({opened} from four other processes), a new worker still maps "
+                  "its slabs and steps")
         finally:
-            for x in lanes:
+            for h in hogs:
+                h.kill()
+                h.wait()
+            for x in mine:
                 x.close()
         r = StepRequest("c")
         c.step(StepBatch().start(r, "default", prompt))
