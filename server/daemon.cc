@@ -390,12 +390,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Assemble(Options options, Handof
   if (d->server_ == nullptr) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", so.listen));
   }
-  if (d->peers_ != nullptr) d->peers_->Start(d->server_.get());
-  // Step lanes once the service's access is set (workers attach over gRPC first).
+  // Step lanes once the service's access is set; before the first worker can attach.
   d->side_->set_lane_handler([svc = d->service_.get()](int fd, const PeerCredentials& peer, const std::string& worker,
                                                        const std::atomic<bool>& stop) {
     svc->ServeStepLane(fd, peer, worker, stop);
   });
+  if (d->peers_ != nullptr) d->peers_->Start(d->server_.get());
   if (unix_socket) {
     // Only the daemon's user and group may connect; the side socket also checks SO_PEERCRED.
     ::chmod(so.listen.substr(7).c_str(), 0660);

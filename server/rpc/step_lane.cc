@@ -7,12 +7,18 @@
 // to this one is written. A step is applied exactly as Step applies it (RunStep), so a worker may
 // send the same seq again over gRPC after the lane broke and gets the same answer.
 //
+// A peer that starts a frame must finish it within kLaneFrameDeadline, and take an answer within
+// the same (SO_SNDTIMEO), or the lane is closed; between frames a lane may idle for as long as
+// its worker does.
+//
 // Threads: this runs on the side socket's thread for this connection. RunStep may answer on
 // another thread (a start's admission); the answer is handed over in a CallState that either side
 // may be the last to hold, so the lane can stop (handoff, shutdown) while a start still waits.
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -27,6 +33,8 @@ namespace kvd {
 namespace {
 
 constexpr uint32_t kMaxLaneFrame = 4u << 20;  // larger steps go over gRPC (the client knows)
+// How long a frame may take to arrive once its length did, and an answer to be taken.
+constexpr absl::Duration kLaneFrameDeadline = absl::Seconds(5);
 
 // Reads exactly `n` bytes; false at EOF, on an error or a shut-down socket.
 bool ReadFull(int fd, char* out, size_t n) {
@@ -36,6 +44,26 @@ bool ReadFull(int fd, char* out, size_t n) {
     if (r <= 0) return false;
     out += r;
     n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+// Reads a frame's `len` bytes, all within `limit` of its header: a peer that starts a frame and
+// goes silent holds no thread past that, and memory only for the bytes it sent.
+bool ReadBody(int fd, uint32_t len, absl::Duration limit, std::string* out) {
+  const absl::Time deadline = absl::Now() + limit;
+  out->clear();
+  while (out->size() < len) {
+    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    pollfd p{fd, POLLIN, 0};
+    const int ready = left_ms > 0 ? ::poll(&p, 1, static_cast<int>(left_ms)) : 0;
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) return false;
+    char chunk[64 << 10];
+    const ssize_t r = ::read(fd, chunk, std::min<size_t>(sizeof(chunk), len - out->size()));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    out->append(chunk, static_cast<size_t>(r));
   }
   return true;
 }
@@ -86,6 +114,9 @@ void KvdService::ServeStepLane(int fd, const PeerCredentials& peer, const std::s
     return;
   }
   if (!SendMessage(fd, "OK", {}).ok()) return;
+  // An answer the peer does not take within this fails the write and closes the lane.
+  const timeval send_limit{absl::ToInt64Seconds(kLaneFrameDeadline), 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_limit, sizeof(send_limit));
   int64_t steps = 0;
   while (!stop.load()) {
     char head[4];
@@ -100,8 +131,12 @@ void KvdService::ServeStepLane(int fd, const PeerCredentials& peer, const std::s
       break;
     }
     auto call = std::make_shared<CallState>();
-    std::string body(len, '\0');
-    if (!ReadFull(fd, body.data(), len)) break;
+    std::string body;
+    if (!ReadBody(fd, len, kLaneFrameDeadline, &body)) {
+      spdlog::debug("step lane of worker {}: a frame of {} bytes did not arrive whole within {}s; closed",
+                    LogSafe(worker_id, 256), len, absl::ToInt64Seconds(kLaneFrameDeadline));
+      break;
+    }
     absl::Status refused;
     if (!call->req.ParseFromString(body)) {
       refused = absl::InvalidArgumentError(absl::StrCat("step lane: a frame of ", len, " bytes is not a StepRequest"));

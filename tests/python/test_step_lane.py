@@ -4,7 +4,7 @@ connection of the side socket and not gRPC; and the lane as a careless or hostil
 drive it, on the raw socket: a hello for another process's worker or for no worker is refused; a
 frame that is not a StepRequest, or a step naming another worker, is answered INVALID_ARGUMENT and
 the lane goes on; a length past the limit is answered RESOURCE_EXHAUSTED and the lane closed; a
-frame cut off mid-way changes nothing; a step applied on a lane that closed before its answer is
+frame cut off mid-way changes nothing, and one left unfinished is closed after 5 s; a step applied on a lane that closed before its answer is
 answered (replayed) when the same seq comes over gRPC; one process opens at most 16 lanes; more
 lanes than the side socket serves handshakes at once do not lock new workers out of their slabs.
 Afterwards nothing is leaked.
@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 
 import grpc
 
@@ -171,6 +172,18 @@ def run(daemon, obs):
         s, _ = hello(path, me)
         s.sendall(struct.pack("<I", 100) + b"x" * 10)
         s.close()
+        # Started and left unfinished: kvd gives a frame 5 s, then closes the lane.
+        s, _ = hello(path, me)
+        s.sendall(struct.pack("<I", 1 << 20) + b"x" * 10)
+        t = time.monotonic()
+        s.settimeout(20)
+        try:
+            closed = s.recv(1) == b""
+        except OSError:
+            closed = True
+        waited = time.monotonic() - t
+        s.close()
+        check(closed and 4 < waited < 15, f"a frame left unfinished: kvd closes the lane after {waited:.1f} s")
 
         # --- a step applied whose answer the lane never delivered --------------------------
         s, _ = hello(path, me)

@@ -328,6 +328,7 @@ class StepFuture:
 
 
 LANE_MAX_FRAME = 4 << 20  # kvd's limit for one step on a lane (server/rpc/step_lane.cc); larger go by gRPC
+LANE_RETRY_S = 5.0        # after kvd refused a lane, steps go by gRPC this long before it is asked again
 
 
 class StepLane:
@@ -380,8 +381,10 @@ class _LaneCall:
     def done(self):
         if self._lane.broken:
             return True
-        try:
-            return bool(select.select([self._lane.sock], [], [], 0)[0])
+        try:  # poll, not select: a CUDA process's fds pass 1024
+            p = select.poll()
+            p.register(self._lane.sock, select.POLLIN)
+            return bool(p.poll(0))
         except (OSError, ValueError):
             return True
 
@@ -425,7 +428,8 @@ class Stepper:
         self.peak = {}       # (pool, group) -> most blocks one step took
         self.inflight = None  # the StepFuture whose answer has not been applied yet
         self.lane = None      # the StepLane of this attachment, once opened
-        self.lane_refused = None  # (epoch, why) when kvd would not open one: steps go by gRPC
+        self.lane_refused = None  # (epoch, when, why) kvd last would not open one: steps go by gRPC
+
     def _want(self, key):
         if self.credit_blocks <= 0:
             return 0
@@ -663,7 +667,8 @@ class Stepper:
         """Sends `step` on this attachment's lane (opened the first time); the call, or None when
         it goes by gRPC (no lane, kvd refused one, the step is larger than a lane takes, or the
         lane broke while sending: kvd dropped the partial frame)."""
-        if not c.step_lane or (self.lane_refused is not None and self.lane_refused[0] == epoch):
+        if not c.step_lane or (self.lane_refused is not None and self.lane_refused[0] == epoch
+                               and time.monotonic() < self.lane_refused[1] + LANE_RETRY_S):
             return None
         if self.lane is not None and (self.lane.broken or self.lane.epoch != epoch or self.lane.worker_id != step.worker_id):
             self.lane.close()
@@ -674,8 +679,8 @@ class Stepper:
         if self.lane is None:
             try:
                 self.lane = StepLane(c.side_socket, step.worker_id, epoch)
-            except (OSError, KvdError) as e:
-                self.lane_refused = (epoch, str(e))
+            except (OSError, KvdError) as e:  # tried again after LANE_RETRY_S (kvd busy, starting)
+                self.lane_refused = (epoch, time.monotonic(), str(e))
                 return None
         try:
             call = self.lane.send(data)

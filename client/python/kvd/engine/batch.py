@@ -309,8 +309,10 @@ class BatchEngine:
                     if r.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         # The pool cannot grow it now (its reservation also pays for its own
                         # copies of blocks another request published first): preempted, it
-                        # resumes from its checkpoint with a reservation of its own again.
-                        self._preempt(g)
+                        # resumes from its checkpoint with a reservation of its own again. When
+                        # the refused grow was one placed on credit (req.error), kvd never took
+                        # the positions computed since: no checkpoint, it starts over.
+                        self._preempt(g, checkpoint=g.req.error is None)
                         return True
                     raise RuntimeError(f"{g.rid}: grow failed: {r.code} {r.message}")
         g.kv.table = g.req.blocks
@@ -350,11 +352,11 @@ class BatchEngine:
                 g.computed = len(g.tokens)
         self.running.append(g)
 
-    def _preempt(self, g):
+    def _preempt(self, g, checkpoint=True):
         """Checkpoint what has KV (the next sampled token as state), release, queue for resume."""
         self.running.remove(g)
         batch = StepBatch()
-        if g.generated and g.computed == len(g.tokens):
+        if checkpoint and g.generated and g.computed == len(g.tokens):
             batch.preempt(g.req, g.tokens[:g.computed], struct.pack("<I", g.generated[-1]))
             g.resume = True
         else:  # nothing sampled yet: start over
