@@ -4,6 +4,10 @@ against Python's unary Ping, all in the same run on one kvd (host backend).
 
   PYTHONPATH=build/python /usr/bin/python3 tests/bench/step_bench.py --kvd build/server/kvd \
       [--batches 1,64,256] [--steps 256]
+
+--starts N instead times N steps of three 256-token starts (then their ends), on the step lane and
+over gRPC, interleaved in rounds: sent back to back, and after 20 ms of sleep (how an engine comes
+to a step, after its model ran).
 """
 import argparse
 import os
@@ -31,10 +35,13 @@ def main():
     ap.add_argument("--kvd", required=True)
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--starts", type=int, default=0)
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvd-stepbench-")
     d = Daemon(a.kvd, tmp, POOL)
     try:
+        if a.starts > 0:
+            return starts(d.target, a.starts)
         with Client(d.target, worker_name="py-bench", map_slabs=False, step_credit_blocks=128) as c:
             print("| batch | protocol | steps | p50 per step (us) | p99 (us) | mean (us) | mean / Ping p50 | round trips |")
             print("|---|---|---|---|---|---|---|---|")
@@ -83,6 +90,38 @@ def main():
                 print(f"| {b} | Ping | | {p50:.1f} | | | 1.00 | |")
     finally:
         d.stop()
+
+
+def starts(target, n, rounds=4):
+    """Steps of three 256-token starts on the step lane against gRPC, warm and after a sleep."""
+    times = {}
+    for rnd in range(rounds):
+        for lane in (True, False):
+            with Client(target, worker_name="py-bench", map_slabs=False, step_credit_blocks=32, step_lane=lane) as c:
+                for cold in (False, True):
+                    v = times.setdefault((lane, cold), [])
+                    for i in range(n):
+                        reqs = [StepRequest(f"r{rnd}{lane}{cold}-{i}-{k}") for k in range(3)]
+                        batch = StepBatch()
+                        for k, r in enumerate(reqs):
+                            batch.start(r, "bench", [rnd * 10**7 + i * 1000 + k * 300 + t for t in range(256)] +
+                                        [int(lane), int(cold)])
+                        if cold:
+                            time.sleep(0.02)
+                        t0 = time.perf_counter()
+                        res = c.step_submit(batch).result()
+                        v.append((time.perf_counter() - t0) * 1e6)
+                        assert all(x.ok for x in res), [x.message for x in res]
+                        end = StepBatch()
+                        for r in reqs:
+                            end.end(r)
+                        c.step(end)
+                    assert (c._stepper.lane is not None) == lane
+    print("| path | when | steps | p50 (us) | p90 (us) |")
+    print("|---|---|---|---|---|")
+    for (lane, cold), v in times.items():
+        print(f"| {'step lane' if lane else 'gRPC'} | {'after 20 ms of sleep' if cold else 'back to back'} | "
+              f"{len(v)} | {statistics.median(v):.0f} | {pct(v, 0.9):.0f} |")
 
 
 if __name__ == "__main__":
