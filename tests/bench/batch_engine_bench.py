@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -138,6 +139,7 @@ def run_mode(args, tmp, mode, salt, max_running, reqs, client="python"):
                 json.dump(reqs[w::args.workers], f)
             files.append(path)
         start = time.perf_counter()
+        cpu0 = _children_cpu()
         procs = [subprocess.Popen([sys.executable, __file__, "--child-work", p, "--target", target,
                                    "--capacity-blocks", str(cap), "--max-running", str(max_running),
                                    "--hold-s", str(args.hold_s), "--prefill-tps", str(args.prefill_tps),
@@ -156,9 +158,11 @@ def run_mode(args, tmp, mode, salt, max_running, reqs, client="python"):
             for k in path:  # the step path: steps, round trips, seconds the engine waited on them
                 path[k] += d.get(k, 0)
         elapsed = time.perf_counter() - start
+        cpu1 = _children_cpu()  # the workers', reaped above
     finally:
         if daemon is not None:
             daemon.stop()
+    kvd_cpu = _children_cpu() - cpu1 if daemon is not None else 0.0  # the daemon's, reaped by stop()
     out_tokens = sum(len(r["tokens"]) for r in results)
     # Time per output token: first to last token sampled. Until kvd-reuse-2 item 6 it ran to the
     # request's end (done_s), which the engine records once the step after the last token is
@@ -173,7 +177,14 @@ def run_mode(args, tmp, mode, salt, max_running, reqs, client="python"):
             "tpot_p50_ms": statistics.median(tpot) * 1e3 if tpot else 0.0,
             "tpot_end_p50_ms": statistics.median(tpot_end) * 1e3 if tpot_end else 0.0, "prefill_computed": prefill,
             "cached_tokens": sum(r["cached_tokens"] or 0 for r in results), "elapsed_s": elapsed,
-            "last_first_token_ms": max((r["ttft_s"] or 0 for r in results), default=0) * 1e3, **path}
+            "last_first_token_ms": max((r["ttft_s"] or 0 for r in results), default=0) * 1e3,
+            "workers_cpu_s": cpu1 - cpu0, "kvd_cpu_s": kvd_cpu, **path}
+
+
+def _children_cpu():
+    """User and system CPU seconds of this process's reaped children."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def median_rows(runs):
@@ -321,7 +332,9 @@ def main():
                   f"{k['tpot_end_p50_ms'] / max(l['tpot_end_p50_ms'], 1e-9):.3f}), TTFT p50 {k['ttft_p50_ms'] / max(l['ttft_p50_ms'], 1e-9):.3f}, "
                   f"prefill computed {k['prefill_computed']} vs {l['prefill_computed']}; kvd's step path: "
                   f"{k['rpc_calls'] / max(k['steps'], 1):.2f} round trips a step, "
-                  f"{k['rpc_s'] * 1e6 / max(k['steps'], 1):.0f} us a step waited on them")
+                  f"{k['rpc_s'] * 1e6 / max(k['steps'], 1):.0f} us a step waited on them; CPU s: workers "
+                  f"{k['workers_cpu_s']:.2f} vs {l['workers_cpu_s']:.2f}, kvd {k['kvd_cpu_s']:.2f}, in a run of "
+                  f"{k['elapsed_s']:.2f} vs {l['elapsed_s']:.2f} s")
     if args.repeat >= 4:
         print("\nRatios of medians kvd / in-process with 90 % bootstrap intervals over the paired runs:")
         for b in sorted({r["max_running"] for r in rows}):
