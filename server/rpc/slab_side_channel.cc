@@ -143,6 +143,9 @@ void SlabSideChannel::Loop() {
     Connection* raw = c.get();
     c->thread = std::thread([this, raw] {
       Serve(raw);
+      // The peer sees the end now, not when the accept thread next reaps (a lane kvd closed on
+      // bad input, or any connection once served; what was sent stays readable).
+      ::shutdown(raw->fd.get(), SHUT_RDWR);
       absl::MutexLock lock(&mu_);
       if (raw->expired) {
         spdlog::warn("side socket: a peer did not finish within {}s; its connection was closed",

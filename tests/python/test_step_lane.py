@@ -7,10 +7,12 @@ the lane goes on; a length past the limit is answered RESOURCE_EXHAUSTED and the
 frame cut off mid-way changes nothing, and one left unfinished is closed after 5 s; a step applied on a lane that closed before its answer is
 answered (replayed) when the same seq comes over gRPC; one process opens at most 16 lanes; more
 lanes than the side socket serves handshakes at once do not lock new workers out of their slabs.
-Afterwards nothing is leaked.
+Afterwards nothing is leaked; and a hot handoff (kvd --takeover) cuts the client's lane, and it
+steps on a new one to the successor.
 
 Usage: test_step_lane.py KVD_BINARY   (PYTHONPATH=<build>/python:<this dir>)
 """
+import os
 import shutil
 import socket
 import struct
@@ -234,19 +236,46 @@ def run(daemon, obs):
         check(r.cached_tokens == 16, "the client's own lane still serves its steps")
         idle(obs, "after the hostile lanes", c.step_credit("default"))
 
+        # --- a hot handoff cuts the lane; the client steps on the successor's ---------------
+        x = StepRequest("x")
+        c.step(StepBatch().start(x, "default", list(range(700, 709))))
+        old_lane = c._stepper.lane
+        os.remove(daemon.ready)
+        successor = Daemon(daemon.kvd, daemon.tmp, SMALL_POOL, extra=["--takeover"])
+        check(successor.started, "the takeover serves")
+        c.wait_attached(10)
+        try:
+            c.step(StepBatch().grow(x, 40))
+            lost = False
+        except KvdError:
+            lost = True
+        res = c.step(StepBatch().end(x))
+        y = StepRequest("y")
+        c.step(StepBatch().start(y, "default", list(range(700, 709))))
+        lane = c._stepper.lane
+        check(c.epoch == 2 and old_lane.broken and lane is not None and lane is not old_lane and lane.epoch == 2 and y.live,
+              f"after the handoff a request starts on a new lane to the successor (x lost {lost}, its end "
+              f"{res[0].code.name})")
+        c.step(StepBatch().end(y))
+        return successor
+
 
 def main():
     kvd = sys.argv[1]
     tmp = tempfile.mkdtemp(prefix="kvd-py-lane-")
     daemon = Daemon(kvd, tmp, SMALL_POOL)
+    daemon.kvd, daemon.tmp, daemon.ready = kvd, tmp, os.path.join(tmp, "kvd.ready")
+    successor = None
     try:
         with Client(daemon.target, worker_name="observer", map_slabs=False) as obs:
             try:
-                run(daemon, obs)
+                successor = run(daemon, obs)
             except (KvdError, OSError, AssertionError) as e:
                 check(False, f"the lane test ran through ({e!r})")
     finally:
-        daemon.stop()
+        for d in (successor, daemon):
+            if d is not None and d.proc.poll() is None:
+                d.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return finish()
 
