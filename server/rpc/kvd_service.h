@@ -65,8 +65,7 @@ class KvdService final : public v1::Kvd::CallbackService {
   absl::StatusOr<Caller> Identify(const grpc::CallbackServerContext* ctx) const { return Identify(ctx->peer()); }
   // The same from ServerContext::peer() (for services other than Kvd: reflection).
   absl::StatusOr<Caller> Identify(const std::string& grpc_peer) const;
-  // The caller on the Unix socket from its SO_PEERCRED (the side socket's step lanes):
-  // PERMISSION_DENIED when the allow-list refuses it.
+  // Identify for a Unix-socket peer known by its SO_PEERCRED (step lanes).
   absl::StatusOr<Caller> IdentifyPeer(const PeerCredentials& peer) const;
   // OK when the caller may call `method` (roles.h); PERMISSION_DENIED naming what is missing.
   absl::Status Authorize(const grpc::CallbackServerContext* ctx, absl::string_view method) const;
@@ -105,16 +104,12 @@ class KvdService final : public v1::Kvd::CallbackService {
   // step_service.cc.
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
                                  v1::StepResponse* resp) override;
-  // Step's work for a caller already identified, from gRPC or a step lane. `done` is called
-  // once, maybe on another thread (a start's admission), after `resp` is filled; `step` and
-  // `resp` must live until then.
+  // Step's work for an identified caller, from gRPC or a step lane: `done` runs once, maybe on
+  // another thread, after `resp` is filled; `step` and `resp` must live until then.
   using StepDone = std::function<void(const absl::Status&)>;
   void RunStep(absl::StatusOr<Caller> caller, const v1::StepRequest& step, v1::StepResponse* resp, StepDone done);
-  // Serves one step lane (step_lane.cc; docs/api.md, "The step lane"): a connection on the
-  // side socket that worker `worker_id` of process `peer` opened for its steps. Returns when
-  // the peer closes it, sends what is not a step frame, or `stop` is set (checked at least every
-  // kLaneStopCheck while a step is being answered).
-  static constexpr absl::Duration kLaneStopCheck = absl::Milliseconds(100);
+  // Serves worker `worker_id`'s step lane on `fd` (step_lane.cc; docs/api.md) until the peer
+  // closes it or breaks its framing, or `stop` is set.
   void ServeStepLane(int fd, const PeerCredentials& peer, const std::string& worker_id,
                      const std::atomic<bool>& stop);
   grpc::ServerUnaryReactor* Admit(grpc::CallbackServerContext* ctx, const v1::AdmitRequest* req,

@@ -14,6 +14,7 @@
 // Threads: this runs on the side socket's thread for this connection. RunStep may answer on
 // another thread (a start's admission); the answer is handed over in a CallState that either side
 // may be the last to hold, so the lane can stop (handoff, shutdown) while a start still waits.
+#include <endian.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -22,7 +23,6 @@
 #include <cerrno>
 #include <cstring>
 
-#include "absl/base/internal/endian.h"
 #include "absl/strings/str_cat.h"
 #include "gpu/fd_passing.h"
 #include "server/obs/log_safe.h"
@@ -35,6 +35,8 @@ namespace {
 constexpr uint32_t kMaxLaneFrame = 4u << 20;  // larger steps go over gRPC (the client knows)
 // How long a frame may take to arrive once its length did, and an answer to be taken.
 constexpr absl::Duration kLaneFrameDeadline = absl::Seconds(5);
+// How often a lane waiting for a step's answer looks whether it must stop (handoff, shutdown).
+constexpr absl::Duration kLaneStopCheck = absl::Milliseconds(100);
 
 // Reads exactly `n` bytes; false at EOF, on an error or a shut-down socket.
 bool ReadFull(int fd, char* out, size_t n) {
@@ -79,16 +81,13 @@ bool WriteFull(int fd, const char* data, size_t n) {
   return true;
 }
 
-bool WriteAnswer(int fd, const absl::Status& status, const v1::StepResponse* resp) {
+bool WriteAnswer(int fd, absl::Status status, const v1::StepResponse* resp) {
   std::string body;
-  if (status.ok()) {
-    if (!resp->SerializeToString(&body)) body.clear();
-  } else {
-    body = std::string(status.message());
-  }
-  std::string frame(8, '\0');
-  absl::little_endian::Store32(frame.data(), static_cast<uint32_t>(body.size() + 4));
-  absl::little_endian::Store32(frame.data() + 4, static_cast<uint32_t>(status.code()));
+  if (status.ok() && !resp->SerializeToString(&body)) status = absl::InternalError("step answer did not serialize");
+  if (!status.ok()) body = std::string(status.message());
+  const uint32_t head[2] = {htole32(static_cast<uint32_t>(body.size() + 4)),
+                            htole32(static_cast<uint32_t>(status.code()))};
+  std::string frame(reinterpret_cast<const char*>(head), sizeof(head));
   frame += body;
   return WriteFull(fd, frame.data(), frame.size());
 }
@@ -122,7 +121,9 @@ void KvdService::ServeStepLane(int fd, const PeerCredentials& peer, const std::s
     char head[4];
     if (!ReadFull(fd, head, sizeof(head))) break;
     const auto start = std::chrono::steady_clock::now();
-    const uint32_t len = absl::little_endian::Load32(head);
+    uint32_t len = 0;
+    std::memcpy(&len, head, sizeof(len));
+    len = le32toh(len);
     if (len > kMaxLaneFrame) {  // the stream cannot be trusted past a length kvd will not read
       (void)WriteAnswer(fd, absl::ResourceExhaustedError(absl::StrCat(
                                 "step lane: a frame of ", len, " bytes; at most ", kMaxLaneFrame,
