@@ -105,9 +105,9 @@ class KvdService final : public v1::Kvd::CallbackService {
   grpc::ServerUnaryReactor* Step(grpc::CallbackServerContext* ctx, const v1::StepRequest* req,
                                  v1::StepResponse* resp) override;
   // Step's work for an identified caller, from gRPC or a step lane: `done` runs once, maybe on
-  // another thread, after `resp` is filled; `step` and `resp` must live until then.
+  // another thread, after `resp` is filled; `req` and `resp` must live until then.
   using StepDone = std::function<void(const absl::Status&)>;
-  void RunStep(absl::StatusOr<Caller> caller, const v1::StepRequest& step, v1::StepResponse* resp, StepDone done);
+  void RunStep(absl::StatusOr<Caller> caller, const v1::StepRequest& req, v1::StepResponse* resp, StepDone done);
   // Serves worker `worker_id`'s step lane on `fd` (step_lane.cc; docs/api.md) until the peer
   // closes it or breaks its framing, or `stop` is set.
   void ServeStepLane(int fd, const PeerCredentials& peer, const std::string& worker_id,

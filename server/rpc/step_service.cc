@@ -240,45 +240,44 @@ grpc::ServerUnaryReactor* KvdService::Step(grpc::CallbackServerContext* ctx, con
   return reactor;
 }
 
-void KvdService::RunStep(absl::StatusOr<Caller> who, const v1::StepRequest& step, v1::StepResponse* resp,
+void KvdService::RunStep(absl::StatusOr<Caller> who, const v1::StepRequest& req, v1::StepResponse* resp,
                          StepDone done) {
-  const v1::StepRequest* req = &step;
   absl::StatusOr<Caller> caller = [&]() -> absl::StatusOr<Caller> {
     KVD_RETURN_IF_ERROR(who.status());
-    absl::Status checked = CheckStep(*req);
+    absl::Status checked = CheckStep(req);
     if (absl::IsNotFound(checked)) return absl::InvalidArgumentError(checked.message());
     KVD_RETURN_IF_ERROR(checked);
-    KVD_RETURN_IF_ERROR(CheckWorker(*who, req->worker_id()));
+    KVD_RETURN_IF_ERROR(CheckWorker(*who, req.worker_id()));
     return std::move(who);
   }();
   if (!caller.ok()) {
     done(caller.status());
     return;
   }
-  const WorkerId worker(req->worker_id());
+  const WorkerId worker(req.worker_id());
   const WorkerId principal(caller->key);
   std::shared_ptr<StepLog> log = StepLogOf(worker);
   {
     absl::MutexLock lock(&log->mu);
     absl::Status refused;
-    if (log->busy && req->seq() == log->busy_seq) {
+    if (log->busy && req.seq() == log->busy_seq) {
       // A retry of the step being applied (its first attempt's connection broke, or timed out):
       // it gets that step's answer once it is done, never a refusal of a step kvd then applies.
       log->waiters.push_back(StepLog::Waiter{resp, std::move(done)});
       return;
     } else if (log->busy) {
       refused = absl::FailedPreconditionError(absl::StrCat(
-          "step ", req->seq(), " arrived while step ", log->busy_seq, " of worker ", worker.value(),
+          "step ", req.seq(), " arrived while step ", log->busy_seq, " of worker ", worker.value(),
           " is being applied"));
-    } else if (req->seq() == log->last_seq) {
+    } else if (req.seq() == log->last_seq) {
       *resp = log->last;
       resp->set_replayed(true);
-    } else if (req->seq() < log->last_seq) {
+    } else if (req.seq() < log->last_seq) {
       refused = absl::InvalidArgumentError(
-          absl::StrCat("step seq ", req->seq(), " goes backwards: the last applied step is ", log->last_seq));
+          absl::StrCat("step seq ", req.seq(), " goes backwards: the last applied step is ", log->last_seq));
     } else {
       log->busy = true;
-      log->busy_seq = req->seq();
+      log->busy_seq = req.seq();
     }
     if (!refused.ok() || resp->replayed()) {
       done(refused);
@@ -287,15 +286,15 @@ void KvdService::RunStep(absl::StatusOr<Caller> who, const v1::StepRequest& step
   }
 
   // What is refused per item before anything is applied; the running-request ops; the starts.
-  resp->set_seq(req->seq());
-  for (int i = 0; i < req->items_size(); ++i) resp->add_results();
+  resp->set_seq(req.seq());
+  for (int i = 0; i < req.items_size(); ++i) resp->add_results();
   absl::flat_hash_map<absl::string_view, int> first;
   std::vector<StepOp> ops;
   std::vector<int> op_items;
   std::vector<int> starts;
   bool frees = false;  // an end or preempt may let a waiting start in
-  for (int i = 0; i < req->items_size(); ++i) {
-    const v1::StepItem& item = req->items(i);
+  for (int i = 0; i < req.items_size(); ++i) {
+    const v1::StepItem& item = req.items(i);
     v1::StepResult* result = resp->mutable_results(i);
     if (item.request_id().empty()) {
       SetStatus(absl::InvalidArgumentError(absl::StrCat("item ", i, ": request_id is required")), result);
@@ -347,7 +346,7 @@ void KvdService::RunStep(absl::StatusOr<Caller> who, const v1::StepRequest& step
   // budget no request holds, and the room they wait for.
   const bool starts_waiting = admission_->waiting() > 0;
   std::vector<CreditWant> wants;
-  for (const v1::CreditWant& c : req->credit()) {
+  for (const v1::CreditWant& c : req.credit()) {
     const PoolId pool = *cache_->FindPool(c.pool());
     wants.push_back(CreditWant{pool, starts_waiting ? 0 : c.blocks(),
                                std::vector<BlockIndex>(c.returned().begin(), c.returned().end()), c.group()});
@@ -405,7 +404,7 @@ void KvdService::RunStep(absl::StatusOr<Caller> who, const v1::StepRequest& step
   auto one_done = [pending, finish = std::move(finish)]() {
     if (pending->fetch_sub(1) == 1) finish();
   };
-  for (int i : starts) StartStepItem(log, worker, *caller, req->items(i), resp->mutable_results(i), one_done);
+  for (int i : starts) StartStepItem(log, worker, *caller, req.items(i), resp->mutable_results(i), one_done);
   one_done();
 }
 

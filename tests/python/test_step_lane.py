@@ -38,17 +38,14 @@ time.sleep(60)
 
 # A process that attaches and opens step lanes until kvd refuses one; prints how many, waits.
 HOG = """
-import socket, struct, sys, time
+import sys, time
 from kvd import Client
+from test_step_lane import hello
 c = Client(sys.argv[1], worker_name="hog")
 lanes = []
 while len(lanes) < 40:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(c.side_socket)
-    h = f"STEP {c.worker_id}".encode()
-    s.sendall(struct.pack("=I", len(h)) + h)
-    n = struct.unpack("=I", s.recv(4))[0]
-    if s.recv(n) != b"OK":
+    s, greeting = hello(c.side_socket, c.worker_id)
+    if greeting != "OK":
         break
     lanes.append(s)
 print(len(lanes), flush=True)

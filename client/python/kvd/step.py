@@ -349,6 +349,8 @@ class StepLane:
             greeting = self._read(n)
             if greeting != b"OK":
                 raise KvdError(grpc.StatusCode.UNAVAILABLE, "kvd refused a step lane: " + greeting.decode(errors="replace"))
+            self.poll = select.poll()  # poll, not select: a CUDA process's fds pass 1024
+            self.poll.register(self.sock, select.POLLIN)
         except BaseException:
             self.sock.close()
             raise
@@ -381,10 +383,8 @@ class _LaneCall:
     def done(self):
         if self._lane.broken:
             return True
-        try:  # poll, not select: a CUDA process's fds pass 1024
-            p = select.poll()
-            p.register(self._lane.sock, select.POLLIN)
-            return bool(p.poll(0))
+        try:
+            return bool(self._lane.poll.poll(0))
         except (OSError, ValueError):
             return True
 
