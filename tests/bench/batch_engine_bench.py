@@ -69,26 +69,34 @@ def fanout(n, context, own, max_new):
 
 class DelayedModel:
     """The PatternModel taking 1 / tps seconds per position it computes (a prefill delay), as a
-    device's queue would: the work accrues on a timeline and each call sleeps until its work is
-    done, so what one sleep overshoots (the kernel's timer slack, ~50-100 us here) is taken off
-    the next instead of adding up call after call. `--model-delay per-call` is the older stand-in:
-    one sleep of the nominal time per call, every overshoot added (what the tables before
-    kvd-reuse-2 item 6's fourth pass measured)."""
+    device would. `--model-delay` says how:
+    - `device` (the default since kvd-reuse-2 item 6's eighth pass): the work accrues on a
+      timeline, the PatternModel's own Python compute (its KV bytes, its digests) runs inside
+      that time, and the call sleeps out the rest. A device computes while the host waits; the
+      Python stand-in for that compute used to run after the sleep, on the host's cores, adding
+      20-30 % to every step and more wherever another process (kvd) shared the two cores.
+    - `queued`: the same timeline, the Python compute after the sleep (item 6's fourth to
+      seventh passes). What one sleep overshoots (the kernel's timer slack, ~50-100 us here) is
+      taken off the next call in both.
+    - `per-call`: one sleep of the nominal time per call, every overshoot added (the tables
+      before item 6's fourth pass)."""
 
-    def __init__(self, tps, per_call=False):
+    def __init__(self, tps, mode="device"):
         from kvd.engine.batch import PatternModel
-        self.inner, self.tps, self.per_call = PatternModel(), tps, per_call
+        self.inner, self.tps, self.mode = PatternModel(), tps, mode
         self.done_at = 0.0  # when the work queued so far is done
 
     def forward(self, kv, tokens, start, end):
-        if self.per_call:
-            time.sleep((end - start) / self.tps)
-        else:
-            self.done_at = max(self.done_at, time.perf_counter()) + (end - start) / self.tps
-            left = self.done_at - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
-        return self.inner.forward(kv, tokens, start, end)
+        work = (end - start) / self.tps
+        if self.mode == "per-call":
+            time.sleep(work)
+            return self.inner.forward(kv, tokens, start, end)
+        self.done_at = max(self.done_at, time.perf_counter()) + work
+        rows = self.inner.forward(kv, tokens, start, end) if self.mode == "device" else None
+        left = self.done_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        return rows if rows is not None else self.inner.forward(kv, tokens, start, end)
 
     def forget(self, kv):
         return self.inner.forget(kv)
@@ -115,11 +123,13 @@ def child(args):
         client = Client(args.target, worker_name="bench") if args.client == "native" else \
             Client(args.target, worker_name="bench", step_lane=args.client != "python-grpc")
         wait = {"wait_in_flight_s": args.wait_in_flight} if args.wait_in_flight > 0 else {}
-    model = DelayedModel(args.prefill_tps, args.model_delay == "per-call") if args.prefill_tps > 0 else None
+    model = DelayedModel(args.prefill_tps, args.model_delay) if args.prefill_tps > 0 else None
     e = BatchEngine(client, max_running=args.max_running, chunk=64, token_budget=512, hold_s=args.hold_s,
                     overlap=not args.no_overlap, model=model, carry=args.client != "python-nocarry", **wait)
+    t_run = time.perf_counter()  # CLOCK_MONOTONIC: comparable across the workers
     res = e.run(arrivals)
     print(json.dumps({"results": list(res.values()), "prefill_tokens": e.prefill_tokens, "steps": e.steps,
+                      "run": (t_run, time.perf_counter()),
                       "rpc_calls": client.rpc_calls, "rpc_s": getattr(client, "rpc_seconds", 0.0)}))
     return 0
 
@@ -147,13 +157,14 @@ def run_mode(args, tmp, mode, salt, max_running, reqs, client="python"):
                                    "--client", client, "--model-delay", args.model_delay]
                                   + (["--no-overlap"] if args.no_overlap else [])
                                   + (["--salt"] if salt else []), stdout=subprocess.PIPE, text=True) for p in files]
-        results, prefill, path = [], 0, {"steps": 0, "rpc_calls": 0, "rpc_s": 0.0}
+        results, prefill, path, spans = [], 0, {"steps": 0, "rpc_calls": 0, "rpc_s": 0.0}, []
         for p in procs:
             out, _ = p.communicate(timeout=3600)
             if p.returncode != 0:
                 raise RuntimeError(f"a worker failed ({p.returncode})")
             d = json.loads(out.strip().splitlines()[-1])
             results += d["results"]
+            spans.append(d["run"])
             prefill += d["prefill_tokens"]
             for k in path:  # the step path: steps, round trips, seconds the engine waited on them
                 path[k] += d.get(k, 0)
@@ -172,12 +183,21 @@ def run_mode(args, tmp, mode, salt, max_running, reqs, client="python"):
     many = [r for r in results if len(r["tokens"]) > 1]
     tpot = [((r.get("last_token_s") or r["done_s"]) - r["ttft_s"]) / (len(r["tokens"]) - 1) for r in many]
     tpot_end = [(r["done_s"] - r["ttft_s"]) / (len(r["tokens"]) - 1) for r in many]
+    # Throughput over the engines' runs, from the first worker's first step to the last one's last
+    # answer: a worker's start (imports, connecting) and exit are outside it, as they are outside
+    # a serving engine's steady state; `throughput_wall_tok_s` counts from spawning the workers to
+    # reaping them (what the tables before item 6's eighth pass called throughput).
+    run_s = max(t1 for _, t1 in spans) - min(t0 for t0, _ in spans)
     return {"mode": mode, "reuse": not salt, "max_running": max_running, "requests": len(results),
-            "throughput_tok_s": out_tokens / elapsed, "ttft_p50_ms": statistics.median(r["ttft_s"] for r in results) * 1e3,
+            "throughput_tok_s": out_tokens / run_s, "throughput_wall_tok_s": out_tokens / elapsed, "run_s": run_s,
+            "ttft_p50_ms": statistics.median(r["ttft_s"] for r in results) * 1e3,
             "tpot_p50_ms": statistics.median(tpot) * 1e3 if tpot else 0.0,
             "tpot_end_p50_ms": statistics.median(tpot_end) * 1e3 if tpot_end else 0.0, "prefill_computed": prefill,
             "cached_tokens": sum(r["cached_tokens"] or 0 for r in results), "elapsed_s": elapsed,
             "last_first_token_ms": max((r["ttft_s"] or 0 for r in results), default=0) * 1e3,
+            # TTFT in two parts: arrival to the start answered, then to the first token.
+            "started_p50_ms": statistics.median(r["started_s"] for r in results) * 1e3,
+            "started_to_first_p50_ms": statistics.median(r["ttft_s"] - r["started_s"] for r in results) * 1e3,
             "workers_cpu_s": cpu1 - cpu0, "kvd_cpu_s": kvd_cpu, **path}
 
 
@@ -287,7 +307,7 @@ def main():
     # answered within it), "native" (kvd.native,
     # the C++ client under pybind11); "python,native" runs both beside the in-process baseline.
     ap.add_argument("--clients", default="python")
-    ap.add_argument("--model-delay", choices=("queued", "per-call"), default="queued")
+    ap.add_argument("--model-delay", choices=("device", "queued", "per-call"), default="device")
     ap.add_argument("--client", default="python", help=argparse.SUPPRESS)  # a worker's
     # Runs every row's modes this many times, interleaved, and reports each figure's median over
     # the runs, the ratios of those medians, and the noise floor: the in-process baseline's
@@ -327,7 +347,9 @@ def main():
         for reuse, kmode in ((x, m) for x in (False, True) for m in kvd_modes):
             k = next(r for r in rows if r["max_running"] == b and r["reuse"] == reuse and r["mode"] == kmode)
             l = next(r for r in rows if r["max_running"] == b and r["reuse"] == reuse and r["mode"] == "in-process")
-            print(f"max running {b}, reuse {reuse}: throughput {kmode}/in-process {k['throughput_tok_s'] / l['throughput_tok_s']:.3f}, "
+            print(f"max running {b}, reuse {reuse}: throughput {kmode}/in-process {k['throughput_tok_s'] / l['throughput_tok_s']:.3f} "
+                  f"(spawn to reap {k['throughput_wall_tok_s'] / l['throughput_wall_tok_s']:.3f}), "
+                  f"TTFT's start answered p50 {k['started_p50_ms']:.2f} vs {l['started_p50_ms']:.2f} ms, "
                   f"TPOT p50 {k['tpot_p50_ms'] / max(l['tpot_p50_ms'], 1e-9):.3f} (to the end "
                   f"{k['tpot_end_p50_ms'] / max(l['tpot_end_p50_ms'], 1e-9):.3f}), TTFT p50 {k['ttft_p50_ms'] / max(l['ttft_p50_ms'], 1e-9):.3f}, "
                   f"prefill computed {k['prefill_computed']} vs {l['prefill_computed']}; kvd's step path: "

@@ -17,7 +17,8 @@ import tempfile
 from kvd import Client
 from kvd.engine.batch import BatchEngine
 from kvd.engine.local_blocks import LocalBlocks
-from kvd_testlib import Daemon, check, finish
+from kvd.engine.batch import _kv_slot
+from kvd_testlib import Daemon, check, finish, slot_bytes
 
 
 def pool_config(blocks):
@@ -83,6 +84,11 @@ def main():
     if sys.argv[1] == "--child":
         return child(sys.argv[2], int(sys.argv[3]))
     kvd = sys.argv[1]
+    # PatternModel writes client/examples/kv_pattern.h's bytes (eight from each 64-bit mix), as
+    # kvd_testlib's byte-at-a-time copy of that header has them.
+    cases = [(t, p, l, n) for t in (0, 7, 49999, 1 << 20) for p in (0, 1, 4095, 70000) for l in (0, 1, 31)
+             for n in (1, 8, 13, 16, 64)]
+    check(all(_kv_slot(*c) == slot_bytes(*c) for c in cases), "PatternModel's KV bytes are kv_pattern.h's")
     tmp = tempfile.mkdtemp(prefix="kvd-batch-")
     try:
         # Reuse within a batch and from one engine to the next.

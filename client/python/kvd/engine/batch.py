@@ -45,13 +45,17 @@ from kvd.step import StepBatch, StepRequest
 M = (1 << 64) - 1
 
 
-def _kv_byte(token, pos, layer, j):
-    x = ((token << 32) ^ (pos << 12) ^ layer ^ ((j >> 3) << 48)) & M
-    x = (x + 0x9E3779B97F4A7C15) & M
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
-    x ^= x >> 31
-    return (x >> (8 * (j & 7))) & 0xFF
+def _kv_slot(token, pos, layer, n):
+    """The n kv_pattern.h bytes of (token, pos, layer): byte j is byte j % 8 (little-endian) of the
+    mix of word j // 8, so one mix gives eight bytes."""
+    out = bytearray()
+    for k in range((n + 7) // 8):
+        x = ((token << 32) ^ (pos << 12) ^ layer ^ (k << 48)) & M
+        x = (x + 0x9E3779B97F4A7C15) & M
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M
+        out += (x ^ (x >> 31)).to_bytes(8, "little")
+    return bytes(out[:n])
 
 
 class KvIo:
@@ -91,8 +95,7 @@ class PatternModel:
         pool = kv.pool
         for pos in range(start, end):
             for layer in range(pool.num_layers):
-                kv.write(pos, layer, bytes(_kv_byte(tokens[pos], pos, layer, j)
-                                           for j in range(pool.bytes_per_token_per_layer)))
+                kv.write(pos, layer, _kv_slot(tokens[pos], pos, layer, pool.bytes_per_token_per_layer))
         done, h = self._chain.get(id(kv), (0, hashlib.sha256()))
         rows = []
         for pos in range(done, end):
@@ -124,6 +127,7 @@ class _Gen:
         self.preemptions = 0
         self.kv = None
         self.t_submit = time.perf_counter()
+        self.t_started = None        # when kvd's answer to its first start was taken (from t_submit)
         self.ttft = None
         self.t_last = None           # when the last token was sampled (from t_submit)
 
@@ -336,6 +340,7 @@ class BatchEngine:
         req = g.req
         if g.cached_tokens is None:
             g.cached_tokens = req.cached_tokens
+            g.t_started = time.perf_counter() - g.t_submit
         g.kv = KvIo(self.client, self.pool, req.blocks, req.epoch)
         g.computed = req.cached_tokens
         if g.resume and not req.resumed:
@@ -375,5 +380,5 @@ class BatchEngine:
         self.model.forget(g.kv)
         self.results[g.rid] = {"id": g.rid, "tokens": g.generated, "digest": g.digest.hexdigest(),
                                "cached_tokens": g.cached_tokens, "preemptions": g.preemptions, "ttft_s": g.ttft,
-                               "done_s": time.perf_counter() - g.t_submit, "last_token_s": g.t_last,
-                               "prompt_tokens": len(g.prompt)}
+                               "started_s": g.t_started, "done_s": time.perf_counter() - g.t_submit,
+                               "last_token_s": g.t_last, "prompt_tokens": len(g.prompt)}
