@@ -74,7 +74,7 @@ class DelayedModel:
       timeline, the PatternModel's own Python compute (its KV bytes, its digests) runs inside
       that time, and the call sleeps out the rest. A device computes while the host waits; the
       Python stand-in for that compute used to run after the sleep, on the host's cores, adding
-      20-30 % to every step and more wherever another process (kvd) shared the two cores.
+      its time to every step, and more wherever another process (kvd) shared the two cores.
     - `queued`: the same timeline, the Python compute after the sleep (item 6's fourth to
       seventh passes). What one sleep overshoots (the kernel's timer slack, ~50-100 us here) is
       taken off the next call in both.

@@ -15,9 +15,8 @@ import sys
 import tempfile
 
 from kvd import Client
-from kvd.engine.batch import BatchEngine
+from kvd.engine.batch import BatchEngine, _kv_slot
 from kvd.engine.local_blocks import LocalBlocks
-from kvd.engine.batch import _kv_slot
 from kvd_testlib import Daemon, check, finish, slot_bytes
 
 
