@@ -92,11 +92,18 @@ class DelayedModel:
             time.sleep(work)
             return self.inner.forward(kv, tokens, start, end)
         self.done_at = max(self.done_at, time.perf_counter()) + work
-        rows = self.inner.forward(kv, tokens, start, end) if self.mode == "device" else None
+        if self.mode == "queued":
+            self._sleep_out()
+            return self.inner.forward(kv, tokens, start, end)
+        rows = self.inner.forward(kv, tokens, start, end)
+        self._sleep_out()
+        return rows
+
+    def _sleep_out(self):
+        """Sleeps until the work queued so far is done (at once when it is)."""
         left = self.done_at - time.perf_counter()
         if left > 0:
             time.sleep(left)
-        return rows if rows is not None else self.inner.forward(kv, tokens, start, end)
 
     def forget(self, kv):
         return self.inner.forget(kv)
