@@ -19,11 +19,12 @@ kvd_packages=(
 # for the unit's syscall filter, venv/pip/setuptools to install the Python client as users do, and
 # debhelper and build-essential (which dpkg-buildpackage requires of every build) to build the
 # .deb packages (scripts/build-packages.sh), and pybind11 with the Python headers for kvd._native
-# (the C++ step path for Python engines, client/python/native).
+# (the C++ step path for Python engines, client/python/native), and ccache, which keeps the test
+# run's four builds' objects between clean checkouts (kvd_use_ccache).
 kvd_test_packages=(python3 python3-yaml python3-grpcio python3-protobuf systemd strace prometheus clang
                    python3-zmq python3-msgpack python3-cbor2 python3-numpy redis-server python3-torch
                    python3-venv python3-pip python3-setuptools python3-wheel debhelper build-essential
-                   iproute2 openssl ucx-utils pybind11-dev python3-dev)
+                   iproute2 openssl ucx-utils pybind11-dev python3-dev ccache)
 # Commands the deploy checks run (kubectl renders the kustomize overlays; node and npm validate
 # them against the API schemas), as "command:Debian package": installed only when the command is
 # missing, since a kubectl or node from another repository conflicts with Debian's package.
@@ -50,6 +51,21 @@ kvd_install_missing() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
+# With KVD_CCACHE=1 (scripts/test.sh sets it) and ccache installed, sets kvd_launcher to the CMake
+# options that compile through ccache, and exports what lets a clean clone anywhere hit objects
+# another clone compiled: paths under the checkout hashed relative to it, and the build directory
+# left out of the hash (the objects' DWARF then names the first clone's build directory; nothing
+# reads it). The cache is ccache's own (~/.cache/ccache unless CCACHE_DIR says otherwise), outside
+# any clone. A production build (scripts/run.sh) never goes through it.
+kvd_launcher=()
+kvd_use_ccache() {
+  kvd_launcher=()
+  [ "${KVD_CCACHE:-0}" = 1 ] && command -v ccache >/dev/null 2>&1 || return 0
+  export CCACHE_BASEDIR="$KVD_ROOT" CCACHE_NOHASHDIR=true CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-8G}"
+  local lang
+  for lang in C CXX CUDA; do kvd_launcher+=("-DCMAKE_${lang}_COMPILER_LAUNCHER=ccache"); done
+}
+
 kvd_build() {
   local extra=("$@")
   local gen=()
@@ -61,7 +77,9 @@ kvd_build() {
   if [ -f "$KVD_BUILD_DIR/CMakeCache.txt" ] && ! grep -q "CMAKE_GENERATOR:INTERNAL=${gen[1]:-Unix Makefiles}\$" "$KVD_BUILD_DIR/CMakeCache.txt"; then
     rm -rf "$KVD_BUILD_DIR"
   fi
-  cmake -S "$KVD_ROOT" -B "$KVD_BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE="${KVD_BUILD_TYPE:-RelWithDebInfo}" "${extra[@]}"
+  kvd_use_ccache
+  cmake -S "$KVD_ROOT" -B "$KVD_BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE="${KVD_BUILD_TYPE:-RelWithDebInfo}" \
+    "${kvd_launcher[@]}" "${extra[@]}"
   # KVD_BUILD_TARGETS (space-separated) builds only those targets.
   local targets=()
   for t in ${KVD_BUILD_TARGETS:-}; do targets+=(--target "$t"); done

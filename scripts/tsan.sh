@@ -4,8 +4,10 @@
 # Debian's Abseil is not built with TSan, so absl::Mutex hand-offs would be invisible to it and
 # every guarded access would be reported as a race. This script builds Abseil from Debian's own
 # source package (the version installed, with Debian's patches) with -fsanitize=thread into
-# build-tsan/absl (kept between runs: a cached side build), then builds kvd's core, store and
-# events libraries and their tests against it, instrumented, and runs them.
+# ~/.cache/kvd/absl-tsan-VERSION (KVD_CACHE_DIR overrides ~/.cache/kvd): a side build kept outside
+# the checkout, so a clean clone reuses it. Then builds kvd's core, store and events libraries and
+# their tests against it, instrumented (through ccache when scripts/test.sh runs it), in
+# build-tsan/, and runs them.
 #
 # The gRPC layer stays out: Debian's gRPC and protobuf link Debian's uninstrumented Abseil, and two
 # Abseils cannot share one binary. The RPC layer's races are covered by clang's thread-safety
@@ -14,13 +16,15 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 
 tsan_dir="$KVD_ROOT/build-tsan"
-absl_prefix="$tsan_dir/absl"
 flags="-fsanitize=thread -g -O1"
 sudo=""
 [ "$(id -u)" -ne 0 ] && sudo="sudo"
 
 version=$(dpkg-query -W -f='${Version}' libabsl-dev)
-if [ "$(cat "$absl_prefix/.version" 2>/dev/null)" != "$version" ]; then
+cache_dir="${KVD_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvd}"
+absl_prefix="$cache_dir/absl-tsan-$version"
+stamp="$version $flags"
+if [ "$(cat "$absl_prefix/.version" 2>/dev/null)" != "$stamp" ]; then
   echo "kvd: building Abseil $version with ThreadSanitizer (once; cached in $absl_prefix)"
   kvd_install_missing dpkg-dev
   if ! apt-get source --print-uris "abseil=$version" >/dev/null 2>&1; then
@@ -30,6 +34,7 @@ if [ "$(cat "$absl_prefix/.version" 2>/dev/null)" != "$version" ]; then
     $sudo apt-get update -qq
   fi
   rm -rf "$tsan_dir/absl-src" "$tsan_dir/absl-build" "$absl_prefix"
+  mkdir -p "$cache_dir"
   mkdir -p "$tsan_dir/absl-src"
   (cd "$tsan_dir/absl-src" && apt-get source -qq "abseil=$version" >/dev/null)
   src=$(find "$tsan_dir/absl-src" -mindepth 1 -maxdepth 1 -type d -name 'abseil-*' | head -n 1)
@@ -39,11 +44,12 @@ if [ "$(cat "$absl_prefix/.version" 2>/dev/null)" != "$version" ]; then
     -DCMAKE_POSITION_INDEPENDENT_CODE=ON "-DCMAKE_INSTALL_PREFIX=$absl_prefix" >/dev/null
   cmake --build "$tsan_dir/absl-build" -j "$KVD_JOBS"
   cmake --install "$tsan_dir/absl-build" >/dev/null
-  echo "$version" > "$absl_prefix/.version"
+  echo "$stamp" > "$absl_prefix/.version"
 fi
 
 echo "kvd: ThreadSanitizer run (core, store, events)"
-cmake -S "$KVD_ROOT" -B "$tsan_dir/kvd" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVD_BUILD_TESTS=ON \
+kvd_use_ccache
+cmake -S "$KVD_ROOT" -B "$tsan_dir/kvd" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVD_BUILD_TESTS=ON "${kvd_launcher[@]}" \
   -DKVD_WITH_CUDA=OFF "-DCMAKE_PREFIX_PATH=$absl_prefix" "-Dabsl_DIR=$absl_prefix/lib/cmake/absl" \
   "-DCMAKE_CXX_FLAGS=$flags" "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread" >/dev/null
 cmake --build "$tsan_dir/kvd" -j "$KVD_JOBS" --target core_test store_test events_test
