@@ -55,4 +55,4 @@ cmake -S "$KVD_ROOT" -B "$tsan_dir/kvd" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVD_
 cmake --build "$tsan_dir/kvd" -j "$KVD_JOBS" --target core_test store_test events_test
 (cd "$tsan_dir/kvd" &&
    TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$KVD_ROOT/tests/tsan.supp" \
-   ctest --output-on-failure --timeout 1200 -R '^(core_test|store_test|events_test)$')
+   ctest --output-on-failure -j "$KVD_JOBS" --timeout 1200 -R '^(core_test|store_test|events_test)$')
