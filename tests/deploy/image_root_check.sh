@@ -41,18 +41,19 @@ echo "image_root_check: runtime-packages.txt matches the binaries ($(echo "$need
 # (2) A bare root with exactly that list.
 command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
 source "$kvd_root/scripts/apt-mirror.sh"
-mirror=$(kvd_apt_mirror)
-if [ ! -f "$root/.kvd-runtime-packages" ] || [ "$(cat "$root/.kvd-runtime-packages")" != "$packages" ]; then
-  rm -rf "$root"
-  debootstrap --variant=minbase bookworm "$root" "$mirror" >"$root.log" 2>&1 \
-    || { tail -20 "$root.log" >&2; fail "debootstrap failed"; }
-  cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
+# The root with the list installed and the image's user, as the Containerfile's runtime stage makes
+# them (once a week; kvd_debootstrap_cached keeps a copy outside the checkout).
+kvd_root_setup() {
+  cp /etc/resolv.conf "$1/etc/resolv.conf" 2>/dev/null || true
   # shellcheck disable=SC2086
-  chroot "$root" /usr/bin/env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages \
-    >>"$root.log" 2>&1 || { tail -20 "$root.log" >&2; fail "apt-get install of the runtime packages failed"; }
-  chroot "$root" groupadd --system --gid 10001 kvd
-  chroot "$root" useradd --system --uid 10001 --gid kvd --no-create-home --shell /usr/sbin/nologin kvd
-  echo "$packages" >"$root/.kvd-runtime-packages"
+  chroot "$1" /usr/bin/env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages \
+    >>"$1.log" 2>&1 || { tail -20 "$1.log" >&2; echo "apt-get install of the runtime packages failed" >&2; return 1; }
+  chroot "$1" groupadd --system --gid 10001 kvd
+  chroot "$1" useradd --system --uid 10001 --gid kvd --no-create-home --shell /usr/sbin/nologin kvd
+  echo "$packages" >"$1/.kvd-runtime-packages"
+}
+if [ ! -f "$root/.kvd-runtime-packages" ] || [ "$(cat "$root/.kvd-runtime-packages")" != "$packages" ]; then
+  kvd_debootstrap_cached "$root" "image-$(sha256sum <<<"$packages" | cut -c1-16)" || fail "the bare root"
 fi
 # The packages, installed as the image installs them: kvd with dpkg alone (its dependencies must
 # already be there), python3-kvd through apt-get (it brings the Python gRPC packages).

@@ -14,12 +14,10 @@ root="${2:-$kvd_root/build-minroot}"
 [ "$(id -u)" -eq 0 ] || { echo "minimal_root_check: needs root (debootstrap, chroot)" >&2; exit 1; }
 command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null
 if [ ! -x "$root/usr/bin/python3" ]; then
-  rm -rf "$root"
-  # The mirror apt already uses here.
+  # From the mirror apt already uses here; a copy is kept outside the checkout for a week.
   source "$kvd_root/scripts/apt-mirror.sh"
-  mirror=$(kvd_apt_mirror)
-  debootstrap --variant=minbase --include=python3 bookworm "$root" "$mirror" \
-    >"$root.log" 2>&1 || { tail -20 "$root.log" >&2; echo "minimal_root_check: debootstrap failed" >&2; exit 1; }
+  kvd_debootstrap_cached "$root" minbase-python3 --include=python3 \
+    || { echo "minimal_root_check: debootstrap failed" >&2; exit 1; }
 fi
 fail() { echo "minimal_root_check: FAIL: $*" >&2; exit 1; }
 rm -rf "$root/opt/kvd-bundle" "$root/tmp/kvd-out"
