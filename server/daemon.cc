@@ -28,6 +28,7 @@
 #include "proto/vocab/status_macros.h"
 #include "server/config_values.h"
 #include "server/rpc/access_interceptor.h"
+#include "server/rpc/ended_writers.h"
 #include "server/handoff.h"
 #include "server/obs/process_stats.h"
 #include "server/slab_fd_store.h"
@@ -443,11 +444,7 @@ void Daemon::ReapLapsedLeases() {
 }
 
 void Daemon::LiftDueFences() {
-  // A fenced writer that is gone writes nothing more.
-  int64_t lifted = 0;
-  for (uint32_t pid : cache_->FencedPids()) {
-    if (ProcessGone(static_cast<pid_t>(pid))) lifted += cache_->LiftFencesOfGone(pid);
-  }
+  const int64_t lifted = LiftFencesOfEndedWriters(*cache_);
   const int64_t still = cache_->ExpireFences();
   if (restore_checkpoints_pending_ && still == 0 && tiers_ != nullptr) {
     restore_checkpoints_pending_ = false;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "proto/convert.h"
 #include "server/obs/process_stats.h"
+#include "server/rpc/ended_writers.h"
 #include "proto/grpc_status.h"
 #include "proto/vocab/status_macros.h"
 #include "server/obs/log_safe.h"
@@ -225,6 +226,7 @@ grpc::ServerUnaryReactor* KvdService::Admit(grpc::CallbackServerContext* ctx,
     KVD_ASSIGN_OR_RETURN(Caller caller, CheckWorker(ctx, req->worker_id(), ""));
     RequestSpec spec = SpecFromProto(*req);
     spec.principal = WorkerId(caller.key);  // limits count per process, however often it attached
+    if (!spec.resume_from.empty()) WaitOwnerGone(ctx, spec);
     absl::StatusOr<AdmitResult> r = cache_->Admit(spec);
     if (absl::IsAlreadyExists(r.status()) && !spec.resume_from.empty()) r = AdmitAfterOwnerGone(ctx, spec);
     KVD_RETURN_IF_ERROR(r.status());
@@ -246,20 +248,22 @@ absl::StatusOr<AdmitResult> KvdService::AdmitAfterOwnerGone(const grpc::Callback
 
 void KvdService::WaitOwnerGone(const grpc::CallbackServerContext* ctx, const RequestSpec& spec) {
   // Only a request live under another worker is worth waiting for; the caller's own is its bug.
-  if (!absl::IsPermissionDenied(cache_->CheckOwner(spec.id, spec.owner))) return;
-  if (resume_waiters_.fetch_add(1) >= kMaxResumeWaiters) {
+  if (absl::IsPermissionDenied(cache_->CheckOwner(spec.id, spec.owner))) {
+    if (resume_waiters_.fetch_add(1) < kMaxResumeWaiters) {
+      absl::Time deadline = absl::Now() + kResumeWait;
+      if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
+        deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
+      }
+      while (absl::IsPermissionDenied(cache_->CheckOwner(spec.id, spec.owner)) && absl::Now() < deadline &&
+             !ctx->IsCancelled() && !draining()) {
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+    }
     resume_waiters_.fetch_sub(1);
-    return;
   }
-  absl::Time deadline = absl::Now() + kResumeWait;
-  if (ctx->deadline() != std::chrono::system_clock::time_point::max()) {
-    deadline = std::min(deadline, absl::FromChrono(ctx->deadline()));
-  }
-  while (absl::IsPermissionDenied(cache_->CheckOwner(spec.id, spec.owner)) && absl::Now() < deadline &&
-         !ctx->IsCancelled() && !draining()) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  resume_waiters_.fetch_sub(1);
+  // The checkpoint's tail block is the resume's only once no writer may still write it: the fences
+  // of writers whose process has ended are lifted now, not at the reaper's next look.
+  LiftFencesOfEndedWriters(*cache_);
 }
 
 grpc::ServerUnaryReactor* KvdService::Fits(grpc::CallbackServerContext* ctx,

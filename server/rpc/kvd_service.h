@@ -210,7 +210,7 @@ class KvdService final : public v1::Kvd::CallbackService {
   // kMaxResumeWaiters calls wait at once (each holds a callback thread); the rest answer at once.
   absl::StatusOr<AdmitResult> AdmitAfterOwnerGone(const grpc::CallbackServerContext* ctx,
                                                   const RequestSpec& spec);
-  // The wait of AdmitAfterOwnerGone alone (Start queues its admission afterwards).
+  // The wait of AdmitAfterOwnerGone, then the lift of ended writers' fences (ended_writers.h).
   void WaitOwnerGone(const grpc::CallbackServerContext* ctx, const RequestSpec& spec);
   // Acquire, with promotion from lower tiers, then a pull from `peer` (empty: none); fills `resp`
   // and calls `done` exactly once, maybe on another thread (a promotion's or a pull's). On a

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "proto/convert.h"
 #include "proto/vocab/status_macros.h"
+#include "server/rpc/ended_writers.h"
 #include "server/rpc/kvd_service.h"
 #include "server/rpc/kvd_service_unary.h"
 
@@ -447,6 +448,8 @@ void KvdService::StartStepItem(const std::shared_ptr<StepLog>& log, const Worker
     park->deadline = absl::Now() + (sr.max_wait_ms() > 0 ? absl::Milliseconds(sr.max_wait_ms()) : kDefaultStartWait);
     park->wait_ms = sr.wait_for_in_flight_ms();
     park->may_defer = park->wait_ms > 0 && park->spec.resume_from.empty();
+    // A resume takes its checkpoint's tail block once no writer may still write it (ended_writers.h).
+    if (!park->spec.resume_from.empty()) LiftFencesOfEndedWriters(*cache_);
     // Blocks in flight first: the start waits holding nothing (parked, answered `waiting` with
     // what it waits for), then queues for admission.
     if (std::optional<InFlightInfo> found = InFlightToWait(park->spec, park->wait_ms)) {
