@@ -226,7 +226,7 @@ grpc::ServerUnaryReactor* KvdService::Admit(grpc::CallbackServerContext* ctx,
     KVD_ASSIGN_OR_RETURN(Caller caller, CheckWorker(ctx, req->worker_id(), ""));
     RequestSpec spec = SpecFromProto(*req);
     spec.principal = WorkerId(caller.key);  // limits count per process, however often it attached
-    if (!spec.resume_from.empty()) WaitOwnerGone(ctx, spec);
+    if (!spec.resume_from.empty()) LiftFencesOfEndedWriters(*cache_);  // as WaitOwnerGone ends
     absl::StatusOr<AdmitResult> r = cache_->Admit(spec);
     if (absl::IsAlreadyExists(r.status()) && !spec.resume_from.empty()) r = AdmitAfterOwnerGone(ctx, spec);
     KVD_RETURN_IF_ERROR(r.status());
