@@ -19,7 +19,7 @@ kvd_apt_mirror() {
 kvd_debootstrap_cached() {
   local root="$1" key="$2"
   shift 2
-  local cache="${KVD_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvd}"
+  local cache="${KVD_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:-/var/tmp}/.cache}/kvd}"
   local tarball="$cache/root-$key.tar"
   rm -rf "$root"
   mkdir -p "$root"

@@ -62,6 +62,8 @@ kvd_use_ccache() {
   kvd_launcher=()
   [ "${KVD_CCACHE:-0}" = 1 ] && command -v ccache >/dev/null 2>&1 || return 0
   export CCACHE_BASEDIR="$KVD_ROOT" CCACHE_NOHASHDIR=true CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-8G}"
+  # ccache finds its cache under $HOME; a root without one (a bare chroot) gets one in /var/tmp.
+  [ -n "${HOME:-}" ] || [ -n "${XDG_CACHE_HOME:-}" ] || export CCACHE_DIR="${CCACHE_DIR:-/var/tmp/.cache/ccache}"
   local lang
   for lang in C CXX CUDA; do kvd_launcher+=("-DCMAKE_${lang}_COMPILER_LAUNCHER=ccache"); done
 }

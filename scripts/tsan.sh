@@ -21,7 +21,7 @@ sudo=""
 [ "$(id -u)" -ne 0 ] && sudo="sudo"
 
 version=$(dpkg-query -W -f='${Version}' libabsl-dev)
-cache_dir="${KVD_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kvd}"
+cache_dir="${KVD_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:-/var/tmp}/.cache}/kvd}"
 absl_prefix="$cache_dir/absl-tsan-$version"
 stamp="$version $flags"
 if [ "$(cat "$absl_prefix/.version" 2>/dev/null)" != "$stamp" ]; then
