@@ -121,11 +121,14 @@ TEST_CASE("kvd-bench's fan-out computes a shared context once with the in-flight
   double computed[2] = {0, 0}, published_waits[2] = {0, 0};
   for (int wait = 0; wait < 2; ++wait) {
     const std::string json = dir.path() + absl::StrCat("/fanout", wait, ".json");
-    // 80 prompt tokens at 200 tokens/s: each start's blocks stay in flight for 400 ms.
+    // 80 prompt tokens at 40 tokens/s: each start's blocks stay in flight for 2 s. The workers are
+    // processes that start at a common instant; under ASan on a loaded machine one can miss that
+    // instant by hundreds of milliseconds, and a narrower window (400 ms, until CI failed with one
+    // wait of three) would let a late one find the context published and count a plain hit.
     ProcessResult r = RunProcess(
         KVD_BENCH_BINARY, {"--target=" + d.target(), absl::StrCat("--fanout=", kN),
                            absl::StrCat("--fanout-context=", kContext), absl::StrCat("--fanout-own=", kOwn),
-                           "--prefill-tps=200", "--max-decode-tokens=0", absl::StrCat("--seed=", 100 + wait),
+                           "--prefill-tps=40", "--max-decode-tokens=0", absl::StrCat("--seed=", 100 + wait),
                            absl::StrCat("--wait-in-flight-ms=", wait ? 5000 : 0), "--json=" + json});
     INFO(r.out);
     REQUIRE(r.exit_code == 0);
