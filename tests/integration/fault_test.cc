@@ -35,7 +35,7 @@ CacheReport SettledReport(client::Client& observer) {
 
 TEST_CASE("Over 100 workers killed at random points leak nothing and lose nothing",
           "[integration][fault]") {
-  DaemonProcess d(SmallPoolConfig(8192), {"--lease-ttl=2"});
+  DaemonProcess d(SmallPoolConfig(8192), {"--lease-ttl=4"});
   auto observer = client::Client::Connect({.target = d.target(), .worker_name = "observer"});
   REQUIRE(observer.ok());
   // A published prefix that every other worker reuses while it is being killed.
@@ -108,7 +108,7 @@ TEST_CASE("Under the horizon policy a churning pool serves exact bytes while wor
           "[integration][fault][policy]") {
   DaemonProcess d(SmallPoolConfig(64, "eviction_policy: horizon\nhorizon_sample_every: 1\n"
                                       "horizon_probation: 0.5\nhorizon_main: 1\n"),
-                  {"--lease-ttl=2"});
+                  {"--lease-ttl=4"});
   auto observer = client::Client::Connect({.target = d.target(), .worker_name = "observer"});
   REQUIRE(observer.ok());
   std::mt19937 rng(11);

@@ -155,6 +155,16 @@ void NothingHeld(client::Client& c) {
   CHECK(report->reserved_bytes == 0);
 }
 
+// Whether anything NothingHeld counts is still owned or reserved (true if the report failed).
+bool AnythingHeld(client::Client& c) {
+  auto report = c.Report();
+  if (!report.ok()) return true;
+  for (const PoolReport& p : report->pools) {
+    if (p.owned_blocks != 0 || p.reserved_blocks != 0) return true;
+  }
+  return report->reserved_bytes != 0;
+}
+
 TEST_CASE("A hybrid generation checkpointed on worker A resumes on worker B with A's bytes in every group",
           "[integration][hybrid][hybrid_checkpoint]") {
   DaemonProcess d(Config());
@@ -223,7 +233,7 @@ TEST_CASE("A hybrid generation checkpointed on worker A resumes on worker B with
 
 TEST_CASE("Across --takeover a hybrid pool's hits, bytes and a live generation's checkpoint carry over",
           "[integration][hybrid][hybrid_checkpoint][handoff]") {
-  DaemonProcess d(Config("lease_ttl_s: 1\n"));
+  DaemonProcess d(Config("lease_ttl_s: 4\n"));
   auto a = client::Client::Connect({.target = d.target()});
   REQUIRE(a.ok());
   // A published prompt with the state at 8 (one unit every group serves).
@@ -267,9 +277,9 @@ TEST_CASE("Across --takeover a hybrid pool's hits, bytes and a live generation's
   REQUIRE((*hit)->End(0, {}, true).ok());
 
   // The live generation's checkpoint crossed; its tail stays fenced until its writer re-attaches
-  // quiesced or the lease passes (a refused resume changes nothing), then it resumes exactly.
+  // quiesced or the lease (4 s) passes (a refused resume changes nothing), then it resumes exactly.
   absl::StatusOr<std::unique_ptr<client::KvRequest>> resumed;
-  for (int i = 0; i < 50; ++i) {
+  for (int i = 0; i < 100; ++i) {
     resumed = (*c)->Start(Resume("live2", Range(100, 10), "live"));
     if (resumed.ok()) break;
     INFO(resumed.status().ToString());
@@ -283,7 +293,9 @@ TEST_CASE("Across --takeover a hybrid pool's hits, bytes and a live generation's
   got.group_tables = (*resumed)->group_tables();
   ReadsBack(**c, got, w, "resumed on the successor");
   REQUIRE((*resumed)->End(0, {}, true).ok());
-  absl::SleepFor(absl::Milliseconds(1300));  // every fence of the handoff past its lease
+  // Every fence of the handoff lifts once its lease (4 s from the takeover) has passed: polled
+  // for up to 10 s.
+  for (int i = 0; i < 200 && AnythingHeld(**c); ++i) absl::SleepFor(absl::Milliseconds(50));
   NothingHeld(**c);
 }
 

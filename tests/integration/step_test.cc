@@ -90,7 +90,7 @@ TEST_CASE("A stepping worker preempts a request and resumes it from its checkpoi
 }
 
 TEST_CASE("A stepping worker SIGKILLed holding requests and credit gives everything back", "[integration][step]") {
-  DaemonProcess d(SmallPoolConfig(512), {"--lease-ttl=2"});
+  DaemonProcess d(SmallPoolConfig(512), {"--lease-ttl=4"});
   auto observer = ConnectTo(d);
   WorkerProcess w({"--target=" + d.target(), "--batch=6", "--prompt-len=10", "--gen=30", "--hang-after-steps=5"},
                   StepWorkerBinary());

@@ -236,7 +236,7 @@ TEST_CASE("An interrupted generation's checkpoint survives a restart and resumes
           "[integration][tiers]") {
   TempDir disk;
   {
-    DaemonProcess d(TierConfig(disk.path()), {"--lease-ttl=2"});
+    DaemonProcess d(TierConfig(disk.path()), {"--lease-ttl=4"});
     auto stub = Stub(d);
     WorkerProcess victim({"--target", d.target(), "--id", "gen", "--prompt-range", "100:10", "--gen", "20",
                           "--checkpoint-every", "5", "--hang-after-checkpoint"});

@@ -205,7 +205,7 @@ TEST_CASE("Only authenticated, allowed peers get offers", "[integration][transfe
   CHECK(lease.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
   CHECK(lease.error_message().find("lease_ms must be in (0, 60000], not 0") != std::string::npos);
   peer::v1::OfferResponse good;
-  REQUIRE(Offer(*b, 1, 4, 1000, &good).ok());
+  REQUIRE(Offer(*b, 1, 4, 60'000, &good).ok());
   CHECK(good.blocks_size() == 4);
   CHECK(good.checksums_size() == 4);
   // Another peer cannot release it.
@@ -302,12 +302,13 @@ TEST_CASE("Offered blocks stay pinned against eviction until released or expired
   REQUIRE(wa->Gc().ok());
   CHECK(Cached(*wa, 1, 4) == 0);
 
-  // A puller that never releases: the lease expires and the blocks can go.
+  // A puller that never releases: the lease (3 s, held past the count below on a loaded machine)
+  // expires and the blocks can go.
   Prefill(*wa, "p2", 2, 4);
   peer::v1::OfferResponse forgotten;
-  REQUIRE(Offer(*b, 2, 4, 300, &forgotten).ok());
+  REQUIRE(Offer(*b, 2, 4, 3000, &forgotten).ok());
   CHECK(Metric(a, "kvd_peer_leases") == 1);
-  absl::SleepFor(absl::Milliseconds(900));
+  absl::SleepFor(absl::Milliseconds(3100));
   CHECK(LeasesSettled(a) == 0);
   REQUIRE(wa->Gc().ok());
   CHECK(Cached(*wa, 2, 4) == 0);

@@ -85,13 +85,16 @@ def prove_resume_wait(kvd, tmp):
     try:
         req = {"id": "hang", "prompt": base(10, 9), "max_new": 9, "checkpoint_every": 2}
         full = run_worker(d.target, [dict(req, id="hang-whole")]).get("hang-whole", {})
-        hung = subprocess.Popen([sys.executable, "-m", "kvd.engine.worker", "--pool", "default", "--target", d.target,
-                                 "--stop-after-checkpoints", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True)
-        hung.stdin.write(json.dumps(req) + "\n")
-        hung.stdin.close()
-        check("stopped_after_checkpoints" in hung.stdout.readline(), "the first worker hangs after a checkpoint")
+        # The probe attaches before the worker starts, so that only its one Report has to land
+        # between the hang and the lapse of the hung worker's 1 s lease.
         with Client(d.target, worker_name="probe") as c:
+            hung = subprocess.Popen([sys.executable, "-m", "kvd.engine.worker", "--pool", "default",
+                                     "--target", d.target, "--stop-after-checkpoints", "1"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            hung.stdin.write(json.dumps(req) + "\n")
+            hung.stdin.close()
+            check("stopped_after_checkpoints" in hung.stdout.readline(),
+                  "the first worker hangs after a checkpoint")
             check(c.report().live_requests == 1, "its request is still live")
             start = time.monotonic()
             admit = c._rpc("Admit", kvd_pb2.AdmitRequest(

@@ -126,7 +126,7 @@ def racing_steps(kvd, tmp, daemon):
 def lease(kvd, tmp):
     """The lease as the client proves it: kvd's acks keep may_write() true past half a lease; when
     kvd goes away the client quiesces (fences, then on_lease_lost) before it re-attaches."""
-    d = Daemon(kvd, tmp, SMALL_POOL, name="lease", extra=["--lease-ttl=2"])
+    d = Daemon(kvd, tmp, SMALL_POOL, name="lease", extra=["--lease-ttl=4"])
     seen = []
     try:
         c = Client(d.target, worker_name="py-lease",
@@ -136,7 +136,7 @@ def lease(kvd, tmp):
             check(c.may_write(), "lease: may write once attached")
             r = c.request("lease-r", pool="default", prompt=list(range(9)), wait_s=5)
             check(r.may_write() and c.may_write(1), "lease: a request of the attachment may write")
-            time.sleep(1.6)  # past half a lease (1 s): only acknowledged heartbeats keep it
+            time.sleep(2.6)  # past half a lease (2 s): only acknowledged heartbeats keep it
             check(c.may_write(), "lease: kvd's acks keep the lease provable past half a lease")
             d.proc.send_signal(signal.SIGKILL)
             d.proc.wait(timeout=10)
@@ -147,7 +147,7 @@ def lease(kvd, tmp):
                   f"lease: kvd gone, the client stops writing, runs the fences, then on_lease_lost ({seen})")
             check(not c.may_write(), "lease: no writes while detached")
             os.remove(os.path.join(tmp, "lease.ready"))
-            d = Daemon(kvd, tmp, SMALL_POOL, name="lease", extra=["--lease-ttl=2"])
+            d = Daemon(kvd, tmp, SMALL_POOL, name="lease", extra=["--lease-ttl=4"])
             c.wait_attached(10)
             check(c.epoch == 2 and c.may_write(), "lease: re-attached (quiesced), it may write again")
             # The write gate is per attachment: never again for a request from before the re-attach.

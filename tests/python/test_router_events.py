@@ -575,7 +575,7 @@ def main():
             expected["b"] = vllm_ids(b)
             expected["lora"] = vllm_ids(a, lambda i: ("lora-x",))
             expected["salt"] = vllm_ids(a, lambda i: ("tenant-1",) if i == 0 else None)
-            sub.drain(idle_s=0.5)
+            sub.drain(idle_s=1.5)
             before_fill = max(sub.batches)  # the last batch of the four requests: nothing evicted yet
             # Fill the 24-block pool so that older blocks are evicted (BlockRemoved).
             for k in range(5):
