@@ -205,7 +205,10 @@ def run_mode(args, tmp, mode, salt, max_running, reqs, client="python"):
             # TTFT in two parts: arrival to the start answered, then to the first token.
             "started_p50_ms": statistics.median(r["started_s"] for r in results) * 1e3,
             "started_to_first_p50_ms": statistics.median(r["ttft_s"] - r["started_s"] for r in results) * 1e3,
-            "workers_cpu_s": cpu1 - cpu0, "kvd_cpu_s": kvd_cpu, **path}
+            "workers_cpu_s": cpu1 - cpu0, "kvd_cpu_s": kvd_cpu, **path,
+            # Each request's timeline (for --runs-out): arrival to its start sent, answered, first token.
+            "per_request": [{k: r.get(k) for k in ("id", "sent_s", "sent_idle", "start_steps", "started_s", "ttft_s")}
+                            for r in results]}
 
 
 def _children_cpu():
@@ -248,6 +251,30 @@ def ratio_interval(runs, b, reuse, kmode, key, n=2000, seed=1):
     rng = random.Random(seed)
     boot = sorted(ratio([rng.choice(pairs) for _ in pairs]) for _ in range(n))
     return ratio(pairs), boot[int(0.05 * n)], boot[int(0.95 * n) - 1]
+
+
+def matched_requests(runs, b, reuse, kmode):
+    """Each request against itself across the two modes (medians over the runs), TTFT split at the
+    start's answer: (TTFT, start answered, answer to first token) differences kvd - in-process in
+    ms, as medians over the requests, and the share of starts sent to an idle engine (nothing else
+    to compute in their step: the round trip is not hidden) in kvd's runs."""
+    by = {}
+    for r in runs:
+        if r["max_running"] == b and r["reuse"] == reuse and r["mode"] in (kmode, "in-process"):
+            for q in r.get("per_request", ()):
+                by.setdefault(q["id"], {}).setdefault(r["mode"], []).append(q)
+    diffs = ([], [], [])
+    idle = [q["sent_idle"] for m in by.values() for q in m.get(kmode, ()) if q["sent_idle"] is not None]
+    for m in by.values():
+        k, l = m.get(kmode), m.get("in-process")
+        if not k or not l:
+            continue
+        for out, f in zip(diffs, (lambda q: q["ttft_s"], lambda q: q["started_s"],
+                                  lambda q: q["ttft_s"] - q["started_s"])):
+            out.append((statistics.median(map(f, k)) - statistics.median(map(f, l))) * 1e3)
+    if not diffs[0]:
+        return None
+    return tuple(statistics.median(d) for d in diffs) + (sum(idle) / max(len(idle), 1),)
 
 
 def plot(rows, path):
@@ -364,6 +391,13 @@ def main():
                   f"{k['rpc_s'] * 1e6 / max(k['steps'], 1):.0f} us a step waited on them; CPU s: workers "
                   f"{k['workers_cpu_s']:.2f} vs {l['workers_cpu_s']:.2f}, kvd {k['kvd_cpu_s']:.2f}, in a run of "
                   f"{k['elapsed_s']:.2f} vs {l['elapsed_s']:.2f} s")
+    print("\nEach request against itself, kvd - in-process (medians over the runs, then over the requests):")
+    for b in sorted({r["max_running"] for r in rows}):
+        for reuse, kmode in ((x, m) for x in (False, True) for m in kvd_modes):
+            m = matched_requests(runs, b, reuse, kmode)
+            if m is not None:
+                print(f"max running {b}, reuse {reuse}, {kmode}: TTFT {m[0]:+.2f} ms, of it start answered {m[1]:+.2f} ms "
+                      f"and answer to first token {m[2]:+.2f} ms; starts sent to an idle engine {m[3] * 100:.0f} %")
     if args.repeat >= 4:
         print("\nRatios of medians kvd / in-process with 90 % bootstrap intervals over the paired runs:")
         for b in sorted({r["max_running"] for r in rows}):

@@ -127,6 +127,10 @@ class _Gen:
         self.preemptions = 0
         self.kv = None
         self.t_submit = time.perf_counter()
+        self.t_sent = None           # when its first start went out (from t_submit)
+        self.sent_step = None        # the engine step it went out in, and whether the engine was idle
+        self.sent_idle = None
+        self.start_steps = None      # engine steps from its first start going out to its answer taken
         self.t_started = None        # when kvd's answer to its first start was taken (from t_submit)
         self.ttft = None
         self.t_last = None           # when the last token was sampled (from t_submit)
@@ -238,6 +242,8 @@ class BatchEngine:
                         resume_from=g.rid if g.resume else "", max_wait_s=self.max_wait_s,
                         wait_in_flight_s=0.0 if g.resume else self.wait_in_flight_s)
             starting.append(g)
+            if g.t_sent is None:
+                g.t_sent, g.sent_step, g.sent_idle = time.perf_counter() - g.t_submit, self.steps, not plan
         if self.overlap and plan:
             # In flight: meanwhile, every position whose blocks the request holds already. (With
             # nothing planned, the plain call waits for the answer with less thread hand-off.)
@@ -341,6 +347,7 @@ class BatchEngine:
         if g.cached_tokens is None:
             g.cached_tokens = req.cached_tokens
             g.t_started = time.perf_counter() - g.t_submit
+            g.start_steps = self.steps - g.sent_step
         g.kv = KvIo(self.client, self.pool, req.blocks, req.epoch)
         g.computed = req.cached_tokens
         if g.resume and not req.resumed:
@@ -380,5 +387,6 @@ class BatchEngine:
         self.model.forget(g.kv)
         self.results[g.rid] = {"id": g.rid, "tokens": g.generated, "digest": g.digest.hexdigest(),
                                "cached_tokens": g.cached_tokens, "preemptions": g.preemptions, "ttft_s": g.ttft,
-                               "started_s": g.t_started, "done_s": time.perf_counter() - g.t_submit,
+                               "started_s": g.t_started, "sent_s": g.t_sent, "sent_idle": g.sent_idle,
+                               "start_steps": g.start_steps, "done_s": time.perf_counter() - g.t_submit,
                                "last_token_s": g.t_last, "prompt_tokens": len(g.prompt)}
