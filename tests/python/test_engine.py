@@ -126,6 +126,56 @@ def prove_resume_wait(kvd, tmp):
         d.stop()
 
 
+# A writer whose attach stream breaks while its process lives on (its channel closed under the
+# stream, no Detach), then stops itself: kvd cannot tell that it will write nothing more.
+FENCED_WRITER = """
+import os, signal, sys
+from kvd import Client
+c = Client(sys.argv[1], worker_name="fenced-writer")
+prompt = [int(t) for t in sys.argv[2].split(",")]
+r = c.request("fenced", "default", prompt, max_new_tokens=9)
+r.extend(1)
+r.checkpoint(prompt + [5], b"\\x07\\x00\\x00\\x00")
+c._channel.close()
+print("broken", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def prove_resume_after_fenced_writer(kvd, tmp):
+    """A checkpoint whose writer lost its attach stream alive has its tail block fenced: the
+    writer could still write it. Once the writer is killed, a resume sent at once takes the whole
+    checkpoint back: the resume itself sees that the writer's process has ended and lifts its
+    fences (server/rpc/ended_writers.h), instead of recomputing the tail block until the reaper
+    (every second at a 4 s lease) looks again."""
+    d = Daemon(kvd, tmp, POOL.format(cap=128), name="resume-fenced", extra=["--lease-ttl=4"])
+    writer = None
+    try:
+        prompt = base(10, 5)
+        with Client(d.target, worker_name="probe") as c:
+            writer = subprocess.Popen([sys.executable, "-c", FENCED_WRITER, d.target, ",".join(map(str, prompt))],
+                                      stdout=subprocess.PIPE, text=True)
+            line = writer.stdout.readline().split()
+            check(line[:1] == ["broken"], f"fenced: the writer checkpoints, then breaks its stream alive ({line})")
+            deadline = time.monotonic() + 10
+            while c.report().live_requests != 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            check(c.report().live_requests == 0, "fenced: kvd ended the writer's request when its stream broke")
+            writer.kill()
+            writer.wait()
+            writer = None
+            r = c.request("fenced", "default", prompt, max_new_tokens=9, resume_from="fenced", wait_s=5)
+            with r:
+                check(r.resumed and len(r.resumed_tokens) == len(prompt) + 1, "fenced: the resume takes the checkpoint")
+                check(r.cached_tokens == len(r.resumed_tokens),
+                      f"fenced: every checkpointed position comes back, the fenced tail block too "
+                      f"({r.cached_tokens} of {len(r.resumed_tokens)})")
+    finally:
+        if writer is not None:
+            writer.kill()
+            writer.wait()
+        d.stop()
+
 def prove_pressure(kvd, tmp):
     """A pool too small for the work: blocks are evicted and reused all along, outputs stay exact."""
     d = Daemon(kvd, tmp, POOL.format(cap=24), name="small")
@@ -359,6 +409,7 @@ def main():
         prove_format(kvd, tmp)
         prove_resume(kvd, tmp)
         prove_resume_wait(kvd, tmp)
+        prove_resume_after_fenced_writer(kvd, tmp)
         prove_pressure(kvd, tmp)
         prove_tiers(kvd, tmp)
         if shutil.which("redis-server"):
