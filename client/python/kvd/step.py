@@ -782,7 +782,7 @@ class Stepper:
         self.credit = {}
         for cr in resp.credit:
             gone = placed.get((cr.pool_id, cr.group), ())
-            self.credit[(cr.pool_id, cr.group)] = [b for b in cr.blocks if b not in gone]
+            self.credit[(cr.pool_id, cr.group)] = [b for b in cr.blocks if b not in gone] if gone else list(cr.blocks)
             if cr.wanted > 0:
                 self.wanted[(cr.pool_id, cr.group)] = cr.wanted
 
