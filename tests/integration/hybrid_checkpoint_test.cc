@@ -14,12 +14,15 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <string>
+#include <vector>
 
 #include <catch2/catch.hpp>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/client.h"
 #include "kvd/v1/kvd.grpc.pb.h"
 #include "tests/integration/harness.h"
@@ -144,25 +147,23 @@ void ReadsBack(client::Client& c, const AcquireResult& got, const Written& w, co
   CHECK(rec->blocks.size() == 1);  // the running slot to copy it into
 }
 
-void NothingHeld(client::Client& c) {
+// What is still owned or reserved, one line per count that is not 0 (a failed report says so).
+std::vector<std::string> Held(client::Client& c) {
   auto report = c.Report();
-  REQUIRE(report.ok());
+  if (!report.ok()) return {report.status().ToString()};
+  std::vector<std::string> held;
   for (const PoolReport& p : report->pools) {
-    INFO(p.name);
-    CHECK(p.owned_blocks == 0);
-    CHECK(p.reserved_blocks == 0);
+    if (p.owned_blocks != 0) held.push_back(absl::StrCat(p.name, ": ", p.owned_blocks, " blocks owned"));
+    if (p.reserved_blocks != 0) held.push_back(absl::StrCat(p.name, ": ", p.reserved_blocks, " blocks reserved"));
   }
-  CHECK(report->reserved_bytes == 0);
+  if (report->reserved_bytes != 0) held.push_back(absl::StrCat(report->reserved_bytes, " bytes reserved"));
+  return held;
 }
 
-// Whether anything NothingHeld counts is still owned or reserved (true if the report failed).
-bool AnythingHeld(client::Client& c) {
-  auto report = c.Report();
-  if (!report.ok()) return true;
-  for (const PoolReport& p : report->pools) {
-    if (p.owned_blocks != 0 || p.reserved_blocks != 0) return true;
-  }
-  return report->reserved_bytes != 0;
+void NothingHeld(client::Client& c) {
+  const std::vector<std::string> held = Held(c);
+  INFO(absl::StrJoin(held, "; "));
+  CHECK(held.empty());
 }
 
 TEST_CASE("A hybrid generation checkpointed on worker A resumes on worker B with A's bytes in every group",
@@ -295,7 +296,7 @@ TEST_CASE("Across --takeover a hybrid pool's hits, bytes and a live generation's
   REQUIRE((*resumed)->End(0, {}, true).ok());
   // Every fence of the handoff lifts once its lease (4 s from the takeover) has passed: polled
   // for up to 10 s.
-  for (int i = 0; i < 200 && AnythingHeld(**c); ++i) absl::SleepFor(absl::Milliseconds(50));
+  for (int i = 0; i < 200 && !Held(**c).empty(); ++i) absl::SleepFor(absl::Milliseconds(50));
   NothingHeld(**c);
 }
 

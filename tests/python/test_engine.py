@@ -176,6 +176,7 @@ def prove_resume_after_fenced_writer(kvd, tmp):
             writer.wait()
         d.stop()
 
+
 def prove_pressure(kvd, tmp):
     """A pool too small for the work: blocks are evicted and reused all along, outputs stay exact."""
     d = Daemon(kvd, tmp, POOL.format(cap=24), name="small")
