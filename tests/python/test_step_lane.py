@@ -6,7 +6,9 @@ frame that is not a StepRequest, or a step naming another worker, is answered IN
 the lane goes on; a length past the limit is answered RESOURCE_EXHAUSTED and the lane closed; a
 frame cut off mid-way changes nothing, and one left unfinished is closed after 5 s; a step applied on a lane that closed before its answer is
 answered (replayed) when the same seq comes over gRPC; one process opens at most 16 lanes; more
-lanes than the side socket serves handshakes at once do not lock new workers out of their slabs.
+lanes than the side socket serves handshakes at once do not lock new workers out of their slabs;
+Client.step_warm_up opens the lane and takes the credit before the first step (a pool kvd does not
+have is named, and nothing is sent).
 Afterwards nothing is leaked; and a hot handoff (kvd --takeover) cuts the client's lane, and it
 steps on a new one to the successor.
 
@@ -104,6 +106,38 @@ def idle(obs, what, credit):
     p = r.pools[0]
     check(r.live_requests == 0 and p.owned_blocks == credit and p.free_blocks + p.cached_blocks + credit == p.capacity_blocks,
           f"{what}: nothing leaked (live {r.live_requests}, owned {p.owned_blocks}, credit {credit})")
+
+
+def warm_up(daemon, obs):
+    """Client.step_warm_up opens the lane and takes the credit before the first step, which then
+    goes out on that lane; a pool kvd does not have is named and nothing is sent; warming up again
+    takes no more credit."""
+    with Client(daemon.target, worker_name="warm", step_credit_blocks=8) as c:
+        calls = c.rpc_calls
+        try:
+            c.step_warm_up(["default", "no-such-pool"])
+            check(False, "a warm-up naming no pool of kvd's is refused")
+        except KvdError as e:
+            check(e.code == grpc.StatusCode.NOT_FOUND and "no-such-pool" in e.details,
+                  f"a warm-up naming no pool of kvd's is refused, naming it ({e.code.name}: {e.details})")
+        check(c.rpc_calls == calls and c._stepper.lane is None and c.step_credit("default") == 0,
+              "the refused warm-up sent nothing, opened no lane, took no credit")
+        c.step_warm_up(["default"])
+        lane = c._stepper.lane
+        check(lane is not None and c.rpc_calls == calls + 1 and c.step_credit("default") == 8,
+              f"a warm-up opens the lane and takes the credit in one step ({c.rpc_calls - calls} round "
+              f"trips, credit {c.step_credit('default')})")
+        c.step_warm_up(["default"])
+        c.step_warm_up([0])
+        check(c.step_credit("default") == 8 and obs.report().pools[0].owned_blocks == 8,
+              f"warming up again takes no more credit ({c.step_credit('default')} held)")
+        r = StepRequest("warm-a")
+        calls = c.rpc_calls
+        res = c.step(StepBatch().start(r, "default", list(range(300, 317))))
+        check(res[0].ok and c._stepper.lane is lane and c.rpc_calls == calls + 1,
+              "the first start after a warm-up goes out on the lane already open, in one round trip")
+        c.step(StepBatch().end(r, completed=False))
+        idle(obs, "after a warmed-up client's request", 8)
 
 
 def run(daemon, obs):
@@ -266,6 +300,7 @@ def main():
     try:
         with Client(daemon.target, worker_name="observer", map_slabs=False) as obs:
             try:
+                warm_up(daemon, obs)
                 successor = run(daemon, obs)
             except (KvdError, OSError, AssertionError) as e:
                 check(False, f"the lane test ran through ({e!r})")

@@ -232,6 +232,7 @@ class StepBatch:
         self.computed_tokens = {}  # item index -> a grow's computed_tokens (hybrid pools)
         self.hold_s = {}  # item index -> how long a publish or end may be held back
         self.ask_credit = True  # False: the step asks kvd for no block credit (Request.extend's)
+        self.credit_pools = []  # pools whose credit the step asks for with no item (Client.step_warm_up)
 
     def start(self, req, pool, prompt, max_new_tokens=0, session="", resume_from="", cache_salt="", adapter="",
               max_wait_s=30.0, peer="", wait_in_flight_s=0.0):
@@ -530,6 +531,9 @@ class Stepper:
         used, need = set(), {}
         sent_reqs = set()  # requests with an item kvd applies in this step (their grows go with it)
         now = time.monotonic()
+        for name in batch.credit_pools:
+            used.update(self._keys(c.pool(name)))
+            must = True
         for i, (kind, req, arg) in enumerate(batch.items):
             if kind == "start":
                 used.update(self._keys(c.pool(arg.admit.namespace.pool)))

@@ -169,6 +169,9 @@ class BatchEngine:
         self.carried = None  # (future, batch, ending, starting) of the step whose starts are unanswered
         self.carried_steps = 0  # engine steps that ran while a step's starts were unanswered
         self.held = []  # (kind, rid, StepResult) of publishes and ends held back, not yet answered
+        warm_up = getattr(client, "step_warm_up", None)
+        if warm_up is not None:  # the lane and the credit now, not in the first requests' TTFT
+            warm_up([pool])
 
     def submit(self, rid, prompt, max_new=8, salt=""):
         self.waiting.append(_Gen(rid, prompt, max_new, salt))
