@@ -118,7 +118,11 @@ void AdmissionQueue::Run() {
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
-      mu_.AwaitWithTimeout(absl::Condition(this, &AdmissionQueue::Woken), kRetryInterval);
+      if (waiting_ == 0) {
+        mu_.Await(absl::Condition(this, &AdmissionQueue::HasWaiters));  // idle: no timer, pokes ignored
+      } else {
+        mu_.AwaitWithTimeout(absl::Condition(this, &AdmissionQueue::Woken), kRetryInterval);
+      }
       if (stop_) return;
       poked_ = false;
       if (waiting_ > 0) SweepLocked(absl::Now(), &answers);

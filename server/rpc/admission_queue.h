@@ -9,6 +9,8 @@
 // One thread, "kvd-admit", retries the head of each pool's queue when Poke says room may have
 // appeared (after every release the service makes), and at least every kRetryInterval, because
 // room also appears in ways nobody announces (a checkpoint's TTL runs out inside another call).
+// With nobody waiting it sleeps until a wait begins: no timer, and pokes do not wake it (an idle
+// daemon's threads do not wake 50 times a second, nor on every step that frees blocks).
 //
 // Locking: mu_ guards the queues; KvCache::Admit runs under mu_ (order: mu_, then KvCache's lock),
 // so that "nobody waits, admit now" is atomic. `done` callbacks never run under mu_ or any
@@ -71,6 +73,7 @@ class AdmissionQueue {
   using Answer = std::pair<Waiter, absl::StatusOr<AdmitResult>>;
   void Run() ABSL_LOCKS_EXCLUDED(mu_);
   bool Woken() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return poked_ || stop_; }
+  bool HasWaiters() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return waiting_ > 0 || stop_; }
   // Pops every head that can be answered now (admitted, failed, expired, cancelled) into `out`.
   void SweepLocked(absl::Time now, std::vector<Answer>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

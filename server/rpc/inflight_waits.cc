@@ -108,7 +108,11 @@ void InflightWaits::Run() {
   for (;;) {
     {
       absl::MutexLock lock(&mu_);
-      mu_.AwaitWithTimeout(absl::Condition(this, &InflightWaits::Woken), kRetryInterval);
+      if (waiters_.empty()) {
+        mu_.Await(absl::Condition(this, &InflightWaits::HasWaiters));  // idle: no timer, pokes ignored
+      } else {
+        mu_.AwaitWithTimeout(absl::Condition(this, &InflightWaits::Woken), kRetryInterval);
+      }
       if (stop_) return;
       poked_ = false;
       if (!waiters_.empty()) SweepLocked(absl::Now(), &answers);

@@ -15,7 +15,8 @@
 //
 // One thread, "kvd-inflight", re-checks the waits when Poke says in-flight blocks went
 // (KvCache::SetInflightWake, after the operation that let them go, outside the engine lock), and
-// at least every kRetryInterval for deadlines and cancellations.
+// at least every kRetryInterval for deadlines and cancellations; with no wait, it sleeps until one
+// begins (no timer; pokes do not wake it).
 //
 // Locking: mu_ guards the waits; InFlightHeld and PeekPrefixLen run under mu_ (order: mu_, then
 // KvCache's lock). `done` callbacks never run under mu_ or any KvCache lock; they run on the
@@ -78,6 +79,7 @@ class InflightWaits {
   using Answer = std::pair<Waiter, absl::StatusOr<Outcome>>;
   void Run() ABSL_LOCKS_EXCLUDED(mu_);
   bool Woken() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return poked_ || stop_; }
+  bool HasWaiters() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !waiters_.empty() || stop_; }
   // Moves every wait that can be answered now into `out`.
   void SweepLocked(absl::Time now, std::vector<Answer>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Outcome EndedOutcomeLocked(const Waiter& w) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

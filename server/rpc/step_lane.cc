@@ -52,20 +52,26 @@ bool ReadFull(int fd, char* out, size_t n) {
 
 // Reads a frame's `len` bytes, all within `limit` of its header: a peer that starts a frame and
 // goes silent holds no thread past that, and memory only for the bytes it sent.
+// The usual frame came whole with its header and is taken by one recv, without a poll first; the
+// buffer is never more than one 64 KiB chunk ahead of what arrived.
 bool ReadBody(int fd, uint32_t len, absl::Duration limit, std::string* out) {
-  const absl::Time deadline = absl::Now() + limit;
+  constexpr size_t kChunk = 64 << 10;
   out->clear();
+  absl::Time deadline = absl::InfiniteFuture();  // set at the first wait
   while (out->size() < len) {
+    const size_t have = out->size();
+    out->resize(have + std::min<size_t>(kChunk, len - have));
+    const ssize_t r = ::recv(fd, out->data() + have, out->size() - have, MSG_DONTWAIT);
+    out->resize(have + static_cast<size_t>(std::max<ssize_t>(r, 0)));
+    if (r > 0) continue;
+    if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return false;
+    if (errno == EINTR) continue;
+    if (deadline == absl::InfiniteFuture()) deadline = absl::Now() + limit;
     const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
     pollfd p{fd, POLLIN, 0};
     const int ready = left_ms > 0 ? ::poll(&p, 1, static_cast<int>(left_ms)) : 0;
     if (ready < 0 && errno == EINTR) continue;
     if (ready <= 0) return false;
-    char chunk[64 << 10];
-    const ssize_t r = ::read(fd, chunk, std::min<size_t>(sizeof(chunk), len - out->size()));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return false;
-    out->append(chunk, static_cast<size_t>(r));
   }
   return true;
 }
@@ -81,14 +87,24 @@ bool WriteFull(int fd, const char* data, size_t n) {
   return true;
 }
 
+// One send: the 8-byte header and the body serialized in place behind it.
 bool WriteAnswer(int fd, absl::Status status, const v1::StepResponse* resp) {
-  std::string body;
-  if (status.ok() && !resp->SerializeToString(&body)) status = absl::InternalError("step answer did not serialize");
-  if (!status.ok()) body = std::string(status.message());
-  const uint32_t head[2] = {htole32(static_cast<uint32_t>(body.size() + 4)),
+  constexpr size_t kHead = 2 * sizeof(uint32_t);
+  std::string frame(kHead, '\0');
+  if (status.ok()) {
+    const size_t n = resp->ByteSizeLong();
+    frame.resize(kHead + n);
+    if (!resp->SerializeToArray(frame.data() + kHead, static_cast<int>(n))) {
+      status = absl::InternalError("step answer did not serialize");
+    }
+  }
+  if (!status.ok()) {
+    frame.resize(kHead);
+    frame.append(status.message().data(), status.message().size());
+  }
+  const uint32_t head[2] = {htole32(static_cast<uint32_t>(frame.size() - kHead + 4)),
                             htole32(static_cast<uint32_t>(status.code()))};
-  std::string frame(reinterpret_cast<const char*>(head), sizeof(head));
-  frame += body;
+  std::memcpy(frame.data(), head, kHead);
   return WriteFull(fd, frame.data(), frame.size());
 }
 
