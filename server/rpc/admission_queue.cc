@@ -1,5 +1,7 @@
 #include "server/rpc/admission_queue.h"
 
+#include <pthread.h>
+
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -114,6 +116,7 @@ void AdmissionQueue::SweepLocked(absl::Time now, std::vector<Answer>* out) {
 }
 
 void AdmissionQueue::Run() {
+  pthread_setname_np(pthread_self(), "kvd-admit");
   std::vector<Answer> answers;
   for (;;) {
     {

@@ -1,5 +1,7 @@
 #include "server/rpc/inflight_waits.h"
 
+#include <pthread.h>
+
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -104,6 +106,7 @@ void InflightWaits::SweepLocked(absl::Time now, std::vector<Answer>* out) {
 }
 
 void InflightWaits::Run() {
+  pthread_setname_np(pthread_self(), "kvd-inflight");
   std::vector<Answer> answers;
   for (;;) {
     {

@@ -5,7 +5,7 @@ and may wait for them. Waited for and published: a hit, nothing computed twice. 
 request ends without publishing, is preempted, or its worker is SIGKILLed: the waiter is answered
 and computes them itself. A waiter whose worker dies, a wait that times out, two workers each
 waiting on the other's blocks, a tenant probing another's prompt, bad bounds: answered, nothing
-leaked, nothing wedged. Two starts of a new prefix admitted together: the one that acquires
+leaked, nothing wedged; with nobody waiting, the threads that answer waits sleep. Two starts of a new prefix admitted together: the one that acquires
 second waits for the first's blocks (the acquire decides). Outcomes are asserted, never wall
 times (bounds are generous).
 
@@ -153,6 +153,33 @@ def simultaneous_starts(daemon):
                     check(w.step(StepBatch().end(req, publish_blocks=0))[0].ok, f"{how}: {req.id} ends")
             big.release()
             idle(a, f"{how}: simultaneous starts")
+
+
+def thread_wakes(pid, names):
+    """Context switches so far of kvd's threads named `names` ({name: count}; absent: not found)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                status = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name in names:
+            out[name] = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
+    return out
+
+
+def quiet_when_idle(daemon):
+    """The threads that answer waits sleep while nobody waits: no timer, no wake per release."""
+    names = ("kvd-admit", "kvd-inflight")
+    before = thread_wakes(daemon.proc.pid, names)
+    check(sorted(before) == sorted(names), f"kvd names its wait threads ({sorted(before)})")
+    time.sleep(1.0)
+    after = thread_wakes(daemon.proc.pid, names)
+    woke = {n: after.get(n, 0) - before.get(n, 0) for n in names}
+    check(all(w <= 2 for w in woke.values()), f"with nobody waiting, an idle second wakes neither ({woke})")
 
 
 def main():
@@ -337,6 +364,7 @@ def main():
                        res_w[f"deferring-{i}"]["digest"] == res_c[f"computing-{i}"]["digest"] for i in range(n))
             check(same, "deferred or not, every request gives the same tokens and KV digests")
             idle(a, "batch engine")
+            quiet_when_idle(daemon)
     finally:
         daemon.stop()
     return finish()
