@@ -5,9 +5,9 @@ and may wait for them. Waited for and published: a hit, nothing computed twice. 
 request ends without publishing, is preempted, or its worker is SIGKILLed: the waiter is answered
 and computes them itself. A waiter whose worker dies, a wait that times out, two workers each
 waiting on the other's blocks, a tenant probing another's prompt, bad bounds: answered, nothing
-leaked, nothing wedged; with nobody waiting, the threads that answer waits sleep. Two starts of a new prefix admitted together: the one that acquires
-second waits for the first's blocks (the acquire decides). Outcomes are asserted, never wall
-times (bounds are generous).
+leaked, nothing wedged; with nobody waiting, the threads that answer waits sleep. Two starts of a
+new prefix admitted together: the one that acquires second waits for the first's blocks (the
+acquire decides). Outcomes are asserted, never wall times (bounds are generous).
 
 Usage: test_inflight.py KVD_BINARY   (PYTHONPATH=<build>/python:<this dir>)
 """
