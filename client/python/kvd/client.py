@@ -875,10 +875,7 @@ class Client:
         change) for a pool kvd does not have."""
         batch = StepBatch()
         batch.credit_pools = [self.pool(p).name for p in pools]  # NOT_FOUND names the pool
-        with self._step_lock:
-            f = self._stepper.submit(batch, overlap=False)
-        if f._error is not None:
-            raise f._error
+        self.step(batch)
 
     def step_credit(self, pool, group=None):
         """Credit blocks held now in `pool` (name or id); on a hybrid pool, in KV group `group` (name
